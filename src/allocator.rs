@@ -1,0 +1,6 @@
+//! The thread-safe facade (in progress).
+
+/// Placeholder.
+pub struct Allocator;
+/// Placeholder.
+pub struct DeviceBuffer;

@@ -1,0 +1,2 @@
+//! The `cuvmm` command-line tool (in progress).
+fn main() {}

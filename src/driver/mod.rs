@@ -1,0 +1,433 @@
+//! The driver seam: everything the strategies need from a device, as one trait.
+//!
+//! [`Driver`] mirrors the CUDA driver API that cuvmm uses: the virtual-memory calls
+//! (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`),
+//! the classic `cuMemAlloc`/`cuMemFree` pair for the split allocator, and the stream and event calls
+//! needed to know when freed memory is no longer in use.
+//!
+//! [`sim::SimDriver`] is the default backend: it enforces CUDA's rules so that a bug that would crash a GPU
+//! fails a test instead. A real CUDA backend lives in `driver/cuda/` behind the `cuda` feature.
+
+pub mod sim;
+
+use serde::Serialize;
+use std::fmt;
+
+/// A range of device virtual addresses: `start .. start + size`, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct VaRange {
+    /// First byte of the range.
+    pub start: u64,
+    /// Length of the range in bytes.
+    pub size: u64,
+}
+
+impl VaRange {
+    /// A range from `start` of `size` bytes.
+    pub const fn new(start: u64, size: u64) -> Self {
+        Self { start, size }
+    }
+
+    /// One past the last byte. Saturates rather than wrapping for ranges at the top of the space.
+    pub const fn end(&self) -> u64 {
+        self.start.saturating_add(self.size)
+    }
+
+    /// Whether `addr` lies inside the range.
+    pub const fn contains(&self, addr: u64) -> bool {
+        addr >= self.start && addr < self.end()
+    }
+
+    /// Whether `start .. start + size` lies entirely inside the range.
+    pub fn contains_range(&self, start: u64, size: u64) -> bool {
+        start >= self.start && start.checked_add(size).is_some_and(|end| end <= self.end())
+    }
+}
+
+/// A physical memory allocation made by [`Driver::create`] (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PhysHandle(pub u64);
+
+impl fmt::Display for PhysHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "handle#{}", self.0)
+    }
+}
+
+/// A stream: an ordered queue of device work (`CUstream` as an integer; 0 is the default stream).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The default (legacy, null) stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream {:#x}", self.0)
+    }
+}
+
+/// A point in a stream's work, recorded by [`Driver::record_event`] (`CUevent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct EventId(pub u64);
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    /// Bytes the device can still hand out.
+    pub free: u64,
+    /// Bytes of device memory in all.
+    pub total: u64,
+}
+
+/// The driver operations, for counters, latencies, fault injection and error messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    /// `cuMemAddressReserve`.
+    Reserve,
+    /// `cuMemAddressFree`.
+    FreeReservation,
+    /// `cuMemCreate`.
+    Create,
+    /// `cuMemRelease`.
+    Release,
+    /// `cuMemMap`.
+    Map,
+    /// `cuMemSetAccess`.
+    SetAccess,
+    /// `cuMemUnmap`.
+    Unmap,
+    /// `cuMemGetInfo`.
+    MemInfo,
+    /// `cuMemAlloc`.
+    Malloc,
+    /// `cuMemFree`.
+    Free,
+    /// `cuEventRecord`.
+    RecordEvent,
+    /// `cuEventQuery`.
+    QueryEvent,
+    /// `cuEventDestroy`.
+    DestroyEvent,
+    /// `cuStreamSynchronize`.
+    Synchronize,
+}
+
+impl Op {
+    /// Every operation, in declaration order.
+    pub const ALL: [Op; 14] = [
+        Op::Reserve,
+        Op::FreeReservation,
+        Op::Create,
+        Op::Release,
+        Op::Map,
+        Op::SetAccess,
+        Op::Unmap,
+        Op::MemInfo,
+        Op::Malloc,
+        Op::Free,
+        Op::RecordEvent,
+        Op::QueryEvent,
+        Op::DestroyEvent,
+        Op::Synchronize,
+    ];
+
+    /// The operation's name in cuvmm's verbs (`reserve`, `create`, `map`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Op::Reserve => "reserve",
+            Op::FreeReservation => "free_reservation",
+            Op::Create => "create",
+            Op::Release => "release",
+            Op::Map => "map",
+            Op::SetAccess => "set_access",
+            Op::Unmap => "unmap",
+            Op::MemInfo => "mem_info",
+            Op::Malloc => "malloc",
+            Op::Free => "free",
+            Op::RecordEvent => "record_event",
+            Op::QueryEvent => "query_event",
+            Op::DestroyEvent => "destroy_event",
+            Op::Synchronize => "synchronize",
+        }
+    }
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How many times each driver operation was called, and the driver time they cost.
+///
+/// On [`sim::SimDriver`] the time is estimated from its latency model; on a real device it is measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DriverCounters {
+    /// Calls per operation, indexed like [`Op::ALL`].
+    pub calls: [u64; Op::ALL.len()],
+    /// Driver time spent (or estimated) in all calls, in nanoseconds.
+    pub time_ns: u64,
+}
+
+impl DriverCounters {
+    /// Calls of one operation.
+    pub fn get(&self, op: Op) -> u64 {
+        self.calls[op as usize]
+    }
+
+    /// Counts one call of `op` that cost `ns` nanoseconds.
+    pub fn record(&mut self, op: Op, ns: u64) {
+        self.calls[op as usize] += 1;
+        self.time_ns += ns;
+    }
+
+    /// Calls of all operations together.
+    pub fn total(&self) -> u64 {
+        self.calls.iter().sum()
+    }
+
+    /// Driver time in microseconds.
+    pub fn time_us(&self) -> f64 {
+        self.time_ns as f64 / 1_000.0
+    }
+}
+
+/// What can go wrong in a driver call. Each CUDA rule that [`sim::SimDriver`] enforces has its own kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DriverError {
+    /// The device has no physical memory left for the request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    /// Retryable once the caller has given memory back.
+    #[error("{op}: out of device memory ({requested} bytes requested, {free} bytes free)")]
+    OutOfMemory {
+        /// The call that failed.
+        op: Op,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the device had free.
+        free: u64,
+    },
+    /// A size or address is not a multiple of the allocation granularity.
+    #[error("{op}: {what} {value:#x} is not a multiple of the granularity {granularity:#x}")]
+    NotAligned {
+        /// The call that failed.
+        op: Op,
+        /// Which argument: "size" or "address".
+        what: &'static str,
+        /// The offending value.
+        value: u64,
+        /// The granularity it must be a multiple of.
+        granularity: u64,
+    },
+    /// A size of zero was passed.
+    #[error("{op}: size 0 is not allowed")]
+    ZeroSize {
+        /// The call that failed.
+        op: Op,
+    },
+    /// A mapping would lie (partly) outside every reservation.
+    #[error("{op}: range {start:#x}+{size:#x} is not inside one reservation")]
+    OutsideReservation {
+        /// The call that failed.
+        op: Op,
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+    },
+    /// A mapping would overlap an existing one.
+    #[error("map: range {start:#x}+{size:#x} overlaps the mapping at {existing:#x}")]
+    AlreadyMapped {
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+        /// Start of the mapping it overlaps.
+        existing: u64,
+    },
+    /// A range covers part of a mapping; CUDA only unmaps or sets access on whole mappings.
+    #[error(
+        "{op}: range {start:#x}+{size:#x} covers only part of the mapping at {mapping:#x}+{mapping_size:#x}"
+    )]
+    PartialMapping {
+        /// The call that failed.
+        op: Op,
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+        /// Start of the mapping cut in two.
+        mapping: u64,
+        /// Size of that mapping.
+        mapping_size: u64,
+    },
+    /// An address that must be mapped is not.
+    #[error("{op}: address {addr:#x} is not mapped")]
+    NotMapped {
+        /// The call that failed.
+        op: Op,
+        /// The first unmapped address found.
+        addr: u64,
+    },
+    /// A handle that was never created, or was already released.
+    #[error("{op}: unknown {handle}")]
+    UnknownHandle {
+        /// The call that failed.
+        op: Op,
+        /// The handle.
+        handle: PhysHandle,
+    },
+    /// A mapping whose size differs from its handle's size.
+    #[error("map: {handle} holds {handle_size:#x} bytes but the mapping is {size:#x} bytes")]
+    SizeMismatch {
+        /// The handle.
+        handle: PhysHandle,
+        /// The handle's size.
+        handle_size: u64,
+        /// The size asked for.
+        size: u64,
+    },
+    /// A range that is not a reservation made by [`Driver::reserve`].
+    #[error("{op}: {start:#x} is not the start of a reservation of that size")]
+    UnknownReservation {
+        /// The call that failed.
+        op: Op,
+        /// The address given.
+        start: u64,
+    },
+    /// A reservation freed while pages are still mapped in it.
+    #[error("free_reservation: {mapped} mappings are still inside the reservation at {start:#x}")]
+    ReservationInUse {
+        /// Start of the reservation.
+        start: u64,
+        /// Mappings still inside it.
+        mapped: usize,
+    },
+    /// A read or write through a mapping whose access was never set.
+    #[error("access to {addr:#x} before set_access")]
+    AccessDenied {
+        /// The address accessed.
+        addr: u64,
+    },
+    /// `free` of a pointer that `malloc` did not return, or returned and was already freed.
+    #[error("{op}: {addr:#x} is not a live allocation")]
+    UnknownPointer {
+        /// The call that failed.
+        op: Op,
+        /// The pointer.
+        addr: u64,
+    },
+    /// An event that was never recorded, or was destroyed.
+    #[error("unknown event {}", event.0)]
+    UnknownEvent {
+        /// The event.
+        event: EventId,
+    },
+    /// No virtual address range of that size is left.
+    #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
+    VaExhausted {
+        /// The call that failed.
+        op: Op,
+        /// Bytes asked for.
+        requested: u64,
+    },
+    /// A failure injected on purpose by a test ([`sim::SimDriver`]'s fault injection).
+    #[error("{op}: injected fault on call {call}")]
+    Injected {
+        /// The call that failed.
+        op: Op,
+        /// Which call of that operation failed (1-based).
+        call: u64,
+    },
+    /// No CUDA driver library or no device was found.
+    #[error("no CUDA driver found: {reason}")]
+    NoDriver {
+        /// What was missing.
+        reason: String,
+    },
+    /// A real driver call failed.
+    #[error("{op}: CUDA error {code} ({name})")]
+    Cuda {
+        /// The call that failed.
+        op: Op,
+        /// The `CUresult` value.
+        code: u32,
+        /// The `CUresult` name.
+        name: String,
+    },
+}
+
+impl DriverError {
+    /// Whether this is the device running out of memory (retryable after reclaiming).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, DriverError::OutOfMemory { .. })
+    }
+}
+
+/// A device as cuvmm's strategies see it.
+///
+/// # What callers must guarantee
+/// - Sizes and addresses passed to `create`, `map`, `set_access` and `unmap` are multiples of
+///   [`granularity`](Driver::granularity); ranges lie inside one reservation.
+/// - A page is unmapped only after every stream that touched it has finished with it (see
+///   [`synchronize`](Driver::synchronize) and [`event_complete`](Driver::event_complete)).
+///
+/// # What implementors must guarantee
+/// - A failed call has no effect: on `Err`, the device is in the state it was in before the call.
+/// - Out-of-memory is reported as [`DriverError::OutOfMemory`] and nothing else, so callers can reclaim and retry.
+/// - [`counters`](Driver::counters) counts every call, failed ones included.
+pub trait Driver {
+    /// The allocation granularity in bytes (2 MiB on NVIDIA GPUs): sizes of physical allocations and of
+    /// mappings are multiples of it.
+    fn granularity(&self) -> u64;
+
+    /// Reserves `size` bytes of virtual address space (`cuMemAddressReserve`). Nothing is mapped yet.
+    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError>;
+
+    /// Frees a reservation (`cuMemAddressFree`). Everything in it must be unmapped first.
+    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError>;
+
+    /// Creates a physical allocation of `size` bytes (`cuMemCreate`).
+    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError>;
+
+    /// Releases a physical allocation (`cuMemRelease`). Its memory returns to the device once it is unmapped.
+    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError>;
+
+    /// Maps the whole of `handle` at `va` (`cuMemMap`). The pages are not accessible until
+    /// [`set_access`](Driver::set_access).
+    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
+
+    /// Makes `va .. va + size`, which must consist of whole mappings, readable and writable by the device
+    /// (`cuMemSetAccess`).
+    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError>;
+
+    /// Unmaps `va .. va + size`, which must consist of whole mappings (`cuMemUnmap`).
+    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError>;
+
+    /// Free and total device memory (`cuMemGetInfo`).
+    fn mem_info(&mut self) -> Result<MemInfo, DriverError>;
+
+    /// Allocates `size` bytes of mapped, accessible device memory in one call (`cuMemAlloc`).
+    fn malloc(&mut self, size: u64) -> Result<u64, DriverError>;
+
+    /// Frees memory returned by [`malloc`](Driver::malloc) (`cuMemFree`).
+    fn free(&mut self, ptr: u64) -> Result<(), DriverError>;
+
+    /// Records an event at the current end of `stream`'s work (`cuEventRecord`).
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError>;
+
+    /// Whether all work recorded before `event` has finished (`cuEventQuery`).
+    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError>;
+
+    /// Destroys an event (`cuEventDestroy`).
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError>;
+
+    /// Waits until all work queued on `stream` has finished (`cuStreamSynchronize`).
+    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError>;
+
+    /// Calls made so far and the driver time they cost.
+    fn counters(&self) -> DriverCounters;
+}

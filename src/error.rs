@@ -1,0 +1,194 @@
+//! Errors at the API boundary, and the typed report of a broken invariant.
+
+use crate::config::ConfigError;
+use crate::driver::{DriverError, StreamId};
+use crate::size::format_size;
+use std::fmt;
+
+/// What an allocator operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The device has no memory left for the request, even after reclaiming the cache and retrying once.
+    /// Retryable once the program frees memory.
+    #[error(transparent)]
+    OutOfMemory(Box<OutOfMemory>),
+    /// A request for zero bytes. cuvmm follows `cuMemAlloc`, which rejects size 0, rather than handing out
+    /// a pointer that must not be used.
+    #[error("cannot allocate 0 bytes")]
+    ZeroSize,
+    /// A request larger than the device, or so large that rounding it overflows. Never retryable.
+    #[error("a request of {requested} bytes can never fit: the device has {capacity} bytes in all")]
+    TooLarge {
+        /// Bytes asked for.
+        requested: u64,
+        /// Total bytes of the device.
+        capacity: u64,
+    },
+    /// `free` of an address this allocator did not hand out.
+    #[error("free of {addr:#x}, which is not an address this allocator handed out")]
+    UnknownAddress {
+        /// The address given.
+        addr: u64,
+    },
+    /// `free` of an address inside a block that is already free.
+    #[error("double free of {addr:#x}")]
+    DoubleFree {
+        /// The address given.
+        addr: u64,
+    },
+    /// A driver call failed for a reason other than running out of memory.
+    #[error("driver call failed: {0}")]
+    Driver(#[from] DriverError),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+impl Error {
+    /// Whether this is an out-of-memory error (retryable after freeing memory).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory(_))
+    }
+}
+
+/// The state of the allocator when a request could not be served: the same numbers for programs as the
+/// message gives people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutOfMemory {
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Stream the request was made on.
+    pub stream: StreamId,
+    /// Total bytes of the device.
+    pub device_total: u64,
+    /// Bytes the device reported free at the failure.
+    pub device_free: u64,
+    /// Bytes held by live allocations.
+    pub allocated: u64,
+    /// Physical bytes held by the allocator (live, cached and idle).
+    pub reserved: u64,
+    /// Physical bytes held but touched by no live allocation.
+    pub idle: u64,
+    /// Largest request that could have been served without a driver call.
+    pub largest_free_block: u64,
+    /// Whether the cache was released and the request retried before giving up.
+    pub retried: bool,
+}
+
+impl fmt::Display for OutOfMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "CUDA out of memory. Tried to allocate {}. GPU 0 has a total capacity of {} of which {} is free. \
+             Of the allocated memory {} is allocated by cuvmm, and {} is reserved by cuvmm but unallocated \
+             ({} idle); the largest free block is {}.",
+            format_size(self.requested),
+            format_size(self.device_total),
+            format_size(self.device_free),
+            format_size(self.allocated),
+            format_size(self.reserved.saturating_sub(self.allocated)),
+            format_size(self.idle),
+            format_size(self.largest_free_block),
+        )?;
+        if self.retried {
+            write!(f, " The cache was released and the request retried once.")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for OutOfMemory {}
+
+/// A broken invariant found by `check_invariants()`. Each names what it found, so a failing test or fuzz
+/// run says what went wrong without a debugger.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvariantViolation {
+    /// Two blocks overlap, or a block does not start where the previous one ended.
+    #[error("segment {segment:#x}: expected a block at {expected:#x}, found one at {found:#x}")]
+    Tiling {
+        /// Start of the segment.
+        segment: u64,
+        /// Where the next block should start.
+        expected: u64,
+        /// Where it starts.
+        found: u64,
+    },
+    /// A block is not aligned to the allocator's rounding.
+    #[error("block at {addr:#x} is not {align}-byte aligned")]
+    Misaligned {
+        /// Address of the block.
+        addr: u64,
+        /// The alignment required.
+        align: u64,
+    },
+    /// Two free blocks are neighbours (they should have merged).
+    #[error("free blocks at {first:#x} and {second:#x} are adjacent")]
+    AdjacentFree {
+        /// The lower block.
+        first: u64,
+        /// The upper block.
+        second: u64,
+    },
+    /// The free index and the block list disagree.
+    #[error("free index disagrees with the block list at {addr:#x}")]
+    FreeIndex {
+        /// Address of the block.
+        addr: u64,
+    },
+    /// A page touched by a live block is not mapped with access set.
+    #[error(
+        "page at {page_addr:#x}, touched by the live block at {block:#x}, is not mapped and accessible"
+    )]
+    LivePageUnmapped {
+        /// Address of the page.
+        page_addr: u64,
+        /// Address of the block.
+        block: u64,
+    },
+    /// A page's count of live blocks touching it is wrong.
+    #[error("page at {page_addr:#x}: {counted} live blocks counted, {actual} touch it")]
+    PageUsers {
+        /// Address of the page.
+        page_addr: u64,
+        /// What the page map says.
+        counted: u32,
+        /// What the block list says.
+        actual: u32,
+    },
+    /// A handle is mapped more than once, or both mapped and pooled.
+    #[error("{handle} is held twice")]
+    HandleHeldTwice {
+        /// The handle.
+        handle: u64,
+    },
+    /// Handles held do not add up: mapped + pooled must equal created - released.
+    #[error(
+        "{mapped} mapped + {pooled} pooled handles, but {created} created - {released} released"
+    )]
+    HandleCount {
+        /// Handles mapped.
+        mapped: u64,
+        /// Handles held unmapped.
+        pooled: u64,
+        /// Handles created.
+        created: u64,
+        /// Handles released.
+        released: u64,
+    },
+    /// A statistic disagrees with what the block list says.
+    #[error("stat {stat}: counter says {counted}, block list says {actual}")]
+    Stat {
+        /// Name of the statistic.
+        stat: &'static str,
+        /// The counter's value.
+        counted: u64,
+        /// The value recomputed from the blocks.
+        actual: u64,
+    },
+    /// A live allocation is indexed but its block is missing or free.
+    #[error("live allocation at {addr:#x} has no live block")]
+    LostAllocation {
+        /// Address of the allocation.
+        addr: u64,
+    },
+}

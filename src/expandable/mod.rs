@@ -1,0 +1,1 @@
+//! The expandable-segment allocator (in progress).

@@ -1,0 +1,26 @@
+//! cuvmm: a CUDA device-memory allocator built on the driver's virtual-memory API.
+//!
+//! It reserves a large contiguous virtual range per (stream, pool) and maps physical pages into it on demand,
+//! so free space is never stranded by splitting, and idle physical pages are unmapped and reused wherever the
+//! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
+//!
+//! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategies
+//! ([`expandable`]), the facade ([`Allocator`]), and the tools ([`trace`]). See `docs/DESIGN.md`.
+
+pub mod allocator;
+pub mod config;
+pub mod driver;
+pub mod error;
+pub mod expandable;
+pub mod page_map;
+pub mod size;
+pub mod stats;
+pub mod strategy;
+pub mod trace;
+
+pub use allocator::{Allocator, DeviceBuffer};
+pub use config::{Config, ConfigError};
+pub use driver::{Driver, DriverError, StreamId};
+pub use error::{Error, InvariantViolation, OutOfMemory};
+pub use stats::{Stat, Stats};
+pub use strategy::Strategy;

@@ -1,0 +1,178 @@
+//! Statistics in the shape of PyTorch's `torch.cuda.memory_stats()`, plus what PyTorch lacks.
+
+use crate::driver::DriverCounters;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One statistic with PyTorch's four views: current value, peak, and cumulative increases and decreases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stat {
+    /// The value now.
+    pub current: u64,
+    /// The highest value since creation (or the last [`Stat::reset_peak`]).
+    pub peak: u64,
+    /// Sum of all increases.
+    pub allocated: u64,
+    /// Sum of all decreases.
+    pub freed: u64,
+}
+
+impl Stat {
+    /// Adds `n` to the current value.
+    #[inline]
+    pub fn add(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Subtracts `n` from the current value.
+    ///
+    /// # Panics
+    /// In debug builds, if `n` exceeds the current value: a counter going negative is an allocator bug.
+    #[inline]
+    pub fn sub(&mut self, n: u64) {
+        debug_assert!(
+            n <= self.current,
+            "stat underflow: {} - {}",
+            self.current,
+            n
+        );
+        self.current -= n;
+        self.freed += n;
+    }
+
+    /// Sets the peak to the current value.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A snapshot of an allocator's statistics (a `Copy` value: take it, compare it, print it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stats {
+    /// Bytes of live allocations, rounded as the allocator rounds them (PyTorch `allocated_bytes`).
+    pub allocated_bytes: Stat,
+    /// Physical bytes held from the driver (PyTorch `reserved_bytes`): for cuvmm, mapped pages plus
+    /// unmapped handles kept for reuse; for the classic allocator, `cudaMalloc`'d segments.
+    pub reserved_bytes: Stat,
+    /// Bytes of allocations not yet reusable: live ones, and freed ones whose streams have not finished
+    /// with them (PyTorch `active_bytes`).
+    pub active_bytes: Stat,
+    /// Bytes as requested by callers, before rounding (PyTorch `requested_bytes`).
+    pub requested_bytes: Stat,
+    /// Free bytes in segments that also hold live blocks (PyTorch `inactive_split_bytes`).
+    pub inactive_split_bytes: Stat,
+    /// Number of live allocations (PyTorch `allocation`).
+    pub allocation: Stat,
+    /// Number of segments (PyTorch `segment`).
+    pub segment: Stat,
+    /// Allocations that failed at first and were retried after releasing the cache.
+    pub num_alloc_retries: u64,
+    /// Requests that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Physical allocations made (`cuMemCreate` or `cudaMalloc`).
+    pub num_device_alloc: u64,
+    /// Physical allocations given back (`cuMemRelease` or `cudaFree`).
+    pub num_device_free: u64,
+    /// Stream synchronizations the allocator made before unmapping.
+    pub num_synchronizations: u64,
+    /// Largest request that can be served right now without any driver call.
+    pub largest_free_block: u64,
+    /// Physical bytes mapped but touched by no live block.
+    pub idle_mapped_bytes: u64,
+    /// Physical bytes held as unmapped handles, ready to map.
+    pub idle_handle_bytes: u64,
+    /// Pages mapped with a handle that already existed instead of a new `cuMemCreate`.
+    pub handles_reused: u64,
+    /// Driver calls and their (estimated) time.
+    pub driver: DriverCounters,
+}
+
+impl Stats {
+    /// The statistics under PyTorch's `memory_stats()` key names (`allocated_bytes.all.current`, ...),
+    /// plus cuvmm's own under `cuvmm.`.
+    pub fn to_pytorch_keys(&self) -> BTreeMap<String, u64> {
+        let mut out = BTreeMap::new();
+        let stats = [
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("requested_bytes", &self.requested_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+        ];
+        for (name, stat) in stats {
+            for (view, value) in [
+                ("current", stat.current),
+                ("peak", stat.peak),
+                ("allocated", stat.allocated),
+                ("freed", stat.freed),
+            ] {
+                out.insert(format!("{name}.all.{view}"), value);
+            }
+        }
+        for (name, value) in [
+            ("num_alloc_retries", self.num_alloc_retries),
+            ("num_ooms", self.num_ooms),
+            ("num_device_alloc", self.num_device_alloc),
+            ("num_device_free", self.num_device_free),
+            ("num_sync_all_streams", self.num_synchronizations),
+            ("cuvmm.largest_free_block", self.largest_free_block),
+            ("cuvmm.idle_mapped_bytes", self.idle_mapped_bytes),
+            ("cuvmm.idle_handle_bytes", self.idle_handle_bytes),
+            ("cuvmm.handles_reused", self.handles_reused),
+            ("cuvmm.driver_calls", self.driver.total()),
+            ("cuvmm.driver_time_ns", self.driver.time_ns),
+        ] {
+            out.insert(name.to_string(), value);
+        }
+        out
+    }
+
+    /// Peak allocated over peak reserved: how much of the memory taken from the device was ever put to use.
+    pub fn utilization(&self) -> f64 {
+        if self.reserved_bytes.peak == 0 {
+            1.0
+        } else {
+            self.allocated_bytes.peak as f64 / self.reserved_bytes.peak as f64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.add(10);
+        s.add(5);
+        s.sub(12);
+        s.add(1);
+        assert_eq!(
+            s,
+            Stat {
+                current: 4,
+                peak: 15,
+                allocated: 16,
+                freed: 12
+            }
+        );
+        s.reset_peak();
+        assert_eq!(s.peak, 4);
+    }
+
+    #[test]
+    fn pytorch_keys_use_pytorch_names() {
+        let mut stats = Stats::default();
+        stats.allocated_bytes.add(512);
+        stats.num_ooms = 2;
+        let keys = stats.to_pytorch_keys();
+        assert_eq!(keys["allocated_bytes.all.current"], 512);
+        assert_eq!(keys["allocated_bytes.all.peak"], 512);
+        assert_eq!(keys["num_ooms"], 2);
+    }
+}

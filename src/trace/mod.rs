@@ -1,0 +1,1 @@
+//! Workloads, traces and the replay engine (in progress).
