@@ -25,6 +25,7 @@ pub struct PageMap {
     users: Vec<u32>,
     mapped_count: usize,
     idle_count: usize,
+    touched_count: usize,
 }
 
 impl PageMap {
@@ -40,6 +41,7 @@ impl PageMap {
             users: vec![0; pages],
             mapped_count: 0,
             idle_count: 0,
+            touched_count: 0,
         }
     }
 
@@ -104,6 +106,11 @@ impl PageMap {
         self.idle_count
     }
 
+    /// Pages touched by at least one live block.
+    pub fn touched_count(&self) -> usize {
+        self.touched_count
+    }
+
     /// Records that `handle` was mapped at `page` (access not yet set).
     ///
     /// # Panics
@@ -153,8 +160,11 @@ impl PageMap {
     pub fn add_user(&mut self, pages: Range<usize>) {
         for page in pages {
             self.users[page] += 1;
-            if self.users[page] == 1 && self.mapped[page] {
-                self.set_idle(page, false);
+            if self.users[page] == 1 {
+                self.touched_count += 1;
+                if self.mapped[page] {
+                    self.set_idle(page, false);
+                }
             }
         }
     }
@@ -167,8 +177,11 @@ impl PageMap {
         for page in pages {
             assert!(self.users[page] > 0, "page {page} has no user to remove");
             self.users[page] -= 1;
-            if self.users[page] == 0 && self.mapped[page] {
-                self.set_idle(page, true);
+            if self.users[page] == 0 {
+                self.touched_count -= 1;
+                if self.mapped[page] {
+                    self.set_idle(page, true);
+                }
             }
         }
     }
@@ -189,6 +202,11 @@ impl PageMap {
         runs(&self.mapped[pages.clone()], false, pages.start)
     }
 
+    /// Maximal runs of mapped pages inside `pages`, in address order.
+    pub fn mapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
+        runs(&self.mapped[pages.clone()], true, pages.start)
+    }
+
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
@@ -196,6 +214,11 @@ impl PageMap {
             out.extend(runs(&self.mapped[run.clone()], true, run.start));
         }
         out
+    }
+
+    /// Maximal runs of mapped pages with access set inside `pages`, in address order.
+    pub fn accessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
+        runs(&self.accessible[pages.clone()], true, pages.start)
     }
 
     /// Maximal runs of idle pages, in address order.
@@ -256,7 +279,9 @@ mod tests {
         assert!(!map.is_idle(1));
         assert!(map.is_idle(3));
         assert_eq!(map.idle_count(), 1);
+        assert_eq!(map.touched_count(), 2);
         map.remove_user(1..3);
+        assert_eq!(map.touched_count(), 0);
         assert!(map.is_idle(1));
         assert_eq!(map.idle_runs(), vec![1..2, 3..4]);
         assert_eq!(map.unmapped_runs(0..4), vec![0..1, 2..3]);
@@ -273,6 +298,7 @@ mod tests {
         }
         map.set_accessible(1..2);
         assert_eq!(map.inaccessible_runs(0..6), vec![0..1, 2..3, 4..6]);
+        assert_eq!(map.accessible_runs(0..6), vec![1..2]);
     }
 
     #[test]

@@ -1,23 +1,103 @@
-//! The expandable-segment allocator. CONTRACT STUB — public API fixed, bodies in progress.
+//! cuvmm's expandable-segment allocator.
+//!
+//! Each (stream, pool) gets a segment: a virtual reservation much larger than the device, tiled by blocks.
+//! Physical pages (one driver handle per page) are mapped only under the blocks that need them. A page that
+//! no live block touches is *idle*; its handle can be unmapped and mapped wherever a request needs it
+//! (compaction), so physical memory in use follows the pages live blocks touch, not the history of splits.
+//!
+//! Growth order for a request: a free block whose pages are mapped -> pooled handles -> idle pages elsewhere,
+//! unmapped after their stream is synchronized -> `create` -> on out-of-memory, release the cache and retry
+//! once -> [`Error::OutOfMemory`]. See `docs/DESIGN.md` for why.
 
-use crate::config::Config;
-use crate::driver::{Driver, DriverCounters, StreamId};
+#![deny(unsafe_code)]
+
+mod alloc;
+mod invariants;
+mod physical;
+mod segment;
+
+pub use segment::Pool;
+
+use crate::config::{Config, ConfigError};
+use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
-use crate::stats::Stats;
+use crate::stats::{Stat, Stats};
 use crate::strategy::Strategy;
+use segment::{FreeOutcome, Segment};
+use std::collections::{BTreeMap, HashMap};
+
+/// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
+pub const ROUND: u64 = 512;
+
+/// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
+#[derive(Debug, Default, Clone)]
+struct Counters {
+    allocated: Stat,
+    requested: Stat,
+    allocation: Stat,
+    reserved: Stat,
+    segment: Stat,
+    inactive_split: Stat,
+    retries: u64,
+    ooms: u64,
+    created: u64,
+    released: u64,
+    synchronizations: u64,
+    handles_reused: u64,
+}
 
 /// cuvmm's allocator: per-(stream, pool) virtual segments whose pages are mapped on demand.
 #[derive(Debug)]
 pub struct Expandable<D: Driver> {
     driver: D,
     config: Config,
+    page_size: u64,
+    device_total: u64,
+    segments: Vec<Option<Segment>>,
+    by_addr: BTreeMap<u64, usize>,
+    by_key: HashMap<(StreamId, Pool), Vec<usize>>,
+    pooled: Vec<PhysHandle>,
+    touched_pages: usize,
+    idle_pages: usize,
+    counters: Counters,
 }
 
 impl<D: Driver> Expandable<D> {
-    /// An allocator on `driver` configured by `config`. Fails if the configuration does not fit the driver
-    /// (a page size that is not a multiple of its granularity, say).
-    pub fn new(driver: D, config: Config) -> Result<Self, Error> {
-        Ok(Self { driver, config })
+    /// An allocator on `driver` configured by `config`. Fails if the page size is not a positive multiple of
+    /// the driver's granularity, or if the device's size cannot be read.
+    pub fn new(mut driver: D, config: Config) -> Result<Self, Error> {
+        let granularity = driver.granularity();
+        let page_size = config.page_size.unwrap_or(granularity);
+        if page_size == 0 || granularity == 0 || page_size % granularity != 0 {
+            return Err(ConfigError::BadValue {
+                key: "page_size_mb".into(),
+                value: page_size.to_string(),
+                expected: "a positive multiple of the driver's allocation granularity",
+            }
+            .into());
+        }
+        if config.va_factor == 0 {
+            return Err(ConfigError::BadValue {
+                key: "va_factor".into(),
+                value: "0".into(),
+                expected: "an integer of at least 1",
+            }
+            .into());
+        }
+        let device_total = driver.mem_info()?.total;
+        Ok(Self {
+            driver,
+            config,
+            page_size,
+            device_total,
+            segments: Vec::new(),
+            by_addr: BTreeMap::new(),
+            by_key: HashMap::new(),
+            pooled: Vec::new(),
+            touched_pages: 0,
+            idle_pages: 0,
+            counters: Counters::default(),
+        })
     }
 
     /// The driver.
@@ -34,34 +114,154 @@ impl<D: Driver> Expandable<D> {
     pub fn config(&self) -> &Config {
         &self.config
     }
+
+    /// Bytes per physical page.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// Segments that exist now: `(virtual range, stream, pool)`.
+    pub fn segments(&self) -> Vec<(crate::driver::VaRange, StreamId, Pool)> {
+        self.live_segments()
+            .map(|s| (s.va, s.stream, s.pool))
+            .collect()
+    }
+
+    fn live_segments(&self) -> impl Iterator<Item = &Segment> {
+        self.segments.iter().flatten()
+    }
+
+    fn segment(&self, slot: usize) -> &Segment {
+        self.segments[slot].as_ref().expect("segment slot in use")
+    }
+
+    fn segment_mut(&mut self, slot: usize) -> &mut Segment {
+        self.segments[slot].as_mut().expect("segment slot in use")
+    }
+
+    /// Physical bytes held by no live block: idle mapped pages plus pooled handles.
+    fn idle_bytes(&self) -> u64 {
+        (self.idle_pages + self.pooled.len()) as u64 * self.page_size
+    }
+
+    /// Re-reads the touched and idle page counts of one segment after its page map changed, keeping the
+    /// allocator-wide counts and the non-releasable (inactive split) statistic in step.
+    fn refresh_page_counts(&mut self, slot: usize, before: (usize, usize)) {
+        let seg = self.segment(slot);
+        let after = (seg.pages.touched_count(), seg.pages.idle_count());
+        self.touched_pages = self.touched_pages + after.0 - before.0;
+        self.idle_pages = self.idle_pages + after.1 - before.1;
+        let stranded = (self.touched_pages as u64 * self.page_size)
+            .saturating_sub(self.counters.allocated.current);
+        let current = self.counters.inactive_split.current;
+        if stranded > current {
+            self.counters.inactive_split.add(stranded - current);
+        } else {
+            self.counters.inactive_split.sub(current - stranded);
+        }
+    }
+
+    fn page_counts(&self, slot: usize) -> (usize, usize) {
+        let seg = self.segment(slot);
+        (seg.pages.touched_count(), seg.pages.idle_count())
+    }
+
+    /// The segment whose reservation contains `addr`.
+    fn slot_of(&self, addr: u64) -> Option<usize> {
+        let (_, &slot) = self.by_addr.range(..=addr).next_back()?;
+        self.segment(slot).va.contains(addr).then_some(slot)
+    }
+
+    /// The largest request that can be served now without a driver call.
+    pub fn largest_free_block(&self) -> u64 {
+        self.live_segments()
+            .map(Segment::largest_free_mapped)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn free_block(&mut self, addr: u64) -> Result<(), Error> {
+        let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
+        let before = self.page_counts(slot);
+        match self.segment_mut(slot).free(addr) {
+            FreeOutcome::Freed { size, requested } => {
+                self.counters.allocated.sub(size);
+                self.counters.requested.sub(requested);
+                self.counters.allocation.sub(1);
+                self.refresh_page_counts(slot, before);
+                Ok(())
+            }
+            FreeOutcome::AlreadyFree => Err(Error::DoubleFree { addr }),
+            FreeOutcome::NotABlockStart => Err(Error::UnknownAddress { addr }),
+        }
+    }
 }
 
 impl<D: Driver> Strategy for Expandable<D> {
     fn name(&self) -> &'static str {
         "cuvmm"
     }
+
     fn alloc(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        let _ = (size, stream);
-        todo!()
+        self.allocate(size, stream)
     }
+
     fn free(&mut self, addr: u64) -> Result<(), Error> {
-        let _ = addr;
-        todo!()
+        self.free_block(addr)?;
+        let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
+        if excess > 0 {
+            self.release_idle(excess)?;
+        }
+        Ok(())
     }
+
     fn empty_cache(&mut self) -> Result<(), Error> {
-        todo!()
+        self.release_idle(u64::MAX)?;
+        self.free_empty_segments()
     }
+
     fn trim(&mut self, bytes: u64) -> Result<u64, Error> {
-        let _ = bytes;
-        todo!()
+        self.release_idle(bytes)
     }
+
     fn stats(&self) -> Stats {
-        todo!()
+        let c = &self.counters;
+        Stats {
+            allocated_bytes: c.allocated,
+            reserved_bytes: c.reserved,
+            active_bytes: c.allocated,
+            requested_bytes: c.requested,
+            inactive_split_bytes: c.inactive_split,
+            allocation: c.allocation,
+            segment: c.segment,
+            num_alloc_retries: c.retries,
+            num_ooms: c.ooms,
+            num_device_alloc: c.created,
+            num_device_free: c.released,
+            num_synchronizations: c.synchronizations,
+            largest_free_block: self.largest_free_block(),
+            idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
+            idle_handle_bytes: self.pooled.len() as u64 * self.page_size,
+            handles_reused: c.handles_reused,
+            driver: self.driver.counters(),
+        }
     }
+
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
-        todo!()
+        invariants::check(self)
     }
+
     fn driver_counters(&self) -> DriverCounters {
         self.driver.counters()
+    }
+}
+
+impl<D: Driver> Drop for Expandable<D> {
+    /// Gives everything back to the driver: the allocator owns its reservations and handles, and nothing
+    /// can use them once it is gone. Failures are reported through `tracing`, never silently dropped.
+    fn drop(&mut self) {
+        if let Err(err) = self.teardown() {
+            tracing::error!(%err, "cuvmm: releasing device memory on drop failed");
+        }
     }
 }

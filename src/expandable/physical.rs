@@ -1,0 +1,215 @@
+//! Physical pages: obtaining handles (pool, compaction of idle pages, create), and giving them back.
+//!
+//! Every handle is one page. A handle is in exactly one of two places: mapped at one page of one segment, or
+//! in the pool (`Expandable::pooled`), unmapped and ready to map. Unmapping an idle page first synchronizes
+//! the stream that owns its segment, so no queued work can still touch it.
+
+use super::Expandable;
+use super::alloc::Handles;
+use crate::driver::{Driver, PhysHandle, StreamId};
+use crate::error::Error;
+use std::ops::Range;
+
+impl<D: Driver> Expandable<D> {
+    /// `count` handles for missing pages: pooled ones first, then idle pages unmapped from wherever they are,
+    /// then new ones from the driver. On driver out-of-memory the cache is released and creation retried
+    /// once. On failure every handle obtained so far goes back to the pool.
+    pub(super) fn obtain_handles(&mut self, count: usize) -> Result<Handles, Error> {
+        let from_pool = count.min(self.pooled.len());
+        let mut reused = self.pooled.split_off(self.pooled.len() - from_pool);
+        let mut handles = Handles {
+            reused: Vec::new(),
+            fresh: Vec::new(),
+            retried: false,
+        };
+        if reused.len() < count
+            && let Err(err) = self.steal_idle(count - reused.len(), &mut reused)
+        {
+            self.pooled.extend(reused);
+            return Err(err);
+        }
+        handles.reused = reused;
+        while handles.reused.len() + handles.fresh.len() < count {
+            match self.create_handle() {
+                Ok(handle) => handles.fresh.push(handle),
+                Err(err) if err.is_out_of_memory() && !handles.retried => {
+                    handles.retried = true;
+                    self.counters.retries += 1;
+                    tracing::info!(
+                        "cuvmm: out of memory creating a page; releasing the cache and retrying once"
+                    );
+                    if let Err(err) = self.release_idle(u64::MAX) {
+                        self.pooled
+                            .extend(handles.reused.drain(..).chain(handles.fresh.drain(..)));
+                        return Err(err);
+                    }
+                }
+                Err(err) => {
+                    self.pooled
+                        .extend(handles.reused.drain(..).chain(handles.fresh.drain(..)));
+                    return Err(err);
+                }
+            }
+        }
+        Ok(handles)
+    }
+
+    /// Unmaps up to `count` idle pages, highest addresses of each segment first, and appends their handles
+    /// to `out`. This is the compaction of idle physical pages.
+    fn steal_idle(&mut self, count: usize, out: &mut Vec<PhysHandle>) -> Result<(), Error> {
+        let target = out.len() + count;
+        for slot in 0..self.segments.len() {
+            if out.len() == target {
+                break;
+            }
+            let Some(seg) = &self.segments[slot] else {
+                continue;
+            };
+            if seg.pages.idle_count() == 0 {
+                continue;
+            }
+            for run in seg.pages.idle_runs().into_iter().rev() {
+                let take = run.len().min(target - out.len());
+                if take == 0 {
+                    break;
+                }
+                self.unmap_run(slot, run.end - take..run.end, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Unmaps a run of idle pages of one segment in one driver call and appends their handles to `out`.
+    fn unmap_run(
+        &mut self,
+        slot: usize,
+        run: Range<usize>,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), Error> {
+        let stream = self.segment(slot).stream;
+        self.synchronize(stream)?;
+        let va = self.segment(slot).page_addr(run.start);
+        self.driver.unmap(va, run.len() as u64 * self.page_size)?;
+        let before = self.page_counts(slot);
+        let seg = self.segment_mut(slot);
+        out.extend(run.map(|page| seg.pages.unmap(page)));
+        self.refresh_page_counts(slot, before);
+        Ok(())
+    }
+
+    /// Waits for `stream`'s queued work before one of its pages is unmapped.
+    fn synchronize(&mut self, stream: StreamId) -> Result<(), Error> {
+        self.driver.synchronize(stream)?;
+        self.counters.synchronizations += 1;
+        Ok(())
+    }
+
+    fn create_handle(&mut self) -> Result<PhysHandle, Error> {
+        let handle = self.driver.create(self.page_size)?;
+        self.counters.created += 1;
+        self.counters.reserved.add(self.page_size);
+        Ok(handle)
+    }
+
+    fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {
+        self.driver.release(handle)?;
+        self.counters.released += 1;
+        self.counters.reserved.sub(self.page_size);
+        Ok(())
+    }
+
+    /// Gives at least `bytes` (rounded up to whole pages) of idle physical memory back to the driver, or all
+    /// of it if there is less: pooled handles first, then idle pages from the highest addresses down.
+    /// Returns the bytes given back.
+    pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
+        let mut released = 0;
+        while released < bytes
+            && let Some(handle) = self.pooled.pop()
+        {
+            if let Err(err) = self.release_handle(handle) {
+                self.pooled.push(handle);
+                return Err(err);
+            }
+            released += self.page_size;
+        }
+        while released < bytes && self.idle_pages > 0 {
+            let pages = (bytes - released)
+                .div_ceil(self.page_size)
+                .min(self.idle_pages as u64) as usize;
+            let mut handles = Vec::with_capacity(pages);
+            let stolen = self.steal_idle(pages, &mut handles);
+            let got_any = !handles.is_empty();
+            self.pooled.extend(handles);
+            stolen?;
+            if !got_any {
+                break;
+            }
+            while released < bytes
+                && let Some(handle) = self.pooled.pop()
+            {
+                if let Err(err) = self.release_handle(handle) {
+                    self.pooled.push(handle);
+                    return Err(err);
+                }
+                released += self.page_size;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Frees the reservations of segments that hold no live block and no mapped page.
+    pub(super) fn free_empty_segments(&mut self) -> Result<(), Error> {
+        for slot in 0..self.segments.len() {
+            let Some(seg) = &self.segments[slot] else {
+                continue;
+            };
+            if seg.live_count() > 0 || seg.pages.mapped_count() > 0 {
+                continue;
+            }
+            let (va, key) = (seg.va, (seg.stream, seg.pool));
+            self.driver.free_reservation(va)?;
+            self.segments[slot] = None;
+            self.by_addr.remove(&va.start);
+            if let Some(slots) = self.by_key.get_mut(&key) {
+                slots.retain(|&s| s != slot);
+                if slots.is_empty() {
+                    self.by_key.remove(&key);
+                }
+            }
+            self.counters.segment.sub(1);
+        }
+        Ok(())
+    }
+
+    /// Unmaps and releases everything, live blocks included, and frees every reservation. Used on drop.
+    /// Goes on after a failure so as much as possible is given back, and returns the first failure.
+    pub(super) fn teardown(&mut self) -> Result<(), Error> {
+        let mut first_err: Option<Error> = None;
+        let mut note = |result: Result<(), Error>| {
+            if let Err(err) = result {
+                first_err.get_or_insert(err);
+            }
+        };
+        for seg in std::mem::take(&mut self.segments).into_iter().flatten() {
+            if seg.pages.mapped_count() > 0 {
+                note(self.driver.synchronize(seg.stream).map_err(Error::from));
+                for run in seg.pages.mapped_runs(0..seg.pages.len()) {
+                    let va = seg.page_addr(run.start);
+                    match self.driver.unmap(va, run.len() as u64 * self.page_size) {
+                        Ok(()) => self
+                            .pooled
+                            .extend(run.filter_map(|page| seg.pages.handle(page))),
+                        Err(err) => note(Err(err.into())),
+                    }
+                }
+            }
+            note(self.driver.free_reservation(seg.va).map_err(Error::from));
+        }
+        self.by_addr.clear();
+        self.by_key.clear();
+        while let Some(handle) = self.pooled.pop() {
+            note(self.release_handle(handle));
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,34 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use cuvmm::Config;
+use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::expandable::Expandable;
+
+/// An expandable allocator on a simulated device of `pages` pages of `granularity` bytes. Requests above
+/// `small_size` go to the large pool.
+pub fn expandable(
+    granularity: u64,
+    pages: u64,
+    small_size: u64,
+    backing_store: bool,
+) -> Expandable<SimDriver> {
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(granularity * pages)
+            .with_granularity(granularity)
+            .with_backing_store(backing_store),
+    );
+    let config = Config {
+        small_size,
+        ..Config::default()
+    };
+    Expandable::new(sim, config).expect("valid configuration")
+}
+
+/// A byte pattern that differs between allocations and along each allocation.
+pub fn pattern(id: u64, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (id.wrapping_mul(131).wrapping_add(i as u64 * 7) % 251) as u8)
+        .collect()
+}
