@@ -1,6 +1,16 @@
 //! Configuration: built in code, or parsed from `CUVMM_ALLOC_CONF` in PyTorch's `key:value,key:value` syntax.
+//!
+//! [`Config::from_alloc_conf`] accepts the keys of PyTorch's `PYTORCH_CUDA_ALLOC_CONF` with PyTorch's rules
+//! for their values, plus cuvmm's own keys; the parser and the list of keys live in `config/parse.rs`.
 
 use crate::size::MIB;
+
+mod parse;
+#[cfg(test)]
+mod tests;
+
+/// The environment variable [`Config::from_env`] reads.
+pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
 /// How request sizes round up, as PyTorch's `roundup_power2_divisions` says.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -12,8 +22,43 @@ pub enum RoundupDivisions {
     Uniform(u64),
     /// Divisions per power-of-two interval, from 1 MiB up to 64 GiB, as PyTorch's
     /// `roundup_power2_divisions:[256:1,512:2,1024:4,>:8]` sets them. Index `i` covers sizes in
-    /// `[2^(20+i), 2^(21+i))`; 0 means no power-of-two rounding in that interval.
+    /// `[2^(20+i), 2^(21+i))`; 0 means no power-of-two rounding in that interval. As in PyTorch there are
+    /// [`RoundupDivisions::INTERVALS`] entries: sizes below 1 MiB use entry 0 and sizes of 32 GiB or more
+    /// use the last one.
     PerInterval(Vec<u64>),
+}
+
+impl RoundupDivisions {
+    /// Number of power-of-two intervals, 1 MiB to 64 GiB (PyTorch's `kRoundUpPowerOfTwoIntervals`).
+    pub const INTERVALS: usize = 16;
+
+    /// The number of divisions that applies to a request of `size` bytes (0: no power-of-two rounding),
+    /// as PyTorch's `roundup_power2_divisions(size)` picks it: the interval of `floor(log2(size))`,
+    /// clamped to the first and last interval.
+    pub fn divisions(&self, size: u64) -> u64 {
+        match self {
+            Self::None => 0,
+            Self::Uniform(n) => *n,
+            Self::PerInterval(v) => {
+                let log = size.checked_ilog2().unwrap_or(0) as usize;
+                let index = log.saturating_sub(20).min(Self::INTERVALS - 1);
+                v.get(index).copied().unwrap_or(0)
+            }
+        }
+    }
+
+    /// The divisions of every interval, [`RoundupDivisions::INTERVALS`] entries.
+    pub fn per_interval(&self) -> Vec<u64> {
+        match self {
+            Self::None => vec![0; Self::INTERVALS],
+            Self::Uniform(n) => vec![*n; Self::INTERVALS],
+            Self::PerInterval(v) => {
+                let mut v = v.clone();
+                v.resize(Self::INTERVALS, 0);
+                v
+            }
+        }
+    }
 }
 
 /// Everything that can be set about an allocator.
@@ -82,6 +127,117 @@ impl Config {
     pub fn with_va_factor(mut self, factor: u64) -> Self {
         self.va_factor = factor;
         self
+    }
+
+    /// Parses a configuration in PyTorch's `PYTORCH_CUDA_ALLOC_CONF` syntax, starting from
+    /// [`Config::default`]: `key:value` entries separated by commas, whitespace ignored (as PyTorch
+    /// ignores it), the empty string giving the defaults. A repeated key takes its last value (a repeated
+    /// `roundup_power2_divisions` list updates the intervals the earlier one set, as in PyTorch).
+    ///
+    /// PyTorch's keys: `max_split_size_mb`, `max_non_split_rounding_mb`, `garbage_collection_threshold`,
+    /// `roundup_power2_divisions`, `expandable_segments`, `backend` (`native` only). Keys that change
+    /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
+    /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
+    /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`.
+    ///
+    /// # Errors
+    /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key
+    /// neither cuvmm nor PyTorch defines, [`ConfigError::BadValue`] for a value its key does not accept.
+    pub fn from_alloc_conf(s: &str) -> Result<Config, ConfigError> {
+        parse::parse(s)
+    }
+
+    /// Parses the `CUVMM_ALLOC_CONF` environment variable with [`Config::from_alloc_conf`]; the defaults
+    /// when it is not set.
+    ///
+    /// # Errors
+    /// As [`Config::from_alloc_conf`]; [`ConfigError::BadValue`] if the variable is not valid UTF-8.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Self::from_env_value(std::env::var(ENV_VAR))
+    }
+
+    fn from_env_value(value: Result<String, std::env::VarError>) -> Result<Config, ConfigError> {
+        match value {
+            Ok(s) => Self::from_alloc_conf(&s),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(raw)) => Err(ConfigError::BadValue {
+                key: ENV_VAR.to_string(),
+                value: raw.to_string_lossy().into_owned(),
+                expected: "valid UTF-8",
+            }),
+        }
+    }
+
+    /// Checks what can be checked without a device: non-zero sizes and factors, PyTorch's ranges.
+    /// Whether `page_size` is a multiple of the driver's granularity is checked when an allocator is
+    /// built. Errors name the configuration key that sets the field.
+    ///
+    /// # Errors
+    /// [`ConfigError::BadValue`] for the first field out of range.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |key: &str, value: String, expected| {
+            Err(ConfigError::BadValue {
+                key: key.to_string(),
+                value,
+                expected,
+            })
+        };
+        if self.page_size == Some(0) {
+            return bad("page_size_mb", "0 bytes".into(), parse::EXPECT_POSITIVE);
+        }
+        if self.small_size == 0 {
+            return bad("small_size_kb", "0 bytes".into(), parse::EXPECT_POSITIVE);
+        }
+        if self.va_factor == 0 {
+            return bad("va_factor", "0".into(), parse::EXPECT_VA_FACTOR);
+        }
+        if let Some(bytes) = self.max_split_size.filter(|&b| b < parse::LARGE_BUFFER) {
+            return bad(
+                "max_split_size_mb",
+                format!("{bytes} bytes"),
+                parse::EXPECT_AT_LEAST_20,
+            );
+        }
+        if self.max_non_split_rounding < parse::LARGE_BUFFER {
+            let value = format!("{} bytes", self.max_non_split_rounding);
+            return bad(
+                "max_non_split_rounding_mb",
+                value,
+                parse::EXPECT_AT_LEAST_20,
+            );
+        }
+        if let Some(t) = self
+            .garbage_collection_threshold
+            .filter(|t| !(*t > 0.0 && *t < 1.0))
+        {
+            return bad(
+                "garbage_collection_threshold",
+                t.to_string(),
+                parse::EXPECT_FRACTION,
+            );
+        }
+        match &self.roundup_power2_divisions {
+            RoundupDivisions::None => {}
+            RoundupDivisions::Uniform(n) if n.is_power_of_two() => {}
+            RoundupDivisions::Uniform(n) => {
+                return bad(
+                    "roundup_power2_divisions",
+                    n.to_string(),
+                    parse::EXPECT_ROUNDUP,
+                );
+            }
+            RoundupDivisions::PerInterval(v) => {
+                let ok = |d: &u64| *d == 0 || d.is_power_of_two();
+                if v.len() != RoundupDivisions::INTERVALS || !v.iter().all(ok) {
+                    return bad(
+                        "roundup_power2_divisions",
+                        format!("{v:?}"),
+                        parse::EXPECT_ROUNDUP,
+                    );
+                }
+            }
+        }
+        Ok(())
     }
 }
 
