@@ -342,6 +342,12 @@ pub enum DriverError {
         /// Which call of that operation failed (1-based).
         call: u64,
     },
+    /// A byte read or write on a [`sim::SimDriver`] built without a backing store
+    /// ([`sim::SimConfig::backing_store`]). Not a CUDA error: a test asked for bytes the device does not keep.
+    #[error(
+        "read/write of device bytes needs a backing store (SimConfig::with_backing_store(true))"
+    )]
+    NoBackingStore,
     /// No CUDA driver library or no device was found.
     #[error("no CUDA driver found: {reason}")]
     NoDriver {

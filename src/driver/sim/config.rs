@@ -1,0 +1,55 @@
+//! How a simulated device is built.
+
+use super::LatencyModel;
+use crate::size::{GIB, MIB};
+
+/// How a simulated device is built.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    /// Physical memory in bytes, shared by `create` and `malloc`.
+    pub capacity: u64,
+    /// Allocation granularity in bytes. A granularity of 0 is taken as 1 by
+    /// [`SimDriver::new`](super::SimDriver::new).
+    pub granularity: u64,
+    /// Latency model for estimated driver time.
+    pub latency: LatencyModel,
+    /// Whether bytes written through mapped addresses are stored (for integrity tests). Without it,
+    /// [`SimDriver::write`](super::SimDriver::write) and [`SimDriver::read`](super::SimDriver::read) fail
+    /// with [`DriverError::NoBackingStore`](crate::driver::DriverError::NoBackingStore).
+    pub backing_store: bool,
+}
+
+impl Default for SimConfig {
+    /// An 80 GiB device with 2 MiB granularity, A100 latencies, and no backing store.
+    fn default() -> Self {
+        Self {
+            capacity: 80 * GIB,
+            granularity: 2 * MIB,
+            latency: LatencyModel::a100(),
+            backing_store: false,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Sets the capacity.
+    pub fn with_capacity(mut self, bytes: u64) -> Self {
+        self.capacity = bytes;
+        self
+    }
+    /// Sets the granularity.
+    pub fn with_granularity(mut self, bytes: u64) -> Self {
+        self.granularity = bytes;
+        self
+    }
+    /// Turns the byte backing store on or off.
+    pub fn with_backing_store(mut self, on: bool) -> Self {
+        self.backing_store = on;
+        self
+    }
+    /// Sets the latency model.
+    pub fn with_latency(mut self, latency: LatencyModel) -> Self {
+        self.latency = latency;
+        self
+    }
+}

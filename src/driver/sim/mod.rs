@@ -1,0 +1,336 @@
+//! SimDriver: a simulated device that enforces CUDA's rules, so a bug that would crash a GPU fails a test.
+//!
+//! - **Memory.** A capacity in bytes shared by `create` and `malloc`; [`Driver::mem_info`] reports
+//!   `(capacity - used, capacity)`. Reservations are placed upward from `0x7f00_0000_0000`, aligned to the
+//!   granularity with one granularity of unused space after each, below the 2^48 top of the address
+//!   space; freed ranges are reused once the top is reached. `malloc` hands out addresses upward from
+//!   `0x7e00_0000_0000` (1 TiB of room), 512 B aligned, 2 MiB aligned for sizes of 2 MiB or more, and holds
+//!   its size rounded up to 512 B of the capacity.
+//! - **Rules.** Each violation of CUDA's rules is a typed [`DriverError`], and a failed call changes
+//!   nothing but the counters. `release` of a mapped handle is allowed: the handle is unknown to later
+//!   calls, and its memory returns to the device when its last mapping is unmapped. One handle may be
+//!   mapped at several addresses.
+//! - **Counters and time.** Every call, failed or not, is counted with its cost from the
+//!   [`LatencyModel`]. The test controls ([`SimDriver::complete_event`], [`SimDriver::write`], queries ...)
+//!   are not driver calls and are not counted.
+//! - **Faults.** [`SimDriver::fail_nth`] and [`SimDriver::fail_randomly`] make chosen calls fail. The
+//!   fault is decided before the arguments are checked, so the n-th call fails whatever it asks for.
+//! - **Streams and events.** Any [`StreamId`] is a valid stream. Events stay pending until the test
+//!   completes them or their stream, or the stream is synchronized.
+//! - **Bytes.** With [`SimConfig::backing_store`] on, [`SimDriver::write`] and [`SimDriver::read`] go
+//!   through mapped, accessible addresses to the physical memory behind them, so bytes move with a handle
+//!   that is remapped elsewhere. A read or write may span several mappings. An access to an address that is
+//!   neither mapped nor malloc'd is [`DriverError::NotMapped`] with `op: Op::Map` (the call that is
+//!   missing: reads and writes are not driver calls); to a mapping without access,
+//!   [`DriverError::AccessDenied`]. These checks are made whether or not the store is on; when they pass
+//!   and the store is off, the result is [`DriverError::NoBackingStore`].
+//! - **Leaks.** [`SimDriver::leak_report`] lists what is still held; dropping a device that still holds
+//!   something logs the report with `tracing::warn!` (it never panics).
+
+mod config;
+mod events;
+mod faults;
+mod latency;
+mod malloc;
+mod report;
+mod store;
+mod va;
+mod vmm;
+
+pub use config::SimConfig;
+pub use faults::FaultKind;
+pub use latency::{LATENCY_UNIT_BYTES, LatencyModel};
+pub use report::LeakReport;
+
+use super::{
+    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
+};
+use events::Events;
+use faults::Faults;
+use malloc::Mallocs;
+use std::fmt;
+use store::{ByteStore, Owner};
+use vmm::Vmm;
+
+/// A simulated device.
+pub struct SimDriver {
+    config: SimConfig,
+    counters: DriverCounters,
+    faults: Faults,
+    vmm: Vmm,
+    mallocs: Mallocs,
+    events: Events,
+    store: Option<ByteStore>,
+}
+
+/// A piece of a read or write that lies in one physical allocation.
+struct Span {
+    owner: Owner,
+    offset: u64,
+    len: usize,
+}
+
+impl SimDriver {
+    /// A device built as `config` says. A granularity of 0 is taken as 1.
+    pub fn new(mut config: SimConfig) -> Self {
+        config.granularity = config.granularity.max(1);
+        Self {
+            counters: DriverCounters::default(),
+            faults: Faults::default(),
+            vmm: Vmm::new(config.granularity),
+            mallocs: Mallocs::default(),
+            events: Events::default(),
+            store: config.backing_store.then(ByteStore::default),
+            config,
+        }
+    }
+    /// The configuration.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+    /// Physical bytes in use (handles not yet freed, and mallocs).
+    pub fn used_bytes(&self) -> u64 {
+        self.vmm.physical_bytes() + self.mallocs.bytes()
+    }
+    /// Physical bytes still free: capacity minus [`used_bytes`](Self::used_bytes).
+    pub fn free_bytes(&self) -> u64 {
+        self.config.capacity.saturating_sub(self.used_bytes())
+    }
+    /// Handles created and not released (a released handle that is still mapped is not counted).
+    pub fn handle_count(&self) -> usize {
+        self.vmm.handle_count()
+    }
+    /// Live mappings.
+    pub fn mapping_count(&self) -> usize {
+        self.vmm.mapping_count()
+    }
+    /// Live reservations.
+    pub fn reservation_count(&self) -> usize {
+        self.vmm.reservation_count()
+    }
+    /// Whether the device may read and write `va`: it lies in a mapping whose access was set, or in a
+    /// live `malloc` allocation.
+    pub fn is_accessible(&self, va: u64) -> bool {
+        self.locate(va).is_ok()
+    }
+    /// Events recorded on `stream` that have not completed yet (destroyed ones excluded).
+    pub fn pending_events(&self, stream: StreamId) -> usize {
+        self.events.pending(stream)
+    }
+    /// Makes the `n`th call of `op` from now (1 = the next one) fail with `kind`. `n = 0` is taken as 1.
+    /// Several faults may be planned; a second one for the same call replaces the first.
+    pub fn fail_nth(&mut self, op: Op, n: u64, kind: FaultKind) {
+        let call = self.counters.get(op).saturating_add(n.max(1));
+        self.faults.plan(op, call, kind);
+    }
+    /// Makes each call of any of `ops` fail with `probability`, drawn from a generator seeded with `seed`.
+    ///
+    /// The failure is [`DriverError::Injected`]. The same seed and the same sequence of calls give the same
+    /// failures. Replaces an earlier random plan; planned [`fail_nth`](Self::fail_nth) faults stay.
+    pub fn fail_randomly(&mut self, ops: &[Op], probability: f64, seed: u64) {
+        self.faults.randomly(ops, probability, seed);
+    }
+    /// Removes all planned faults.
+    pub fn clear_faults(&mut self) {
+        self.faults.clear();
+    }
+    /// Marks one event complete.
+    pub fn complete_event(&mut self, event: EventId) -> Result<(), DriverError> {
+        self.events.complete(event)
+    }
+    /// Marks every event recorded on `stream` complete.
+    pub fn complete_stream(&mut self, stream: StreamId) {
+        self.events.complete_stream(stream);
+    }
+    /// Writes `data` at device address `va` (backing store on). Nothing is written if any byte of the range
+    /// is not accessible.
+    pub fn write(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        let spans = self.spans(va, data.len())?;
+        let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
+        let mut rest = data;
+        for span in spans {
+            let (head, tail) = rest.split_at(span.len);
+            store.write(span.owner, span.offset, head);
+            rest = tail;
+        }
+        Ok(())
+    }
+    /// Reads `len` bytes at device address `va` (backing store on). Bytes never written read as 0.
+    pub fn read(&self, va: u64, len: usize) -> Result<Vec<u8>, DriverError> {
+        let spans = self.spans(va, len)?;
+        let store = self.store.as_ref().ok_or(DriverError::NoBackingStore)?;
+        let mut out = vec![0; len];
+        let mut at = 0;
+        for span in spans {
+            store.read(span.owner, span.offset, &mut out[at..at + span.len]);
+            at += span.len;
+        }
+        Ok(out)
+    }
+    /// What the device still holds.
+    pub fn leak_report(&self) -> LeakReport {
+        LeakReport {
+            handles: self.vmm.unreleased_handles(),
+            mappings: self.vmm.mapped_ranges(),
+            reservations: self.vmm.reserved_ranges(),
+            allocations: self.mallocs.ranges(),
+        }
+    }
+
+    /// Counts a call of `op` covering `bytes`, and fails it if a fault is planned for it.
+    fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
+        self.counters
+            .record(op, self.config.latency.cost_ns(op, bytes));
+        let call = self.counters.get(op);
+        match self.faults.check(op, call) {
+            None => Ok(()),
+            Some(FaultKind::Error) => Err(DriverError::Injected { op, call }),
+            Some(FaultKind::OutOfMemory) => Err(DriverError::OutOfMemory {
+                op,
+                requested: bytes,
+                free: self.free_bytes(),
+            }),
+        }
+    }
+
+    /// Drops the bytes of physical memory that was just freed.
+    fn forget(&mut self, owner: Owner) {
+        if let Some(store) = &mut self.store {
+            store.forget(owner);
+        }
+    }
+
+    /// The physical memory behind `addr`, the offset in it, and the bytes left in it from `addr`.
+    fn locate(&self, addr: u64) -> Result<(Owner, u64, u64), DriverError> {
+        if let Some((start, m)) = self.vmm.mapping_at(addr) {
+            if !m.accessible {
+                return Err(DriverError::AccessDenied { addr });
+            }
+            return Ok((Owner::Handle(m.handle), addr - start, start + m.size - addr));
+        }
+        if let Some((start, size)) = self.mallocs.containing(addr) {
+            return Ok((Owner::Malloc(start), addr - start, start + size - addr));
+        }
+        Err(DriverError::NotMapped { op: Op::Map, addr })
+    }
+
+    /// Splits `va .. va + len` into pieces of physical memory, checking that every byte is accessible.
+    fn spans(&self, va: u64, len: usize) -> Result<Vec<Span>, DriverError> {
+        let mut spans = Vec::new();
+        let mut addr = va;
+        let mut left = len as u64;
+        while left > 0 {
+            let (owner, offset, available) = self.locate(addr)?;
+            let n = left.min(available);
+            spans.push(Span {
+                owner,
+                offset,
+                len: n as usize,
+            });
+            addr += n;
+            left -= n;
+        }
+        Ok(spans)
+    }
+}
+
+impl fmt::Debug for SimDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimDriver")
+            .field("config", &self.config)
+            .field("used_bytes", &self.used_bytes())
+            .field("handles", &self.handle_count())
+            .field("mappings", &self.mapping_count())
+            .field("reservations", &self.reservation_count())
+            .field("counters", &self.counters)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        let report = self.leak_report();
+        if !report.is_empty() {
+            tracing::warn!("SimDriver dropped while still holding device memory:\n{report}");
+        }
+    }
+}
+
+impl Driver for SimDriver {
+    fn granularity(&self) -> u64 {
+        self.config.granularity
+    }
+    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
+        self.begin(Op::Reserve, size)?;
+        self.vmm.reserve(size)
+    }
+    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
+        self.begin(Op::FreeReservation, range.size)?;
+        self.vmm.free_reservation(range)
+    }
+    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
+        self.begin(Op::Create, size)?;
+        let free = self.free_bytes();
+        self.vmm.create(size, free)
+    }
+    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
+        self.begin(Op::Release, self.vmm.handle_size(handle).unwrap_or(0))?;
+        if let Some(freed) = self.vmm.release(handle)? {
+            self.forget(Owner::Handle(freed));
+        }
+        Ok(())
+    }
+    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+        self.begin(Op::Map, size)?;
+        self.vmm.map(va, size, handle)
+    }
+    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        self.begin(Op::SetAccess, size)?;
+        self.vmm.set_access(va, size)
+    }
+    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        self.begin(Op::Unmap, size)?;
+        for freed in self.vmm.unmap(va, size)? {
+            self.forget(Owner::Handle(freed));
+        }
+        Ok(())
+    }
+    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
+        self.begin(Op::MemInfo, 0)?;
+        Ok(MemInfo {
+            free: self.free_bytes(),
+            total: self.config.capacity,
+        })
+    }
+    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
+        self.begin(Op::Malloc, size)?;
+        let free = self.free_bytes();
+        self.mallocs.malloc(size, free)
+    }
+    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
+        self.begin(Op::Free, self.mallocs.size(ptr).unwrap_or(0))?;
+        self.mallocs.free(ptr)?;
+        self.forget(Owner::Malloc(ptr));
+        Ok(())
+    }
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
+        self.begin(Op::RecordEvent, 0)?;
+        Ok(self.events.record(stream))
+    }
+    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
+        self.begin(Op::QueryEvent, 0)?;
+        self.events.is_complete(event)
+    }
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
+        self.begin(Op::DestroyEvent, 0)?;
+        self.events.destroy(event)
+    }
+    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        self.begin(Op::Synchronize, 0)?;
+        self.events.complete_stream(stream);
+        Ok(())
+    }
+    fn counters(&self) -> DriverCounters {
+        self.counters
+    }
+}
