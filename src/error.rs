@@ -45,9 +45,14 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether this is an out-of-memory error (retryable after freeing memory).
+    /// Whether this is an out-of-memory error (retryable after freeing memory): the allocator's own, or the
+    /// driver's before the allocator turned it into one.
     pub fn is_out_of_memory(&self) -> bool {
-        matches!(self, Error::OutOfMemory(_))
+        match self {
+            Error::OutOfMemory(_) => true,
+            Error::Driver(err) => err.is_out_of_memory(),
+            _ => false,
+        }
     }
 }
 

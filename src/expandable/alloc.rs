@@ -12,8 +12,6 @@ pub(super) struct Handles {
     pub reused: Vec<PhysHandle>,
     /// Handles created for this request.
     pub fresh: Vec<PhysHandle>,
-    /// Whether the cache was released and creation retried.
-    pub retried: bool,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -43,8 +41,8 @@ impl<D: Driver> Expandable<D> {
         self.counters.requested.add(size);
         self.counters.allocation.add(1);
         self.refresh_page_counts(slot, before);
-        let mut retried = false;
-        match self.back_with_pages(slot, addr, rounded, &mut retried) {
+        let retries_before = self.counters.retries;
+        match self.back_with_pages(slot, addr, rounded) {
             Ok(()) => Ok(addr),
             Err(err) => {
                 self.free_block(addr)?;
@@ -56,6 +54,7 @@ impl<D: Driver> Expandable<D> {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
                 self.counters.ooms += 1;
+                let retried = self.counters.retries > retries_before;
                 Err(self.out_of_memory(size, stream, retried))
             }
         }
@@ -127,19 +126,12 @@ impl<D: Driver> Expandable<D> {
 
     /// Maps the missing pages of the live block `addr .. addr + size` and sets access on its pages.
     /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
-    fn back_with_pages(
-        &mut self,
-        slot: usize,
-        addr: u64,
-        size: u64,
-        retried: &mut bool,
-    ) -> Result<(), Error> {
+    fn back_with_pages(&mut self, slot: usize, addr: u64, size: u64) -> Result<(), Error> {
         let pages = self.segment(slot).pages_of(addr, size);
         let missing = self.segment(slot).pages.unmapped_runs(pages.clone());
         let need: usize = missing.iter().map(|run| run.len()).sum();
         if need > 0 {
             let handles = self.obtain_handles(need)?;
-            *retried = handles.retried;
             let reused = handles.reused.len() as u64;
             let mut queue = handles
                 .fresh

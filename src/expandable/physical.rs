@@ -20,8 +20,8 @@ impl<D: Driver> Expandable<D> {
         let mut handles = Handles {
             reused: Vec::new(),
             fresh: Vec::new(),
-            retried: false,
         };
+        let mut retried = false;
         if reused.len() < count
             && let Err(err) = self.steal_idle(count - reused.len(), &mut reused)
         {
@@ -32,8 +32,8 @@ impl<D: Driver> Expandable<D> {
         while handles.reused.len() + handles.fresh.len() < count {
             match self.create_handle() {
                 Ok(handle) => handles.fresh.push(handle),
-                Err(err) if err.is_out_of_memory() && !handles.retried => {
-                    handles.retried = true;
+                Err(err) if err.is_out_of_memory() && !retried => {
+                    retried = true;
                     self.counters.retries += 1;
                     tracing::info!(
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
