@@ -31,7 +31,7 @@ fn action(max_size: u64) -> impl Strategy<Value = Action> {
     prop_oneof![
         6 => (0u32..=20, 1u64..=1 << 20, 0u64..3).prop_map(move |(shift, frac, stream)| {
             // Log-uniform sizes from 1 byte to `max_size`.
-            let size = ((max_size >> shift).max(1) * frac >> 20).max(1);
+            let size = (((max_size >> shift).max(1) * frac) >> 20).max(1);
             Action::Alloc { size, stream }
         }),
         5 => any::<usize>().prop_map(|pick| Action::Free { pick }),

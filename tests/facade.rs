@@ -85,7 +85,8 @@ fn many_threads_on_several_streams() {
                     }
                     if i % 97 == 0 {
                         alloc.trim(PAGE).unwrap();
-                        let _ = alloc.stats();
+                        let stats = alloc.stats();
+                        assert!(stats.allocated_bytes.current <= stats.reserved_bytes.current);
                         alloc.check_invariants().unwrap();
                     }
                 }
