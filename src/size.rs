@@ -27,3 +27,31 @@ pub fn format_size(bytes: u64) -> String {
 pub fn round_up(value: u64, align: u64) -> Option<u64> {
     value.checked_next_multiple_of(align)
 }
+
+// TEMP: replaced by the wt-cfg branch
+/// A size string that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid size `{0}`: expected a number with an optional B, KiB, MiB, GiB, K, M or G suffix"
+)]
+pub struct SizeError(pub String);
+
+// TEMP: replaced by the wt-cfg branch
+/// Parses "512", "4KiB", "2MiB", "80GiB", "64K", "8M", "1G" into bytes.
+pub fn parse_size(text: &str) -> Result<u64, SizeError> {
+    let error = || SizeError(text.to_string());
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(text.len());
+    let (digits, suffix) = text.split_at(split);
+    let unit = match suffix.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" => KIB,
+        "MiB" | "M" => MIB,
+        "GiB" | "G" => GIB,
+        _ => return Err(error()),
+    };
+    let value: u64 = digits.parse().map_err(|_| error())?;
+    value.checked_mul(unit).ok_or_else(error)
+}
