@@ -1,0 +1,135 @@
+//! Replaying workloads through allocators: what `cuvmm compare` does.
+
+use super::allocators::{self, BuildError};
+use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
+use super::workload;
+use crate::size::{GIB, MIB};
+
+/// What to compare and on which device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompareOptions {
+    /// Built-in workloads to replay, in order.
+    pub workloads: Vec<String>,
+    /// Allocators to replay them through, in order.
+    pub allocators: Vec<String>,
+    /// Device memory in bytes.
+    pub capacity: u64,
+    /// Device page size (allocation granularity) in bytes.
+    pub page_size: u64,
+    /// Seed of the workload generators.
+    pub seed: u64,
+    /// How to replay.
+    pub replay: ReplayOptions,
+}
+
+impl Default for CompareOptions {
+    /// Every built-in workload through every allocator on an 80 GiB device with 2 MiB pages.
+    fn default() -> Self {
+        Self {
+            workloads: workload::BUILTIN.iter().map(|w| w.to_string()).collect(),
+            allocators: allocators::ALLOCATORS
+                .iter()
+                .map(|a| a.to_string())
+                .collect(),
+            capacity: 80 * GIB,
+            page_size: 2 * MIB,
+            seed: workload::DEFAULT_SEED,
+            replay: ReplayOptions::default(),
+        }
+    }
+}
+
+/// Why a comparison stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum CompareError {
+    /// No built-in workload has that name.
+    #[error("unknown workload `{name}` (built-in: {})", workload::BUILTIN.join(", "))]
+    UnknownWorkload {
+        /// The name given.
+        name: String,
+    },
+    /// An allocator could not be built.
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    /// A replay failed.
+    #[error("replaying `{workload}` through `{allocator}`: {source}")]
+    Replay {
+        /// The workload.
+        workload: String,
+        /// The allocator.
+        allocator: String,
+        /// What went wrong.
+        source: Box<ReplayError>,
+    },
+}
+
+impl CompareError {
+    /// Whether the caller asked for something that cannot be (an unknown name, a device the allocator
+    /// rejects), rather than a replay going wrong.
+    pub fn is_usage_error(&self) -> bool {
+        !matches!(self, CompareError::Replay { .. })
+    }
+}
+
+/// Replays each workload through each allocator, each replay on a fresh device. Names are checked before
+/// anything runs. Results come workload by workload, allocators in the order given.
+pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareError> {
+    if let Some(name) = options
+        .workloads
+        .iter()
+        .find(|w| !workload::BUILTIN.contains(&w.as_str()))
+    {
+        return Err(CompareError::UnknownWorkload { name: name.clone() });
+    }
+    if let Some(name) = options
+        .allocators
+        .iter()
+        .find(|a| !allocators::ALLOCATORS.contains(&a.as_str()))
+    {
+        return Err(BuildError::Unknown { name: name.clone() }.into());
+    }
+    let mut results = Vec::new();
+    for name in &options.workloads {
+        let trace = workload::generate(name, options.seed)
+            .ok_or_else(|| CompareError::UnknownWorkload { name: name.clone() })?;
+        for allocator in &options.allocators {
+            let mut strategy = allocators::build(allocator, options.capacity, options.page_size)?;
+            let result = replay(strategy.as_mut(), &trace, &options.replay).map_err(|source| {
+                CompareError::Replay {
+                    workload: name.clone(),
+                    allocator: allocator.clone(),
+                    source: Box::new(source),
+                }
+            })?;
+            results.push(result);
+        }
+    }
+    Ok(results)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_names_are_rejected_before_any_replay() {
+        let options = CompareOptions {
+            workloads: vec!["moe".into(), "no-such".into()],
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(&err, CompareError::UnknownWorkload { name } if name == "no-such"));
+        assert!(err.is_usage_error());
+        assert!(err.to_string().contains("no-such"));
+
+        let options = CompareOptions {
+            allocators: vec!["bogus".into()],
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(
+            err,
+            CompareError::Build(BuildError::Unknown { .. })
+        ));
+    }
+}

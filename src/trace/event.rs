@@ -1,0 +1,202 @@
+//! The trace model: a sequence of allocations and frees, each allocation named by an id.
+
+use crate::driver::StreamId;
+use std::collections::HashMap;
+
+/// One request in a trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Allocate `size` bytes on `stream`; later events name the allocation by `id`.
+    Alloc {
+        /// The allocation's name in the trace (not an address).
+        id: u64,
+        /// Bytes requested.
+        size: u64,
+        /// Stream the memory is used on.
+        stream: StreamId,
+    },
+    /// Free the live allocation named `id`.
+    Free {
+        /// The allocation to free.
+        id: u64,
+    },
+}
+
+impl Event {
+    /// The allocation this event names.
+    pub fn id(&self) -> u64 {
+        match *self {
+            Event::Alloc { id, .. } | Event::Free { id } => id,
+        }
+    }
+}
+
+/// A named workload: the requests an application makes, in order. Allocations still live at the end are
+/// allowed (they are simply not freed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Trace {
+    /// The workload's name, as reports show it.
+    pub name: String,
+    /// The requests, in order.
+    pub events: Vec<Event>,
+}
+
+/// A trace that no program could have produced.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TraceError {
+    /// An allocation of zero bytes.
+    #[error("event {index}: allocation {id} asks for 0 bytes")]
+    ZeroSize {
+        /// Position of the event.
+        index: usize,
+        /// The allocation.
+        id: u64,
+    },
+    /// An allocation whose id names an allocation that is still live.
+    #[error("event {index}: allocation {id} is already live")]
+    DuplicateId {
+        /// Position of the event.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// A free of an id that was never allocated.
+    #[error("event {index}: free of {id}, which was never allocated")]
+    UnknownFree {
+        /// Position of the event.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// A free of an id that was already freed.
+    #[error("event {index}: free of {id}, which was already freed")]
+    DoubleFree {
+        /// Position of the event.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+}
+
+impl Trace {
+    /// An empty trace.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            events: Vec::new(),
+        }
+    }
+
+    /// Number of allocation events.
+    pub fn alloc_count(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| matches!(e, Event::Alloc { .. }))
+            .count()
+    }
+
+    /// The most requested bytes live at once. Frees of unknown ids are ignored.
+    pub fn peak_live_bytes(&self) -> u64 {
+        let mut live: HashMap<u64, u64> = HashMap::new();
+        let (mut current, mut peak) = (0u64, 0u64);
+        for event in &self.events {
+            match *event {
+                Event::Alloc { id, size, .. } => {
+                    current += size;
+                    current -= live.insert(id, size).unwrap_or(0);
+                    peak = peak.max(current);
+                }
+                Event::Free { id } => current -= live.remove(&id).unwrap_or(0),
+            }
+        }
+        peak
+    }
+
+    /// Checks that every allocation asks for at least one byte under an id that is not live, and that every
+    /// free names a live allocation. Returns the first problem found.
+    pub fn validate(&self) -> Result<(), TraceError> {
+        // Some(true): live; Some(false): freed.
+        let mut state: HashMap<u64, bool> = HashMap::new();
+        for (index, event) in self.events.iter().enumerate() {
+            match *event {
+                Event::Alloc { id, size, .. } => {
+                    if size == 0 {
+                        return Err(TraceError::ZeroSize { index, id });
+                    }
+                    if state.insert(id, true) == Some(true) {
+                        return Err(TraceError::DuplicateId { index, id });
+                    }
+                }
+                Event::Free { id } => match state.insert(id, false) {
+                    Some(true) => {}
+                    Some(false) => return Err(TraceError::DoubleFree { index, id }),
+                    None => return Err(TraceError::UnknownFree { index, id }),
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: u64, size: u64) -> Event {
+        Event::Alloc {
+            id,
+            size,
+            stream: StreamId::DEFAULT,
+        }
+    }
+
+    fn trace(events: Vec<Event>) -> Trace {
+        Trace {
+            name: "t".into(),
+            events,
+        }
+    }
+
+    #[test]
+    fn peak_live_is_the_highest_running_sum() {
+        let t = trace(vec![
+            alloc(1, 100),
+            alloc(2, 50),
+            Event::Free { id: 1 },
+            alloc(3, 70),
+            alloc(4, 10),
+        ]);
+        assert_eq!(t.peak_live_bytes(), 150);
+        assert_eq!(t.alloc_count(), 4);
+        assert_eq!(t.validate(), Ok(()));
+    }
+
+    #[test]
+    fn validate_names_each_problem_and_its_index() {
+        let cases = [
+            (vec![alloc(1, 0)], TraceError::ZeroSize { index: 0, id: 1 }),
+            (
+                vec![alloc(1, 8), alloc(1, 8)],
+                TraceError::DuplicateId { index: 1, id: 1 },
+            ),
+            (
+                vec![alloc(1, 8), Event::Free { id: 2 }],
+                TraceError::UnknownFree { index: 1, id: 2 },
+            ),
+            (
+                vec![alloc(1, 8), Event::Free { id: 1 }, Event::Free { id: 1 }],
+                TraceError::DoubleFree { index: 2, id: 1 },
+            ),
+        ];
+        for (events, expected) in cases {
+            assert_eq!(trace(events).validate(), Err(expected));
+        }
+    }
+
+    #[test]
+    fn an_id_may_be_reused_after_its_free() {
+        let t = trace(vec![alloc(1, 8), Event::Free { id: 1 }, alloc(1, 16)]);
+        assert_eq!(t.validate(), Ok(()));
+        assert_eq!(t.peak_live_bytes(), 16);
+    }
+}

@@ -1,0 +1,213 @@
+//! Replaying a trace through an allocator, and the result a replay reports.
+
+use super::event::{Event, Trace};
+use crate::driver::{DriverCounters, Op};
+use crate::error::{Error, InvariantViolation};
+use crate::strategy::Strategy;
+use serde::Serialize;
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
+/// How to replay.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Call [`Strategy::check_invariants`] after every N events (and after the last one); `None` never does.
+    pub check_invariants_every: Option<usize>,
+}
+
+/// Driver calls a replay made, per operation (the JSON object `driver_calls`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DriverCalls {
+    /// `cuMemCreate` calls.
+    pub create: u64,
+    /// `cuMemRelease` calls.
+    pub release: u64,
+    /// `cuMemMap` calls.
+    pub map: u64,
+    /// `cuMemUnmap` calls.
+    pub unmap: u64,
+    /// `cuMemSetAccess` calls.
+    pub set_access: u64,
+    /// `cuMemAlloc` calls.
+    pub malloc: u64,
+    /// `cuMemFree` calls.
+    pub free: u64,
+}
+
+impl DriverCalls {
+    /// The calls counted in `counters`.
+    pub fn from_counters(counters: &DriverCounters) -> Self {
+        Self {
+            create: counters.get(Op::Create),
+            release: counters.get(Op::Release),
+            map: counters.get(Op::Map),
+            unmap: counters.get(Op::Unmap),
+            set_access: counters.get(Op::SetAccess),
+            malloc: counters.get(Op::Malloc),
+            free: counters.get(Op::Free),
+        }
+    }
+
+    /// All of these calls together.
+    pub fn total(&self) -> u64 {
+        self.create
+            + self.release
+            + self.map
+            + self.unmap
+            + self.set_access
+            + self.malloc
+            + self.free
+    }
+}
+
+/// What replaying one workload through one allocator measured. Its JSON field names are stable: later
+/// versions only add fields.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayResult {
+    /// The trace's name.
+    pub workload: String,
+    /// The allocator's [`Strategy::name`].
+    pub allocator: String,
+    /// Events replayed.
+    pub events: usize,
+    /// The trace's own peak of live requested bytes (what a perfect allocator would need).
+    pub peak_live_bytes: u64,
+    /// Peak of the allocator's allocated bytes.
+    pub peak_allocated_bytes: u64,
+    /// Peak of the allocator's reserved bytes.
+    pub peak_reserved_bytes: u64,
+    /// Peak allocated over peak reserved (1.0 if nothing was reserved).
+    pub utilization: f64,
+    /// Allocations that failed with out-of-memory (their frees were skipped).
+    pub ooms: u64,
+    /// Driver calls made.
+    pub driver_calls: DriverCalls,
+    /// Driver time the calls cost (estimated on the simulated device), in microseconds.
+    pub estimated_driver_us: f64,
+    /// Wall time of the replay loop, in seconds.
+    pub replay_seconds: f64,
+}
+
+/// Why a replay stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// An allocation failed with an error other than out-of-memory.
+    #[error("event {index}: allocation {id} of {size} bytes failed: {source}")]
+    Alloc {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The allocation's id.
+        id: u64,
+        /// Bytes requested.
+        size: u64,
+        /// What the allocator said.
+        source: Error,
+    },
+    /// A free failed.
+    #[error("event {index}: free of allocation {id} failed: {source}")]
+    Free {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The allocation's id.
+        id: u64,
+        /// What the allocator said.
+        source: Error,
+    },
+    /// An allocation reuses the id of a live allocation.
+    #[error("event {index}: allocation {id} is already live")]
+    DuplicateId {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// A free names no live allocation (and no allocation that failed with out-of-memory).
+    #[error("event {index}: free of {id}, which is not live")]
+    UnknownFree {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// The allocator broke an invariant.
+    #[error("after event {index}: invariant broken: {source}")]
+    Invariant {
+        /// Position of the last event applied.
+        index: usize,
+        /// The violation.
+        source: InvariantViolation,
+    },
+}
+
+/// Replays `trace` through `strategy`: allocations in the trace map to the addresses the strategy returns.
+/// An allocation that fails with out-of-memory is counted in [`ReplayResult::ooms`] and its free skipped;
+/// any other failure stops the replay with the index of the event.
+pub fn replay(
+    strategy: &mut dyn Strategy,
+    trace: &Trace,
+    options: &ReplayOptions,
+) -> Result<ReplayResult, ReplayError> {
+    let mut addrs: HashMap<u64, u64> = HashMap::new();
+    let mut failed: HashSet<u64> = HashSet::new();
+    let mut ooms = 0;
+    let start = Instant::now();
+    for (index, event) in trace.events.iter().enumerate() {
+        match *event {
+            Event::Alloc { id, size, stream } => {
+                if addrs.contains_key(&id) {
+                    return Err(ReplayError::DuplicateId { index, id });
+                }
+                match strategy.alloc(size, stream) {
+                    Ok(addr) => {
+                        failed.remove(&id);
+                        addrs.insert(id, addr);
+                    }
+                    Err(e) if e.is_out_of_memory() => {
+                        ooms += 1;
+                        failed.insert(id);
+                    }
+                    Err(source) => {
+                        return Err(ReplayError::Alloc {
+                            index,
+                            id,
+                            size,
+                            source,
+                        });
+                    }
+                }
+            }
+            Event::Free { id } => match addrs.remove(&id) {
+                Some(addr) => {
+                    strategy
+                        .free(addr)
+                        .map_err(|source| ReplayError::Free { index, id, source })?
+                }
+                None if failed.remove(&id) => {}
+                None => return Err(ReplayError::UnknownFree { index, id }),
+            },
+        }
+        let last = index + 1 == trace.events.len();
+        let due = |every: usize| last || (every > 0 && (index + 1) % every == 0);
+        if options.check_invariants_every.is_some_and(due) {
+            strategy
+                .check_invariants()
+                .map_err(|source| ReplayError::Invariant { index, source })?;
+        }
+    }
+    let replay_seconds = start.elapsed().as_secs_f64();
+    let stats = strategy.stats();
+    let counters = strategy.driver_counters();
+    Ok(ReplayResult {
+        workload: trace.name.clone(),
+        allocator: strategy.name().to_string(),
+        events: trace.events.len(),
+        peak_live_bytes: trace.peak_live_bytes(),
+        peak_allocated_bytes: stats.allocated_bytes.peak,
+        peak_reserved_bytes: stats.reserved_bytes.peak,
+        utilization: stats.utilization(),
+        ooms,
+        driver_calls: DriverCalls::from_counters(&counters),
+        estimated_driver_us: counters.time_us(),
+        replay_seconds,
+    })
+}

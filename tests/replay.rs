@@ -1,0 +1,265 @@
+//! The replay engine against a tiny mock strategy: OOM counting, skipped frees, errors with event indices,
+//! invariant checks, and the stable JSON field names.
+
+use cuvmm::driver::{DriverCounters, Op, StreamId};
+use cuvmm::error::{Error, InvariantViolation, OutOfMemory};
+use cuvmm::stats::Stats;
+use cuvmm::strategy::Strategy;
+use cuvmm::trace::{Event, ReplayError, ReplayOptions, Trace, replay};
+use std::collections::HashMap;
+
+/// A bump allocator that never reuses memory and fails with out-of-memory above `limit` live bytes. Each
+/// allocation costs one `malloc` call, each free one `free` call, 10 µs each.
+#[derive(Default)]
+struct Bump {
+    limit: u64,
+    next: u64,
+    live: HashMap<u64, u64>,
+    stats: Stats,
+    counters: DriverCounters,
+    freed: Vec<u64>,
+    /// Report a broken invariant once this many allocations are live.
+    break_at_live: Option<usize>,
+}
+
+impl Bump {
+    fn new(limit: u64) -> Self {
+        Self {
+            limit,
+            next: 0x1000,
+            ..Self::default()
+        }
+    }
+}
+
+impl Strategy for Bump {
+    fn name(&self) -> &'static str {
+        "bump"
+    }
+    fn alloc(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
+        if size == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let allocated = self.stats.allocated_bytes.current;
+        if allocated + size > self.limit {
+            return Err(Error::OutOfMemory(Box::new(OutOfMemory {
+                requested: size,
+                stream,
+                device_total: self.limit,
+                device_free: self.limit - allocated,
+                allocated,
+                reserved: allocated,
+                idle: 0,
+                largest_free_block: 0,
+                retried: false,
+            })));
+        }
+        let addr = self.next;
+        self.next += size;
+        self.live.insert(addr, size);
+        self.stats.allocated_bytes.add(size);
+        self.stats.reserved_bytes.add(size);
+        self.counters.record(Op::Malloc, 10_000);
+        Ok(addr)
+    }
+    fn free(&mut self, addr: u64) -> Result<(), Error> {
+        let size = self
+            .live
+            .remove(&addr)
+            .ok_or(Error::UnknownAddress { addr })?;
+        self.stats.allocated_bytes.sub(size);
+        self.stats.reserved_bytes.sub(size);
+        self.counters.record(Op::Free, 10_000);
+        self.freed.push(addr);
+        Ok(())
+    }
+    fn empty_cache(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn trim(&mut self, _bytes: u64) -> Result<u64, Error> {
+        Ok(0)
+    }
+    fn stats(&self) -> Stats {
+        self.stats
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        match self.break_at_live {
+            Some(n) if self.live.len() >= n => Err(InvariantViolation::LostAllocation { addr: 0 }),
+            _ => Ok(()),
+        }
+    }
+    fn driver_counters(&self) -> DriverCounters {
+        self.counters
+    }
+}
+
+fn alloc(id: u64, size: u64) -> Event {
+    Event::Alloc {
+        id,
+        size,
+        stream: StreamId::DEFAULT,
+    }
+}
+
+fn trace(events: Vec<Event>) -> Trace {
+    Trace {
+        name: "mock".into(),
+        events,
+    }
+}
+
+#[test]
+fn ooms_are_counted_and_their_frees_skipped() {
+    let t = trace(vec![
+        alloc(1, 600),
+        alloc(2, 600), // OOM: 1200 > 1000
+        Event::Free { id: 2 },
+        alloc(3, 300),
+        Event::Free { id: 1 },
+        alloc(4, 700),
+        alloc(5, 900), // OOM
+        Event::Free { id: 5 },
+    ]);
+    let mut bump = Bump::new(1000);
+    let result = replay(&mut bump, &t, &ReplayOptions::default()).unwrap();
+    assert_eq!(result.ooms, 2);
+    assert_eq!(result.events, 8);
+    assert_eq!(bump.freed.len(), 1, "only allocation 1 was live when freed");
+    assert_eq!(result.peak_allocated_bytes, 1000);
+    assert_eq!(result.peak_reserved_bytes, 1000);
+    assert_eq!(result.peak_live_bytes, t.peak_live_bytes());
+    assert_eq!(result.utilization, 1.0);
+    assert_eq!(result.driver_calls.malloc, 3);
+    assert_eq!(result.driver_calls.free, 1);
+    assert_eq!(result.driver_calls.total(), 4);
+    assert_eq!(result.estimated_driver_us, 40.0);
+    assert_eq!(result.workload, "mock");
+    assert_eq!(result.allocator, "bump");
+    assert!(result.replay_seconds >= 0.0);
+}
+
+#[test]
+fn an_id_that_failed_may_be_allocated_again() {
+    let t = trace(vec![
+        alloc(1, 2000), // OOM
+        alloc(1, 10),
+        Event::Free { id: 1 },
+    ]);
+    let mut bump = Bump::new(1000);
+    let result = replay(&mut bump, &t, &ReplayOptions::default()).unwrap();
+    assert_eq!(result.ooms, 1);
+    assert_eq!(bump.freed, vec![0x1000]);
+}
+
+#[test]
+fn other_errors_stop_the_replay_at_their_event() {
+    let t = trace(vec![alloc(1, 10), Event::Free { id: 1 }, alloc(2, 0)]);
+    let err = replay(&mut Bump::new(1000), &t, &ReplayOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReplayError::Alloc {
+                index: 2,
+                id: 2,
+                size: 0,
+                source: Error::ZeroSize
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("event 2"), "{err}");
+
+    let t = trace(vec![
+        alloc(1, 10),
+        Event::Free { id: 1 },
+        Event::Free { id: 1 },
+    ]);
+    let err = replay(&mut Bump::new(1000), &t, &ReplayOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, ReplayError::UnknownFree { index: 2, id: 1 }),
+        "{err:?}"
+    );
+
+    let t = trace(vec![alloc(1, 10), alloc(1, 10)]);
+    let err = replay(&mut Bump::new(1000), &t, &ReplayOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, ReplayError::DuplicateId { index: 1, id: 1 }),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn invariants_are_checked_every_n_events() {
+    let t = trace((0..10).map(|id| alloc(id, 10)).collect());
+    let mut bump = Bump::new(1000);
+    bump.break_at_live = Some(5);
+    let every_4 = ReplayOptions {
+        check_invariants_every: Some(4),
+    };
+    let err = replay(&mut bump, &t, &every_4).unwrap_err();
+    // Checked after events 3 (4 live) and 7 (8 live): the first violation is seen after index 7.
+    assert!(
+        matches!(err, ReplayError::Invariant { index: 7, .. }),
+        "{err:?}"
+    );
+
+    let mut bump = Bump::new(1000);
+    bump.break_at_live = Some(5);
+    assert!(
+        replay(&mut bump, &t, &ReplayOptions::default()).is_ok(),
+        "no checks unless asked"
+    );
+}
+
+#[test]
+fn json_has_the_stable_field_names() {
+    let t = trace(vec![alloc(1, 10), Event::Free { id: 1 }]);
+    let result = replay(&mut Bump::new(1000), &t, &ReplayOptions::default()).unwrap();
+    let value = serde_json::to_value(&result).unwrap();
+    let object = value.as_object().unwrap();
+    for key in [
+        "workload",
+        "allocator",
+        "events",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "utilization",
+        "ooms",
+        "driver_calls",
+        "estimated_driver_us",
+        "replay_seconds",
+    ] {
+        assert!(object.contains_key(key), "missing {key}");
+    }
+    let calls = object["driver_calls"].as_object().unwrap();
+    let mut keys: Vec<&str> = calls.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "create",
+            "free",
+            "malloc",
+            "map",
+            "release",
+            "set_access",
+            "unmap"
+        ]
+    );
+    assert_eq!(calls["malloc"], 1);
+    assert_eq!(object["events"], 2);
+    assert_eq!(object["allocator"], "bump");
+}
+
+#[test]
+fn replaying_a_builtin_workload_reaches_its_peak_live_bytes() {
+    for name in cuvmm::trace::workload::BUILTIN {
+        let t = cuvmm::trace::workload::generate(name, 3).unwrap();
+        let mut bump = Bump::new(u64::MAX / 2);
+        let result = replay(&mut bump, &t, &ReplayOptions::default()).unwrap();
+        assert_eq!(result.ooms, 0, "{name}");
+        assert_eq!(result.peak_allocated_bytes, t.peak_live_bytes(), "{name}");
+        assert_eq!(result.driver_calls.malloc, t.alloc_count() as u64, "{name}");
+        assert_eq!(result.events, t.events.len(), "{name}");
+    }
+}
