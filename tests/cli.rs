@@ -73,7 +73,7 @@ fn workloads_lists_every_builtin_with_a_description() {
 }
 
 #[test]
-#[ignore = "needs the expandable strategy"]
+
 fn compare_prints_one_json_result_per_workload() {
     let out = cuvmm(&["compare", "--format", "json"]);
     assert!(out.status.success(), "{}", stderr(&out));

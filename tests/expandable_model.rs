@@ -129,7 +129,7 @@ fn run(granularity: u64, pages: u64, actions: Vec<Action>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
 
     #[test]
     fn small_pages(actions in prop::collection::vec(action(24 * 4096), 1..250)) {

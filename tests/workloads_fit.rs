@@ -1,0 +1,45 @@
+//! The foundation's goal, as a test: on every built-in workload, cuvmm serves the whole trace with no
+//! out-of-memory on a device of the workload's peak live bytes plus 5%, with utilization (peak allocated over
+//! peak reserved) of at least 0.97, and every invariant holding along the way.
+
+use cuvmm::size::{MIB, round_up};
+use cuvmm::trace::{ReplayOptions, allocators, replay, workload};
+
+const PAGE: u64 = 2 * MIB;
+
+fn fits_with_five_percent(name: &str, seed: u64) {
+    let trace = workload::generate(name, seed).expect("built-in workload");
+    let peak_live = trace.peak_live_bytes();
+    let capacity = round_up(peak_live + peak_live / 20, PAGE).unwrap();
+    let mut strategy = allocators::build("cuvmm", capacity, PAGE).expect("cuvmm builds");
+    let options = ReplayOptions {
+        check_invariants_every: Some(trace.events.len() / 8),
+    };
+    let result = replay(strategy.as_mut(), &trace, &options).expect("replay");
+    assert_eq!(
+        result.ooms, 0,
+        "{name}: {} OOMs at {capacity} bytes",
+        result.ooms
+    );
+    assert!(
+        result.utilization >= 0.97,
+        "{name}: utilization {:.4}",
+        result.utilization
+    );
+    assert!(result.peak_reserved_bytes <= capacity);
+    assert!(result.peak_allocated_bytes >= peak_live);
+}
+
+#[test]
+fn every_builtin_workload_fits_in_peak_live_plus_five_percent() {
+    for name in workload::BUILTIN {
+        fits_with_five_percent(name, workload::DEFAULT_SEED);
+    }
+}
+
+#[test]
+fn and_with_another_seed() {
+    for name in workload::BUILTIN {
+        fits_with_five_percent(name, 7);
+    }
+}
