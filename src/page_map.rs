@@ -197,6 +197,11 @@ impl PageMap {
         }
     }
 
+    /// Number of unmapped pages inside `pages`.
+    pub fn unmapped_count(&self, pages: Range<usize>) -> usize {
+        self.mapped[pages].count_zeros()
+    }
+
     /// Maximal runs of unmapped pages inside `pages`, in address order.
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         runs(&self.mapped[pages.clone()], false, pages.start)

@@ -178,3 +178,31 @@ fn empty_cache_and_trim_give_memory_back() {
     alloc.empty_cache().unwrap();
     assert!(alloc.driver().leak_report().is_empty());
 }
+
+#[test]
+fn a_mapped_free_block_is_preferred_to_a_tighter_unmapped_one() {
+    let mut alloc = common::expandable(PAGE, 32, 1024, false);
+    let y = alloc.alloc(5 * PAGE, S).unwrap();
+    let sep1 = alloc.alloc(PAGE, S).unwrap();
+    let x = alloc.alloc(4 * PAGE, S).unwrap();
+    let sep2 = alloc.alloc(PAGE, S).unwrap();
+    alloc.free(x).unwrap();
+    alloc.free(y).unwrap();
+    // Release the 4 highest idle pages: exactly x's, so x's hole is the tighter fit but unmapped.
+    assert_eq!(alloc.trim(4 * PAGE).unwrap(), 4 * PAGE);
+    let calls = alloc.driver_counters().total();
+    let z = alloc.alloc(4 * PAGE, S).unwrap();
+    assert_eq!(
+        z, y,
+        "the mapped 5-page hole should serve the 4-page request"
+    );
+    assert_eq!(
+        alloc.driver_counters().total(),
+        calls,
+        "serving from mapped pages needs no driver call"
+    );
+    for addr in [z, sep1, sep2] {
+        alloc.free(addr).unwrap();
+    }
+    alloc.check_invariants().unwrap();
+}

@@ -6,6 +6,9 @@ use crate::driver::{Driver, MemInfo, PhysHandle, StreamId};
 use crate::error::{Error, OutOfMemory};
 use crate::size::round_up;
 
+/// How many of the best-fitting free blocks are compared by the pages they would need mapped.
+const FIT_CANDIDATES: usize = 8;
+
 /// Where the handles for a request's missing pages came from.
 pub(super) struct Handles {
     /// Handles that already existed (pooled, or unmapped from idle pages).
@@ -68,12 +71,13 @@ impl<D: Driver> Expandable<D> {
         stream: StreamId,
         pool: Pool,
     ) -> Result<(usize, u64), Error> {
-        let mut best: Option<(u64, usize, u64)> = None;
+        let mut best: Option<((usize, u64), usize, u64)> = None;
         for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
-            if let Some((block_size, addr)) = self.segment(slot).best_fit(size)
-                && best.is_none_or(|(best_size, ..)| block_size < best_size)
+            if let Some((missing, block_size, addr)) =
+                self.segment(slot).mapped_fit(size, FIT_CANDIDATES)
+                && best.is_none_or(|(key, ..)| (missing, block_size) < key)
             {
-                best = Some((block_size, slot, addr));
+                best = Some(((missing, block_size), slot, addr));
             }
         }
         if let Some((_, slot, addr)) = best {

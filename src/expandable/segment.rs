@@ -89,6 +89,23 @@ impl Segment {
         self.free.range((size, 0)..).next().copied()
     }
 
+    /// Among the `candidates` best-fitting free blocks for `size` bytes, the one whose first `size` bytes
+    /// need the fewest pages mapped: `(missing pages, block size, address)`. Stops at the first that needs
+    /// none.
+    pub fn mapped_fit(&self, size: u64, candidates: usize) -> Option<(usize, u64, u64)> {
+        let mut best: Option<(usize, u64, u64)> = None;
+        for &(block_size, addr) in self.free.range((size, 0)..).take(candidates) {
+            let missing = self.pages.unmapped_count(self.pages_of(addr, size));
+            if best.is_none_or(|b| (missing, block_size) < (b.0, b.1)) {
+                best = Some((missing, block_size, addr));
+            }
+            if missing == 0 {
+                break;
+            }
+        }
+        best
+    }
+
     /// The pages that bytes `addr .. addr + size` touch.
     pub fn pages_of(&self, addr: u64, size: u64) -> Range<usize> {
         self.pages.pages_touched(addr - self.va.start, size)
