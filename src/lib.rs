@@ -24,3 +24,8 @@ pub use driver::{Driver, DriverError, StreamId};
 pub use error::{Error, InvariantViolation, OutOfMemory};
 pub use stats::{Stat, Stats};
 pub use strategy::Strategy;
+
+/// The README's examples, compiled and run as doctests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
