@@ -1,0 +1,262 @@
+//! Replays the committed fuzz corpora (`fuzz/corpus/<target>/`) through the same harness code the fuzz
+//! targets run (`tests/harness/`), so every `cargo test` checks them on stable Rust, without cargo-fuzz.
+//!
+//! Each harness checks its target's properties (listed in its module docs) and returns an error or panics
+//! when one breaks; a missing or empty corpus directory fails the test too. A second test feeds each
+//! harness inputs from a seeded generator, so stable CI explores a little beyond the corpus.
+//!
+//! Part of the `expandable_ops` corpus is written from the scenarios in [`scenarios`], each aimed at one
+//! path; `CUVMM_WRITE_SEEDS=1 cargo test --test fuzz_corpus` rewrites those files after a change to the
+//! input layout. The other files are inputs the fuzzer found, minimized with `cargo fuzz cmin`.
+
+#[path = "harness/config_parse.rs"]
+mod config_parse;
+#[path = "harness/expandable_ops.rs"]
+mod expandable_ops;
+#[path = "harness/input.rs"]
+mod input;
+#[path = "harness/page_map.rs"]
+mod page_map;
+
+use cuvmm::driver::Op;
+use cuvmm::driver::sim::FaultKind;
+use expandable_ops::{Action, PAGE, Setup};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+
+/// The files of `fuzz/corpus/<target>/`, sorted. Panics if the directory is missing or empty.
+fn corpus(target: &str) -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target);
+    let entries = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("corpus directory {} is missing: {e}", dir.display()));
+    let mut files: Vec<PathBuf> = entries
+        .map(|entry| entry.expect("readable corpus entry").path())
+        .filter(|path| path.is_file())
+        .collect();
+    files.sort();
+    assert!(
+        !files.is_empty(),
+        "corpus directory {} is empty",
+        dir.display()
+    );
+    files
+}
+
+/// Runs `harness` on every file of `target`'s corpus and panics listing every failure, panics included.
+fn replay<T>(target: &str, harness: impl Fn(&[u8]) -> Result<T, String>) -> Vec<T> {
+    let mut results = Vec::new();
+    let mut failures = Vec::new();
+    for path in corpus(target) {
+        let data = std::fs::read(&path).expect("readable corpus file");
+        match catch_unwind(AssertUnwindSafe(|| harness(&data))) {
+            Ok(Ok(result)) => results.push(result),
+            Ok(Err(message)) => failures.push(format!("{}: {message}", path.display())),
+            Err(_) => failures.push(format!("{}: panicked (message above)", path.display())),
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of the {target} corpus failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    results
+}
+
+#[test]
+fn expandable_ops_corpus() {
+    let summaries = replay("expandable_ops", |data| {
+        expandable_ops::run(data).map_err(|f| f.to_string())
+    });
+    // The corpus must exercise what the target is for, not only decode.
+    let total = |f: fn(&expandable_ops::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
+    assert!(total(|s| s.allocs) > 0, "no allocation succeeded");
+    assert!(total(|s| s.ooms) > 0, "no allocation ran out of memory");
+    assert!(total(|s| s.faults_fired) > 0, "no fault fired");
+    assert!(
+        total(|s| s.failed_by_fault) > 0,
+        "no operation failed by a fault"
+    );
+}
+
+#[test]
+fn config_parse_corpus() {
+    let outcomes = replay("config_parse", config_parse::run);
+    for want in [
+        config_parse::Outcome::Refused,
+        config_parse::Outcome::AllocatorRefused,
+        config_parse::Outcome::Used,
+    ] {
+        assert!(outcomes.contains(&want), "no corpus input gives {want:?}");
+    }
+}
+
+#[test]
+fn page_map_corpus() {
+    let steps = replay("page_map", page_map::run);
+    assert!(steps.iter().sum::<usize>() > 0, "no step applied");
+}
+
+/// Inputs from a seeded SplitMix64 generator: the same every run.
+fn random_inputs(seed: u64, count: usize, len: usize) -> Vec<Vec<u8>> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) as u8
+    };
+    (0..count)
+        .map(|i| (0..len * (i % 4 + 1) / 4).map(|_| next()).collect())
+        .collect()
+}
+
+#[test]
+fn seeded_random_inputs() {
+    for data in random_inputs(1, 48, 480) {
+        if let Err(failure) = expandable_ops::run(&data) {
+            panic!("expandable_ops on {data:?}:\n{failure}");
+        }
+    }
+    for data in random_inputs(2, 64, 96) {
+        config_parse::run(&data).unwrap_or_else(|e| panic!("config_parse on {data:?}: {e}"));
+    }
+    for data in random_inputs(3, 48, 700) {
+        page_map::run(&data).unwrap_or_else(|e| panic!("page_map on {data:?}: {e}"));
+    }
+}
+
+/// The hand-written `expandable_ops` seeds: (file name, setup, operations).
+fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
+    use Action::*;
+    let setup = |pages, max_idle_bytes| Setup {
+        pages,
+        max_idle_bytes,
+        small_size: 1024,
+    };
+    let alloc = |size, stream| Alloc { size, stream };
+    let fault = |op, n, kind| Fault { op, n, kind };
+    let (err, oom) = (FaultKind::Error, FaultKind::OutOfMemory);
+    vec![
+        (
+            // Stream 1 and 2 grow on pages stream 0 left idle; a third big request runs out of memory.
+            "seed_compaction_between_streams",
+            setup(32, u64::MAX),
+            vec![
+                alloc(12 * PAGE, 0),
+                alloc(12 * PAGE, 0),
+                alloc(700, 0),
+                Free { pick: 0 },
+                Free { pick: 0 },
+                alloc(12 * PAGE, 1),
+                alloc(12 * PAGE, 2),
+                alloc(10 * PAGE, 2),
+                alloc(3000, 1),
+                Free { pick: 1 },
+                alloc(5 * PAGE, 0),
+                EmptyCache,
+            ],
+        ),
+        (
+            // `create` runs out of memory: the cache is released and creation retried once; then a
+            // plain error fails the request, and the next request succeeds.
+            "seed_create_faults",
+            setup(40, u64::MAX),
+            vec![
+                alloc(8 * PAGE, 0),
+                Free { pick: 0 },
+                fault(Op::Create, 1, oom),
+                alloc(12 * PAGE, 1),
+                fault(Op::Create, 1, err),
+                alloc(3 * PAGE, 1),
+                alloc(3 * PAGE, 1),
+                fault(Op::Create, 2, oom),
+                fault(Op::Create, 3, oom),
+                alloc(9 * PAGE, 2),
+                Free { pick: 0 },
+            ],
+        ),
+        (
+            // `map` and `set_access` fail in the middle of backing a block with pages.
+            "seed_map_and_access_faults",
+            setup(48, u64::MAX),
+            vec![
+                fault(Op::Map, 2, err),
+                alloc(4 * PAGE, 0),
+                fault(Op::SetAccess, 1, oom),
+                alloc(4 * PAGE, 0),
+                alloc(4 * PAGE, 0),
+                alloc(512, 1),
+                fault(Op::Map, 1, oom),
+                alloc(6 * PAGE + 100, 1),
+                Free { pick: 3 },
+                Trim { pages: 2 },
+            ],
+        ),
+        (
+            // With a 2-page idle limit, frees give memory back, and `release`, `unmap`,
+            // `synchronize` and `free_reservation` fail on the way.
+            "seed_release_path_faults",
+            setup(36, 2 * PAGE),
+            vec![
+                alloc(8 * PAGE, 0),
+                alloc(1000, 0),
+                alloc(5 * PAGE, 1),
+                fault(Op::Release, 1, err),
+                Free { pick: 0 },
+                fault(Op::Unmap, 1, oom),
+                Free { pick: 1 },
+                fault(Op::Synchronize, 1, err),
+                Trim { pages: 4 },
+                fault(Op::FreeReservation, 1, err),
+                Free { pick: 0 },
+                EmptyCache,
+                EmptyCache,
+            ],
+        ),
+        (
+            // Refused requests: double and unknown frees, size 0, sizes beyond the device; a failed
+            // `reserve` and a failed `mem_info` while reporting out-of-memory.
+            "seed_refusals",
+            setup(64, 8 * PAGE),
+            vec![
+                BadFree { pick: 3 },
+                alloc(2048, 0),
+                Free { pick: 0 },
+                BadFree { pick: 0 },
+                alloc(0, 0),
+                alloc(64 * PAGE + 1, 1),
+                fault(Op::Reserve, 1, err),
+                alloc(PAGE, 2),
+                alloc(12 * PAGE, 2),
+                alloc(12 * PAGE, 2),
+                alloc(12 * PAGE, 2),
+                alloc(12 * PAGE, 2),
+                alloc(12 * PAGE, 2),
+                fault(Op::MemInfo, 1, err),
+                alloc(12 * PAGE, 0),
+            ],
+        ),
+    ]
+}
+
+/// The hand-written seeds on disk are exactly what their scenarios encode to, and decode back to them.
+#[test]
+fn written_seeds_match_their_scenarios() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/expandable_ops");
+    let write = std::env::var_os("CUVMM_WRITE_SEEDS").is_some();
+    for (name, setup, actions) in scenarios() {
+        let bytes = expandable_ops::encode(&setup, &actions);
+        assert_eq!(expandable_ops::decode(&bytes), (setup, actions), "{name}");
+        let path = dir.join(name);
+        if write {
+            std::fs::write(&path, &bytes).expect("seed written");
+        }
+        let on_disk = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (CUVMM_WRITE_SEEDS=1 writes it)", path.display()));
+        assert_eq!(on_disk, bytes, "{name} differs from its scenario");
+    }
+}
