@@ -12,6 +12,10 @@ mod tests;
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
+/// The largest `va_factor`: a segment's page map is dense (about 20 bytes of host memory per page), so a
+/// reservation of 16x an 80 GiB device costs about 13 MB of host memory per segment; more buys nothing.
+pub const MAX_VA_FACTOR: u64 = 16;
+
 /// How request sizes round up, as PyTorch's `roundup_power2_divisions` says.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum RoundupDivisions {
@@ -76,7 +80,8 @@ pub struct Config {
     /// and unmapped handles) before it releases the excess to the driver. `u64::MAX` keeps all of it,
     /// as PyTorch's caching allocator does, until `empty_cache` or `trim`.
     pub max_idle_bytes: u64,
-    /// Virtual bytes reserved for each segment, as a multiple of the device's total memory.
+    /// Virtual bytes reserved for each segment, as a multiple of the device's total memory, from 1 to
+    /// [`MAX_VA_FACTOR`]. Each segment's page map costs about 20 bytes of host memory per page it spans.
     pub va_factor: u64,
     /// PyTorch's `expandable_segments`: whether its own allocator would use expandable segments. Selects
     /// the `pytorch-expandable` model over the classic one when replaying PyTorch's allocators.
@@ -188,8 +193,12 @@ impl Config {
         if self.small_size == 0 {
             return bad("small_size_kb", "0 bytes".into(), parse::EXPECT_POSITIVE);
         }
-        if self.va_factor == 0 {
-            return bad("va_factor", "0".into(), parse::EXPECT_VA_FACTOR);
+        if self.va_factor == 0 || self.va_factor > MAX_VA_FACTOR {
+            return bad(
+                "va_factor",
+                self.va_factor.to_string(),
+                parse::EXPECT_VA_FACTOR,
+            );
         }
         if let Some(bytes) = self.max_split_size.filter(|&b| b < parse::LARGE_BUFFER) {
             return bad(

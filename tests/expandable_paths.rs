@@ -206,3 +206,43 @@ fn a_mapped_free_block_is_preferred_to_a_tighter_unmapped_one() {
     }
     alloc.check_invariants().unwrap();
 }
+
+#[test]
+fn a_free_that_happened_is_ok_even_if_releasing_idle_memory_fails() {
+    let sim = cuvmm::driver::sim::SimDriver::new(
+        cuvmm::driver::sim::SimConfig::default()
+            .with_capacity(16 * PAGE)
+            .with_granularity(PAGE),
+    );
+    let config = Config::default().with_max_idle_bytes(PAGE);
+    let mut alloc = cuvmm::expandable::Expandable::new(sim, config).unwrap();
+    let a = alloc.alloc(4 * PAGE, S).unwrap();
+    let b = alloc.alloc(PAGE, S).unwrap();
+    alloc.driver_mut().fail_nth(Op::Unmap, 1, FaultKind::Error);
+    alloc
+        .free(a)
+        .expect("the block is free even though trimming the excess failed");
+    assert!(matches!(alloc.free(a), Err(Error::DoubleFree { .. })));
+    alloc.check_invariants().unwrap();
+    assert!(
+        alloc.stats().idle_mapped_bytes > PAGE,
+        "the failed release kept the pages idle"
+    );
+    // The next free retries the release and gets back under the limit.
+    alloc.free(b).unwrap();
+    let stats = alloc.stats();
+    assert!(stats.idle_mapped_bytes + stats.idle_handle_bytes <= PAGE);
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn an_absurd_va_factor_is_refused() {
+    let sim = cuvmm::driver::sim::SimDriver::new(
+        cuvmm::driver::sim::SimConfig::default()
+            .with_capacity(16 * PAGE)
+            .with_granularity(PAGE),
+    );
+    let err = cuvmm::expandable::Expandable::new(sim, Config::default().with_va_factor(1_841_615))
+        .unwrap_err();
+    assert!(err.to_string().contains("va_factor"), "{err}");
+}

@@ -15,7 +15,7 @@ const PINNED_MAX_REGISTER_THREADS: u64 = 128;
 
 pub(super) const EXPECT_POSITIVE: &str =
     "a positive whole number that fits in 64 bits once in bytes";
-pub(super) const EXPECT_VA_FACTOR: &str = "a whole number >= 1";
+pub(super) const EXPECT_VA_FACTOR: &str = "a whole number from 1 to 16";
 pub(super) const EXPECT_AT_LEAST_20: &str = "a whole number of MiB >= 20 (PyTorch's kLargeBuffer)";
 pub(super) const EXPECT_FRACTION: &str = "a number strictly between 0 and 1";
 pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,512:2,>:8] whose keys are \
@@ -131,7 +131,7 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
         }
         "va_factor" => {
             config.va_factor = uint(key, value, EXPECT_VA_FACTOR)?;
-            if config.va_factor == 0 {
+            if config.va_factor == 0 || config.va_factor > super::MAX_VA_FACTOR {
                 return Err(bad(EXPECT_VA_FACTOR));
             }
         }

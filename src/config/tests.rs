@@ -274,6 +274,8 @@ fn cuvmm_keys() {
         ("max_idle_mb:-1", "max_idle_mb"),
         ("max_idle_mb:17592186044416", "max_idle_mb"),
         ("va_factor:0", "va_factor"),
+        ("va_factor:17", "va_factor"),
+        ("va_factor:1841615", "va_factor"),
         ("small_size_kb:0", "small_size_kb"),
         ("small_size_kb:1.5", "small_size_kb"),
     ];

@@ -63,8 +63,9 @@ pub struct Expandable<D: Driver> {
 }
 
 impl<D: Driver> Expandable<D> {
-    /// An allocator on `driver` configured by `config`. Fails if the page size is not a positive multiple of
-    /// the driver's granularity, or if the device's size cannot be read.
+    /// An allocator on `driver` configured by `config`. Fails if the configuration is invalid
+    /// ([`Config::validate`]), if the page size is not a positive multiple of the driver's granularity, or if
+    /// the device's size cannot be read.
     pub fn new(mut driver: D, config: Config) -> Result<Self, Error> {
         let granularity = driver.granularity();
         let page_size = config.page_size.unwrap_or(granularity);
@@ -76,14 +77,7 @@ impl<D: Driver> Expandable<D> {
             }
             .into());
         }
-        if config.va_factor == 0 {
-            return Err(ConfigError::BadValue {
-                key: "va_factor".into(),
-                value: "0".into(),
-                expected: "an integer of at least 1",
-            }
-            .into());
-        }
+        config.validate()?;
         let device_total = driver.mem_info()?.total;
         Ok(Self {
             driver,
@@ -206,11 +200,16 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.allocate(size, stream)
     }
 
+    /// Frees the block at `addr`. Once the block is free this returns `Ok`: if giving idle memory beyond
+    /// `max_idle_bytes` back to the driver then fails, the memory stays idle (the next free tries again) and
+    /// the failure is reported through `tracing`, so a caller never sees an error for a free that happened.
     fn free(&mut self, addr: u64) -> Result<(), Error> {
         self.free_block(addr)?;
         let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
-        if excess > 0 {
-            self.release_idle(excess)?;
+        if excess > 0
+            && let Err(err) = self.release_idle(excess)
+        {
+            tracing::warn!(%err, excess, "cuvmm: releasing idle memory beyond max_idle_bytes failed; kept idle");
         }
         Ok(())
     }
