@@ -195,6 +195,7 @@ fn invariants_are_checked_every_n_events() {
     bump.break_at_live = Some(5);
     let every_4 = ReplayOptions {
         check_invariants_every: Some(4),
+        ..ReplayOptions::default()
     };
     let err = replay(&mut bump, &t, &every_4).unwrap_err();
     // Checked after events 3 (4 live) and 7 (8 live): the first violation is seen after index 7.
