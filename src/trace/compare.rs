@@ -161,4 +161,30 @@ mod tests {
             CompareError::Build(BuildError::Unknown { .. })
         ));
     }
+
+    #[test]
+    fn a_missing_cuda_is_a_usage_error_and_a_failing_one_is_not() {
+        let usage = |e: DeviceError| CompareError::Device(e).is_usage_error();
+        assert!(usage(DeviceError::NoCudaSupport));
+        assert!(usage(DeviceError::Driver(DriverError::NoDriver {
+            reason: "none".into()
+        })));
+        assert!(!usage(DeviceError::Driver(DriverError::CudaSetup {
+            call: "cuDevicePrimaryCtxRetain",
+            code: 2,
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into()
+        })));
+        // Without the feature, or without a driver, asking for CUDA fails before any replay.
+        if !cfg!(feature = "cuda") {
+            let options = CompareOptions {
+                device: DeviceSpec::Cuda { ordinal: 0 },
+                ..CompareOptions::default()
+            };
+            let err = compare(&options).unwrap_err();
+            assert!(matches!(
+                err,
+                CompareError::Device(DeviceError::NoCudaSupport)
+            ));
+        }
+    }
 }

@@ -59,7 +59,8 @@ pub struct CompareArgs {
     /// Where to replay.
     #[command(flatten)]
     pub device: DeviceArgs,
-    /// Write a byte pattern into each allocation (cuMemsetD8) and check a sample of it before it is freed.
+    /// Write a byte pattern into each allocation (cuMemsetD8) and check a sample of it before it is freed;
+    /// the driver time reported then includes these writes and reads.
     #[arg(long)]
     pub touch: bool,
     /// Memory of the simulated device, e.g. 80GiB (a CUDA device has what it has).

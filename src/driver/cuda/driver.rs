@@ -89,6 +89,7 @@ impl CudaDriver {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| setup("cuDevicePrimaryCtxRetain", &e))?;
         let name = ctx.name().map_err(|e| setup("cuDeviceGetName", &e))?;
+        // Attribute 102: CUDA calls it VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED; cudarc keeps its older alias.
         let vmm = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED)
             .map_err(|e| setup("cuDeviceGetAttribute", &e))?;
