@@ -179,22 +179,21 @@ impl CudaDriver {
         self.ledger.report()
     }
 
-    /// Errors that cudarc recorded in the context outside any call of this driver (a stream or event it
-    /// dropped failed to be destroyed). Each was logged with `tracing::error!` when found.
+    /// Errors that cudarc recorded in the context outside any call of this driver (an event or stream it
+    /// dropped failed to be destroyed), as [`DriverError::Cuda`] with [`Op::DestroyEvent`]. Each was logged
+    /// with `tracing::error!` when found.
     pub fn take_deferred_errors(&mut self) -> Vec<DriverError> {
         std::mem::take(&mut self.deferred)
     }
 
-    /// Moves any error cudarc recorded in the context into `deferred`, logging it.
+    /// Moves any error cudarc recorded in the context into `deferred`, logging it. cudarc records errors
+    /// only from its `Drop` implementations; the driver drops streams only in its own drop, so what is found
+    /// here during operation comes from destroying an event.
     fn harvest(&mut self, during: &str) {
         if let Err(e) = self.ctx.check_err() {
             let (code, name) = result::code_and_name(&e);
             tracing::error!(code, %name, "cuvmm: CUDA error recorded while {during}");
-            self.deferred.push(DriverError::CudaSetup {
-                call: "deferred (recorded by cudarc on drop)",
-                code,
-                name,
-            });
+            self.deferred.push(cuda_error(Op::DestroyEvent, &e));
         }
     }
 
