@@ -5,11 +5,12 @@
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
 //! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategies
-//! ([`expandable`]), the facade ([`Allocator`]), and the tools ([`trace`]). See `docs/DESIGN.md`.
+//! ([`expandable`]), the facade ([`Allocator`]), and the tools ([`trace`], [`driver_bench`]). See `docs/DESIGN.md`.
 
 pub mod allocator;
 pub mod config;
 pub mod driver;
+pub mod driver_bench;
 pub mod error;
 pub mod expandable;
 pub mod page_map;

@@ -1,7 +1,7 @@
 //! The interface every allocation strategy offers, so the facade, the replay engine and the tests can drive
 //! any of them: cuvmm's expandable allocator, and (later) the classic split model and PyTorch's expandable mode.
 
-use crate::driver::{DriverCounters, StreamId};
+use crate::driver::{DriverCounters, DriverError, Op, StreamId};
 use crate::error::{Error, InvariantViolation};
 use crate::stats::Stats;
 
@@ -31,4 +31,22 @@ pub trait Strategy {
 
     /// Driver calls made so far.
     fn driver_counters(&self) -> DriverCounters;
+
+    /// Sets `len` bytes from `addr` (inside a live allocation) to `value` on the device, through the
+    /// driver's [`memset_d8`](crate::Driver::memset_d8). For `--touch` replays and tests, not a fast path.
+    ///
+    /// The default implementation returns [`DriverError::Unsupported`].
+    fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {
+        let _ = (addr, len, value);
+        Err(DriverError::Unsupported { op: Op::Memset }.into())
+    }
+
+    /// Copies `out.len()` bytes from `addr` (inside a live allocation) to `out`, through the driver's
+    /// [`copy_to_host`](crate::Driver::copy_to_host).
+    ///
+    /// The default implementation returns [`DriverError::Unsupported`].
+    fn copy_to_host(&mut self, addr: u64, out: &mut [u8]) -> Result<(), Error> {
+        let _ = (addr, out);
+        Err(DriverError::Unsupported { op: Op::CopyToHost }.into())
+    }
 }

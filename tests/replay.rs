@@ -1,10 +1,11 @@
 //! The replay engine against a tiny mock strategy: OOM counting, skipped frees, errors with event indices,
-//! invariant checks, and the stable JSON field names.
+//! invariant checks, the stable JSON field names, and `touch` finding overlapping allocations.
 
-use cuvmm::driver::{DriverCounters, Op, StreamId};
+use cuvmm::driver::{DriverCounters, DriverError, Op, StreamId};
 use cuvmm::error::{Error, InvariantViolation, OutOfMemory};
 use cuvmm::stats::Stats;
 use cuvmm::strategy::Strategy;
+use cuvmm::trace::replay::touch_byte;
 use cuvmm::trace::{Event, ReplayError, ReplayOptions, Trace, replay};
 use std::collections::HashMap;
 
@@ -195,6 +196,7 @@ fn invariants_are_checked_every_n_events() {
     bump.break_at_live = Some(5);
     let every_4 = ReplayOptions {
         check_invariants_every: Some(4),
+        ..ReplayOptions::default()
     };
     let err = replay(&mut bump, &t, &every_4).unwrap_err();
     // Checked after events 3 (4 live) and 7 (8 live): the first violation is seen after index 7.
@@ -261,5 +263,129 @@ fn replaying_a_builtin_workload_reaches_its_peak_live_bytes() {
         assert_eq!(result.peak_allocated_bytes, t.peak_live_bytes(), "{name}");
         assert_eq!(result.driver_calls.malloc, t.alloc_count() as u64, "{name}");
         assert_eq!(result.events, t.events.len(), "{name}");
+    }
+}
+
+/// A strategy with real bytes (a flat memory from address 0) that can be told to hand out overlapping
+/// allocations: each starts `overlap` bytes before the previous one ends.
+struct Flat {
+    memory: Vec<u8>,
+    next: u64,
+    overlap: u64,
+}
+
+impl Flat {
+    fn new(overlap: u64) -> Self {
+        Self {
+            memory: vec![0; 1 << 16],
+            next: 0,
+            overlap,
+        }
+    }
+}
+
+impl Strategy for Flat {
+    fn name(&self) -> &'static str {
+        "flat"
+    }
+    fn alloc(&mut self, size: u64, _stream: StreamId) -> Result<u64, Error> {
+        let addr = self.next;
+        self.next = addr + size - self.overlap;
+        Ok(addr)
+    }
+    fn free(&mut self, _addr: u64) -> Result<(), Error> {
+        Ok(())
+    }
+    fn empty_cache(&mut self) -> Result<(), Error> {
+        Ok(())
+    }
+    fn trim(&mut self, _bytes: u64) -> Result<u64, Error> {
+        Ok(0)
+    }
+    fn stats(&self) -> Stats {
+        Stats::default()
+    }
+    fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        Ok(())
+    }
+    fn driver_counters(&self) -> DriverCounters {
+        DriverCounters::default()
+    }
+    fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {
+        self.memory[addr as usize..(addr + len) as usize].fill(value);
+        Ok(())
+    }
+    fn copy_to_host(&mut self, addr: u64, out: &mut [u8]) -> Result<(), Error> {
+        out.copy_from_slice(&self.memory[addr as usize..addr as usize + out.len()]);
+        Ok(())
+    }
+}
+
+fn touching() -> ReplayOptions {
+    ReplayOptions {
+        touch: true,
+        ..ReplayOptions::default()
+    }
+}
+
+#[test]
+fn touch_passes_when_allocations_are_apart() {
+    let t = trace(vec![
+        alloc(1, 100),
+        alloc(2, 100),
+        Event::Free { id: 1 },
+        Event::Free { id: 2 },
+    ]);
+    replay(&mut Flat::new(0), &t, &touching()).expect("no overlap, no corruption");
+}
+
+#[test]
+fn touch_finds_overlapping_allocations() {
+    let t = trace(vec![alloc(1, 100), alloc(2, 100), Event::Free { id: 1 }]);
+    // Without touching, the overlap goes unnoticed.
+    replay(&mut Flat::new(16), &t, &ReplayOptions::default()).expect("untouched");
+    let err = replay(&mut Flat::new(16), &t, &touching()).unwrap_err();
+    match err {
+        ReplayError::Corrupted {
+            index,
+            id,
+            addr,
+            offset,
+            expected,
+            found,
+        } => {
+            assert_eq!((index, id, addr), (2, 1, 0));
+            assert_eq!(offset, 84, "the first byte allocation 2 overwrote");
+            assert_eq!(expected, touch_byte(1));
+            assert_eq!(found, touch_byte(2));
+            assert_ne!(expected, found);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn touch_needs_a_strategy_that_can_write_bytes() {
+    let t = trace(vec![alloc(1, 10), Event::Free { id: 1 }]);
+    let err = replay(&mut Bump::new(1000), &t, &touching()).unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            ReplayError::Touch {
+                index: 0,
+                id: 1,
+                source: Error::Driver(DriverError::Unsupported { op: Op::Memset })
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("memset"), "{err}");
+}
+
+#[test]
+fn touch_bytes_are_never_zero_and_differ_between_neighbours() {
+    for id in 0..1000 {
+        assert_ne!(touch_byte(id), 0);
+        assert_ne!(touch_byte(id), touch_byte(id + 1));
     }
 }

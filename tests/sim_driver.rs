@@ -489,6 +489,53 @@ fn without_a_backing_store_bytes_are_an_explicit_error() {
 }
 
 #[test]
+fn memset_and_copy_to_host_are_counted_driver_calls_over_the_store() {
+    let mut d = device();
+    let (r, hs) = mapped(&mut d, 2, 1);
+    let before = d.counters();
+    d.memset_d8(r.start + 10, 2 * G - 20, 0xC3).unwrap();
+    let mut out = vec![0; 2 * G as usize];
+    d.copy_to_host(r.start, &mut out).unwrap();
+    assert!(out[..10].iter().all(|&b| b == 0));
+    assert!(out[10..out.len() - 10].iter().all(|&b| b == 0xC3));
+    assert!(out[out.len() - 10..].iter().all(|&b| b == 0));
+    // A later write wins over the fill, and the fill over what was there before.
+    d.write(r.start + G, &[1, 2, 3]).unwrap();
+    d.memset_d8(r.start + G + 1, 1, 9).unwrap();
+    assert_eq!(
+        d.read(r.start + G - 1, 5).unwrap(),
+        vec![0xC3, 1, 9, 3, 0xC3]
+    );
+    let after = d.counters();
+    assert_eq!(after.get(Op::Memset), before.get(Op::Memset) + 2);
+    assert_eq!(after.get(Op::CopyToHost), before.get(Op::CopyToHost) + 1);
+    let model = LatencyModel::a100();
+    let expected = model.cost_ns(Op::Memset, 2 * G - 20)
+        + model.cost_ns(Op::CopyToHost, 2 * G)
+        + model.cost_ns(Op::Memset, 1);
+    assert_eq!(after.time_ns - before.time_ns, expected);
+    // The same access rules as reads and writes; a failed memset writes nothing.
+    assert!(matches!(
+        d.memset_d8(r.start, 3 * G, 1),
+        Err(DriverError::NotMapped { .. })
+    ));
+    assert_eq!(d.read(r.start + 10, 1).unwrap(), vec![0xC3]);
+    teardown(&mut d, r, &hs);
+
+    let mut bare = SimDriver::new(SimConfig::default().with_granularity(G));
+    let (r, hs) = mapped(&mut bare, 1, 1);
+    assert_eq!(
+        bare.memset_d8(r.start, G, 1),
+        Err(DriverError::NoBackingStore)
+    );
+    assert_eq!(
+        bare.copy_to_host(r.start, &mut [0; 4]),
+        Err(DriverError::NoBackingStore)
+    );
+    teardown(&mut bare, r, &hs);
+}
+
+#[test]
 fn bytes_move_with_a_remapped_handle() {
     let mut d = device();
     let r = d.reserve(8 * G).unwrap();

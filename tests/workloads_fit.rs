@@ -14,6 +14,7 @@ fn fits_with_five_percent(name: &str, seed: u64) {
     let mut strategy = allocators::build("cuvmm", capacity, PAGE).expect("cuvmm builds");
     let options = ReplayOptions {
         check_invariants_every: Some(trace.events.len() / 8),
+        ..ReplayOptions::default()
     };
     let result = replay(strategy.as_mut(), &trace, &options).expect("replay");
     assert_eq!(

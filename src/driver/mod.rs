@@ -6,8 +6,12 @@
 //! needed to know when freed memory is no longer in use.
 //!
 //! [`sim::SimDriver`] is the default backend: it enforces CUDA's rules so that a bug that would crash a GPU
-//! fails a test instead. A real CUDA backend lives in `driver/cuda/` behind the `cuda` feature.
+//! fails a test instead. The real CUDA backend, `cuda::CudaDriver`, lives in `driver/cuda/` behind the
+//! `cuda` feature; [`device`] picks one of them from a `--device sim|cuda[:N]` string.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 pub mod sim;
 
 use serde::Serialize;
@@ -114,11 +118,15 @@ pub enum Op {
     DestroyEvent,
     /// `cuStreamSynchronize`.
     Synchronize,
+    /// `cuMemsetD8`: fills device memory with a byte (for `--touch` and tests).
+    Memset,
+    /// `cuMemcpyDtoH`: copies device memory to the host (for `--touch` and tests).
+    CopyToHost,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 16] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -133,6 +141,8 @@ impl Op {
         Op::QueryEvent,
         Op::DestroyEvent,
         Op::Synchronize,
+        Op::Memset,
+        Op::CopyToHost,
     ];
 
     /// The operation's name in cuvmm's verbs (`reserve`, `create`, `map`, ...).
@@ -152,6 +162,8 @@ impl Op {
             Op::QueryEvent => "query_event",
             Op::DestroyEvent => "destroy_event",
             Op::Synchronize => "synchronize",
+            Op::Memset => "memset",
+            Op::CopyToHost => "copy_to_host",
         }
     }
 }
@@ -354,6 +366,32 @@ pub enum DriverError {
         /// What was missing.
         reason: String,
     },
+    /// The driver does not offer this operation (a [`Driver`] that keeps the default
+    /// [`memset_d8`](Driver::memset_d8) or [`copy_to_host`](Driver::copy_to_host)).
+    #[error("{op}: not supported by this driver")]
+    Unsupported {
+        /// The operation asked for.
+        op: Op,
+    },
+    /// A CUDA call made while opening a device (creating its context, querying it) failed.
+    #[error("opening the CUDA device: {call} failed with CUDA error {code} ({name})")]
+    CudaSetup {
+        /// The driver function that failed (`cuDevicePrimaryCtxRetain`, ...).
+        call: &'static str,
+        /// The `CUresult` value.
+        code: u32,
+        /// The `CUresult` name.
+        name: String,
+    },
+    /// A peer device that was asked to get access to this device's memory cannot access it
+    /// (`cuDeviceCanAccessPeer` says no).
+    #[error("CUDA device {peer} cannot access the memory of device {device}")]
+    PeerAccess {
+        /// The device whose memory is mapped.
+        device: usize,
+        /// The peer that cannot reach it.
+        peer: usize,
+    },
     /// A real driver call failed.
     #[error("{op}: CUDA error {code} ({name})")]
     Cuda {
@@ -436,4 +474,23 @@ pub trait Driver {
 
     /// Calls made so far and the driver time they cost.
     fn counters(&self) -> DriverCounters;
+
+    /// Sets `size` bytes from `va` to `value` (`cuMemsetD8`), and returns once they are written. The range
+    /// must be mapped with access set (or lie inside one `malloc` allocation); it may span several mappings.
+    ///
+    /// A test and diagnosis tool (`cuvmm compare --touch`), not a fast path. The default implementation
+    /// returns [`DriverError::Unsupported`], so a driver that cannot touch bytes need not implement it.
+    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
+        let _ = (va, size, value);
+        Err(DriverError::Unsupported { op: Op::Memset })
+    }
+
+    /// Copies `out.len()` bytes from device address `va` to `out` (`cuMemcpyDtoH`), after all earlier
+    /// [`memset_d8`](Driver::memset_d8) calls. The same rules as `memset_d8` apply to the range.
+    ///
+    /// The default implementation returns [`DriverError::Unsupported`].
+    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
+        let _ = (va, out);
+        Err(DriverError::Unsupported { op: Op::CopyToHost })
+    }
 }

@@ -253,6 +253,14 @@ impl<D: Driver> Strategy for Expandable<D> {
     fn driver_counters(&self) -> DriverCounters {
         self.driver.counters()
     }
+
+    fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {
+        Ok(self.driver.memset_d8(addr, len, value)?)
+    }
+
+    fn copy_to_host(&mut self, addr: u64, out: &mut [u8]) -> Result<(), Error> {
+        Ok(self.driver.copy_to_host(addr, out)?)
+    }
 }
 
 impl<D: Driver> Drop for Expandable<D> {

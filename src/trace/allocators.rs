@@ -1,6 +1,7 @@
 //! Every allocator the tools can compare, built by name in one place.
 
 use crate::config::Config;
+use crate::driver::Driver;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::error::Error;
 use crate::expandable::Expandable;
@@ -31,20 +32,28 @@ pub enum BuildError {
 /// The allocator called `name` on a fresh simulated device of `capacity` bytes whose allocation
 /// granularity is `page_size` bytes, with the default configuration.
 pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strategy>, BuildError> {
-    let device = || {
-        SimDriver::new(
-            SimConfig::default()
-                .with_capacity(capacity)
-                .with_granularity(page_size),
-        )
-    };
+    let device = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(capacity)
+            .with_granularity(page_size),
+    );
+    build_on(name, device, Config::default())
+}
+
+/// The allocator called `name` on `device` (any [`Driver`]: a [`SimDriver`], a
+/// [`Device`](crate::driver::device::Device), ...), configured by `config`.
+pub fn build_on<D: Driver + 'static>(
+    name: &str,
+    device: D,
+    config: Config,
+) -> Result<Box<dyn Strategy>, BuildError> {
     let strategy_error = |source| BuildError::Strategy {
         name: name.to_string(),
         source,
     };
     match name {
         "cuvmm" => Ok(Box::new(
-            Expandable::new(device(), Config::default()).map_err(strategy_error)?,
+            Expandable::new(device, config).map_err(strategy_error)?,
         )),
         _ => Err(BuildError::Unknown {
             name: name.to_string(),

@@ -3,6 +3,10 @@
 use super::allocators::{self, BuildError};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use super::workload;
+use crate::config::Config;
+use crate::driver::DriverError;
+use crate::driver::device::{DeviceError, DeviceSpec};
+use crate::driver::sim::SimConfig;
 use crate::size::{GIB, MIB};
 
 /// What to compare and on which device.
@@ -12,9 +16,12 @@ pub struct CompareOptions {
     pub workloads: Vec<String>,
     /// Allocators to replay them through, in order.
     pub allocators: Vec<String>,
-    /// Device memory in bytes.
+    /// The device to replay on: the simulator (the default) or a CUDA device.
+    pub device: DeviceSpec,
+    /// Device memory in bytes (the simulated device's; a CUDA device has what it has).
     pub capacity: u64,
-    /// Device page size (allocation granularity) in bytes.
+    /// Page size in bytes: the simulated device's allocation granularity, and the allocator's page size
+    /// (on a CUDA device it must be a multiple of the device's granularity).
     pub page_size: u64,
     /// Seed of the workload generators.
     pub seed: u64,
@@ -31,6 +38,7 @@ impl Default for CompareOptions {
                 .iter()
                 .map(|a| a.to_string())
                 .collect(),
+            device: DeviceSpec::Sim,
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
@@ -51,6 +59,9 @@ pub enum CompareError {
     /// An allocator could not be built.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The device could not be opened (no CUDA support in this build, no CUDA driver, ...).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
     /// A replay failed.
     #[error("replaying `{workload}` through `{allocator}`: {source}")]
     Replay {
@@ -65,9 +76,16 @@ pub enum CompareError {
 
 impl CompareError {
     /// Whether the caller asked for something that cannot be (an unknown name, a device the allocator
-    /// rejects), rather than a replay going wrong.
+    /// rejects, a CUDA device on a build or a machine without CUDA), rather than a replay or a device
+    /// going wrong.
     pub fn is_usage_error(&self) -> bool {
-        !matches!(self, CompareError::Replay { .. })
+        match self {
+            CompareError::Replay { .. } => false,
+            CompareError::Device(DeviceError::Driver(e)) => {
+                matches!(e, DriverError::NoDriver { .. })
+            }
+            _ => true,
+        }
     }
 }
 
@@ -88,12 +106,23 @@ pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareErr
     {
         return Err(BuildError::Unknown { name: name.clone() }.into());
     }
+    let sim = SimConfig::default()
+        .with_capacity(options.capacity)
+        .with_granularity(options.page_size)
+        .with_backing_store(options.replay.touch);
+    let config = Config {
+        page_size: Some(options.page_size),
+        ..Config::default()
+    };
+    // Open the device once before any work, so a missing driver is reported at once.
+    drop(options.device.open(sim.clone())?);
     let mut results = Vec::new();
     for name in &options.workloads {
         let trace = workload::generate(name, options.seed)
             .ok_or_else(|| CompareError::UnknownWorkload { name: name.clone() })?;
         for allocator in &options.allocators {
-            let mut strategy = allocators::build(allocator, options.capacity, options.page_size)?;
+            let device = options.device.open(sim.clone())?;
+            let mut strategy = allocators::build_on(allocator, device, config.clone())?;
             let result = replay(strategy.as_mut(), &trace, &options.replay).map_err(|source| {
                 CompareError::Replay {
                     workload: name.clone(),
@@ -131,5 +160,31 @@ mod tests {
             err,
             CompareError::Build(BuildError::Unknown { .. })
         ));
+    }
+
+    #[test]
+    fn a_missing_cuda_is_a_usage_error_and_a_failing_one_is_not() {
+        let usage = |e: DeviceError| CompareError::Device(e).is_usage_error();
+        assert!(usage(DeviceError::NoCudaSupport));
+        assert!(usage(DeviceError::Driver(DriverError::NoDriver {
+            reason: "none".into()
+        })));
+        assert!(!usage(DeviceError::Driver(DriverError::CudaSetup {
+            call: "cuDevicePrimaryCtxRetain",
+            code: 2,
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into()
+        })));
+        // Without the feature, or without a driver, asking for CUDA fails before any replay.
+        if !cfg!(feature = "cuda") {
+            let options = CompareOptions {
+                device: DeviceSpec::Cuda { ordinal: 0 },
+                ..CompareOptions::default()
+            };
+            let err = compare(&options).unwrap_err();
+            assert!(matches!(
+                err,
+                CompareError::Device(DeviceError::NoCudaSupport)
+            ));
+        }
     }
 }

@@ -13,6 +13,19 @@ use std::time::Instant;
 pub struct ReplayOptions {
     /// Call [`Strategy::check_invariants`] after every N events (and after the last one); `None` never does.
     pub check_invariants_every: Option<usize>,
+    /// Write a byte pattern into each allocation ([`Strategy::memset`]) and check a sample of it
+    /// ([`Strategy::copy_to_host`]: its first, middle and last [`TOUCH_SAMPLE`] bytes) before it is freed.
+    /// Proves on a real device that live allocations do not overlap and that their memory is really there.
+    pub touch: bool,
+}
+
+/// Bytes read back from each end and from the middle of an allocation by a touching replay.
+pub const TOUCH_SAMPLE: u64 = 64;
+
+/// The byte a touching replay writes into allocation `id`: never 0 (fresh memory often is), and different
+/// for neighbouring ids.
+pub fn touch_byte(id: u64) -> u8 {
+    (id % 255) as u8 + 1
 }
 
 /// Driver calls a replay made, per operation (the JSON object `driver_calls`).
@@ -129,6 +142,34 @@ pub enum ReplayError {
         /// The id.
         id: u64,
     },
+    /// Writing or reading an allocation's bytes failed ([`ReplayOptions::touch`]).
+    #[error("event {index}: touching allocation {id} failed: {source}")]
+    Touch {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The allocation's id.
+        id: u64,
+        /// What the allocator (its driver) said.
+        source: Error,
+    },
+    /// An allocation's bytes changed between its allocation and its free ([`ReplayOptions::touch`]).
+    #[error(
+        "event {index}: allocation {id} at {addr:#x}: byte {offset} is {found:#04x}, expected {expected:#04x}"
+    )]
+    Corrupted {
+        /// Position of the event in the trace (the free).
+        index: usize,
+        /// The allocation's id.
+        id: u64,
+        /// The allocation's address.
+        addr: u64,
+        /// Offset of the first wrong byte found.
+        offset: u64,
+        /// The byte written.
+        expected: u8,
+        /// The byte read back.
+        found: u8,
+    },
     /// The allocator broke an invariant.
     #[error("after event {index}: invariant broken: {source}")]
     Invariant {
@@ -148,6 +189,7 @@ pub fn replay(
     options: &ReplayOptions,
 ) -> Result<ReplayResult, ReplayError> {
     let mut addrs: HashMap<u64, u64> = HashMap::new();
+    let mut sizes: HashMap<u64, u64> = HashMap::new();
     let mut failed: HashSet<u64> = HashSet::new();
     let mut ooms = 0;
     let start = Instant::now();
@@ -161,6 +203,12 @@ pub fn replay(
                     Ok(addr) => {
                         failed.remove(&id);
                         addrs.insert(id, addr);
+                        if options.touch {
+                            sizes.insert(id, size);
+                            strategy
+                                .memset(addr, size, touch_byte(id))
+                                .map_err(|source| ReplayError::Touch { index, id, source })?;
+                        }
                     }
                     Err(e) if e.is_out_of_memory() => {
                         ooms += 1;
@@ -178,6 +226,9 @@ pub fn replay(
             }
             Event::Free { id } => match addrs.remove(&id) {
                 Some(addr) => {
+                    if let Some(size) = sizes.remove(&id) {
+                        check_touched(strategy, index, id, addr, size)?;
+                    }
                     strategy
                         .free(addr)
                         .map_err(|source| ReplayError::Free { index, id, source })?
@@ -210,4 +261,34 @@ pub fn replay(
         estimated_driver_us: counters.time_us(),
         replay_seconds,
     })
+}
+
+/// Reads back the first, middle and last [`TOUCH_SAMPLE`] bytes of allocation `id` and checks that each is
+/// its [`touch_byte`].
+fn check_touched(
+    strategy: &mut dyn Strategy,
+    index: usize,
+    id: u64,
+    addr: u64,
+    size: u64,
+) -> Result<(), ReplayError> {
+    let expected = touch_byte(id);
+    let len = size.min(TOUCH_SAMPLE);
+    let mut sample = vec![0; len as usize];
+    for offset in [0, (size - len) / 2, size - len] {
+        strategy
+            .copy_to_host(addr + offset, &mut sample)
+            .map_err(|source| ReplayError::Touch { index, id, source })?;
+        if let Some(at) = sample.iter().position(|&b| b != expected) {
+            return Err(ReplayError::Corrupted {
+                index,
+                id,
+                addr,
+                offset: offset + at as u64,
+                expected,
+                found: sample[at],
+            });
+        }
+    }
+    Ok(())
 }

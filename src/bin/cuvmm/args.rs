@@ -1,6 +1,7 @@
 //! Command-line arguments.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use cuvmm::driver::device::DeviceSpec;
 use cuvmm::trace::workload;
 
 /// Replays allocation workloads through CUDA allocators on a simulated device and compares them.
@@ -22,6 +23,31 @@ pub enum Command {
     Compare(CompareArgs),
     /// List the built-in workloads.
     Workloads,
+    /// Measure what each virtual-memory driver call costs, per physical page size.
+    DriverBench(DriverBenchArgs),
+}
+
+/// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
+/// everywhere.
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// The device: sim (simulated, the default), cuda (CUDA device 0) or cuda:N.
+    #[arg(long, value_name = "DEVICE", default_value = "sim", value_parser = parse_device)]
+    pub device: DeviceSpec,
+}
+
+/// Options of `driver-bench`.
+#[derive(Debug, Args)]
+pub struct DriverBenchArgs {
+    /// Where to measure.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Repetitions per page size (medians are reported).
+    #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    pub repetitions: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
 }
 
 /// Options of `compare`.
@@ -30,10 +56,18 @@ pub struct CompareArgs {
     /// A built-in workload to replay (repeat for several; default: all).
     #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
     pub workloads: Vec<String>,
-    /// Device memory, e.g. 80GiB.
+    /// Where to replay.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Write a byte pattern into each allocation (cuMemsetD8) and check a sample of it before it is freed;
+    /// the driver time reported then includes these writes and reads.
+    #[arg(long)]
+    pub touch: bool,
+    /// Memory of the simulated device, e.g. 80GiB (a CUDA device has what it has).
     #[arg(long, value_name = "SIZE", default_value = "80GiB", value_parser = parse_nonzero_size)]
     pub capacity: u64,
-    /// Device page size (allocation granularity), e.g. 2MiB.
+    /// Page size, e.g. 2MiB: the simulated device's granularity and the allocator's page size (on a CUDA
+    /// device, a multiple of its granularity).
     #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = parse_nonzero_size)]
     pub page_size: u64,
     /// Seed of the workload generators.
@@ -62,6 +96,16 @@ fn parse_workload(name: &str) -> Result<String, String> {
             workload::BUILTIN.join(", ")
         ))
     }
+}
+
+/// A `--device` value this build can run on: `cuda` is refused here, with the reason, when the `cuda`
+/// feature is off.
+fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+    let spec: DeviceSpec = text
+        .parse()
+        .map_err(|e: cuvmm::driver::device::DeviceError| e.to_string())?;
+    spec.check_supported().map_err(|e| e.to_string())?;
+    Ok(spec)
 }
 
 fn parse_nonzero_size(text: &str) -> Result<u64, String> {

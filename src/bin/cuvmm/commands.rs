@@ -1,7 +1,12 @@
 //! What each subcommand does. Results go to stdout, diagnostics to stderr.
 
-use crate::args::{CompareArgs, Format};
+use crate::args::{CompareArgs, DriverBenchArgs, Format};
+use cuvmm::driver::DriverError;
+use cuvmm::driver::device::DeviceError;
+use cuvmm::driver::sim::SimConfig;
+use cuvmm::driver_bench::{self, BenchOptions};
 use cuvmm::trace::compare::{CompareOptions, compare};
+use cuvmm::trace::replay::ReplayOptions;
 use cuvmm::trace::{report, workload};
 use std::process::ExitCode;
 
@@ -11,6 +16,11 @@ pub const USAGE: u8 = 2;
 /// `cuvmm compare`.
 pub fn run_compare(args: CompareArgs) -> ExitCode {
     let mut options = CompareOptions {
+        device: args.device.device,
+        replay: ReplayOptions {
+            touch: args.touch,
+            ..ReplayOptions::default()
+        },
         capacity: args.capacity,
         page_size: args.page_size,
         seed: args.seed,
@@ -47,4 +57,47 @@ pub fn run_workloads() -> ExitCode {
         println!("{name:<width$}  {description}");
     }
     ExitCode::SUCCESS
+}
+
+/// `cuvmm driver-bench`.
+pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
+    let mut device = match args.device.device.open(SimConfig::default()) {
+        Ok(device) => device,
+        Err(e) => {
+            eprintln!("cuvmm: {e}");
+            return ExitCode::from(device_error_status(&e));
+        }
+    };
+    let options = BenchOptions {
+        repetitions: usize::try_from(args.repetitions).unwrap_or(usize::MAX),
+        ..BenchOptions::default()
+    };
+    let bench = match driver_bench::run(&mut device, &options) {
+        Ok(bench) => bench,
+        Err(e) => {
+            eprintln!("cuvmm: driver-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match args.format {
+        Format::Table => print!("{}", driver_bench::render_table(&bench)),
+        Format::Json => match serde_json::to_string_pretty(&bench) {
+            Ok(json) => println!("{json}"),
+            Err(e) => {
+                eprintln!("cuvmm: cannot write JSON: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+    }
+    ExitCode::SUCCESS
+}
+
+/// The exit status for a device that cannot be opened: 2 when this build or this machine has no CUDA
+/// (the request cannot be served as asked), 1 when the driver is there but failed.
+fn device_error_status(e: &DeviceError) -> u8 {
+    match e {
+        DeviceError::Driver(DriverError::NoDriver { .. }) | DeviceError::NoCudaSupport => USAGE,
+        DeviceError::Parse { .. } => USAGE,
+        DeviceError::Driver(_) => 1,
+    }
 }

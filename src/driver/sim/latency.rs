@@ -33,6 +33,8 @@ impl LatencyModel {
     /// | reserve, free_reservation | 5 000 | assumed (VA bookkeeping only) |
     /// | mem_info, record_event, query_event, destroy_event | 1 000 | assumed (no device work) |
     /// | synchronize | 5 000 | assumed (round trip on an idle stream; the simulator runs no kernels) |
+    /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
+    /// | copy_to_host | 10 000 | assumed (a small synchronous copy over PCIe) |
     pub fn a100() -> Self {
         let mut model = Self::zero();
         for op in Op::ALL {
@@ -45,6 +47,7 @@ impl LatencyModel {
                 Op::Free => 26_000 + 26_000,
                 Op::Reserve | Op::FreeReservation | Op::Synchronize => 5_000,
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
+                Op::Memset | Op::CopyToHost => 10_000,
             };
         }
         model
@@ -64,8 +67,8 @@ impl LatencyModel {
 
     /// Estimated nanoseconds for one call of `op` covering `bytes` bytes.
     ///
-    /// Operations that carry a size (create, release, map, set_access, unmap, malloc, free; for release and
-    /// free the size of the handle or allocation) cost `per_call_ns[op] * max(1, ceil(bytes / 2 MiB))`:
+    /// Operations that carry a size (create, release, map, set_access, unmap, malloc, free, memset,
+    /// copy_to_host; for release and free the size of the handle or allocation) cost `per_call_ns[op] * max(1, ceil(bytes / 2 MiB))`:
     /// a 4 MiB map costs two units, a 64 KiB one costs one unit whatever the device's granularity.
     /// Every other operation costs `per_call_ns[op]` flat. Saturates instead of overflowing.
     pub fn cost_ns(&self, op: Op, bytes: u64) -> u64 {
@@ -89,7 +92,15 @@ impl Default for LatencyModel {
 fn carries_size(op: Op) -> bool {
     matches!(
         op,
-        Op::Create | Op::Release | Op::Map | Op::SetAccess | Op::Unmap | Op::Malloc | Op::Free
+        Op::Create
+            | Op::Release
+            | Op::Map
+            | Op::SetAccess
+            | Op::Unmap
+            | Op::Malloc
+            | Op::Free
+            | Op::Memset
+            | Op::CopyToHost
     )
 }
 

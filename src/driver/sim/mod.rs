@@ -17,9 +17,10 @@
 //!   fault is decided before the arguments are checked, so the n-th call fails whatever it asks for.
 //! - **Streams and events.** Any [`StreamId`] is a valid stream. Events stay pending until the test
 //!   completes them or their stream, or the stream is synchronized.
-//! - **Bytes.** With [`SimConfig::backing_store`] on, [`SimDriver::write`] and [`SimDriver::read`] go
+//! - **Bytes.** With [`SimConfig::backing_store`] on, [`SimDriver::write`] and [`SimDriver::read`] (test
+//!   controls) and [`Driver::memset_d8`] and [`Driver::copy_to_host`] (driver calls, counted) go
 //!   through mapped, accessible addresses to the physical memory behind them, so bytes move with a handle
-//!   that is remapped elsewhere. A read or write may span several mappings. An access to an address that is
+//!   that is remapped elsewhere. A fill is stored as a range, not byte by byte, so filling gigabytes is cheap. A read or write may span several mappings. An access to an address that is
 //!   neither mapped nor malloc'd is [`DriverError::NotMapped`] with `op: Op::Map` (the call that is
 //!   missing: reads and writes are not driver calls); to a mapping without access,
 //!   [`DriverError::AccessDenied`]. These checks are made whether or not the store is on; when they pass
@@ -145,7 +146,7 @@ impl SimDriver {
     /// Writes `data` at device address `va` (backing store on). Nothing is written if any byte of the range
     /// is not accessible.
     pub fn write(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
-        let spans = self.spans(va, data.len())?;
+        let spans = self.spans(va, data.len() as u64)?;
         let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
         let mut rest = data;
         for span in spans {
@@ -157,7 +158,7 @@ impl SimDriver {
     }
     /// Reads `len` bytes at device address `va` (backing store on). Bytes never written read as 0.
     pub fn read(&self, va: u64, len: usize) -> Result<Vec<u8>, DriverError> {
-        let spans = self.spans(va, len)?;
+        let spans = self.spans(va, len as u64)?;
         let store = self.store.as_ref().ok_or(DriverError::NoBackingStore)?;
         let mut out = vec![0; len];
         let mut at = 0;
@@ -215,10 +216,10 @@ impl SimDriver {
     }
 
     /// Splits `va .. va + len` into pieces of physical memory, checking that every byte is accessible.
-    fn spans(&self, va: u64, len: usize) -> Result<Vec<Span>, DriverError> {
+    fn spans(&self, va: u64, len: u64) -> Result<Vec<Span>, DriverError> {
         let mut spans = Vec::new();
         let mut addr = va;
-        let mut left = len as u64;
+        let mut left = len;
         while left > 0 {
             let (owner, offset, available) = self.locate(addr)?;
             let n = left.min(available);
@@ -332,5 +333,20 @@ impl Driver for SimDriver {
     }
     fn counters(&self) -> DriverCounters {
         self.counters
+    }
+    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
+        self.begin(Op::Memset, size)?;
+        let spans = self.spans(va, size)?;
+        let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
+        for span in spans {
+            store.fill(span.owner, span.offset, span.len as u64, value);
+        }
+        Ok(())
+    }
+    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
+        self.begin(Op::CopyToHost, out.len() as u64)?;
+        let bytes = self.read(va, out.len())?;
+        out.copy_from_slice(&bytes);
+        Ok(())
     }
 }

@@ -1,0 +1,291 @@
+//! What a `CudaDriver` holds on the device: its reservations, live handles, mappings and `malloc`s.
+//!
+//! The ledger exists so that every `unsafe` call's `# Safety` list can be checked before the call: a handle
+//! is passed to the driver only if this driver created it and has not released it; an address range only
+//! if it lies inside one of this driver's own reservations (or `malloc` allocations); bytes are touched
+//! only through mappings whose access was set. Everything else (alignment, overlapping maps, partial
+//! unmaps, out of memory, ...) is left for the real driver to reject, so that the conformance suite
+//! tests CUDA's rules and not a copy of them. The ledger changes only after a call succeeded.
+
+use crate::driver::sim::LeakReport;
+use crate::driver::{DriverError, Op, PhysHandle, VaRange};
+use std::collections::{BTreeMap, HashMap};
+
+/// One successful `cuMemMap`.
+#[derive(Clone, Copy, Debug)]
+struct Mapping {
+    size: u64,
+    accessible: bool,
+}
+
+/// Reservations, handles, mappings and allocations held by one driver.
+#[derive(Debug, Default)]
+pub(super) struct Ledger {
+    reservations: BTreeMap<u64, u64>,
+    handles: HashMap<u64, u64>,
+    mappings: BTreeMap<u64, Mapping>,
+    mallocs: BTreeMap<u64, u64>,
+}
+
+impl Ledger {
+    /// The size of a live handle, or [`DriverError::UnknownHandle`].
+    pub(super) fn handle_size(&self, op: Op, handle: PhysHandle) -> Result<u64, DriverError> {
+        self.handles
+            .get(&handle.0)
+            .copied()
+            .ok_or(DriverError::UnknownHandle { op, handle })
+    }
+
+    /// Checks that `va .. va + size` lies inside one of this driver's reservations.
+    pub(super) fn check_reserved(&self, op: Op, va: u64, size: u64) -> Result<(), DriverError> {
+        let inside = self
+            .reservations
+            .range(..=va)
+            .next_back()
+            .is_some_and(|(&start, &len)| VaRange::new(start, len).contains_range(va, size));
+        if inside {
+            Ok(())
+        } else {
+            Err(DriverError::OutsideReservation {
+                op,
+                start: va,
+                size,
+            })
+        }
+    }
+
+    /// Checks that `range` is exactly one of this driver's reservations, with nothing mapped in it.
+    pub(super) fn check_free_reservation(&self, range: VaRange) -> Result<(), DriverError> {
+        if self.reservations.get(&range.start) != Some(&range.size) {
+            return Err(DriverError::UnknownReservation {
+                op: Op::FreeReservation,
+                start: range.start,
+            });
+        }
+        let mapped = self.mappings.range(range.start..range.end()).count();
+        if mapped > 0 {
+            return Err(DriverError::ReservationInUse {
+                start: range.start,
+                mapped,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks that `va .. va + len` is memory this driver may touch: covered without a gap by mappings
+    /// whose access was set, or inside one `malloc` allocation.
+    pub(super) fn check_touchable(&self, op: Op, va: u64, len: u64) -> Result<(), DriverError> {
+        let end = va
+            .checked_add(len)
+            .ok_or(DriverError::NotMapped { op, addr: va })?;
+        if let Some((&start, &size)) = self.mallocs.range(..=va).next_back() {
+            if VaRange::new(start, size).contains_range(va, len) {
+                return Ok(());
+            }
+        }
+        let mut cursor = va;
+        while cursor < end {
+            let (start, m) = match self.mappings.range(..=cursor).next_back() {
+                Some((&start, m)) if cursor < start + m.size => (start, m),
+                _ => return Err(DriverError::NotMapped { op, addr: cursor }),
+            };
+            if !m.accessible {
+                return Err(DriverError::AccessDenied { addr: cursor });
+            }
+            cursor = start + m.size;
+        }
+        Ok(())
+    }
+
+    /// Whether `ptr` is a live `malloc` allocation.
+    pub(super) fn check_malloc(&self, ptr: u64) -> Result<(), DriverError> {
+        if self.mallocs.contains_key(&ptr) {
+            Ok(())
+        } else {
+            Err(DriverError::UnknownPointer {
+                op: Op::Free,
+                addr: ptr,
+            })
+        }
+    }
+
+    /// Records a new reservation.
+    pub(super) fn reserved(&mut self, range: VaRange) {
+        self.reservations.insert(range.start, range.size);
+    }
+
+    /// Forgets a freed reservation.
+    pub(super) fn reservation_freed(&mut self, range: VaRange) {
+        self.reservations.remove(&range.start);
+    }
+
+    /// Records a new handle.
+    pub(super) fn created(&mut self, handle: PhysHandle, size: u64) {
+        self.handles.insert(handle.0, size);
+    }
+
+    /// Forgets a released handle (its mappings stay until they are unmapped, as in CUDA).
+    pub(super) fn released(&mut self, handle: PhysHandle) {
+        self.handles.remove(&handle.0);
+    }
+
+    /// Records a new mapping, without access.
+    pub(super) fn mapped(&mut self, va: u64, size: u64) {
+        self.mappings.insert(
+            va,
+            Mapping {
+                size,
+                accessible: false,
+            },
+        );
+    }
+
+    /// Marks the mappings that start inside `va .. va + size` accessible.
+    pub(super) fn access_set(&mut self, va: u64, size: u64) {
+        for (_, m) in self.mappings.range_mut(va..va.saturating_add(size)) {
+            m.accessible = true;
+        }
+    }
+
+    /// Forgets the mappings that start inside `va .. va + size`.
+    pub(super) fn unmapped(&mut self, va: u64, size: u64) {
+        let starts: Vec<u64> = self
+            .mappings
+            .range(va..va.saturating_add(size))
+            .map(|(&s, _)| s)
+            .collect();
+        for start in starts {
+            self.mappings.remove(&start);
+        }
+    }
+
+    /// Records a new `malloc` allocation.
+    pub(super) fn malloced(&mut self, ptr: u64, size: u64) {
+        self.mallocs.insert(ptr, size);
+    }
+
+    /// Forgets a freed `malloc` allocation.
+    pub(super) fn freed(&mut self, ptr: u64) {
+        self.mallocs.remove(&ptr);
+    }
+
+    /// What is still held, in the simulator's report format.
+    pub(super) fn report(&self) -> LeakReport {
+        let mut handles: Vec<(PhysHandle, u64)> = self
+            .handles
+            .iter()
+            .map(|(&h, &size)| (PhysHandle(h), size))
+            .collect();
+        handles.sort_unstable();
+        LeakReport {
+            handles,
+            mappings: self
+                .mappings
+                .iter()
+                .map(|(&s, m)| VaRange::new(s, m.size))
+                .collect(),
+            reservations: self
+                .reservations
+                .iter()
+                .map(|(&s, &size)| VaRange::new(s, size))
+                .collect(),
+            allocations: self
+                .mallocs
+                .iter()
+                .map(|(&s, &size)| VaRange::new(s, size))
+                .collect(),
+        }
+    }
+
+    /// Takes everything out of the ledger, for the driver's drop to give back: mappings (start, size),
+    /// live handles, reservations and `malloc` pointers.
+    pub(super) fn drain(&mut self) -> Drained {
+        Drained {
+            mappings: std::mem::take(&mut self.mappings)
+                .into_iter()
+                .map(|(s, m)| (s, m.size))
+                .collect(),
+            handles: std::mem::take(&mut self.handles).into_keys().collect(),
+            reservations: std::mem::take(&mut self.reservations)
+                .into_iter()
+                .map(|(s, size)| VaRange::new(s, size))
+                .collect(),
+            mallocs: std::mem::take(&mut self.mallocs).into_keys().collect(),
+        }
+    }
+}
+
+/// Everything a ledger held, taken out by [`Ledger::drain`].
+#[derive(Debug, Default)]
+pub(super) struct Drained {
+    /// Mappings as (start, size), in address order.
+    pub(super) mappings: Vec<(u64, u64)>,
+    /// Live handles.
+    pub(super) handles: Vec<u64>,
+    /// Reservations.
+    pub(super) reservations: Vec<VaRange>,
+    /// `malloc` pointers.
+    pub(super) mallocs: Vec<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guards_handles_ranges_and_touches() {
+        let mut l = Ledger::default();
+        let r = VaRange::new(0x1000, 0x4000);
+        l.reserved(r);
+        assert!(l.check_reserved(Op::Map, 0x1000, 0x4000).is_ok());
+        assert!(matches!(
+            l.check_reserved(Op::Map, 0x4000, 0x2000),
+            Err(DriverError::OutsideReservation { .. })
+        ));
+        assert!(matches!(
+            l.check_reserved(Op::Map, 0x0, 0x1000),
+            Err(DriverError::OutsideReservation { .. })
+        ));
+        let h = PhysHandle(77);
+        assert!(matches!(
+            l.handle_size(Op::Map, h),
+            Err(DriverError::UnknownHandle { .. })
+        ));
+        l.created(h, 0x1000);
+        assert_eq!(l.handle_size(Op::Map, h), Ok(0x1000));
+        l.mapped(0x1000, 0x1000);
+        l.created(PhysHandle(78), 0x1000);
+        l.mapped(0x2000, 0x1000);
+        assert_eq!(
+            l.check_touchable(Op::Memset, 0x1800, 0x10),
+            Err(DriverError::AccessDenied { addr: 0x1800 })
+        );
+        l.access_set(0x1000, 0x2000);
+        assert!(l.check_touchable(Op::Memset, 0x1800, 0x1000).is_ok());
+        assert_eq!(
+            l.check_touchable(Op::Memset, 0x2800, 0x1000),
+            Err(DriverError::NotMapped {
+                op: Op::Memset,
+                addr: 0x3000
+            })
+        );
+        assert!(matches!(
+            l.check_free_reservation(r),
+            Err(DriverError::ReservationInUse { mapped: 2, .. })
+        ));
+        l.released(h);
+        l.unmapped(0x1000, 0x2000);
+        l.released(PhysHandle(78));
+        assert!(l.check_free_reservation(r).is_ok());
+        l.reservation_freed(r);
+        assert!(l.report().is_empty());
+        l.malloced(0x9000, 100);
+        assert!(l.check_touchable(Op::CopyToHost, 0x9010, 50).is_ok());
+        assert!(l.check_touchable(Op::CopyToHost, 0x9010, 100).is_err());
+        assert!(l.check_malloc(0x9000).is_ok());
+        assert!(l.check_malloc(0x9001).is_err());
+        let drained = l.drain();
+        assert_eq!(drained.mallocs, vec![0x9000]);
+        assert!(l.report().is_empty());
+    }
+}

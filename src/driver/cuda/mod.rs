@@ -1,0 +1,23 @@
+//! The real CUDA backend: [`CudaDriver`] implements [`Driver`](super::Driver) on a GPU through cudarc.
+//!
+//! This module is the only code in cuvmm that touches `cudarc::driver::sys`, and the only code allowed
+//! `unsafe`. It has three layers, as cudarc itself does:
+//! - `result.rs`: one function per driver call, returning `Result`; a function is `unsafe` when a wrong
+//!   argument could break someone else's memory, with a numbered `# Safety` list and a link to NVIDIA's
+//!   documentation;
+//! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s), so that each safety
+//!   condition is checked before an `unsafe` call, and so that drop can give everything back;
+//! - `driver.rs`: [`CudaDriver`], the safe type, which also measures every call.
+//!
+//! cudarc is built with `dynamic-loading`: libcuda is opened at run time, and any `sys` call panics if it
+//! cannot be. [`CudaDriver::new`] therefore checks `sys::is_culib_present()` and every entry point it
+//! needs before the first call, and reports a missing library, an old driver or a missing device as
+//! [`DriverError::NoDriver`](super::DriverError::NoDriver), never a panic.
+
+#![allow(unsafe_code)]
+
+mod driver;
+mod ledger;
+mod result;
+
+pub use driver::CudaDriver;

@@ -1,0 +1,337 @@
+//! A thin result layer over `cudarc::driver::sys` for the calls cuvmm makes, in cudarc's own style:
+//! each function makes one driver call and turns its `CUresult` into a `Result`.
+//!
+//! cudarc has no wrappers for the virtual-memory calls, so they are here. A function is `unsafe` when a
+//! wrong argument could break memory that someone else owns (another allocation's mapping, a handle already
+//! released, a pointer freed twice); its `# Safety` list says what the caller must guarantee. Functions whose
+//! arguments the driver fully validates, or that only create something new, are safe.
+//!
+//! Every call here requires a current CUDA context on the calling thread (`CudaDriver` binds its context
+//! before each call); without one the driver returns `CUDA_ERROR_INVALID_CONTEXT`, which is an error, not
+//! undefined behaviour. None of these may be called before [`culib_present`] has said that libcuda can be
+//! loaded and [`missing_symbols`] found nothing missing: with `dynamic-loading`, cudarc panics on a call it
+//! cannot resolve.
+
+use cudarc::driver::DriverError as CuError;
+use cudarc::driver::sys;
+use std::mem::MaybeUninit;
+
+/// The driver entry points cuvmm uses, directly or through cudarc's safe types. [`missing_symbols`] checks
+/// them all before the first call, so an old driver is an error and not a panic.
+pub(super) const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDeviceGet",
+    "cuDeviceGetCount",
+    "cuDeviceGetName",
+    "cuDeviceGetAttribute",
+    "cuDeviceCanAccessPeer",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxSynchronize",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemGetInfo_v2",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemsetD8_v2",
+    "cuMemcpyDtoH_v2",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuStreamDestroy_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+];
+
+/// Whether the CUDA driver library (libcuda.so / nvcuda.dll) can be loaded.
+///
+/// See cudarc's `sys::is_culib_present`.
+pub(super) fn culib_present() -> bool {
+    // SAFETY: `is_culib_present` only tries `dlopen` on libcuda's names and closes what it opened; loading
+    // libcuda runs its initialisers, which the NVIDIA driver supports in any process.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The names in [`SYMBOLS`] that the loaded libcuda does not export. Call only after [`culib_present`]
+/// returned true (otherwise cudarc panics when it cannot load the library).
+pub(super) fn missing_symbols() -> Vec<&'static str> {
+    // SAFETY: `culib` loads libcuda once for the whole process (the same handle every sys call uses); the
+    // caller has checked that it loads, so it does not panic.
+    let lib = unsafe { sys::culib() };
+    SYMBOLS
+        .iter()
+        .copied()
+        .filter(|name| {
+            // SAFETY: the symbol is only looked up, never called, so the function type given to `get` does
+            // not need to match its real signature.
+            let found = unsafe { lib.get::<unsafe extern "C" fn()>(name.as_bytes()) };
+            found.is_err()
+        })
+        .collect()
+}
+
+/// Properties of pinned device memory on `device`, with no shareable handle type: what `cuMemCreate` and
+/// `cuMemGetAllocationGranularity` are asked for.
+fn device_memory(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// Which granularity [`granularity`] asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Granularity {
+    /// The granularity the driver requires (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`).
+    Minimum,
+    /// The granularity the driver recommends for performance (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`).
+    Recommended,
+}
+
+/// The allocation granularity of device memory on `device`, in bytes.
+///
+/// See [cuMemGetAllocationGranularity() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g30ee906c2cf66a0347b3dfec3d7eb31a)
+pub(super) fn granularity(device: sys::CUdevice, which: Granularity) -> Result<usize, CuError> {
+    let prop = device_memory(device);
+    let option = match which {
+        Granularity::Minimum => {
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        }
+        Granularity::Recommended => {
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        }
+    };
+    let mut out = MaybeUninit::uninit();
+    // SAFETY: `out` and `prop` are valid for the call; the driver writes `out` before returning success.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(out.as_mut_ptr(), &prop, option).result()?;
+        Ok(out.assume_init())
+    }
+}
+
+/// Reserves `size` bytes of virtual address space, at an address the driver picks, with the default
+/// alignment.
+///
+/// See [cuMemAddressReserve() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1ge489256c107df2a07ddf96d80c86cd9b)
+pub(super) fn address_reserve(size: usize) -> Result<sys::CUdeviceptr, CuError> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: `ptr` is valid for the call; a hint of 0 lets the driver choose a range no one else holds, so
+    // nothing existing is affected.
+    unsafe {
+        sys::cuMemAddressReserve(ptr.as_mut_ptr(), size, 0, 0, 0).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// Frees a virtual address range reserved by [`address_reserve`].
+///
+/// See [cuMemAddressFree() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g6993ecea2ea03e1b802b8255edc2da5b)
+///
+/// # Safety
+/// 1. `ptr .. ptr + size` is exactly a range returned by [`address_reserve`] and not yet freed.
+/// 2. Nothing is mapped inside it.
+/// 3. No one will use an address inside it afterwards.
+pub(super) unsafe fn address_free(ptr: sys::CUdeviceptr, size: usize) -> Result<(), CuError> {
+    // SAFETY: the caller guarantees the range is its own, empty and no longer used (points 1-3).
+    unsafe { sys::cuMemAddressFree(ptr, size).result() }
+}
+
+/// Creates `size` bytes of physical memory on `device`.
+///
+/// See [cuMemCreate() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g899d69a862bba36449789c64b430dc7c)
+pub(super) fn create(
+    device: sys::CUdevice,
+    size: usize,
+) -> Result<sys::CUmemGenericAllocationHandle, CuError> {
+    let prop = device_memory(device);
+    let mut handle = MaybeUninit::uninit();
+    // SAFETY: `handle` and `prop` are valid for the call; a new handle affects nothing that exists.
+    unsafe {
+        sys::cuMemCreate(handle.as_mut_ptr(), size, &prop, 0).result()?;
+        Ok(handle.assume_init())
+    }
+}
+
+/// Releases a handle from [`create`]. Its memory is freed once every mapping of it is unmapped.
+///
+/// See [cuMemRelease() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g3014f0759f43a8d82db951b8e4b91d68)
+///
+/// # Safety
+/// 1. `handle` was returned by [`create`] and has not been released.
+/// 2. No one will use `handle` afterwards.
+pub(super) unsafe fn release(handle: sys::CUmemGenericAllocationHandle) -> Result<(), CuError> {
+    // SAFETY: the caller guarantees the handle is live and not used again (points 1-2).
+    unsafe { sys::cuMemRelease(handle).result() }
+}
+
+/// Maps the first `size` bytes of `handle` at `ptr`.
+///
+/// See [cuMemMap() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1gff1d395423af5c5c75375516959dae56)
+///
+/// # Safety
+/// 1. `handle` was returned by [`create`] and has not been released.
+/// 2. `ptr .. ptr + size` lies inside a range the caller reserved with [`address_reserve`], so no one
+///    else's addresses are mapped.
+pub(super) unsafe fn map(
+    ptr: sys::CUdeviceptr,
+    size: usize,
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<(), CuError> {
+    // SAFETY: the handle is live and the range is the caller's own (points 1-2); an offset of 0 and flags
+    // of 0 are what the driver requires.
+    unsafe { sys::cuMemMap(ptr, size, 0, handle, 0).result() }
+}
+
+/// Unmaps `ptr .. ptr + size`, which must consist of whole mappings.
+///
+/// See [cuMemUnmap() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1gfb50aac00c848fd7087e858f59bf7e2a)
+///
+/// # Safety
+/// 1. `ptr .. ptr + size` lies inside a range the caller reserved with [`address_reserve`].
+/// 2. No work still queued on the device reads or writes the range, and no one will use it afterwards.
+pub(super) unsafe fn unmap(ptr: sys::CUdeviceptr, size: usize) -> Result<(), CuError> {
+    // SAFETY: the range is the caller's own and no longer in use (points 1-2).
+    unsafe { sys::cuMemUnmap(ptr, size).result() }
+}
+
+/// Makes `ptr .. ptr + size` readable and writable from each device in `devices`.
+///
+/// See [cuMemSetAccess() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g1b6b12b10e8324bf462ecab4e7ef30e1)
+///
+/// # Safety
+/// 1. `ptr .. ptr + size` lies inside a range the caller reserved with [`address_reserve`], so no one
+///    else's protections change.
+pub(super) unsafe fn set_access(
+    ptr: sys::CUdeviceptr,
+    size: usize,
+    devices: &[sys::CUdevice],
+) -> Result<(), CuError> {
+    let descs: Vec<sys::CUmemAccessDesc> = devices
+        .iter()
+        .map(|&id| sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        })
+        .collect();
+    // SAFETY: `descs` is valid for `descs.len()` elements during the call; the range is the caller's own
+    // (point 1).
+    unsafe { sys::cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()).result() }
+}
+
+/// Free and total memory of the current context's device, in bytes.
+///
+/// See [cuMemGetInfo() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g808f555540d0143a331cc42aa98835c0)
+pub(super) fn mem_get_info() -> Result<(usize, usize), CuError> {
+    let mut free = MaybeUninit::uninit();
+    let mut total = MaybeUninit::uninit();
+    // SAFETY: both pointers are valid for the call; the driver writes both before returning success.
+    unsafe {
+        sys::cuMemGetInfo_v2(free.as_mut_ptr(), total.as_mut_ptr()).result()?;
+        Ok((free.assume_init(), total.assume_init()))
+    }
+}
+
+/// Allocates `size` bytes of device memory (`cuMemAlloc`).
+///
+/// See [cuMemAlloc() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1gb82d2a09844a58dd9e744dc31e8aa467)
+pub(super) fn alloc(size: usize) -> Result<sys::CUdeviceptr, CuError> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: `ptr` is valid for the call; new memory affects nothing that exists.
+    unsafe {
+        sys::cuMemAlloc_v2(ptr.as_mut_ptr(), size).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// Frees memory from [`alloc`].
+///
+/// See [cuMemFree() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g89b3f154e17cc89b6eea277dbdf5c93a)
+///
+/// # Safety
+/// 1. `ptr` was returned by [`alloc`] and has not been freed.
+/// 2. No one will use the memory afterwards.
+pub(super) unsafe fn free(ptr: sys::CUdeviceptr) -> Result<(), CuError> {
+    // SAFETY: the pointer is live and no longer used (points 1-2).
+    unsafe { sys::cuMemFree_v2(ptr).result() }
+}
+
+/// Sets `size` bytes from `ptr` to `value`, on the legacy default stream.
+///
+/// See [cuMemsetD8() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g6e582bf866e9e2fb014297bfaf354d7b)
+///
+/// # Safety
+/// 1. `ptr .. ptr + size` is device memory the caller owns: mapped with read-write access for the current
+///    context's device, or inside one [`alloc`] allocation. Writing elsewhere faults the context.
+/// 2. Nothing else reads or writes the range until the write has completed.
+pub(super) unsafe fn memset_d8(
+    ptr: sys::CUdeviceptr,
+    value: u8,
+    size: usize,
+) -> Result<(), CuError> {
+    // SAFETY: the range is the caller's own accessible memory, not in use elsewhere (points 1-2).
+    unsafe { sys::cuMemsetD8_v2(ptr, value, size).result() }
+}
+
+/// Copies `out.len()` bytes from device address `ptr` to `out`, after the legacy default stream's earlier
+/// work; returns once the bytes are in `out`.
+///
+/// See [cuMemcpyDtoH() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g3480368ee0208a98f75019c9a8450893)
+///
+/// # Safety
+/// 1. `ptr .. ptr + out.len()` is device memory the caller owns, mapped with read-write access for the
+///    current context's device or inside one [`alloc`] allocation. Reading elsewhere faults the context.
+pub(super) unsafe fn memcpy_dtoh(out: &mut [u8], ptr: sys::CUdeviceptr) -> Result<(), CuError> {
+    // SAFETY: `out` is valid for writes of `out.len()` bytes for the whole (synchronous) call; the source
+    // is the caller's own readable memory (point 1).
+    unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, out.len()).result() }
+}
+
+/// Whether `device` can access memory of `peer`.
+///
+/// See [cuDeviceCanAccessPeer() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__PEER__ACCESS.html#group__CUDA__PEER__ACCESS_1g496bdaae1f632ebfb695b99d2c40f19e)
+pub(super) fn can_access_peer(device: sys::CUdevice, peer: sys::CUdevice) -> Result<bool, CuError> {
+    let mut can = MaybeUninit::uninit();
+    // SAFETY: `can` is valid for the call; the driver writes it before returning success.
+    unsafe {
+        sys::cuDeviceCanAccessPeer(can.as_mut_ptr(), device, peer).result()?;
+        Ok(can.assume_init() != 0)
+    }
+}
+
+/// The `CUresult` of an error, as a number and as its name (`CUDA_ERROR_OUT_OF_MEMORY`).
+pub(super) fn code_and_name(err: &CuError) -> (u32, String) {
+    (err.0 as u32, format!("{:?}", err.0))
+}
+
+/// Whether an error is `CUDA_ERROR_OUT_OF_MEMORY`.
+pub(super) fn is_out_of_memory(err: &CuError) -> bool {
+    err.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY
+}
+
+/// Whether an error is `CUDA_ERROR_NO_DEVICE`.
+pub(super) fn is_no_device(err: &CuError) -> bool {
+    err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE
+}

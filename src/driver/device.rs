@@ -1,0 +1,243 @@
+//! Which device to run on: `--device sim|cuda[:N]`, parsed in one place for every tool.
+//!
+//! [`DeviceSpec`] is what the user asked for; [`DeviceSpec::open`] turns it into a [`Device`], one type that
+//! is either backend and implements [`Driver`] by forwarding, so the strategies, the replay engine and
+//! `driver-bench` are built once for both. Without the `cuda` feature, asking for `cuda` is
+//! [`DeviceError::NoCudaSupport`]; with it, a machine without libcuda or without a device gives
+//! [`DriverError::NoDriver`], never a panic.
+
+use super::sim::{SimConfig, SimDriver};
+use super::{Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, StreamId, VaRange};
+use std::fmt;
+use std::str::FromStr;
+
+/// A device named on the command line.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The simulated device ([`SimDriver`]), the default.
+    #[default]
+    Sim,
+    /// CUDA device number `ordinal` (`cuda` alone is device 0).
+    Cuda {
+        /// The device's ordinal, as `cuDeviceGet` numbers them.
+        ordinal: usize,
+    },
+}
+
+/// Why a device could not be named or opened.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    /// The text is not `sim`, `cuda` or `cuda:N`.
+    #[error("invalid device `{text}` (expected sim, cuda or cuda:N)")]
+    Parse {
+        /// The text given.
+        text: String,
+    },
+    /// A CUDA device was asked for, but this build has no CUDA backend.
+    #[error("cuvmm was built without CUDA support; rebuild with --features cuda")]
+    NoCudaSupport,
+    /// The CUDA driver could not be used: no libcuda, no such device ([`DriverError::NoDriver`]), or a
+    /// failed setup call.
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    /// `sim`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || DeviceError::Parse {
+            text: text.to_string(),
+        };
+        match text {
+            "sim" => Ok(DeviceSpec::Sim),
+            "cuda" => Ok(DeviceSpec::Cuda { ordinal: 0 }),
+            _ => {
+                let digits = text.strip_prefix("cuda:").ok_or_else(bad)?;
+                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                    return Err(bad());
+                }
+                let ordinal = digits.parse().map_err(|_| bad())?;
+                Ok(DeviceSpec::Cuda { ordinal })
+            }
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Sim => f.write_str("sim"),
+            DeviceSpec::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    /// Whether this build can open the device at all (`cuda` needs the `cuda` feature).
+    pub fn check_supported(&self) -> Result<(), DeviceError> {
+        match self {
+            DeviceSpec::Sim => Ok(()),
+            DeviceSpec::Cuda { .. } if cfg!(feature = "cuda") => Ok(()),
+            DeviceSpec::Cuda { .. } => Err(DeviceError::NoCudaSupport),
+        }
+    }
+
+    /// Opens the device: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the CUDA device.
+    pub fn open(&self, sim: SimConfig) -> Result<Device, DeviceError> {
+        match *self {
+            DeviceSpec::Sim => Ok(Device::Sim(SimDriver::new(sim))),
+            DeviceSpec::Cuda { ordinal } => open_cuda(ordinal),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: usize) -> Result<Device, DeviceError> {
+    Ok(Device::Cuda(super::cuda::CudaDriver::new(ordinal)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_ordinal: usize) -> Result<Device, DeviceError> {
+    Err(DeviceError::NoCudaSupport)
+}
+
+/// An open device of either kind. Implements [`Driver`] by forwarding every call.
+// One `Device` exists per allocator and is never moved on a hot path, so the simulator's size is no cost.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Device {
+    /// The simulated device.
+    Sim(SimDriver),
+    /// A real CUDA device.
+    #[cfg(feature = "cuda")]
+    Cuda(super::cuda::CudaDriver),
+}
+
+impl Device {
+    /// The simulated device, if this is one (tests reach its controls through it).
+    pub fn as_sim(&self) -> Option<&SimDriver> {
+        match self {
+            Device::Sim(sim) => Some(sim),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => None,
+        }
+    }
+
+    /// Whether driver time is measured (a real device) rather than estimated from a latency model.
+    pub fn is_measured(&self) -> bool {
+        !matches!(self, Device::Sim(_))
+    }
+}
+
+/// Forwards one call to whichever driver `self` holds.
+macro_rules! forward {
+    ($self:ident, $d:ident => $call:expr) => {
+        match $self {
+            Device::Sim($d) => $call,
+            #[cfg(feature = "cuda")]
+            Device::Cuda($d) => $call,
+        }
+    };
+}
+
+impl Driver for Device {
+    fn granularity(&self) -> u64 {
+        forward!(self, d => d.granularity())
+    }
+    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
+        forward!(self, d => d.reserve(size))
+    }
+    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
+        forward!(self, d => d.free_reservation(range))
+    }
+    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
+        forward!(self, d => d.create(size))
+    }
+    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
+        forward!(self, d => d.release(handle))
+    }
+    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+        forward!(self, d => d.map(va, size, handle))
+    }
+    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        forward!(self, d => d.set_access(va, size))
+    }
+    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        forward!(self, d => d.unmap(va, size))
+    }
+    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
+        forward!(self, d => d.mem_info())
+    }
+    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
+        forward!(self, d => d.malloc(size))
+    }
+    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
+        forward!(self, d => d.free(ptr))
+    }
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
+        forward!(self, d => d.record_event(stream))
+    }
+    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
+        forward!(self, d => d.event_complete(event))
+    }
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
+        forward!(self, d => d.destroy_event(event))
+    }
+    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        forward!(self, d => d.synchronize(stream))
+    }
+    fn counters(&self) -> DriverCounters {
+        forward!(self, d => d.counters())
+    }
+    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
+        forward!(self, d => d.memset_d8(va, size, value))
+    }
+    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
+        forward!(self, d => d.copy_to_host(va, out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sim_cuda_and_cuda_n_and_prints_them_back() {
+        assert_eq!("sim".parse(), Ok(DeviceSpec::Sim));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda { ordinal: 0 }));
+        assert_eq!("cuda:3".parse(), Ok(DeviceSpec::Cuda { ordinal: 3 }));
+        assert_eq!(DeviceSpec::Cuda { ordinal: 3 }.to_string(), "cuda:3");
+        assert_eq!(DeviceSpec::Sim.to_string(), "sim");
+        for bad in [
+            "", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:+1", "cuda:1:2", "SIM", "cuda0",
+        ] {
+            let err = bad.parse::<DeviceSpec>().unwrap_err();
+            assert_eq!(
+                err,
+                DeviceError::Parse {
+                    text: bad.to_string()
+                }
+            );
+            assert!(err.to_string().contains("sim, cuda or cuda:N"), "{err}");
+        }
+    }
+
+    #[test]
+    fn sim_always_opens_and_cuda_needs_the_feature() {
+        let device = DeviceSpec::Sim.open(SimConfig::default()).unwrap();
+        assert!(device.as_sim().is_some());
+        assert!(!device.is_measured());
+        let cuda = DeviceSpec::Cuda { ordinal: 0 };
+        if cfg!(feature = "cuda") {
+            assert_eq!(cuda.check_supported(), Ok(()));
+        } else {
+            assert_eq!(cuda.check_supported(), Err(DeviceError::NoCudaSupport));
+            assert!(matches!(
+                cuda.open(SimConfig::default()),
+                Err(DeviceError::NoCudaSupport)
+            ));
+        }
+    }
+}

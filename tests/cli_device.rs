@@ -1,0 +1,165 @@
+//! `--device`, `--touch` and `driver-bench` on the command line: exit statuses, one-line messages, JSON.
+//!
+//! What `--device cuda` does depends on the build and the machine: without the `cuda` feature it is refused
+//! (status 2, one line saying to rebuild with `--features cuda`); with it, on a machine without a CUDA
+//! driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine those
+//! two tests have nothing to check and say so.
+
+use std::process::{Command, Output};
+
+fn cuvmm(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cuvmm"))
+        .args(args)
+        .output()
+        .expect("run cuvmm")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Whether this machine has a usable CUDA device 0.
+#[cfg(feature = "cuda")]
+fn gpu_present() -> bool {
+    cuvmm::driver::cuda::CudaDriver::new(0).is_ok()
+}
+
+/// Runs `args` and checks: status 2, nothing on stdout, exactly one line on stderr containing `needle`.
+fn refused(args: &[&str], needle: &str) {
+    let out = cuvmm(args);
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+    assert!(out.stdout.is_empty(), "{args:?}: output on stdout");
+    assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+}
+
+const CUDA_COMMANDS: [&[&str]; 4] = [
+    &["compare", "--device", "cuda"],
+    &[
+        "compare",
+        "--device",
+        "cuda:1",
+        "--workload",
+        "moe",
+        "--touch",
+    ],
+    &["--device", "cuda"],
+    &["driver-bench", "--device", "cuda"],
+];
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_exits_2_saying_to_rebuild() {
+    for args in CUDA_COMMANDS {
+        refused(
+            args,
+            "built without CUDA support; rebuild with --features cuda",
+        );
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_without_a_driver_exits_2_saying_no_driver_was_found() {
+    if gpu_present() {
+        eprintln!("skipped: this machine has a CUDA device, so `--device cuda` is not refused");
+        return;
+    }
+    for args in CUDA_COMMANDS {
+        refused(args, "no CUDA driver found");
+    }
+}
+
+#[test]
+fn a_bad_device_exits_2_naming_it() {
+    for bad in ["gpu", "cuda:", "cuda:x", "sim:0"] {
+        refused(&["compare", "--device", bad], bad);
+        refused(
+            &["driver-bench", "--device", bad],
+            "expected sim, cuda or cuda:N",
+        );
+    }
+}
+
+#[test]
+fn touch_on_the_simulator_changes_no_allocation_figure() {
+    let run = |touch: bool| {
+        let mut args = vec![
+            "compare",
+            "--device",
+            "sim",
+            "--workload",
+            "moe",
+            "--format",
+            "json",
+        ];
+        if touch {
+            args.push("--touch");
+        }
+        let out = cuvmm(&args);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        value["results"][0].clone()
+    };
+    let (plain, touched) = (run(false), run(true));
+    for key in [
+        "events",
+        "peak_allocated_bytes",
+        "peak_reserved_bytes",
+        "utilization",
+        "ooms",
+        "driver_calls",
+    ] {
+        assert_eq!(plain[key], touched[key], "{key}");
+    }
+    assert!(plain["peak_allocated_bytes"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn driver_bench_on_the_simulator_reports_the_latency_model() {
+    let out = cuvmm(&["driver-bench", "--format", "json", "--repetitions", "3"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v["schema"], "cuvmm-driver-bench/1");
+    assert_eq!(v["timing"], "modeled");
+    assert_eq!(v["device"]["kind"], "sim");
+    assert_eq!(v["repetitions"], 3);
+    assert_eq!(v["latency_model_ns"]["create"], 193_000);
+    let pages = v["pages"].as_array().expect("pages");
+    let sizes: Vec<u64> = pages
+        .iter()
+        .map(|p| p["page_bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [2 << 20, 20 << 20, 64 << 20]);
+    // The model: 2 MiB costs one unit, 20 MiB ten units.
+    assert_eq!(pages[0]["create_us"], 193.0);
+    assert_eq!(pages[1]["create_us"], 1930.0);
+    for p in pages {
+        let us = |k: &str| p[k].as_f64().unwrap();
+        assert_eq!(
+            us("grow_fresh_us"),
+            us("create_us") + us("map_us") + us("set_access_us")
+        );
+        assert_eq!(
+            us("grow_reused_us"),
+            us("unmap_us") + us("map_us") + us("set_access_us")
+        );
+        assert!(us("grow_reused_us") < us("grow_fresh_us"), "{p}");
+    }
+
+    let table = cuvmm(&["driver-bench", "--repetitions", "1"]);
+    assert!(table.status.success(), "{}", stderr(&table));
+    let text = String::from_utf8(table.stdout).unwrap();
+    assert!(text.contains("not measured"), "{text}");
+    assert!(text.contains("latency model"), "{text}");
+    assert!(text.contains("193000"), "{text}");
+}
+
+#[test]
+fn driver_bench_rejects_zero_repetitions() {
+    let out = cuvmm(&["driver-bench", "--repetitions", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
+}

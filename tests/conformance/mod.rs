@@ -1,0 +1,627 @@
+//! The conformance suite, written once against [`Driver`]: what keeps the simulator honest.
+//!
+//! It runs on [`SimDriver`](cuvmm::driver::sim::SimDriver) in every build (`tests/conformance_sim.rs`) and
+//! on a real GPU through `CudaDriver` when one is present (`tests/conformance_cuda.rs`). It has three parts:
+//!
+//! - [`rules`]: CUDA's documented rules, each of which SimDriver enforces. A misuse must be rejected, with
+//!   the simulator's own error kind or a `DriverError::Cuda` carrying the real `CUresult`, and must leave
+//!   the device as it was (the next calls succeed, nothing leaks, free memory is back where it was).
+//! - [`probes`]: rules where the simulator may be *stricter* than CUDA (its documentation is silent or
+//!   looser). On the simulator they must be rejected; on a GPU the outcome is printed for the record
+//!   (docs/gpu-results.md), not asserted.
+//! - [`allocator_properties`]: the allocator's property test at small scale, on the driver under test:
+//!   random alloc / free / empty_cache / trim on three streams, a byte pattern written into every
+//!   allocation and checked before its free, `check_invariants()` after every step, and nothing held by
+//!   the driver at the end.
+//!
+//! Memory checks allow half a page of slack, because a real driver's free-memory figure moves by small
+//! amounts of its own; on the simulator the figures are exact anyway.
+#![allow(dead_code)]
+
+use cuvmm::driver::sim::LeakReport;
+use cuvmm::driver::{Driver, DriverError, EventId, Op, PhysHandle, StreamId, VaRange};
+use cuvmm::expandable::Expandable;
+use cuvmm::{Config, Error, Strategy as _};
+use proptest::prelude::*;
+use proptest::test_runner::{Config as RunnerConfig, TestRunner};
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+
+/// A driver under test: the trait, plus a view of what it still holds.
+pub trait Subject: Driver + Debug + 'static {
+    /// What the driver still holds (handles, mappings, reservations, allocations).
+    fn held(&self) -> LeakReport;
+}
+
+/// One rule of the suite.
+pub type Rule<D> = (&'static str, fn(&mut D));
+
+/// Every rule, by name.
+pub fn rules<D: Subject>() -> Vec<Rule<D>> {
+    vec![
+        ("map_set_access_unmap_round_trip", round_trip::<D>),
+        (
+            "sizes_and_addresses_must_be_multiples_of_the_granularity",
+            aligned::<D>,
+        ),
+        (
+            "mappings_must_lie_inside_a_reservation",
+            inside_reservation::<D>,
+        ),
+        ("a_mapped_range_cannot_be_mapped_again", no_double_map::<D>),
+        (
+            "unmap_and_set_access_take_whole_mappings",
+            whole_mappings::<D>,
+        ),
+        ("unknown_handles_are_rejected", unknown_handles::<D>),
+        (
+            "release_while_mapped_frees_at_unmap",
+            release_while_mapped::<D>,
+        ),
+        (
+            "free_reservation_needs_an_exact_empty_reservation",
+            free_reservation::<D>,
+        ),
+        ("mem_info_accounts_for_created_memory", mem_info::<D>),
+        ("beyond_the_device_is_out_of_memory", out_of_memory::<D>),
+        ("malloc_and_free", malloc_and_free::<D>),
+        ("events_complete_after_synchronize", events::<D>),
+        (
+            "bytes_stay_with_a_remapped_handle",
+            bytes_move_with_handle::<D>,
+        ),
+        ("counters_count_failed_calls_too", counters::<D>),
+    ]
+}
+
+/// Runs every rule on a fresh driver from `make`, printing each rule's name first (a failure's output
+/// then says which rule broke), and checks that each leaves nothing held.
+pub fn run_rules<D: Subject>(make: impl Fn() -> D) {
+    for (name, rule) in rules::<D>() {
+        eprintln!("conformance: {name}");
+        let mut d = make();
+        rule(&mut d);
+        let held = d.held();
+        assert!(held.is_empty(), "{name}: the driver still holds {held}");
+    }
+}
+
+/// Accepts an error if it is the simulator's kind for the rule or a real CUDA error.
+fn rejected<T: Debug>(what: &str, result: Result<T, DriverError>, kind: fn(&DriverError) -> bool) {
+    match result {
+        Ok(value) => panic!("{what}: accepted (-> {value:?}), but CUDA rejects it"),
+        Err(e) if kind(&e) || matches!(e, DriverError::Cuda { .. }) => {}
+        Err(e) => panic!("{what}: rejected with an unexpected error: {e}"),
+    }
+}
+
+fn free_bytes<D: Driver>(d: &mut D) -> u64 {
+    d.mem_info().expect("mem_info").free
+}
+
+/// Reserves `pages` pages and creates `handles` one-page handles.
+fn setup<D: Driver>(d: &mut D, pages: u64, handles: usize) -> (VaRange, Vec<PhysHandle>) {
+    let g = d.granularity();
+    let r = d.reserve(pages * g).expect("reserve");
+    let hs = (0..handles)
+        .map(|_| d.create(g).expect("create one page"))
+        .collect();
+    (r, hs)
+}
+
+/// Releases `handles` and frees `r` (everything must already be unmapped).
+fn teardown<D: Driver>(d: &mut D, r: VaRange, handles: &[PhysHandle]) {
+    for &h in handles {
+        d.release(h).expect("release");
+    }
+    d.free_reservation(r).expect("free_reservation");
+}
+
+/// Reads `len` bytes at `va` and checks that each is `value`.
+fn expect_bytes<D: Driver>(d: &mut D, va: u64, len: usize, value: u8, what: &str) {
+    let mut out = vec![!value; len];
+    d.copy_to_host(va, &mut out).expect("copy_to_host");
+    if let Some(at) = out.iter().position(|&b| b != value) {
+        panic!(
+            "{what}: byte {at} at {va:#x} is {:#04x}, expected {value:#04x}",
+            out[at]
+        );
+    }
+}
+
+fn round_trip<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let free0 = free_bytes(d);
+    let (r, hs) = setup(d, 4, 2);
+    d.map(r.start, g, hs[0]).expect("map the first page");
+    d.map(r.start + g, g, hs[1]).expect("map the second page");
+    // One set_access, memset and unmap may each cover several whole mappings.
+    d.set_access(r.start, 2 * g)
+        .expect("set_access on two mappings");
+    d.memset_d8(r.start, 2 * g, 0xAB)
+        .expect("memset across two mappings");
+    expect_bytes(d, r.start + g - 64, 128, 0xAB, "across the boundary");
+    d.unmap(r.start, 2 * g).expect("unmap two mappings at once");
+    teardown(d, r, &hs);
+    let free1 = free_bytes(d);
+    assert!(
+        free1 + g / 2 >= free0,
+        "free memory did not come back: {free0} -> {free1}"
+    );
+}
+
+fn aligned<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    rejected("create(0)", d.create(0), |e| {
+        matches!(e, DriverError::ZeroSize { .. })
+    });
+    rejected("create(granularity / 2)", d.create(g / 2), |e| {
+        matches!(e, DriverError::NotAligned { .. })
+    });
+    rejected("reserve(granularity + 1)", d.reserve(g + 1), |e| {
+        matches!(e, DriverError::NotAligned { .. })
+    });
+    let (r, hs) = setup(d, 4, 1);
+    rejected(
+        "map at half a page",
+        d.map(r.start + g / 2, g, hs[0]),
+        |e| matches!(e, DriverError::NotAligned { .. }),
+    );
+    d.map(r.start, g, hs[0]).expect("map after the failed map");
+    rejected(
+        "set_access on half a page",
+        d.set_access(r.start, g / 2),
+        |e| matches!(e, DriverError::NotAligned { .. }),
+    );
+    rejected("unmap of half a page", d.unmap(r.start, g / 2), |e| {
+        matches!(e, DriverError::NotAligned { .. })
+    });
+    d.unmap(r.start, g).expect("unmap after the failed calls");
+    teardown(d, r, &hs);
+}
+
+fn inside_reservation<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, hs) = setup(d, 2, 1);
+    rejected("map past the end", d.map(r.end(), g, hs[0]), |e| {
+        matches!(e, DriverError::OutsideReservation { .. })
+    });
+    rejected("map before the start", d.map(r.start - g, g, hs[0]), |e| {
+        matches!(e, DriverError::OutsideReservation { .. })
+    });
+    rejected("set_access past the end", d.set_access(r.end(), g), |e| {
+        matches!(
+            e,
+            DriverError::OutsideReservation { .. } | DriverError::NotMapped { .. }
+        )
+    });
+    d.map(r.start + g, g, hs[0]).expect("map on the last page");
+    d.unmap(r.start + g, g).expect("unmap");
+    teardown(d, r, &hs);
+}
+
+fn no_double_map<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, mut hs) = setup(d, 4, 2);
+    hs.push(d.create(2 * g).expect("create two pages"));
+    d.map(r.start + g, g, hs[0]).expect("map");
+    rejected(
+        "map twice at one address",
+        d.map(r.start + g, g, hs[1]),
+        |e| matches!(e, DriverError::AlreadyMapped { .. }),
+    );
+    rejected(
+        "map overlapping a mapping",
+        d.map(r.start, 2 * g, hs[2]),
+        |e| matches!(e, DriverError::AlreadyMapped { .. }),
+    );
+    d.set_access(r.start + g, g).expect("set_access");
+    d.memset_d8(r.start + g, g, 0x3C).expect("memset");
+    d.map(r.start + 2 * g, 2 * g, hs[2])
+        .expect("map the two-page handle after the existing mapping");
+    expect_bytes(
+        d,
+        r.start + g,
+        256,
+        0x3C,
+        "the first mapping after failed maps",
+    );
+    d.unmap(r.start + g, g).expect("unmap the first");
+    d.unmap(r.start + 2 * g, 2 * g).expect("unmap the second");
+    teardown(d, r, &hs);
+}
+
+fn whole_mappings<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let r = d.reserve(2 * g).expect("reserve");
+    let h = d.create(2 * g).expect("create two pages");
+    d.map(r.start, 2 * g, h).expect("map");
+    rejected(
+        "set_access on half a mapping",
+        d.set_access(r.start, g),
+        |e| matches!(e, DriverError::PartialMapping { .. }),
+    );
+    rejected("unmap of the first half", d.unmap(r.start, g), |e| {
+        matches!(e, DriverError::PartialMapping { .. })
+    });
+    rejected("unmap of the second half", d.unmap(r.start + g, g), |e| {
+        matches!(e, DriverError::PartialMapping { .. })
+    });
+    d.set_access(r.start, 2 * g)
+        .expect("set_access on the whole");
+    d.memset_d8(r.start, 2 * g, 0x77).expect("memset");
+    expect_bytes(d, r.start + 2 * g - 32, 32, 0x77, "the end of the mapping");
+    d.unmap(r.start, 2 * g).expect("unmap the whole");
+    teardown(d, r, &[h]);
+}
+
+fn unknown_handles<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, hs) = setup(d, 1, 1);
+    d.release(hs[0]).expect("release");
+    rejected("release twice", d.release(hs[0]), |e| {
+        matches!(e, DriverError::UnknownHandle { .. })
+    });
+    rejected("map a released handle", d.map(r.start, g, hs[0]), |e| {
+        matches!(e, DriverError::UnknownHandle { .. })
+    });
+    rejected(
+        "release a handle never created",
+        d.release(PhysHandle(hs[0].0 ^ 0x5a5a_0000)),
+        |e| matches!(e, DriverError::UnknownHandle { .. }),
+    );
+    d.free_reservation(r).expect("free_reservation");
+}
+
+fn release_while_mapped<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let free0 = free_bytes(d);
+    let (r, hs) = setup(d, 1, 1);
+    d.map(r.start, g, hs[0]).expect("map");
+    d.set_access(r.start, g).expect("set_access");
+    d.memset_d8(r.start, g, 0x5A).expect("memset");
+    d.release(hs[0]).expect("release while mapped is allowed");
+    expect_bytes(d, r.start, 512, 0x5A, "a released but mapped handle");
+    let held = free_bytes(d);
+    assert!(
+        held + g / 2 <= free0,
+        "memory was freed at release, before the unmap: {free0} -> {held}"
+    );
+    rejected("map a released handle", d.map(r.start, g, hs[0]), |e| {
+        matches!(
+            e,
+            DriverError::UnknownHandle { .. } | DriverError::AlreadyMapped { .. }
+        )
+    });
+    d.unmap(r.start, g).expect("unmap");
+    let back = free_bytes(d);
+    assert!(
+        back + g / 2 >= free0,
+        "memory was not freed at the unmap: {free0} -> {back}"
+    );
+    d.free_reservation(r).expect("free_reservation");
+}
+
+fn free_reservation<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, hs) = setup(d, 2, 1);
+    rejected(
+        "free half a reservation",
+        d.free_reservation(VaRange::new(r.start, g)),
+        |e| matches!(e, DriverError::UnknownReservation { .. }),
+    );
+    d.map(r.start, g, hs[0]).expect("map");
+    rejected("free a reservation in use", d.free_reservation(r), |e| {
+        matches!(e, DriverError::ReservationInUse { .. })
+    });
+    d.unmap(r.start, g).expect("unmap");
+    teardown(d, r, &hs);
+    rejected("free a reservation twice", d.free_reservation(r), |e| {
+        matches!(e, DriverError::UnknownReservation { .. })
+    });
+}
+
+fn mem_info<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let info = d.mem_info().expect("mem_info");
+    assert!(info.total > 0 && info.free <= info.total, "{info:?}");
+    let hs: Vec<PhysHandle> = (0..4).map(|_| d.create(g).expect("create")).collect();
+    let during = free_bytes(d);
+    assert!(
+        during + 4 * g <= info.free + g / 2,
+        "4 pages created but free memory went {} -> {during}",
+        info.free
+    );
+    for h in hs {
+        d.release(h).expect("release");
+    }
+    let after = free_bytes(d);
+    assert!(
+        after + g / 2 >= info.free,
+        "released memory did not come back: {} -> {after}",
+        info.free
+    );
+}
+
+fn out_of_memory<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let total = d.mem_info().expect("mem_info").total;
+    let too_much = (total / g + 1) * g;
+    match d.create(too_much) {
+        Err(e) => assert!(e.is_out_of_memory(), "create beyond the device: {e}"),
+        Ok(h) => {
+            d.release(h).expect("release");
+            panic!("create({too_much}) succeeded on a device of {total} bytes");
+        }
+    }
+    match d.malloc(too_much) {
+        Err(e) => assert!(e.is_out_of_memory(), "malloc beyond the device: {e}"),
+        Ok(p) => {
+            d.free(p).expect("free");
+            panic!("malloc({too_much}) succeeded on a device of {total} bytes");
+        }
+    }
+    // Still usable afterwards.
+    let h = d.create(g).expect("create after out of memory");
+    d.release(h).expect("release");
+}
+
+fn malloc_and_free<D: Subject>(d: &mut D) {
+    rejected("malloc(0)", d.malloc(0), |e| {
+        matches!(e, DriverError::ZeroSize { .. })
+    });
+    let p = d.malloc(1536).expect("malloc");
+    assert_eq!(p % 256, 0, "cuMemAlloc pointers are at least 256 B aligned");
+    d.memset_d8(p, 1536, 7).expect("memset");
+    expect_bytes(d, p, 1536, 7, "malloc'd memory");
+    let q = d.malloc(4096).expect("a second malloc");
+    assert!(q >= p + 1536 || q + 4096 <= p, "allocations overlap");
+    d.free(p).expect("free");
+    rejected("free twice", d.free(p), |e| {
+        matches!(e, DriverError::UnknownPointer { .. })
+    });
+    rejected("memset after free", d.memset_d8(p, 16, 1), |e| {
+        matches!(e, DriverError::NotMapped { .. })
+    });
+    d.free(q).expect("free the second");
+}
+
+fn events<D: Subject>(d: &mut D) {
+    let stream = StreamId(1);
+    let e = d.record_event(stream).expect("record_event");
+    d.synchronize(stream).expect("synchronize");
+    assert!(
+        d.event_complete(e).expect("event_complete"),
+        "an event is complete once its stream is synchronized"
+    );
+    let on_default = d
+        .record_event(StreamId::DEFAULT)
+        .expect("record on the default stream");
+    d.synchronize(StreamId::DEFAULT)
+        .expect("synchronize the default stream");
+    assert!(d.event_complete(on_default).expect("event_complete"));
+    d.destroy_event(e).expect("destroy_event");
+    d.destroy_event(on_default).expect("destroy_event");
+    let unknown = |err: &DriverError| matches!(err, DriverError::UnknownEvent { .. });
+    rejected("query a destroyed event", d.event_complete(e), unknown);
+    rejected("destroy twice", d.destroy_event(e), unknown);
+    rejected(
+        "query an event never recorded",
+        d.event_complete(EventId(u64::MAX)),
+        unknown,
+    );
+}
+
+fn bytes_move_with_handle<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, hs) = setup(d, 3, 1);
+    d.map(r.start, g, hs[0]).expect("map at A");
+    d.set_access(r.start, g).expect("set_access at A");
+    d.memset_d8(r.start, g, 0x11).expect("memset at A");
+    d.unmap(r.start, g).expect("unmap A");
+    rejected(
+        "read an unmapped page",
+        d.copy_to_host(r.start, &mut [0; 8]),
+        |e| matches!(e, DriverError::NotMapped { .. }),
+    );
+    d.map(r.start + 2 * g, g, hs[0]).expect("map at B");
+    rejected(
+        "read before set_access",
+        d.copy_to_host(r.start + 2 * g, &mut [0; 8]),
+        |e| matches!(e, DriverError::AccessDenied { .. }),
+    );
+    d.set_access(r.start + 2 * g, g).expect("set_access at B");
+    expect_bytes(d, r.start + 2 * g, g as usize, 0x11, "a remapped handle");
+    d.unmap(r.start + 2 * g, g).expect("unmap B");
+    teardown(d, r, &hs);
+}
+
+fn counters<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let before = d.counters();
+    let _ = d.create(g / 2);
+    let h = d.create(g).expect("create");
+    d.release(h).expect("release");
+    let after = d.counters();
+    assert_eq!(after.get(Op::Create), before.get(Op::Create) + 2);
+    assert_eq!(after.get(Op::Release), before.get(Op::Release) + 1);
+    assert!(after.total() >= before.total() + 3);
+}
+
+/// What a probe found.
+#[derive(Debug)]
+pub struct Probe {
+    /// What was tried.
+    pub name: &'static str,
+    /// `Err` with the error if the driver rejected it, `Ok` if it accepted it.
+    pub outcome: Result<(), DriverError>,
+}
+
+/// Tries what the simulator rejects but CUDA's documentation does not clearly forbid, cleaning up after
+/// each. Returns what happened, for the caller to assert (simulator) or print (GPU).
+pub fn probes<D: Subject>(make: impl Fn() -> D) -> Vec<Probe> {
+    let mut found = Vec::new();
+    // cuMemAddressReserve asks for a multiple of the host page size; the simulator asks for the granularity.
+    {
+        let mut d = make();
+        let g = d.granularity();
+        let outcome = d.reserve(g + 4096).map(|r| {
+            d.free_reservation(r).expect("free the probe's reservation");
+        });
+        found.push(Probe {
+            name: "reserve of a host-page multiple that is not a granularity multiple",
+            outcome,
+        });
+    }
+    // One unmap / set_access over two mappings with an unmapped page between them.
+    for (name, set_access) in [
+        ("unmap of a range with a hole between two mappings", false),
+        (
+            "set_access on a range with a hole between two mappings",
+            true,
+        ),
+    ] {
+        let mut d = make();
+        let g = d.granularity();
+        let (r, hs) = setup(&mut d, 3, 2);
+        d.map(r.start, g, hs[0]).expect("map");
+        d.map(r.start + 2 * g, g, hs[1]).expect("map");
+        let outcome = if set_access {
+            d.set_access(r.start, 3 * g)
+        } else {
+            d.unmap(r.start, 3 * g)
+        };
+        for va in [r.start, r.start + 2 * g] {
+            // Already gone if the probe's unmap was accepted.
+            let _ = d.unmap(va, g);
+        }
+        teardown(&mut d, r, &hs);
+        found.push(Probe { name, outcome });
+    }
+    found
+}
+
+#[derive(Debug, Clone)]
+enum Action {
+    Alloc { size: u64, stream: u64 },
+    Free { pick: usize },
+    EmptyCache,
+    Trim { pages: u64 },
+}
+
+fn action(max_size: u64) -> impl Strategy<Value = Action> {
+    prop_oneof![
+        6 => (0u32..=16, 1u64..=1 << 16, 0u64..3).prop_map(move |(shift, frac, stream)| {
+            // Log-uniform sizes from 1 byte to `max_size`.
+            let size = (((max_size >> shift).max(1) * frac) >> 16).max(1);
+            Action::Alloc { size, stream }
+        }),
+        5 => any::<usize>().prop_map(|pick| Action::Free { pick }),
+        1 => Just(Action::EmptyCache),
+        1 => (0u64..4).prop_map(|pages| Action::Trim { pages }),
+    ]
+}
+
+/// The byte written into allocation number `n`.
+fn pattern(n: u64) -> u8 {
+    (n % 251) as u8 + 1
+}
+
+/// The allocator's property test on drivers from `make`: `cases` random sequences of up to 120 actions
+/// with requests of up to four pages. Checks, after every step: allocations are 512 B aligned and do not
+/// overlap, `check_invariants()` holds, and each allocation's first and last bytes are still the pattern
+/// written into it when it is freed; at the end, after freeing everything and `empty_cache()`, the driver
+/// holds nothing. Out-of-memory is allowed (the bound on it is `tests/expandable_model.rs`'s business).
+pub fn allocator_properties<D: Subject>(make: impl Fn() -> D, cases: u32) {
+    let mut runner = TestRunner::new(RunnerConfig {
+        cases,
+        failure_persistence: None,
+        ..RunnerConfig::default()
+    });
+    let g = make().granularity();
+    let outcome = runner.run(&prop::collection::vec(action(4 * g), 1..120), |actions| {
+        run_actions(make(), actions);
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("allocator property failed: {e}");
+    }
+}
+
+fn run_actions<D: Subject>(driver: D, actions: Vec<Action>) {
+    let config = Config {
+        small_size: 4096,
+        ..Config::default()
+    };
+    let mut alloc = Expandable::new(driver, config).expect("allocator");
+    // addr -> (size, pattern)
+    let mut live: BTreeMap<u64, (u64, u8)> = BTreeMap::new();
+    let mut n = 0;
+    for action in actions {
+        match action {
+            Action::Alloc { size, stream } => match alloc.alloc(size, StreamId(stream)) {
+                Ok(addr) => {
+                    assert_eq!(addr % 512, 0, "misaligned {addr:#x}");
+                    let rounded = size.next_multiple_of(512);
+                    if let Some((&prev, &(psize, _))) = live.range(..addr).next_back() {
+                        assert!(prev + psize <= addr, "{prev:#x}+{psize} overlaps {addr:#x}");
+                    }
+                    if let Some((&next, _)) = live.range(addr..).next() {
+                        assert!(
+                            addr + rounded <= next,
+                            "{addr:#x}+{size} overlaps {next:#x}"
+                        );
+                    }
+                    n += 1;
+                    let byte = pattern(n);
+                    alloc
+                        .memset(addr, size, byte)
+                        .expect("memset a new allocation");
+                    live.insert(addr, (size, byte));
+                }
+                Err(Error::OutOfMemory(_)) => {}
+                Err(e) => panic!("alloc({size}) failed: {e}"),
+            },
+            Action::Free { pick } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let addr = *live
+                    .keys()
+                    .nth(pick % live.len())
+                    .expect("a live allocation");
+                let (size, byte) = live.remove(&addr).expect("live");
+                check_pattern(&mut alloc, addr, size, byte);
+                alloc.free(addr).expect("free");
+            }
+            Action::EmptyCache => alloc.empty_cache().expect("empty_cache"),
+            Action::Trim { pages } => {
+                alloc.trim(pages * alloc.page_size()).expect("trim");
+            }
+        }
+        alloc
+            .check_invariants()
+            .unwrap_or_else(|v| panic!("invariant broken: {v}"));
+    }
+    for (addr, (size, byte)) in std::mem::take(&mut live) {
+        check_pattern(&mut alloc, addr, size, byte);
+        alloc.free(addr).expect("free at the end");
+    }
+    alloc.empty_cache().expect("final empty_cache");
+    alloc.check_invariants().expect("invariants at the end");
+    let held = alloc.driver().held();
+    assert!(held.is_empty(), "the driver still holds {held}");
+}
+
+/// Checks the first and last (up to) 64 bytes of an allocation.
+fn check_pattern<S: cuvmm::Strategy>(alloc: &mut S, addr: u64, size: u64, byte: u8) {
+    let len = size.min(64);
+    for at in [addr, addr + size - len] {
+        let mut out = vec![0; len as usize];
+        alloc.copy_to_host(at, &mut out).expect("copy_to_host");
+        assert!(
+            out.iter().all(|&b| b == byte),
+            "allocation {addr:#x} ({size} B): bytes at {at:#x} changed: {out:?}, expected {byte}"
+        );
+    }
+}
