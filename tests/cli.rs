@@ -112,3 +112,24 @@ fn compare_prints_one_json_result_per_workload() {
         assert!(result["peak_allocated_bytes"].as_u64().unwrap() > 0);
     }
 }
+
+#[test]
+fn a_closed_stdout_ends_the_program_quietly() {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cuvmm"))
+        .args(["compare", "--workload", "moe"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the reading end before the replay finishes, as `cuvmm | head -0` would.
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        output.status.success(),
+        "status {:?}: {stderr}",
+        output.status
+    );
+}

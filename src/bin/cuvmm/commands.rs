@@ -8,6 +8,7 @@ use cuvmm::driver_bench::{self, BenchOptions};
 use cuvmm::trace::compare::{CompareOptions, compare};
 use cuvmm::trace::replay::ReplayOptions;
 use cuvmm::trace::{report, workload};
+use std::io::Write;
 use std::process::ExitCode;
 
 /// Exit status for a request that cannot be served as asked (bad name, bad size).
@@ -37,26 +38,26 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
         }
     };
     match args.format {
-        Format::Table => print!("{}", report::render_table(&results)),
+        Format::Table => emit(&report::render_table(&results)),
         Format::Json => match report::render_json(&results) {
-            Ok(json) => println!("{json}"),
+            Ok(json) => emit(&format!("{json}\n")),
             Err(e) => {
                 eprintln!("cuvmm: cannot write JSON: {e}");
-                return ExitCode::FAILURE;
+                ExitCode::FAILURE
             }
         },
     }
-    ExitCode::SUCCESS
 }
 
 /// `cuvmm workloads`.
 pub fn run_workloads() -> ExitCode {
     let width = workload::BUILTIN.iter().map(|w| w.len()).max().unwrap_or(0);
+    let mut out = String::new();
     for name in workload::BUILTIN {
         let description = workload::description(name).unwrap_or_default();
-        println!("{name:<width$}  {description}");
+        out.push_str(&format!("{name:<width$}  {description}\n"));
     }
-    ExitCode::SUCCESS
+    emit(&out)
 }
 
 /// `cuvmm driver-bench`.
@@ -80,16 +81,32 @@ pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
         }
     };
     match args.format {
-        Format::Table => print!("{}", driver_bench::render_table(&bench)),
+        Format::Table => emit(&driver_bench::render_table(&bench)),
         Format::Json => match serde_json::to_string_pretty(&bench) {
-            Ok(json) => println!("{json}"),
+            Ok(json) => emit(&format!("{json}\n")),
             Err(e) => {
                 eprintln!("cuvmm: cannot write JSON: {e}");
-                return ExitCode::FAILURE;
+                ExitCode::FAILURE
             }
         },
     }
-    ExitCode::SUCCESS
+}
+
+/// Writes results to stdout. A reader that went away (`cuvmm | head`) ends the program quietly, as it
+/// would any Unix filter; another write error is reported on stderr.
+pub fn emit(text: &str) -> ExitCode {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cuvmm: cannot write results: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// The exit status for a device that cannot be opened: 2 when this build or this machine has no CUDA
