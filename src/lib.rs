@@ -14,6 +14,7 @@ pub mod error;
 pub mod expandable;
 pub mod page_map;
 pub mod size;
+pub mod split;
 pub mod stats;
 pub mod strategy;
 pub mod trace;

@@ -1,5 +1,6 @@
 //! The `cuvmm` binary: exit statuses, messages on stderr, results on stdout.
 
+use cuvmm::trace::allocators::ALLOCATORS;
 use cuvmm::trace::workload::BUILTIN;
 use std::process::{Command, Output};
 
@@ -74,15 +75,18 @@ fn workloads_lists_every_builtin_with_a_description() {
 
 #[test]
 
-fn compare_prints_one_json_result_per_workload() {
+fn compare_prints_one_json_result_per_workload_and_allocator() {
     let out = cuvmm(&["compare", "--format", "json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let results = value["results"].as_array().expect("results array");
-    assert_eq!(results.len(), BUILTIN.len());
-    for (result, name) in results.iter().zip(BUILTIN) {
-        assert_eq!(result["workload"], *name);
-        assert_eq!(result["allocator"], "cuvmm");
+    assert_eq!(results.len(), BUILTIN.len() * ALLOCATORS.len());
+    let expected = BUILTIN
+        .iter()
+        .flat_map(|w| ALLOCATORS.iter().map(move |a| (w, a)));
+    for (result, (name, allocator)) in results.iter().zip(expected) {
+        assert_eq!(result["workload"], **name);
+        assert_eq!(result["allocator"], **allocator);
         for key in [
             "events",
             "peak_allocated_bytes",

@@ -4,10 +4,13 @@ use crate::config::Config;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::error::Error;
 use crate::expandable::Expandable;
+use crate::split::Split;
 use crate::strategy::Strategy;
 
 /// Names of the allocators [`build`] knows, in the order reports list them.
-pub const ALLOCATORS: &[&str] = &["cuvmm"];
+/// "cuvmm" is cuvmm's allocator; "classic" the model of PyTorch's native caching allocator;
+/// "pytorch-expandable" the model of PyTorch with `expandable_segments:True`.
+pub const ALLOCATORS: &[&str] = &["cuvmm", "classic", "pytorch-expandable"];
 
 /// An allocator that cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -29,7 +32,8 @@ pub enum BuildError {
 }
 
 /// The allocator called `name` on a fresh simulated device of `capacity` bytes whose allocation
-/// granularity is `page_size` bytes, with the default configuration.
+/// granularity is `page_size` bytes, with the default configuration (PyTorch's defaults for the models of
+/// PyTorch; "pytorch-expandable" needs a granularity that divides 2 MiB).
 pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strategy>, BuildError> {
     let device = || {
         SimDriver::new(
@@ -46,6 +50,18 @@ pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strate
         "cuvmm" => Ok(Box::new(
             Expandable::new(device(), Config::default()).map_err(strategy_error)?,
         )),
+        "classic" => Ok(Box::new(
+            Split::new(device(), Config::default()).map_err(strategy_error)?,
+        )),
+        "pytorch-expandable" => {
+            let config = Config {
+                expandable_segments: true,
+                ..Config::default()
+            };
+            Ok(Box::new(
+                Split::new(device(), config).map_err(strategy_error)?,
+            ))
+        }
         _ => Err(BuildError::Unknown {
             name: name.to_string(),
         }),
