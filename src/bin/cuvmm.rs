@@ -35,5 +35,6 @@ fn main() -> ExitCode {
         None => commands::run_compare(cli.compare),
         Some(Command::Compare(args)) => commands::run_compare(args),
         Some(Command::Workloads) => commands::run_workloads(),
+        Some(Command::Fidelity(args)) => commands::run_fidelity(args),
     }
 }

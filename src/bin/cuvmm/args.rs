@@ -22,6 +22,23 @@ pub enum Command {
     Compare(CompareArgs),
     /// List the built-in workloads.
     Workloads,
+    /// Replay a PyTorch memory snapshot through the matching model of PyTorch's allocator and compare
+    /// its segment events and peak reserved memory with what PyTorch did.
+    Fidelity(FidelityArgs),
+}
+
+/// Options of `fidelity`.
+#[derive(Debug, Args)]
+pub struct FidelityArgs {
+    /// The snapshot (`torch.cuda.memory._dump_snapshot` pickle).
+    #[arg(long, value_name = "FILE")]
+    pub trace: std::path::PathBuf,
+    /// The device to replay (default: the one with the most trace entries).
+    #[arg(long, value_name = "N")]
+    pub device: Option<usize>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
 }
 
 /// Options of `compare`.

@@ -1,7 +1,9 @@
 //! What each subcommand does. Results go to stdout, diagnostics to stderr.
 
-use crate::args::{CompareArgs, Format};
+use crate::args::{CompareArgs, FidelityArgs, Format};
+use cuvmm::size::format_size;
 use cuvmm::trace::compare::{CompareOptions, compare};
+use cuvmm::trace::fidelity::fidelity;
 use cuvmm::trace::{report, workload};
 use std::process::ExitCode;
 
@@ -45,6 +47,52 @@ pub fn run_workloads() -> ExitCode {
     for name in workload::BUILTIN {
         let description = workload::description(name).unwrap_or_default();
         println!("{name:<width$}  {description}");
+    }
+    ExitCode::SUCCESS
+}
+
+/// `cuvmm fidelity`.
+pub fn run_fidelity(args: FidelityArgs) -> ExitCode {
+    let report = match fidelity(&args.trace, args.device) {
+        Ok(report) => report,
+        Err(e) => {
+            // One line: the snapshot errors name the file; others get it prefixed.
+            let message = e.to_string();
+            let line = message.lines().next().unwrap_or_default();
+            if e.is_bad_input() {
+                eprintln!("cuvmm: {line}");
+                return ExitCode::from(USAGE);
+            }
+            eprintln!("cuvmm: {}: {line}", args.trace.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match args.format {
+        Format::Json => match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(e) => {
+                eprintln!("cuvmm: cannot write JSON: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Format::Table => {
+            let (t, m) = (&report.ground_truth, &report.model);
+            println!("trace                {}", report.trace);
+            println!("device               {}", report.device);
+            println!("mode                 {}", report.mode);
+            println!("                     {:>16}  {:>16}", "PyTorch", "model");
+            println!(
+                "segment events       {:>16}  {:>16}",
+                t.segment_events, m.segment_events
+            );
+            println!(
+                "peak reserved        {:>16}  {:>16}",
+                format_size(t.peak_reserved_bytes),
+                format_size(m.peak_reserved_bytes)
+            );
+            println!("segment_event_match  {:.4}", report.segment_event_match);
+            println!("peak_reserved_error  {:.4}", report.peak_reserved_error);
+        }
     }
     ExitCode::SUCCESS
 }
