@@ -134,7 +134,7 @@ pub fn build(
         }
     }
 
-    let (ops, oom_releases) = requests(entries);
+    let (ops, oom_releases) = requests(entries, initial_reserved, peak_reserved);
     let live = live_at_start(entries, &segments, &config, &inconsistent)?;
     let mut initial: BTreeMap<u64, InitialSegment> = start
         .iter()
@@ -191,14 +191,24 @@ fn free_action(entries: &[RawEntry]) -> &'static str {
         .unwrap_or("free_completed")
 }
 
-/// The requests in order: allocs, frees, and one `empty_cache` for each run of `segment_free` entries that
-/// `torch.cuda.empty_cache()` made. Without frames, a run of frees not followed by a new segment is taken
-/// for an `empty_cache` call (one followed by a new segment is taken for an out-of-memory retry). Also
+/// The requests in order: allocs, frees, and one `empty_cache` for each run of `segment_free` (or
+/// `segment_unmap`) entries that `torch.cuda.empty_cache()` made rather than an out-of-memory retry. Also
 /// says whether any release came from out-of-memory (a run not made by `empty_cache`, or an `oom` entry).
-fn requests(entries: &[RawEntry]) -> (Vec<TraceOp>, bool) {
+///
+/// A run's frames tell when they name `emptyCache`. They rarely can: serde-pickle's
+/// `replace_recursive_structures` turns every string the pickle memo shares into `None`, and frame names
+/// are shared. Otherwise the run is an out-of-memory retry only if it is followed by a new segment that
+/// the device could not have held: the reserved bytes before the run plus that segment's size exceed the
+/// most PyTorch held at any point of the trace (`peak_reserved`), which the device evidently had room for.
+fn requests(
+    entries: &[RawEntry],
+    initial_reserved: u64,
+    peak_reserved: u64,
+) -> (Vec<TraceOp>, bool) {
     let free = free_action(entries);
     let mut ops = Vec::new();
     let mut oom_releases = false;
+    let mut reserved = initial_reserved;
     let mut i = 0;
     while i < entries.len() {
         let e = &entries[i];
@@ -209,6 +219,7 @@ fn requests(entries: &[RawEntry]) -> (Vec<TraceOp>, bool) {
                 stream: StreamId(e.stream),
             }),
             a if a == free => ops.push(TraceOp::Free { addr: e.addr }),
+            "segment_alloc" | "segment_map" => reserved += e.size,
             "segment_free" | "segment_unmap" => {
                 let run_end = entries[i..]
                     .iter()
@@ -217,10 +228,13 @@ fn requests(entries: &[RawEntry]) -> (Vec<TraceOp>, bool) {
                 let by_frames = entries[i..run_end]
                     .iter()
                     .find_map(RawEntry::from_empty_cache);
-                let followed_by_growth = entries
-                    .get(run_end)
-                    .is_some_and(|x| x.action == "segment_alloc" || x.action == "segment_map");
-                if by_frames.unwrap_or(!followed_by_growth) {
+                let impossible_growth = entries.get(run_end).is_some_and(|x| {
+                    (x.action == "segment_alloc" || x.action == "segment_map")
+                        && reserved.saturating_add(x.size) > peak_reserved
+                });
+                reserved =
+                    reserved.saturating_sub(entries[i..run_end].iter().map(|x| x.size).sum());
+                if by_frames.unwrap_or(!impossible_growth) {
                     ops.push(TraceOp::EmptyCache);
                 } else {
                     oom_releases = true;
