@@ -90,6 +90,10 @@ pub fn run_fidelity(args: FidelityArgs) -> ExitCode {
                 format_size(t.peak_reserved_bytes),
                 format_size(m.peak_reserved_bytes)
             );
+            println!(
+                "same address         {} of {} allocations placed where PyTorch placed them",
+                report.details.same_address, report.details.allocs
+            );
             println!("segment_event_match  {:.4}", report.segment_event_match);
             println!("peak_reserved_error  {:.4}", report.peak_reserved_error);
         }

@@ -149,16 +149,23 @@ pub fn build(
             (addr, seg)
         })
         .collect();
-    for (addr, block) in live {
+    let mut inferred: HashSet<(u64, u64)> = HashSet::new();
+    for (addr, (block, is_inferred)) in live {
         let (_, seg) = initial
             .range_mut(..=addr)
             .next_back()
             .filter(|(_, s)| addr < s.addr + s.size)
             .ok_or_else(|| inconsistent("a block live at the start lies in no segment", addr))?;
+        if is_inferred {
+            inferred.insert((seg.addr, addr - seg.addr));
+        }
         seg.live.push(SeedBlock {
             offset: addr - seg.addr,
             ..block
         });
+    }
+    for seg in initial.values_mut() {
+        absorb_slivers(seg, &inferred);
     }
     Ok(PytorchTrace {
         device,
@@ -171,6 +178,29 @@ pub fn build(
         peak_reserved,
         oom_releases,
     })
+}
+
+/// Gives back to each block whose size was inferred from its request the sliver after it: in the large
+/// pool every block, free or live, is larger than 1 MiB (PyTorch splits off only remainders above 1 MiB),
+/// so a gap of at most 1 MiB after a block was never a block of its own but the unsplit remainder of the
+/// block before it.
+fn absorb_slivers(seg: &mut InitialSegment, inferred: &HashSet<(u64, u64)>) {
+    if seg.pool != Pool::Large {
+        return;
+    }
+    let ends: Vec<u64> = seg
+        .live
+        .iter()
+        .skip(1)
+        .map(|b| b.offset)
+        .chain([seg.size])
+        .collect();
+    for (block, next) in seg.live.iter_mut().zip(ends) {
+        let gap = next.saturating_sub(block.offset + block.size);
+        if gap > 0 && gap <= rules::SMALL_SIZE && inferred.contains(&(seg.addr, block.offset)) {
+            block.size += gap;
+        }
+    }
 }
 
 fn pool_of(s: &RawSegment) -> Pool {
@@ -250,15 +280,16 @@ fn requests(
     (ops, oom_releases)
 }
 
-/// Blocks live when recording began, by address: (size, requested) with the offset left at 0.
+/// Blocks live when recording began, by address: (size, requested) with the offset left at 0, and
+/// whether the size was inferred from the requested size (rather than recorded).
 fn live_at_start(
     entries: &[RawEntry],
     segments: &[&RawSegment],
     config: &Config,
     inconsistent: &dyn Fn(&'static str, u64) -> SnapshotError,
-) -> Result<BTreeMap<u64, SeedBlock>, SnapshotError> {
+) -> Result<BTreeMap<u64, (SeedBlock, bool)>, SnapshotError> {
     let free = free_action(entries);
-    let mut live: BTreeMap<u64, SeedBlock> = BTreeMap::new();
+    let mut live: BTreeMap<u64, (SeedBlock, bool)> = BTreeMap::new();
     let mut in_trace: HashSet<u64> = HashSet::new();
     let mut allocated_ever: HashSet<u64> = HashSet::new();
     for e in entries {
@@ -268,14 +299,12 @@ fn live_at_start(
         } else if e.action == free && !in_trace.remove(&e.addr) {
             let size = rules::round_size(e.size, &config.roundup_power2_divisions)
                 .ok_or_else(|| inconsistent("a free of an impossible size", e.addr))?;
-            live.insert(
-                e.addr,
-                SeedBlock {
-                    offset: 0,
-                    size,
-                    requested: e.size,
-                },
-            );
+            let block = SeedBlock {
+                offset: 0,
+                size,
+                requested: e.size,
+            };
+            live.insert(e.addr, (block, true));
         }
     }
     for seg in segments {
@@ -284,11 +313,12 @@ fn live_at_start(
             let at = b.address.unwrap_or(addr);
             addr = at + b.size;
             if b.state != "inactive" && !allocated_ever.contains(&at) {
-                live.entry(at).or_insert(SeedBlock {
+                let block = SeedBlock {
                     offset: 0,
                     size: b.size,
                     requested: b.requested_size,
-                });
+                };
+                live.entry(at).or_insert((block, false));
             }
         }
     }
