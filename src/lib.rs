@@ -5,7 +5,7 @@
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
 //! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategies
-//! ([`expandable`]), the facade ([`Allocator`]), and the tools ([`trace`]). See `docs/DESIGN.md`.
+//! ([`expandable`], and [`split`], the model of PyTorch's caching allocator it is measured against), the facade ([`Allocator`]), and the tools ([`trace`]). See `docs/DESIGN.md`.
 
 pub mod allocator;
 pub mod config;

@@ -154,7 +154,12 @@ fn warm_snapshot() -> V {
                     BASE + 256 * MIB,
                     20 * MIB,
                     "large",
-                    vec![block(BASE + 256 * MIB, 20 * MIB, 20 * MIB, "active_allocated")],
+                    vec![block(
+                        BASE + 256 * MIB,
+                        20 * MIB,
+                        20 * MIB,
+                        "active_allocated",
+                    )],
                 ),
             ]),
         ),
