@@ -237,3 +237,50 @@ fn malformed_files_are_typed_errors_that_name_the_file() {
         Err(FidelityError::Snapshot(SnapshotError::NoSuchDevice { .. }))
     ));
 }
+
+/// A release forced by out-of-memory: the cached 40 MiB segment cannot serve 50 MiB, `cudaMalloc` fails
+/// (PyTorch never held more than 70 MiB, so the device had no room for 60 + 50), the cache is released and
+/// the retry succeeds. The replay must run out of memory at the same point to reproduce it.
+#[test]
+fn a_release_forced_by_out_of_memory_is_reproduced() {
+    let live = BASE;
+    let cached = BASE + 64 * MIB;
+    let fresh = BASE + 128 * MIB;
+    let snapshot = dict(vec![
+        (
+            "segments",
+            V::List(vec![
+                segment(
+                    live,
+                    20 * MIB,
+                    "large",
+                    vec![block(live, 20 * MIB, 20 * MIB, "active_allocated")],
+                ),
+                segment(
+                    fresh,
+                    50 * MIB,
+                    "large",
+                    vec![block(fresh, 50 * MIB, 50 * MIB, "active_allocated")],
+                ),
+            ]),
+        ),
+        (
+            "device_traces",
+            V::List(vec![V::List(vec![
+                entry("segment_free", cached, 40 * MIB),
+                entry("segment_alloc", fresh, 50 * MIB),
+                entry("alloc", fresh, 50 * MIB),
+            ])]),
+        ),
+    ]);
+    let path = write("oom.pickle", &snapshot);
+    let trace = pytorch::load(&path, None).unwrap();
+    assert!(trace.oom_releases);
+    assert!(!trace.ops.contains(&TraceOp::EmptyCache));
+    assert_eq!(trace.peak_reserved, 70 << 20);
+    let report = fidelity(&path, None).unwrap();
+    assert_eq!(report.details.capacity, 70 << 20);
+    assert_eq!(report.model.segment_events, 2);
+    assert_eq!(report.segment_event_match, 1.0);
+    assert_eq!(report.peak_reserved_error, 0.0);
+}
