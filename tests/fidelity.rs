@@ -227,6 +227,19 @@ fn malformed_files_are_typed_errors_that_name_the_file() {
         fidelity(&path, None),
         Err(FidelityError::Snapshot(SnapshotError::Inconsistent { .. }))
     ));
+    // Sizes beyond any device are refused before any arithmetic on them.
+    let huge = dict(vec![
+        ("segments", V::List(vec![])),
+        (
+            "device_traces",
+            V::List(vec![V::List(vec![entry("segment_free", BASE, 1 << 62)])]),
+        ),
+    ]);
+    let path = write("huge.pickle", &huge);
+    assert!(matches!(
+        fidelity(&path, None),
+        Err(FidelityError::Snapshot(SnapshotError::Inconsistent { .. }))
+    ));
     assert!(matches!(
         fidelity(Path::new("/no/such/file.pickle"), None),
         Err(FidelityError::Snapshot(SnapshotError::Io { .. }))

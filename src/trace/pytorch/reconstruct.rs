@@ -17,6 +17,11 @@ use crate::split::{SeedBlock, SegmentAction, SegmentEvent};
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
+/// No device address reaches 2^60 ...
+const MAX_ADDRESS: u64 = 1 << 60;
+/// ... and no size 2^50 bytes (1 PiB), so an address plus a size fits in 64 bits (sums saturate).
+const MAX_SIZE: u64 = 1 << 50;
+
 /// The device a replay uses: `device` if given (it must exist), else the one with the most trace
 /// entries.
 pub fn pick_device(
@@ -69,6 +74,19 @@ pub fn build(
         .iter()
         .filter(|s| s.device as usize == device)
         .collect();
+    // Bound every number so the arithmetic below cannot overflow on a corrupt file.
+    let sizes = entries
+        .iter()
+        .map(|e| (e.addr, e.size))
+        .chain(segments.iter().flat_map(|s| {
+            std::iter::once((s.address, s.total_size))
+                .chain(s.blocks.iter().map(|b| (b.address.unwrap_or(0), b.size)))
+        }));
+    for (addr, size) in sizes {
+        if addr >= MAX_ADDRESS || size >= MAX_SIZE {
+            return Err(inconsistent("an address or size beyond any device", addr));
+        }
+    }
     let expandable = config.expandable_segments
         || segments.iter().any(|s| s.is_expandable == Some(true))
         || entries
@@ -98,7 +116,9 @@ pub fn build(
         .iter()
         .map(|s| (s.address, (s.total_size, StreamId(s.stream), pool_of(s))))
         .collect();
-    let final_reserved: u64 = segments.iter().map(|s| s.total_size).sum();
+    let final_reserved = segments
+        .iter()
+        .fold(0u64, |sum, s| sum.saturating_add(s.total_size));
     let mut initial_reserved = final_reserved;
     for e in segment_events.iter().rev() {
         if e.action.grows() {
@@ -112,7 +132,7 @@ pub fn build(
                 ));
             }
         } else {
-            initial_reserved += e.size;
+            initial_reserved = initial_reserved.saturating_add(e.size);
             if e.action == SegmentAction::SegmentFree {
                 let pool = if e.size == SMALL_BUFFER {
                     Pool::Small
@@ -127,10 +147,10 @@ pub fn build(
     let mut peak_reserved = reserved;
     for e in &segment_events {
         if e.action.grows() {
-            reserved += e.size;
+            reserved = reserved.saturating_add(e.size);
             peak_reserved = peak_reserved.max(reserved);
         } else {
-            reserved -= e.size;
+            reserved = reserved.saturating_sub(e.size);
         }
     }
 
@@ -249,7 +269,7 @@ fn requests(
                 stream: StreamId(e.stream),
             }),
             a if a == free => ops.push(TraceOp::Free { addr: e.addr }),
-            "segment_alloc" | "segment_map" => reserved += e.size,
+            "segment_alloc" | "segment_map" => reserved = reserved.saturating_add(e.size),
             "segment_free" | "segment_unmap" => {
                 let run_end = entries[i..]
                     .iter()
