@@ -5,7 +5,8 @@
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
 //! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategies
-//! ([`expandable`]), the facade ([`Allocator`]), and the tools ([`trace`], [`driver_bench`]). See `docs/DESIGN.md`.
+//! ([`expandable`], and [`split`], the model of PyTorch's caching allocator it is measured against), the facade
+//! ([`Allocator`]), and the tools ([`trace`], [`driver_bench`]). See `docs/DESIGN.md`.
 
 pub mod allocator;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod error;
 pub mod expandable;
 pub mod page_map;
 pub mod size;
+pub mod split;
 pub mod stats;
 pub mod strategy;
 pub mod trace;

@@ -1,5 +1,6 @@
 //! The `cuvmm` binary: exit statuses, messages on stderr, results on stdout.
 
+use cuvmm::trace::allocators::ALLOCATORS;
 use cuvmm::trace::workload::BUILTIN;
 use std::process::{Command, Output};
 
@@ -74,15 +75,18 @@ fn workloads_lists_every_builtin_with_a_description() {
 
 #[test]
 
-fn compare_prints_one_json_result_per_workload() {
+fn compare_prints_one_json_result_per_workload_and_allocator() {
     let out = cuvmm(&["compare", "--format", "json"]);
     assert!(out.status.success(), "{}", stderr(&out));
     let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
     let results = value["results"].as_array().expect("results array");
-    assert_eq!(results.len(), BUILTIN.len());
-    for (result, name) in results.iter().zip(BUILTIN) {
-        assert_eq!(result["workload"], *name);
-        assert_eq!(result["allocator"], "cuvmm");
+    assert_eq!(results.len(), BUILTIN.len() * ALLOCATORS.len());
+    let expected = BUILTIN
+        .iter()
+        .flat_map(|w| ALLOCATORS.iter().map(move |a| (w, a)));
+    for (result, (name, allocator)) in results.iter().zip(expected) {
+        assert_eq!(result["workload"], **name);
+        assert_eq!(result["allocator"], **allocator);
         for key in [
             "events",
             "peak_allocated_bytes",
@@ -132,4 +136,72 @@ fn a_closed_stdout_ends_the_program_quietly() {
         "status {:?}: {stderr}",
         output.status
     );
+}
+
+#[test]
+fn fidelity_of_a_bad_file_exits_2_with_one_line_naming_it() {
+    let dir = std::env::temp_dir().join(format!("cuvmm-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("not-a-snapshot.pickle");
+    std::fs::write(&bad, b"garbage").unwrap();
+    for path in [bad.to_str().unwrap(), "/no/such/trace.pickle"] {
+        let out = cuvmm(&["fidelity", "--trace", path, "--format", "json"]);
+        assert_eq!(out.status.code(), Some(2), "{path}");
+        let err = stderr(&out);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(path), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn fidelity_json_has_exactly_the_specified_fields() {
+    let trace = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces/bert_large_inference.pickle");
+    if !trace.exists() {
+        println!("skipped: {} is absent", trace.display());
+        return;
+    }
+    let out = cuvmm(&[
+        "fidelity",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let value: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON on stdout");
+    let keys: Vec<&str> = value
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    let mut expected = vec![
+        "trace",
+        "device",
+        "mode",
+        "ground_truth",
+        "model",
+        "segment_event_match",
+        "peak_reserved_error",
+    ];
+    expected.sort_unstable();
+    let mut keys = keys;
+    keys.sort_unstable();
+    assert_eq!(keys, expected);
+    for side in ["ground_truth", "model"] {
+        let mut k: Vec<&str> = value[side]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        k.sort_unstable();
+        assert_eq!(k, vec!["peak_reserved_bytes", "segment_events"]);
+    }
+    assert_eq!(value["mode"], "classic");
+    assert_eq!(value["device"], 0);
+    assert_eq!(value["segment_event_match"], 1.0);
 }

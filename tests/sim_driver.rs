@@ -910,3 +910,27 @@ fn granularity_zero_does_not_panic() {
     let r = d.reserve(10).unwrap();
     d.free_reservation(r).unwrap();
 }
+
+#[test]
+fn planned_malloc_addresses_are_handed_out_by_size_when_clear() {
+    let mut sim = SimDriver::new(SimConfig::default().with_capacity(1 << 30));
+    let base = 0x7fe6_0000_0000;
+    sim.plan_malloc_addresses([
+        (2 << 20, base),
+        (20 << 20, base + (64 << 20)),
+        (2 << 20, base),
+    ]);
+    // A size with no plan entry is placed as usual.
+    let other = sim.malloc(4 << 20).unwrap();
+    assert!(!(base..base + (128 << 20)).contains(&other));
+    // Sizes take the first planned entry of their size, out of order.
+    assert_eq!(sim.malloc(20 << 20).unwrap(), base + (64 << 20));
+    assert_eq!(sim.malloc(2 << 20).unwrap(), base);
+    // The second entry for `base` overlaps a live allocation: skipped, so placed as usual.
+    let third = sim.malloc(2 << 20).unwrap();
+    assert_ne!(third, base);
+    assert_eq!(sim.planned_malloc_addresses_left(), 1);
+    sim.free(base).unwrap();
+    assert_eq!(sim.malloc(2 << 20).unwrap(), base);
+    assert_eq!(sim.planned_malloc_addresses_left(), 0);
+}

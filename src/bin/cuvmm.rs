@@ -36,5 +36,6 @@ fn main() -> ExitCode {
         Some(Command::Compare(args)) => commands::run_compare(args),
         Some(Command::Workloads) => commands::run_workloads(),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
+        Some(Command::Fidelity(args)) => commands::run_fidelity(args),
     }
 }

@@ -5,10 +5,13 @@ use crate::driver::Driver;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::error::Error;
 use crate::expandable::Expandable;
+use crate::split::Split;
 use crate::strategy::Strategy;
 
 /// Names of the allocators [`build`] knows, in the order reports list them.
-pub const ALLOCATORS: &[&str] = &["cuvmm"];
+/// "cuvmm" is cuvmm's allocator; "classic" the model of PyTorch's native caching allocator;
+/// "pytorch-expandable" the model of PyTorch with `expandable_segments:True`.
+pub const ALLOCATORS: &[&str] = &["cuvmm", "classic", "pytorch-expandable"];
 
 /// An allocator that cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -30,7 +33,8 @@ pub enum BuildError {
 }
 
 /// The allocator called `name` on a fresh simulated device of `capacity` bytes whose allocation
-/// granularity is `page_size` bytes, with the default configuration.
+/// granularity is `page_size` bytes, with the default configuration (PyTorch's defaults for the models of
+/// PyTorch; "pytorch-expandable" needs a granularity that divides 2 MiB).
 pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strategy>, BuildError> {
     let device = SimDriver::new(
         SimConfig::default()
@@ -55,6 +59,18 @@ pub fn build_on<D: Driver + 'static>(
         "cuvmm" => Ok(Box::new(
             Expandable::new(device, config).map_err(strategy_error)?,
         )),
+        "classic" => Ok(Box::new(
+            Split::new(device, config).map_err(strategy_error)?,
+        )),
+        "pytorch-expandable" => {
+            let config = Config {
+                expandable_segments: true,
+                ..config
+            };
+            Ok(Box::new(
+                Split::new(device, config).map_err(strategy_error)?,
+            ))
+        }
         _ => Err(BuildError::Unknown {
             name: name.to_string(),
         }),

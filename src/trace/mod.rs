@@ -8,6 +8,8 @@ pub mod allocators;
 pub mod builder;
 pub mod compare;
 pub mod event;
+pub mod fidelity;
+pub mod pytorch;
 pub mod replay;
 pub mod report;
 pub mod rng;

@@ -25,6 +25,9 @@ pub enum Command {
     Workloads,
     /// Measure what each virtual-memory driver call costs, per physical page size.
     DriverBench(DriverBenchArgs),
+    /// Replay a PyTorch memory snapshot through the matching model of PyTorch's allocator and compare
+    /// its segment events and peak reserved memory with what PyTorch did.
+    Fidelity(FidelityArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
@@ -45,6 +48,20 @@ pub struct DriverBenchArgs {
     /// Repetitions per page size (medians are reported).
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub repetitions: u64,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+/// Options of `fidelity`.
+#[derive(Debug, Args)]
+pub struct FidelityArgs {
+    /// The snapshot (`torch.cuda.memory._dump_snapshot` pickle).
+    #[arg(long, value_name = "FILE")]
+    pub trace: std::path::PathBuf,
+    /// The device to replay (default: the one with the most trace entries).
+    #[arg(long, value_name = "N")]
+    pub device: Option<usize>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,

@@ -1,11 +1,13 @@
 //! What each subcommand does. Results go to stdout, diagnostics to stderr.
 
-use crate::args::{CompareArgs, DriverBenchArgs, Format};
+use crate::args::{CompareArgs, DriverBenchArgs, FidelityArgs, Format};
 use cuvmm::driver::DriverError;
 use cuvmm::driver::device::DeviceError;
 use cuvmm::driver::sim::SimConfig;
 use cuvmm::driver_bench::{self, BenchOptions};
+use cuvmm::size::format_size;
 use cuvmm::trace::compare::{CompareOptions, compare};
+use cuvmm::trace::fidelity::fidelity;
 use cuvmm::trace::replay::ReplayOptions;
 use cuvmm::trace::{report, workload};
 use std::io::Write;
@@ -116,5 +118,57 @@ fn device_error_status(e: &DeviceError) -> u8 {
         DeviceError::Driver(DriverError::NoDriver { .. }) | DeviceError::NoCudaSupport => USAGE,
         DeviceError::Parse { .. } => USAGE,
         DeviceError::Driver(_) => 1,
+    }
+}
+
+/// `cuvmm fidelity`.
+pub fn run_fidelity(args: FidelityArgs) -> ExitCode {
+    let report = match fidelity(&args.trace, args.device) {
+        Ok(report) => report,
+        Err(e) => {
+            // One line: the snapshot errors name the file; others get it prefixed.
+            let message = e.to_string();
+            let line = message.lines().next().unwrap_or_default();
+            if e.is_bad_input() {
+                eprintln!("cuvmm: {line}");
+                return ExitCode::from(USAGE);
+            }
+            eprintln!("cuvmm: {}: {line}", args.trace.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match args.format {
+        Format::Json => match serde_json::to_string_pretty(&report) {
+            Ok(json) => emit(&format!("{json}\n")),
+            Err(e) => {
+                eprintln!("cuvmm: cannot write JSON: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Format::Table => {
+            let (t, m) = (&report.ground_truth, &report.model);
+            let lines = [
+                format!("trace                {}", report.trace),
+                format!("device               {}", report.device),
+                format!("mode                 {}", report.mode),
+                format!("                     {:>16}  {:>16}", "PyTorch", "model"),
+                format!(
+                    "segment events       {:>16}  {:>16}",
+                    t.segment_events, m.segment_events
+                ),
+                format!(
+                    "peak reserved        {:>16}  {:>16}",
+                    format_size(t.peak_reserved_bytes),
+                    format_size(m.peak_reserved_bytes)
+                ),
+                format!(
+                    "same address         {} of {} allocations placed where PyTorch placed them",
+                    report.details.same_address, report.details.allocs
+                ),
+                format!("segment_event_match  {:.4}", report.segment_event_match),
+                format!("peak_reserved_error  {:.4}", report.peak_reserved_error),
+            ];
+            emit(&(lines.join("\n") + "\n"))
+        }
     }
 }

@@ -35,8 +35,14 @@ impl Default for Mallocs {
 }
 
 impl Mallocs {
-    /// Allocates `size` bytes with `free` bytes of physical memory left on the device.
-    pub(super) fn malloc(&mut self, size: u64, free: u64) -> Result<u64, DriverError> {
+    /// Allocates `size` bytes with `free` bytes of physical memory left on the device, at `at` if given
+    /// (the caller checked that the range is clear), else at the next free place.
+    pub(super) fn malloc(
+        &mut self,
+        size: u64,
+        free: u64,
+        at: Option<u64>,
+    ) -> Result<u64, DriverError> {
         if size == 0 {
             return Err(DriverError::ZeroSize { op: Op::Malloc });
         }
@@ -53,7 +59,10 @@ impl Mallocs {
             });
         }
         let align = if size >= LARGE { LARGE } else { MALLOC_ALIGN };
-        let ptr = self.va.place(held, align, &self.live).ok_or(exhausted)?;
+        let ptr = match at {
+            Some(ptr) => ptr,
+            None => self.va.place(held, align, &self.live).ok_or(exhausted)?,
+        };
         self.live.insert(ptr, size);
         self.bytes += held;
         Ok(ptr)
@@ -72,6 +81,17 @@ impl Mallocs {
     /// The size of the live allocation at `ptr`.
     pub(super) fn size(&self, ptr: u64) -> Option<u64> {
         self.live.get(&ptr).copied()
+    }
+
+    /// Whether `start .. start + size` (rounded up to [`MALLOC_ALIGN`]) overlaps no live allocation.
+    pub(super) fn is_clear(&self, start: u64, size: u64) -> bool {
+        let Some(end) = accounted(size).and_then(|held| start.checked_add(held)) else {
+            return false;
+        };
+        self.live
+            .range(..end)
+            .next_back()
+            .is_none_or(|(&s, &len)| s.saturating_add(accounted(len).unwrap_or(len)) <= start)
     }
 
     /// The allocation that contains `addr`, as (start, size).

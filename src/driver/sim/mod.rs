@@ -6,6 +6,11 @@
 //!   space; freed ranges are reused once the top is reached. `malloc` hands out addresses upward from
 //!   `0x7e00_0000_0000` (1 TiB of room), 512 B aligned, 2 MiB aligned for sizes of 2 MiB or more, and holds
 //!   its size rounded up to 512 B of the capacity.
+//! - **Planned addresses.** [`SimDriver::plan_malloc_addresses`] gives `malloc` a list of `(size,
+//!   address)` pairs, such as the `segment_alloc` entries of a PyTorch trace: each `malloc` takes the first
+//!   planned pair of its size whose range is clear of live allocations and reservations, and returns that
+//!   address, so an allocator whose ties break by address breaks them as it did on the GPU. A `malloc`
+//!   with no usable pair is placed as usual. Without a plan (the default) nothing changes.
 //! - **Rules.** Each violation of CUDA's rules is a typed [`DriverError`], and a failed call changes
 //!   nothing but the counters. `release` of a mapped handle is allowed: the handle is unknown to later
 //!   calls, and its memory returns to the device when its last mapping is unmapped. One handle may be
@@ -49,6 +54,7 @@ use super::{
 use events::Events;
 use faults::Faults;
 use malloc::Mallocs;
+use std::collections::VecDeque;
 use std::fmt;
 use store::{ByteStore, Owner};
 use vmm::Vmm;
@@ -62,6 +68,7 @@ pub struct SimDriver {
     mallocs: Mallocs,
     events: Events,
     store: Option<ByteStore>,
+    malloc_plan: VecDeque<(u64, u64)>,
 }
 
 /// A piece of a read or write that lies in one physical allocation.
@@ -82,6 +89,7 @@ impl SimDriver {
             mallocs: Mallocs::default(),
             events: Events::default(),
             store: config.backing_store.then(ByteStore::default),
+            malloc_plan: VecDeque::new(),
             config,
         }
     }
@@ -167,6 +175,26 @@ impl SimDriver {
             at += span.len;
         }
         Ok(out)
+    }
+    /// Plans the addresses `malloc` hands out: `(size, address)` pairs, in the order they are expected
+    /// (see the module documentation). Replaces an earlier plan.
+    pub fn plan_malloc_addresses(&mut self, plan: impl IntoIterator<Item = (u64, u64)>) {
+        self.malloc_plan = plan.into_iter().collect();
+    }
+    /// Planned `malloc` addresses not used yet.
+    pub fn planned_malloc_addresses_left(&self) -> usize {
+        self.malloc_plan.len()
+    }
+    /// Takes the first planned address for `size` whose range is free.
+    fn planned_address(&mut self, size: u64) -> Option<u64> {
+        let index = self.malloc_plan.iter().position(|&(s, addr)| {
+            s == size
+                && self.mallocs.is_clear(addr, size)
+                && !self
+                    .vmm
+                    .overlaps_reservation(addr, addr.saturating_add(size))
+        })?;
+        self.malloc_plan.remove(index).map(|(_, addr)| addr)
     }
     /// What the device still holds.
     pub fn leak_report(&self) -> LeakReport {
@@ -306,7 +334,16 @@ impl Driver for SimDriver {
     fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
         self.begin(Op::Malloc, size)?;
         let free = self.free_bytes();
-        self.mallocs.malloc(size, free)
+        let fits = size > 0
+            && size
+                .checked_next_multiple_of(512)
+                .is_some_and(|held| held <= free);
+        let at = if self.malloc_plan.is_empty() || !fits {
+            None
+        } else {
+            self.planned_address(size)
+        };
+        self.mallocs.malloc(size, free, at)
     }
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
         self.begin(Op::Free, self.mallocs.size(ptr).unwrap_or(0))?;

@@ -261,6 +261,14 @@ impl Vmm {
     }
 
     /// Live reservations, in address order.
+    /// Whether `start .. end` overlaps a reservation.
+    pub(super) fn overlaps_reservation(&self, start: u64, end: u64) -> bool {
+        self.reservations
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&s, &size)| s.saturating_add(size) > start)
+    }
+
     pub(super) fn reserved_ranges(&self) -> Vec<VaRange> {
         self.reservations
             .iter()

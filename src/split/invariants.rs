@@ -1,0 +1,145 @@
+//! `check_invariants()` for the split allocator: a full walk against ARCHITECTURE.md's invariants.
+//!
+//! 1. Blocks tile each segment exactly, 512 B aligned; live blocks never overlap.
+//! 2. In expandable segments, every mapped block lies on mapped pages and every unmapped block on none.
+//! 4. No two free neighbours are both mapped or both unmapped (they merge); the pools' free sets hold
+//!    exactly the free blocks.
+//! 5. Statistics equal what the block list says.
+
+use super::Split;
+use super::rules::MIN_BLOCK_SIZE;
+use crate::driver::Driver;
+use crate::error::InvariantViolation as V;
+
+pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
+    let (mut allocated, mut requested, mut live) = (0, 0, 0);
+    let (mut reserved, mut malloc_segments) = (0, 0);
+    let (mut inactive_split_bytes, mut inactive_split) = (0, 0);
+    let mut free_mapped = 0;
+    let mut unmapped = 0;
+    let mut blocks_seen = 0;
+    for (&start, seg) in &a.segments {
+        let mut expected = start;
+        let mut prev: Option<(u64, bool, bool)> = None;
+        let blocks: Vec<_> = a.blocks.of_segment(start).collect();
+        let split = blocks.len() > 1;
+        for (addr, b) in blocks {
+            blocks_seen += 1;
+            if addr != expected {
+                return Err(V::Tiling {
+                    segment: start,
+                    expected,
+                    found: addr,
+                });
+            }
+            if addr % MIN_BLOCK_SIZE != 0 || b.size % MIN_BLOCK_SIZE != 0 || b.size == 0 {
+                return Err(V::Misaligned {
+                    addr,
+                    align: MIN_BLOCK_SIZE,
+                });
+            }
+            expected = addr + b.size;
+            if let Some((p, p_alloc, p_mapped)) = prev
+                && !p_alloc
+                && !b.allocated
+                && p_mapped == b.mapped
+            {
+                return Err(V::AdjacentFree {
+                    first: p,
+                    second: addr,
+                });
+            }
+            prev = Some((addr, b.allocated, b.mapped));
+            let pool = a.pool(b.pool);
+            if b.allocated {
+                allocated += b.size;
+                requested += b.requested;
+                live += 1;
+                if pool.blocks.contains(&(b.stream, b.size, addr)) {
+                    return Err(V::FreeIndex { addr });
+                }
+            } else if b.mapped {
+                free_mapped += 1;
+                if !pool.blocks.contains(&(b.stream, b.size, addr)) {
+                    return Err(V::FreeIndex { addr });
+                }
+                if split && seg.expandable.is_none() {
+                    inactive_split += 1;
+                    inactive_split_bytes += b.size;
+                }
+            } else {
+                unmapped += 1;
+                if !pool.unmapped.contains(&(b.stream, addr)) {
+                    return Err(V::FreeIndex { addr });
+                }
+            }
+            if let Some(es) = &seg.expandable {
+                let first = (addr - start) / es.page;
+                let last = (addr - start + b.size).div_ceil(es.page);
+                for page in first..last {
+                    let is_mapped = es.handles.get(page as usize).is_some_and(Option::is_some);
+                    let whole = (page * es.page >= addr - start)
+                        && ((page + 1) * es.page <= addr - start + b.size);
+                    if b.mapped && !is_mapped || !b.mapped && is_mapped && whole {
+                        return Err(V::LivePageUnmapped {
+                            page_addr: start + page * es.page,
+                            block: addr,
+                        });
+                    }
+                }
+            }
+        }
+        if expected != start + seg.size {
+            return Err(V::Tiling {
+                segment: start,
+                expected,
+                found: start + seg.size,
+            });
+        }
+        match &seg.expandable {
+            None => {
+                reserved += seg.size;
+                malloc_segments += 1;
+            }
+            Some(es) => reserved += es.mapped_pages() as u64 * es.page,
+        }
+    }
+    if blocks_seen != a.blocks.len() {
+        let stray = a
+            .blocks
+            .iter()
+            .find(|(_, b)| !a.segments.contains_key(&b.segment))
+            .map_or(0, |(addr, _)| addr);
+        return Err(V::LostAllocation { addr: stray });
+    }
+    let pooled: usize = a.pools.iter().map(|p| p.blocks.len()).sum();
+    let pooled_unmapped: usize = a.pools.iter().map(|p| p.unmapped.len()).sum();
+    let c = &a.counters;
+    let checks = [
+        ("allocated_bytes", c.allocated.current, allocated),
+        ("active_bytes", c.active.current, allocated),
+        ("requested_bytes", c.requested.current, requested),
+        ("allocation", c.allocation.current, live),
+        ("reserved_bytes", c.reserved.current, reserved),
+        ("total_allocated_memory", a.total_allocated_memory, reserved),
+        ("segment", c.segment.current, malloc_segments),
+        (
+            "inactive_split_bytes",
+            c.inactive_split_bytes.current,
+            inactive_split_bytes,
+        ),
+        ("inactive_split", c.inactive_split.current, inactive_split),
+        ("cached_blocks", pooled as u64, free_mapped),
+        ("unmapped_blocks", pooled_unmapped as u64, unmapped),
+    ];
+    for (stat, counted, actual) in checks {
+        if counted != actual {
+            return Err(V::Stat {
+                stat,
+                counted,
+                actual,
+            });
+        }
+    }
+    Ok(())
+}

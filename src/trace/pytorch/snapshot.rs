@@ -1,0 +1,166 @@
+//! The memory snapshot as PyTorch pickles it (`torch.cuda.memory._dump_snapshot`): only the fields cuvmm
+//! reads, each tolerant of what older and newer PyTorch versions leave out.
+
+use serde::Deserialize;
+use serde_pickle::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The top-level dictionary.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RawSnapshot {
+    /// Segments held when the snapshot was taken, all devices.
+    #[serde(default)]
+    pub segments: Vec<RawSegment>,
+    /// Per device ordinal, the recorded trace entries in time order.
+    #[serde(default)]
+    pub device_traces: Vec<Option<Vec<RawEntry>>>,
+    /// The allocator's settings (newer PyTorch versions).
+    #[serde(default)]
+    pub allocator_settings: Option<BTreeMap<String, Value>>,
+}
+
+/// One segment of the final state.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RawSegment {
+    /// Device ordinal.
+    pub device: u64,
+    /// Start address.
+    pub address: u64,
+    /// Bytes (for an expandable segment, the contiguous mapped range).
+    pub total_size: u64,
+    /// Stream (`cudaStream_t` as an integer).
+    #[serde(default)]
+    pub stream: u64,
+    /// `"small"` or `"large"`.
+    #[serde(default)]
+    pub segment_type: Option<String>,
+    /// Whether the segment is an expandable one (absent in older versions).
+    #[serde(default)]
+    pub is_expandable: Option<bool>,
+    /// Its blocks, in address order.
+    #[serde(default)]
+    pub blocks: Vec<RawBlock>,
+}
+
+/// One block of a final segment.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RawBlock {
+    /// Start address (absent in some versions: then blocks follow each other from the segment's start).
+    #[serde(default)]
+    pub address: Option<u64>,
+    /// The block's size.
+    pub size: u64,
+    /// Bytes requested by its owner.
+    #[serde(default)]
+    pub requested_size: u64,
+    /// `"active_allocated"`, `"active_awaiting_free"` or `"inactive"`.
+    pub state: String,
+}
+
+/// One trace entry.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RawEntry {
+    /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, ...
+    pub action: String,
+    /// Address concerned.
+    #[serde(default)]
+    pub addr: u64,
+    /// Bytes (requested bytes for alloc and free; segment bytes for segment events).
+    #[serde(default)]
+    pub size: u64,
+    /// Stream.
+    #[serde(default)]
+    pub stream: u64,
+    /// The Python and C++ stack when the entry was recorded.
+    #[serde(default)]
+    pub frames: Option<Value>,
+}
+
+impl RawEntry {
+    /// Whether the recorded stack passes through `empty_cache` (PyTorch's `emptyCache`): a
+    /// `segment_free` made by `torch.cuda.empty_cache()` rather than by an out-of-memory retry.
+    /// `None` when the entry has no frames.
+    pub fn from_empty_cache(&self) -> Option<bool> {
+        let frames = self.frames.as_ref()?;
+        let mut found = false;
+        let mut any = false;
+        visit_strings(frames, &mut |s| {
+            any = true;
+            found |= s.contains("emptyCache") || s.contains("empty_cache");
+        });
+        any.then_some(found)
+    }
+}
+
+fn visit_strings(v: &Value, f: &mut dyn FnMut(&str)) {
+    match v {
+        Value::String(s) => f(s),
+        Value::List(items) | Value::Tuple(items) => items.iter().for_each(|i| visit_strings(i, f)),
+        Value::Dict(map) => map.values().for_each(|i| visit_strings(i, f)),
+        _ => {}
+    }
+}
+
+/// A snapshot file that cannot be used. Each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// The file cannot be read.
+    #[error("{path}: cannot read: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a pickled PyTorch memory snapshot.
+    #[error("{path}: not a PyTorch memory snapshot: {source}")]
+    Decode {
+        /// The file.
+        path: PathBuf,
+        /// What the pickle decoder said.
+        source: serde_pickle::Error,
+    },
+    /// The snapshot has no device with that ordinal.
+    #[error("{path}: no device {device} in the snapshot (it has {devices})")]
+    NoSuchDevice {
+        /// The file.
+        path: PathBuf,
+        /// The device asked for.
+        device: usize,
+        /// How many devices it has.
+        devices: usize,
+    },
+    /// The snapshot contradicts itself (an event that cannot follow the state before it).
+    #[error("{path}: inconsistent snapshot: {what} at {addr:#x}")]
+    Inconsistent {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: &'static str,
+        /// The address concerned.
+        addr: u64,
+    },
+    /// A setting in `allocator_settings` has a value cuvmm cannot read.
+    #[error("{path}: allocator setting `{key}` has an unreadable value")]
+    Setting {
+        /// The file.
+        path: PathBuf,
+        /// The setting.
+        key: String,
+    },
+}
+
+/// Reads a pickled snapshot. serde-pickle needs `replace_recursive_structures` for these files: PyTorch
+/// shares frame dictionaries between entries through the pickle memo.
+pub fn read(path: &Path) -> Result<RawSnapshot, SnapshotError> {
+    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let options = serde_pickle::DeOptions::new().replace_recursive_structures();
+    serde_pickle::from_slice(&bytes, options).map_err(|source| SnapshotError::Decode {
+        path: path.to_path_buf(),
+        source,
+    })
+}
