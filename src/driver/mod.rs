@@ -326,6 +326,17 @@ pub enum DriverError {
         /// The event.
         event: EventId,
     },
+    /// `cuMemUnmap` of a range that work still pending on `stream` reads or writes. A GPU would not refuse
+    /// the call: the kernel would hit an illegal memory access (or, once the page is mapped elsewhere,
+    /// silently corrupt another allocation). [`sim::SimDriver`] refuses it, changing nothing, so the bug
+    /// fails a test instead.
+    #[error("unmap: {va:#x} is still used by pending work on {stream}")]
+    UnmapWhileInUse {
+        /// The first address of the range that pending work touches.
+        va: u64,
+        /// A stream whose pending work touches it.
+        stream: StreamId,
+    },
     /// No virtual address range of that size is left.
     #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
     VaExhausted {
