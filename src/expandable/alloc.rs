@@ -41,6 +41,7 @@ impl<D: Driver> Expandable<D> {
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
         self.counters.allocated.add(rounded);
+        self.counters.active.add(rounded);
         self.counters.requested.add(size);
         self.counters.allocation.add(1);
         self.refresh_page_counts(slot, before);
@@ -53,7 +54,7 @@ impl<D: Driver> Expandable<D> {
                     return Err(err);
                 }
                 // Under memory pressure nothing idle is worth keeping: give it all back before reporting.
-                if let Err(release_err) = self.release_idle(u64::MAX) {
+                if let Err(release_err) = self.release_cache() {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
                 self.counters.ooms += 1;

@@ -15,8 +15,8 @@ use std::collections::{HashMap, VecDeque};
 /// One item of a stream's queue.
 #[derive(Debug, Clone)]
 enum Item {
-    /// A simulated kernel touching these ranges, by its number.
-    Work { id: u64, ranges: Vec<VaRange> },
+    /// A simulated kernel touching these ranges.
+    Work { ranges: Vec<VaRange> },
     /// An event marker, by its number.
     Event(u64),
 }
@@ -41,15 +41,13 @@ impl Streams {
     /// Queues work touching `ranges` at the end of `stream`; returns its number.
     pub(super) fn launch(&mut self, stream: StreamId, ranges: &[VaRange]) -> u64 {
         self.next_work += 1;
-        let id = self.next_work;
         self.queues
             .entry(stream)
             .or_default()
             .push_back(Item::Work {
-                id,
                 ranges: ranges.to_vec(),
             });
-        id
+        self.next_work
     }
 
     /// Records an event at the end of `stream`: complete at once if nothing is pending there.
