@@ -307,3 +307,71 @@ fn device_buffers_record_streams() {
     alloc.check_invariants().unwrap();
     assert!(alloc.take_deferred_errors().is_empty());
 }
+
+/// The stream whose segment holds `addr`.
+fn segment_stream(alloc: &Expandable<SimDriver>, addr: u64) -> StreamId {
+    alloc
+        .segments()
+        .into_iter()
+        .find(|(va, ..)| va.contains(addr))
+        .map(|(_, stream, _)| stream)
+        .expect("address in a segment")
+}
+
+#[test]
+fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
+    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    alloc.free(a).unwrap();
+    let calls = alloc.driver_counters();
+    let b = alloc.alloc(4 * PAGE, S2).unwrap();
+    assert_eq!(b, a, "S1 is idle: its mapped free block is borrowed");
+    let after = alloc.driver_counters();
+    for op in [
+        Op::Create,
+        Op::Map,
+        Op::Unmap,
+        Op::SetAccess,
+        Op::Synchronize,
+    ] {
+        assert_eq!(after.get(op), calls.get(op), "{op} called");
+    }
+    assert_eq!(segment_stream(&alloc, b), S1);
+    alloc.check_invariants().unwrap();
+
+    // S2 still has work on the borrowed block when it is freed: S1 may not reuse it before that work ran.
+    alloc.driver_mut().launch(S2, &[range(b, PAGE)]).unwrap();
+    alloc.free(b).unwrap();
+    assert_eq!(alloc.stats().active_bytes.current, 4 * PAGE);
+    let c = alloc.alloc(4 * PAGE, S1).unwrap();
+    assert_ne!(c, a);
+    alloc.driver_mut().advance(S2, 1);
+    let d = alloc.alloc(4 * PAGE, S1).unwrap();
+    assert_eq!(d, a, "back to its own stream once S2 finished");
+    finish(alloc, &[c, d]);
+}
+
+#[test]
+fn a_busy_streams_free_blocks_are_not_borrowed() {
+    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    alloc
+        .driver_mut()
+        .launch(S1, &[range(a, 4 * PAGE)])
+        .unwrap();
+    alloc.free(a).unwrap();
+    let b = alloc.alloc(4 * PAGE, S2).unwrap();
+    assert_eq!(segment_stream(&alloc, b), S2, "S1 still has queued work");
+    finish(alloc, &[b]);
+}
+
+#[test]
+fn without_cross_stream_reuse_blocks_stay_in_their_streams_segments() {
+    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(false));
+    let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    alloc.free(a).unwrap();
+    let b = alloc.alloc(4 * PAGE, S2).unwrap();
+    assert_eq!(segment_stream(&alloc, b), S2);
+    assert_eq!(alloc.driver_counters().get(Op::RecordEvent), 0);
+    finish(alloc, &[b]);
+}

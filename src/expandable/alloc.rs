@@ -37,7 +37,7 @@ impl<D: Driver> Expandable<D> {
         } else {
             Pool::Large
         };
-        let (slot, addr) = self.find_block(rounded, stream, pool)?;
+        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool)?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
         self.counters.allocated.add(rounded);
@@ -47,7 +47,13 @@ impl<D: Driver> Expandable<D> {
         self.refresh_page_counts(slot, before);
         let retries_before = self.counters.retries;
         match self.back_with_pages(slot, addr, rounded) {
-            Ok(()) => Ok(addr),
+            Ok(()) => {
+                if borrowed {
+                    // Work on `stream` will use a block of another stream's segment: its free must wait.
+                    self.stream_uses.insert(addr, vec![stream]);
+                }
+                Ok(addr)
+            }
             Err(err) => {
                 self.free_block(addr)?;
                 if !err.is_out_of_memory() {
@@ -64,14 +70,16 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// The best-fitting free block for `size` bytes among the segments of `(stream, pool)`, reserving a new
-    /// segment when none fits. Returns the segment's slot and the block's address.
+    /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
+    /// `(stream, pool)`, or, with `cross_stream_reuse`, one of another stream's segment that needs fewer pages
+    /// mapped; a new segment when none fits. Returns the segment's slot, the block's address, and whether the
+    /// block is borrowed from another stream's segment.
     fn find_block(
         &mut self,
         size: u64,
         stream: StreamId,
         pool: Pool,
-    ) -> Result<(usize, u64), Error> {
+    ) -> Result<(usize, u64, bool), Error> {
         let mut best: Option<((usize, u64), usize, u64)> = None;
         for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
             if let Some((missing, block_size, addr)) =
@@ -81,15 +89,74 @@ impl<D: Driver> Expandable<D> {
                 best = Some(((missing, block_size), slot, addr));
             }
         }
+        let own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
+        if self.config.cross_stream_reuse
+            && own_missing > 0
+            && let Some((slot, addr)) = self.borrow_block(size, stream, pool, own_missing)?
+        {
+            return Ok((slot, addr, true));
+        }
         if let Some((_, slot, addr)) = best {
-            return Ok((slot, addr));
+            return Ok((slot, addr, false));
         }
         let slot = self.reserve_segment(stream, pool, size)?;
         let (_, addr) = self
             .segment(slot)
             .best_fit(size)
             .expect("a new segment fits the request it was sized for");
-        Ok((slot, addr))
+        Ok((slot, addr, false))
+    }
+
+    /// A free block of another stream's segment of `pool` that fits `size` bytes with fewer than
+    /// `own_missing` pages left to map, whose stream has finished all its queued work: an event recorded on it
+    /// now has completed, so nothing still queued there can touch the block (the RMM rule). Fewest missing
+    /// pages first, then the smallest block; streams still busy are skipped.
+    fn borrow_block(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        pool: Pool,
+        own_missing: usize,
+    ) -> Result<Option<(usize, u64)>, Error> {
+        let mut candidates: Vec<(usize, u64, usize, u64)> = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, seg)| {
+                let seg = seg
+                    .as_ref()
+                    .filter(|s| s.pool == pool && s.stream != stream)?;
+                let (missing, block_size, addr) = seg.mapped_fit(size, FIT_CANDIDATES)?;
+                (missing < own_missing).then_some((missing, block_size, slot, addr))
+            })
+            .collect();
+        candidates.sort_unstable();
+        let mut checked: Vec<(StreamId, bool)> = Vec::new();
+        for (.., slot, addr) in candidates {
+            let owner = self.segment(slot).stream;
+            let idle = match checked.iter().find(|(s, _)| *s == owner) {
+                Some(&(_, idle)) => idle,
+                None => {
+                    let idle = self.stream_idle(owner)?;
+                    checked.push((owner, idle));
+                    idle
+                }
+            };
+            if idle {
+                return Ok(Some((slot, addr)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `stream` has no queued work left: an event recorded on it now has already completed.
+    fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
+        let event = self.driver.record_event(stream)?;
+        let complete = self.driver.event_complete(event);
+        let destroyed = self.driver.destroy_event(event);
+        let complete = complete?;
+        destroyed?;
+        Ok(complete)
     }
 
     /// Reserves a segment for `(stream, pool)` large enough for `min_size` bytes.
