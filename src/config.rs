@@ -10,7 +10,7 @@ mod parse;
 mod tests;
 
 /// The default of [`Config::cross_stream_reuse`], chosen by the measurements in `docs/DESIGN.md`.
-pub const DEFAULT_CROSS_STREAM_REUSE: bool = false;
+pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";

@@ -166,7 +166,7 @@ fn empty_cache_synchronizes_pending_streams_and_frees_everything() {
 }
 
 #[test]
-fn trim_polls_but_does_not_wait() {
+fn trim_releases_what_is_idle_now_and_does_not_wait() {
     let mut alloc = allocator(16, Config::default());
     let a = alloc.alloc(4 * PAGE, S0).unwrap();
     alloc.driver_mut().launch(S1, &[range(a, PAGE)]).unwrap();
@@ -183,8 +183,10 @@ fn trim_polls_but_does_not_wait() {
         "trim does not synchronize"
     );
     alloc.driver_mut().advance(S1, 1);
-    assert_eq!(alloc.trim(u64::MAX).unwrap(), 4 * PAGE);
-    finish(alloc, &[]);
+    // The next allocation polls the event: the block is free, its pages idle.
+    let b = alloc.alloc(512, S0).unwrap();
+    assert_eq!(alloc.trim(u64::MAX).unwrap(), 3 * PAGE);
+    finish(alloc, &[b]);
 }
 
 #[test]
@@ -322,10 +324,11 @@ fn segment_stream(alloc: &Expandable<SimDriver>, addr: u64) -> StreamId {
 fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
     let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    let guard = alloc.alloc(PAGE, S1).unwrap();
     alloc.free(a).unwrap();
     let calls = alloc.driver_counters();
     let b = alloc.alloc(4 * PAGE, S2).unwrap();
-    assert_eq!(b, a, "S1 is idle: its mapped free block is borrowed");
+    assert_eq!(b, a, "S1 is idle: its cached free block is borrowed");
     let after = alloc.driver_counters();
     for op in [
         Op::Create,
@@ -342,13 +345,29 @@ fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
     // S2 still has work on the borrowed block when it is freed: S1 may not reuse it before that work ran.
     alloc.driver_mut().launch(S2, &[range(b, PAGE)]).unwrap();
     alloc.free(b).unwrap();
-    assert_eq!(alloc.stats().active_bytes.current, 4 * PAGE);
+    let stats = alloc.stats();
+    assert_eq!(
+        (stats.allocated_bytes.current, stats.active_bytes.current),
+        (PAGE, 5 * PAGE),
+        "the guard is allocated, the borrowed block pending"
+    );
     let c = alloc.alloc(4 * PAGE, S1).unwrap();
     assert_ne!(c, a);
     alloc.driver_mut().advance(S2, 1);
     let d = alloc.alloc(4 * PAGE, S1).unwrap();
     assert_eq!(d, a, "back to its own stream once S2 finished");
-    finish(alloc, &[c, d]);
+    finish(alloc, &[c, d, guard]);
+}
+
+#[test]
+fn the_unmapped_frontier_of_another_streams_segment_is_not_borrowed() {
+    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    // Freed, `a` merges with the rest of S1's reservation: a free block mostly unmapped.
+    alloc.free(a).unwrap();
+    let b = alloc.alloc(4 * PAGE, S2).unwrap();
+    assert_eq!(segment_stream(&alloc, b), S2);
+    finish(alloc, &[b]);
 }
 
 #[test]
@@ -369,9 +388,10 @@ fn a_busy_streams_free_blocks_are_not_borrowed() {
 fn without_cross_stream_reuse_blocks_stay_in_their_streams_segments() {
     let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(false));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    let guard = alloc.alloc(PAGE, S1).unwrap();
     alloc.free(a).unwrap();
     let b = alloc.alloc(4 * PAGE, S2).unwrap();
     assert_eq!(segment_stream(&alloc, b), S2);
     assert_eq!(alloc.driver_counters().get(Op::RecordEvent), 0);
-    finish(alloc, &[b]);
+    finish(alloc, &[b, guard]);
 }

@@ -71,9 +71,9 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
-    /// `(stream, pool)`, or, with `cross_stream_reuse`, one of another stream's segment that needs fewer pages
-    /// mapped; a new segment when none fits. Returns the segment's slot, the block's address, and whether the
-    /// block is borrowed from another stream's segment.
+    /// `(stream, pool)`, unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
+    /// stream's segment; a new segment when none fits. Returns the segment's slot, the block's address, and
+    /// whether the block is borrowed from another stream's segment.
     fn find_block(
         &mut self,
         size: u64,
@@ -92,7 +92,7 @@ impl<D: Driver> Expandable<D> {
         let own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
         if self.config.cross_stream_reuse
             && own_missing > 0
-            && let Some((slot, addr)) = self.borrow_block(size, stream, pool, own_missing)?
+            && let Some((slot, addr)) = self.borrow_block(size, stream, pool)?
         {
             return Ok((slot, addr, true));
         }
@@ -107,18 +107,19 @@ impl<D: Driver> Expandable<D> {
         Ok((slot, addr, false))
     }
 
-    /// A free block of another stream's segment of `pool` that fits `size` bytes with fewer than
-    /// `own_missing` pages left to map, whose stream has finished all its queued work: an event recorded on it
-    /// now has completed, so nothing still queued there can touch the block (the RMM rule). Fewest missing
-    /// pages first, then the smallest block; streams still busy are skipped.
+    /// A cached free block (every page mapped with access, so serving it needs no driver call) of another
+    /// stream's segment of `pool` that fits `size` bytes, whose stream has finished all its queued work: an
+    /// event recorded on it now has completed, so nothing still queued there can touch the block (the RMM
+    /// rule). The smallest such block among each segment's best fits; streams still busy are skipped. The
+    /// unmapped frontier of a reservation is never borrowed: growing into another stream's segment would
+    /// interleave the streams' blocks there (see `docs/DESIGN.md`).
     fn borrow_block(
         &mut self,
         size: u64,
         stream: StreamId,
         pool: Pool,
-        own_missing: usize,
     ) -> Result<Option<(usize, u64)>, Error> {
-        let mut candidates: Vec<(usize, u64, usize, u64)> = self
+        let mut candidates: Vec<(u64, usize, u64)> = self
             .segments
             .iter()
             .enumerate()
@@ -126,8 +127,8 @@ impl<D: Driver> Expandable<D> {
                 let seg = seg
                     .as_ref()
                     .filter(|s| s.pool == pool && s.stream != stream)?;
-                let (missing, block_size, addr) = seg.mapped_fit(size, FIT_CANDIDATES)?;
-                (missing < own_missing).then_some((missing, block_size, slot, addr))
+                let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
+                Some((block_size, slot, addr))
             })
             .collect();
         candidates.sort_unstable();

@@ -266,8 +266,9 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.free_empty_segments()
     }
 
+    /// Releases what is idle now. Pending blocks are not idle: the next allocation polls their events, and
+    /// `empty_cache` waits for them.
     fn trim(&mut self, bytes: u64) -> Result<u64, Error> {
-        self.process_events()?;
         self.release_idle(bytes)
     }
 

@@ -129,6 +129,17 @@ impl Segment {
         best
     }
 
+    /// Among the `candidates` best-fitting free blocks for `size` bytes, the smallest *cached* one: every
+    /// page of the whole block is mapped with access set, so it is memory this segment's stream gave back,
+    /// not the unmapped frontier of the reservation. `(block size, address)`.
+    pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
+        self.free
+            .range((size, 0)..)
+            .take(candidates)
+            .find(|&&(block_size, addr)| self.pages.all_accessible(self.pages_of(addr, block_size)))
+            .copied()
+    }
+
     /// The pages that bytes `addr .. addr + size` touch.
     pub fn pages_of(&self, addr: u64, size: u64) -> Range<usize> {
         self.pages.pages_touched(addr - self.va.start, size)

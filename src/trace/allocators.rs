@@ -31,6 +31,16 @@ pub enum BuildError {
 /// The allocator called `name` on a fresh simulated device of `capacity` bytes whose allocation
 /// granularity is `page_size` bytes, with the default configuration.
 pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strategy>, BuildError> {
+    build_with(name, capacity, page_size, &Config::default())
+}
+
+/// As [`build`], with the allocator configured by `config`.
+pub fn build_with(
+    name: &str,
+    capacity: u64,
+    page_size: u64,
+    config: &Config,
+) -> Result<Box<dyn Strategy>, BuildError> {
     let device = || {
         SimDriver::new(
             SimConfig::default()
@@ -44,7 +54,7 @@ pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strate
     };
     match name {
         "cuvmm" => Ok(Box::new(
-            Expandable::new(device(), Config::default()).map_err(strategy_error)?,
+            Expandable::new(device(), config.clone()).map_err(strategy_error)?,
         )),
         _ => Err(BuildError::Unknown {
             name: name.to_string(),

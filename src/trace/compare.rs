@@ -3,6 +3,7 @@
 use super::allocators::{self, BuildError};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use super::workload;
+use crate::config::{Config, ConfigError};
 use crate::size::{GIB, MIB};
 
 /// What to compare and on which device.
@@ -18,6 +19,8 @@ pub struct CompareOptions {
     pub page_size: u64,
     /// Seed of the workload generators.
     pub seed: u64,
+    /// The allocators' configuration in `CUVMM_ALLOC_CONF` syntax (`key:value,...`); empty for the defaults.
+    pub alloc_conf: String,
     /// How to replay.
     pub replay: ReplayOptions,
 }
@@ -34,6 +37,7 @@ impl Default for CompareOptions {
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
+            alloc_conf: String::new(),
             replay: ReplayOptions::default(),
         }
     }
@@ -48,6 +52,9 @@ pub enum CompareError {
         /// The name given.
         name: String,
     },
+    /// The allocator configuration does not parse.
+    #[error("bad allocator configuration: {0}")]
+    Config(#[from] ConfigError),
     /// An allocator could not be built.
     #[error(transparent)]
     Build(#[from] BuildError),
@@ -88,12 +95,14 @@ pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareErr
     {
         return Err(BuildError::Unknown { name: name.clone() }.into());
     }
+    let config = Config::from_alloc_conf(&options.alloc_conf)?;
     let mut results = Vec::new();
     for name in &options.workloads {
         let trace = workload::generate(name, options.seed)
             .ok_or_else(|| CompareError::UnknownWorkload { name: name.clone() })?;
         for allocator in &options.allocators {
-            let mut strategy = allocators::build(allocator, options.capacity, options.page_size)?;
+            let mut strategy =
+                allocators::build_with(allocator, options.capacity, options.page_size, &config)?;
             let result = replay(strategy.as_mut(), &trace, &options.replay).map_err(|source| {
                 CompareError::Replay {
                     workload: name.clone(),
@@ -131,5 +140,14 @@ mod tests {
             err,
             CompareError::Build(BuildError::Unknown { .. })
         ));
+
+        let options = CompareOptions {
+            alloc_conf: "cross_stream_reuse:maybe".into(),
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(err, CompareError::Config(_)), "{err}");
+        assert!(err.is_usage_error());
+        assert!(err.to_string().contains("cross_stream_reuse"), "{err}");
     }
 }
