@@ -129,6 +129,11 @@ impl SimDriver {
     pub fn pending_event_ids(&self, stream: StreamId) -> Vec<EventId> {
         self.streams.pending_events(stream)
     }
+    /// Events recorded and not yet destroyed, complete or not (an allocator should destroy every event it
+    /// records).
+    pub fn live_events(&self) -> usize {
+        self.streams.live_events()
+    }
     /// Work items launched on `stream` that have not completed yet.
     pub fn pending_work(&self, stream: StreamId) -> usize {
         self.streams.pending_work(stream)

@@ -120,6 +120,11 @@ impl Streams {
             .collect()
     }
 
+    /// Events recorded and not destroyed, complete or not.
+    pub(super) fn live_events(&self) -> usize {
+        self.events.len()
+    }
+
     /// Work items queued on `stream` and not yet completed.
     pub(super) fn pending_work(&self, stream: StreamId) -> usize {
         self.items(stream)
