@@ -86,6 +86,12 @@ impl<S: Strategy> Allocator<S> {
         self.shared.strategy.lock().free(ptr)
     }
 
+    /// Records that the allocation at `ptr` is also used by work queued on `stream`: once freed, its memory
+    /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`].
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<(), Error> {
+        self.shared.strategy.lock().record_stream(ptr, stream)
+    }
+
     /// A snapshot of the statistics.
     pub fn stats(&self) -> Stats {
         self.shared.strategy.lock().stats()
@@ -145,6 +151,14 @@ impl<S: Strategy> DeviceBuffer<S> {
     /// The stream the buffer was allocated for.
     pub fn stream(&self) -> StreamId {
         self.stream
+    }
+
+    /// Records that work queued on `stream` (not the buffer's own) uses the buffer, as PyTorch's
+    /// `Tensor.record_stream`: when the buffer is freed, the allocator records an event on `stream` and
+    /// hands the memory out again only once that event has completed. Call it for every other stream the
+    /// buffer is used on, before the buffer is freed.
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), Error> {
+        self.allocator.record_stream(self.ptr, stream)
     }
 
     /// Frees the buffer now and returns any error, instead of deferring it as `Drop` must.

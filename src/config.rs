@@ -9,6 +9,9 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
+/// The default of [`Config::cross_stream_reuse`], chosen by the measurements in `docs/DESIGN.md`.
+pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
+
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
@@ -83,6 +86,12 @@ pub struct Config {
     /// Virtual bytes reserved for each segment, as a multiple of the device's total memory, from 1 to
     /// [`MAX_VA_FACTOR`]. Each segment's page map costs about 20 bytes of host memory per page it spans.
     pub va_factor: u64,
+    /// Whether a request on stream B that finds no free block with all its pages mapped in B's own segments
+    /// may take one from another stream A's segment of the same pool, once an event recorded on A at that
+    /// moment has completed (as RMM's pool and openvm's VMM pool do; PyTorch never does). The borrowed block
+    /// counts B as a user, so its free waits for an event on B before A may reuse it. See `docs/DESIGN.md`
+    /// for the measurements behind the default.
+    pub cross_stream_reuse: bool,
     /// PyTorch's `expandable_segments`: whether its own allocator would use expandable segments. Selects
     /// the `pytorch-expandable` model over the classic one when replaying PyTorch's allocators.
     pub expandable_segments: bool,
@@ -106,6 +115,7 @@ impl Default for Config {
             small_size: MIB,
             max_idle_bytes: u64::MAX,
             va_factor: 2,
+            cross_stream_reuse: DEFAULT_CROSS_STREAM_REUSE,
             expandable_segments: false,
             max_split_size: None,
             max_non_split_rounding: 20 * MIB,
@@ -128,6 +138,12 @@ impl Config {
         self
     }
 
+    /// Sets whether free blocks of one stream may serve another stream's requests.
+    pub fn with_cross_stream_reuse(mut self, on: bool) -> Self {
+        self.cross_stream_reuse = on;
+        self
+    }
+
     /// Sets the virtual reservation per segment, as a multiple of device memory.
     pub fn with_va_factor(mut self, factor: u64) -> Self {
         self.va_factor = factor;
@@ -143,7 +159,8 @@ impl Config {
     /// `roundup_power2_divisions`, `expandable_segments`, `backend` (`native` only). Keys that change
     /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
-    /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`.
+    /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
+    /// `cross_stream_reuse` (`True`/`False`).
     ///
     /// # Errors
     /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key

@@ -36,6 +36,15 @@ pub enum Error {
         /// The address given.
         addr: u64,
     },
+    /// The allocator does not offer this operation (a [`Strategy`](crate::Strategy) method it does not
+    /// implement). Never retryable.
+    #[error("{allocator} does not support {what}")]
+    Unsupported {
+        /// The operation.
+        what: &'static str,
+        /// The allocator's name.
+        allocator: &'static str,
+    },
     /// A driver call failed for a reason other than running out of memory.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),
@@ -189,6 +198,20 @@ pub enum InvariantViolation {
         counted: u64,
         /// The value recomputed from the blocks.
         actual: u64,
+    },
+    /// The pending-free list and the block list disagree: a pending block with no outstanding event, or an
+    /// event held for a block that is not pending.
+    #[error("pending free at {addr:#x}: the pending list and the block list disagree")]
+    PendingFree {
+        /// Address of the block.
+        addr: u64,
+    },
+    /// Streams are recorded as users of an address that is not the start of a live block, or the list
+    /// names the block's own segment stream or a stream twice.
+    #[error("stream uses recorded for {addr:#x} are not those of a live block")]
+    StreamUse {
+        /// Address recorded.
+        addr: u64,
     },
     /// A live allocation is indexed but its block is missing or free.
     #[error("live allocation at {addr:#x} has no live block")]

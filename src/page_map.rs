@@ -197,6 +197,11 @@ impl PageMap {
         }
     }
 
+    /// Whether every page of `pages` is mapped with access set (true for an empty range).
+    pub fn all_accessible(&self, pages: Range<usize>) -> bool {
+        self.accessible[pages].all()
+    }
+
     /// Number of unmapped pages inside `pages`.
     pub fn unmapped_count(&self, pages: Range<usize>) -> usize {
         self.mapped[pages].count_zeros()

@@ -16,6 +16,18 @@ pub trait Strategy {
     /// Frees an address returned by [`alloc`](Strategy::alloc).
     fn free(&mut self, addr: u64) -> Result<(), Error>;
 
+    /// Records that the live allocation at `addr` is also used by work queued on `stream` (PyTorch's
+    /// `recordStream`): when it is freed, its memory is reused only once that work has completed.
+    ///
+    /// The default implementation returns [`Error::Unsupported`], for allocators that do not track streams.
+    fn record_stream(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
+        let _ = (addr, stream);
+        Err(Error::Unsupported {
+            what: "record_stream",
+            allocator: self.name(),
+        })
+    }
+
     /// Gives every cached (unused) byte back to the driver.
     fn empty_cache(&mut self) -> Result<(), Error>;
 

@@ -205,3 +205,38 @@ fn fidelity_json_has_exactly_the_specified_fields() {
     assert_eq!(value["device"], 0);
     assert_eq!(value["segment_event_match"], 1.0);
 }
+
+#[test]
+fn alloc_conf_configures_the_allocators_and_a_bad_one_exits_2() {
+    let out = cuvmm(&["compare", "--alloc-conf", "cross_stream_reuse:maybe"]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("cross_stream_reuse"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(out.stdout.is_empty());
+
+    let json = |conf: &str| {
+        let out = cuvmm(&[
+            "compare",
+            "--workload",
+            "stream-producer-consumer",
+            "--format",
+            "json",
+            "--alloc-conf",
+            conf,
+        ]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        let value: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        value["results"][0].clone()
+    };
+    let on = json("cross_stream_reuse:True");
+    let off = json("cross_stream_reuse:False");
+    assert_eq!(
+        (on["ooms"].as_u64(), off["ooms"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(
+        on["synchronizations"].as_u64() < off["synchronizations"].as_u64(),
+        "borrowing cached blocks should move fewer pages: {on} / {off}"
+    );
+}

@@ -230,6 +230,7 @@ fn json_has_the_stable_field_names() {
         "driver_calls",
         "estimated_driver_us",
         "replay_seconds",
+        "synchronizations",
     ] {
         assert!(object.contains_key(key), "missing {key}");
     }
@@ -388,4 +389,62 @@ fn touch_bytes_are_never_zero_and_differ_between_neighbours() {
         assert_ne!(touch_byte(id), 0);
         assert_ne!(touch_byte(id), touch_byte(id + 1));
     }
+}
+
+fn record(id: u64, stream: u64) -> Event {
+    Event::RecordStream {
+        id,
+        stream: StreamId(stream),
+    }
+}
+
+#[test]
+fn record_stream_is_nothing_for_an_allocator_without_streams_but_names_live_ids() {
+    let mut bump = Bump::new(1000);
+    assert!(matches!(
+        bump.record_stream(0x1000, StreamId(1)),
+        Err(Error::Unsupported {
+            what: "record_stream",
+            allocator: "bump"
+        })
+    ));
+    let t = trace(vec![
+        alloc(1, 10),
+        record(1, 1),
+        alloc(2, 5000), // OOM: its record_stream and free are skipped
+        record(2, 1),
+        Event::Free { id: 2 },
+        Event::Free { id: 1 },
+    ]);
+    let result = replay(&mut bump, &t, &ReplayOptions::default()).unwrap();
+    assert_eq!((result.ooms, bump.freed.len()), (1, 1));
+
+    let t = trace(vec![alloc(1, 10), Event::Free { id: 1 }, record(1, 1)]);
+    let err = replay(&mut Bump::new(1000), &t, &ReplayOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, ReplayError::RecordStreamNotLive { index: 2, id: 1 }),
+        "{err}"
+    );
+}
+
+#[test]
+fn record_stream_reaches_the_expandable_allocator() {
+    use cuvmm::driver::sim::{SimConfig, SimDriver};
+    use cuvmm::expandable::Expandable;
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(1 << 24)
+            .with_granularity(1 << 16),
+    );
+    let mut cuvmm_alloc = Expandable::new(sim, cuvmm::Config::default()).unwrap();
+    let t = trace(vec![alloc(1, 1 << 20), record(1, 3), Event::Free { id: 1 }]);
+    replay(&mut cuvmm_alloc, &t, &ReplayOptions::default()).unwrap();
+    let stats = cuvmm_alloc.stats();
+    assert_eq!(stats.allocated_bytes.current, 0);
+    assert_eq!(
+        stats.active_bytes.current,
+        1 << 20,
+        "the free waits for an event on stream 3, polled at the next allocation"
+    );
+    assert_eq!(cuvmm_alloc.driver_counters().get(Op::RecordEvent), 1);
 }

@@ -16,7 +16,7 @@ fn all(seed: u64) -> Vec<Trace> {
 fn sizes(trace: &Trace) -> impl Iterator<Item = u64> + '_ {
     trace.events.iter().filter_map(|e| match e {
         Event::Alloc { size, .. } => Some(*size),
-        Event::Free { .. } => None,
+        Event::Free { .. } | Event::RecordStream { .. } => None,
     })
 }
 
@@ -80,6 +80,62 @@ fn multi_stream_workload_frees_on_the_allocating_stream_and_uses_side_streams() 
     let streams: std::collections::BTreeSet<StreamId> = stream_of.values().copied().collect();
     assert!(streams.len() >= 3, "{streams:?}");
     assert!(!streams.contains(&StreamId::DEFAULT), "{streams:?}");
+}
+
+#[test]
+fn multi_stream_workloads_hand_buffers_across_streams() {
+    let names: Vec<&str> = BUILTIN
+        .iter()
+        .copied()
+        .filter(|n| n.contains("stream"))
+        .collect();
+    assert!(names.contains(&"stream-prefetch-offload"), "{names:?}");
+    for name in names {
+        let trace = workload::generate(name, DEFAULT_SEED).unwrap();
+        let mut stream_of: HashMap<u64, StreamId> = HashMap::new();
+        let mut handed = 0;
+        for event in &trace.events {
+            match *event {
+                Event::Alloc { id, stream, .. } => {
+                    stream_of.insert(id, stream);
+                }
+                Event::RecordStream { id, stream } => {
+                    assert_ne!(
+                        stream_of[&id], stream,
+                        "{name}: record_stream on the own stream"
+                    );
+                    handed += 1;
+                }
+                Event::Free { .. } => {}
+            }
+        }
+        assert!(handed >= 1_000, "{name}: only {handed} record_streams");
+    }
+}
+
+#[test]
+fn prefetched_weights_are_allocated_on_the_side_stream_and_freed_after_use() {
+    let trace = workload::generate("stream-prefetch-offload", DEFAULT_SEED).unwrap();
+    let mut alloc_stream: HashMap<u64, StreamId> = HashMap::new();
+    let mut used_on: HashMap<u64, StreamId> = HashMap::new();
+    for event in &trace.events {
+        match *event {
+            Event::Alloc { id, stream, .. } => {
+                alloc_stream.insert(id, stream);
+            }
+            Event::RecordStream { id, stream } => {
+                used_on.insert(id, stream);
+            }
+            Event::Free { id } => {
+                if let Some(user) = used_on.remove(&id) {
+                    assert_ne!(alloc_stream[&id], user);
+                }
+            }
+        }
+    }
+    assert!(used_on.is_empty(), "every prefetched buffer is freed");
+    let streams: std::collections::BTreeSet<StreamId> = alloc_stream.values().copied().collect();
+    assert_eq!(streams.len(), 2, "{streams:?}");
 }
 
 #[test]

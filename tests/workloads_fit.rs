@@ -1,17 +1,26 @@
 //! The foundation's goal, as a test: on every built-in workload, cuvmm serves the whole trace with no
 //! out-of-memory on a device of the workload's peak live bytes plus 5%, with utilization (peak allocated over
 //! peak reserved) of at least 0.97, and every invariant holding along the way.
+//!
+//! The streams issue's goal too: every built-in multi-stream workload (a name with "stream" in it) does so
+//! with cross-stream reuse on and off.
 
+use cuvmm::Config;
 use cuvmm::size::{MIB, round_up};
 use cuvmm::trace::{ReplayOptions, allocators, replay, workload};
 
 const PAGE: u64 = 2 * MIB;
 
 fn fits_with_five_percent(name: &str, seed: u64) {
+    fits_with_five_percent_configured(name, seed, &Config::default());
+}
+
+fn fits_with_five_percent_configured(name: &str, seed: u64, config: &Config) {
     let trace = workload::generate(name, seed).expect("built-in workload");
     let peak_live = trace.peak_live_bytes();
     let capacity = round_up(peak_live + peak_live / 20, PAGE).unwrap();
-    let mut strategy = allocators::build("cuvmm", capacity, PAGE).expect("cuvmm builds");
+    let mut strategy =
+        allocators::build_with("cuvmm", capacity, PAGE, config).expect("cuvmm builds");
     let options = ReplayOptions {
         check_invariants_every: Some(trace.events.len() / 8),
         ..ReplayOptions::default()
@@ -42,5 +51,23 @@ fn every_builtin_workload_fits_in_peak_live_plus_five_percent() {
 fn and_with_another_seed() {
     for name in workload::BUILTIN {
         fits_with_five_percent(name, 7);
+    }
+}
+
+#[test]
+fn every_multi_stream_workload_fits_with_and_without_cross_stream_reuse() {
+    let streams: Vec<&str> = workload::BUILTIN
+        .iter()
+        .copied()
+        .filter(|name| name.contains("stream"))
+        .collect();
+    assert!(streams.len() >= 2, "{streams:?}");
+    for name in streams {
+        for reuse in [true, false] {
+            let config = Config::default().with_cross_stream_reuse(reuse);
+            for seed in [workload::DEFAULT_SEED, 7] {
+                fits_with_five_percent_configured(name, seed, &config);
+            }
+        }
     }
 }

@@ -129,6 +129,7 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             let mib = uint(key, value, EXPECT_IDLE)?;
             config.max_idle_bytes = mib.checked_mul(MIB).ok_or_else(|| bad(EXPECT_IDLE))?;
         }
+        "cross_stream_reuse" => config.cross_stream_reuse = boolean(key, value)?,
         "va_factor" => {
             config.va_factor = uint(key, value, EXPECT_VA_FACTOR)?;
             if config.va_factor == 0 || config.va_factor > super::MAX_VA_FACTOR {

@@ -264,6 +264,8 @@ fn cuvmm_keys() {
     assert_eq!(c.va_factor, 4);
     assert_eq!(c.small_size, 256 * KIB);
     assert_eq!(parse("max_idle_mb:0").max_idle_bytes, 0);
+    assert!(parse("cross_stream_reuse:True").cross_stream_reuse);
+    assert!(!parse("cross_stream_reuse:False").cross_stream_reuse);
     assert_eq!(
         parse("max_idle_mb:7,max_idle_mb:unlimited").max_idle_bytes,
         u64::MAX
@@ -278,6 +280,8 @@ fn cuvmm_keys() {
         ("va_factor:1841615", "va_factor"),
         ("small_size_kb:0", "small_size_kb"),
         ("small_size_kb:1.5", "small_size_kb"),
+        ("cross_stream_reuse:true", "cross_stream_reuse"),
+        ("cross_stream_reuse:1", "cross_stream_reuse"),
     ];
     for (s, key) in bad {
         assert_eq!(bad_key(s), key, "{s}");

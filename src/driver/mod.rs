@@ -338,6 +338,17 @@ pub enum DriverError {
         /// The event.
         event: EventId,
     },
+    /// `cuMemUnmap` of a range that work still pending on `stream` reads or writes. A GPU would not refuse
+    /// the call: the kernel would hit an illegal memory access (or, once the page is mapped elsewhere,
+    /// silently corrupt another allocation). [`sim::SimDriver`] refuses it, changing nothing, so the bug
+    /// fails a test instead.
+    #[error("unmap: {va:#x} is still used by pending work on {stream}")]
+    UnmapWhileInUse {
+        /// The first address of the range that pending work touches.
+        va: u64,
+        /// A stream whose pending work touches it.
+        stream: StreamId,
+    },
     /// No virtual address range of that size is left.
     #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
     VaExhausted {
@@ -492,5 +503,58 @@ pub trait Driver {
     fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
         let _ = (va, out);
         Err(DriverError::Unsupported { op: Op::CopyToHost })
+    }
+}
+
+/// A borrowed driver is a driver, so a test can build an allocator on `&mut SimDriver` and inspect the
+/// device after the allocator is dropped (its leak report, its pending work).
+impl<D: Driver + ?Sized> Driver for &mut D {
+    fn granularity(&self) -> u64 {
+        (**self).granularity()
+    }
+    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
+        (**self).reserve(size)
+    }
+    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
+        (**self).free_reservation(range)
+    }
+    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
+        (**self).create(size)
+    }
+    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
+        (**self).release(handle)
+    }
+    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+        (**self).map(va, size, handle)
+    }
+    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        (**self).set_access(va, size)
+    }
+    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        (**self).unmap(va, size)
+    }
+    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
+        (**self).mem_info()
+    }
+    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
+        (**self).malloc(size)
+    }
+    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
+        (**self).free(ptr)
+    }
+    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
+        (**self).record_event(stream)
+    }
+    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
+        (**self).event_complete(event)
+    }
+    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
+        (**self).destroy_event(event)
+    }
+    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        (**self).synchronize(stream)
+    }
+    fn counters(&self) -> DriverCounters {
+        (**self).counters()
     }
 }

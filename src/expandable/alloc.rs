@@ -37,23 +37,30 @@ impl<D: Driver> Expandable<D> {
         } else {
             Pool::Large
         };
-        let (slot, addr) = self.find_block(rounded, stream, pool)?;
+        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool)?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
         self.counters.allocated.add(rounded);
+        self.counters.active.add(rounded);
         self.counters.requested.add(size);
         self.counters.allocation.add(1);
         self.refresh_page_counts(slot, before);
         let retries_before = self.counters.retries;
         match self.back_with_pages(slot, addr, rounded) {
-            Ok(()) => Ok(addr),
+            Ok(()) => {
+                if borrowed {
+                    // Work on `stream` will use a block of another stream's segment: its free must wait.
+                    self.stream_uses.insert(addr, vec![stream]);
+                }
+                Ok(addr)
+            }
             Err(err) => {
                 self.free_block(addr)?;
                 if !err.is_out_of_memory() {
                     return Err(err);
                 }
                 // Under memory pressure nothing idle is worth keeping: give it all back before reporting.
-                if let Err(release_err) = self.release_idle(u64::MAX) {
+                if let Err(release_err) = self.release_cache() {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
                 self.counters.ooms += 1;
@@ -63,14 +70,16 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// The best-fitting free block for `size` bytes among the segments of `(stream, pool)`, reserving a new
-    /// segment when none fits. Returns the segment's slot and the block's address.
+    /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
+    /// `(stream, pool)`, unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
+    /// stream's segment; a new segment when none fits. Returns the segment's slot, the block's address, and
+    /// whether the block is borrowed from another stream's segment.
     fn find_block(
         &mut self,
         size: u64,
         stream: StreamId,
         pool: Pool,
-    ) -> Result<(usize, u64), Error> {
+    ) -> Result<(usize, u64, bool), Error> {
         let mut best: Option<((usize, u64), usize, u64)> = None;
         for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
             if let Some((missing, block_size, addr)) =
@@ -80,15 +89,75 @@ impl<D: Driver> Expandable<D> {
                 best = Some(((missing, block_size), slot, addr));
             }
         }
+        let own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
+        if self.config.cross_stream_reuse
+            && own_missing > 0
+            && let Some((slot, addr)) = self.borrow_block(size, stream, pool)?
+        {
+            return Ok((slot, addr, true));
+        }
         if let Some((_, slot, addr)) = best {
-            return Ok((slot, addr));
+            return Ok((slot, addr, false));
         }
         let slot = self.reserve_segment(stream, pool, size)?;
         let (_, addr) = self
             .segment(slot)
             .best_fit(size)
             .expect("a new segment fits the request it was sized for");
-        Ok((slot, addr))
+        Ok((slot, addr, false))
+    }
+
+    /// A cached free block (every page mapped with access, so serving it needs no driver call) of another
+    /// stream's segment of `pool` that fits `size` bytes, whose stream has finished all its queued work: an
+    /// event recorded on it now has completed, so nothing still queued there can touch the block (the RMM
+    /// rule). The smallest such block among each segment's best fits; streams still busy are skipped. The
+    /// unmapped frontier of a reservation is never borrowed: growing into another stream's segment would
+    /// interleave the streams' blocks there (see `docs/DESIGN.md`).
+    fn borrow_block(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        pool: Pool,
+    ) -> Result<Option<(usize, u64)>, Error> {
+        let mut candidates: Vec<(u64, usize, u64)> = self
+            .segments
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, seg)| {
+                let seg = seg
+                    .as_ref()
+                    .filter(|s| s.pool == pool && s.stream != stream)?;
+                let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
+                Some((block_size, slot, addr))
+            })
+            .collect();
+        candidates.sort_unstable();
+        let mut checked: Vec<(StreamId, bool)> = Vec::new();
+        for (.., slot, addr) in candidates {
+            let owner = self.segment(slot).stream;
+            let idle = match checked.iter().find(|(s, _)| *s == owner) {
+                Some(&(_, idle)) => idle,
+                None => {
+                    let idle = self.stream_idle(owner)?;
+                    checked.push((owner, idle));
+                    idle
+                }
+            };
+            if idle {
+                return Ok(Some((slot, addr)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether `stream` has no queued work left: an event recorded on it now has already completed.
+    fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
+        let event = self.driver.record_event(stream)?;
+        let complete = self.driver.event_complete(event);
+        let destroyed = self.driver.destroy_event(event);
+        let complete = complete?;
+        destroyed?;
+        Ok(complete)
     }
 
     /// Reserves a segment for `(stream, pool)` large enough for `min_size` bytes.

@@ -8,6 +8,9 @@
 //! Growth order for a request: a free block whose pages are mapped -> pooled handles -> idle pages elsewhere,
 //! unmapped after their stream is synchronized -> `create` -> on out-of-memory, release the cache and retry
 //! once -> [`Error::OutOfMemory`]. See `docs/DESIGN.md` for why.
+//!
+//! A block used on other streams than its own (`record_stream`) is freed only once events recorded on those
+//! streams at the free complete (`streams.rs`); until then it is *pending*: active, not allocated.
 
 #![deny(unsafe_code)]
 
@@ -15,6 +18,7 @@ mod alloc;
 mod invariants;
 mod physical;
 mod segment;
+mod streams;
 
 pub use segment::Pool;
 
@@ -25,6 +29,7 @@ use crate::stats::{Stat, Stats};
 use crate::strategy::Strategy;
 use segment::{FreeOutcome, Segment};
 use std::collections::{BTreeMap, HashMap};
+use streams::PendingFrees;
 
 /// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
 pub const ROUND: u64 = 512;
@@ -33,6 +38,8 @@ pub const ROUND: u64 = 512;
 #[derive(Debug, Default, Clone)]
 struct Counters {
     allocated: Stat,
+    /// Allocated plus pending (freed, waiting for other streams' events) bytes.
+    active: Stat,
     requested: Stat,
     allocation: Stat,
     reserved: Stat,
@@ -57,6 +64,10 @@ pub struct Expandable<D: Driver> {
     by_addr: BTreeMap<u64, usize>,
     by_key: HashMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
+    /// Streams other than its segment's that use a live block, by block address.
+    stream_uses: HashMap<u64, Vec<StreamId>>,
+    /// Blocks freed while other streams may still use them, and their events.
+    pending: PendingFrees,
     touched_pages: usize,
     idle_pages: usize,
     counters: Counters,
@@ -88,6 +99,8 @@ impl<D: Driver> Expandable<D> {
             by_addr: BTreeMap::new(),
             by_key: HashMap::new(),
             pooled: Vec::new(),
+            stream_uses: HashMap::new(),
+            pending: PendingFrees::default(),
             touched_pages: 0,
             idle_pages: 0,
             counters: Counters::default(),
@@ -139,14 +152,15 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Re-reads the touched and idle page counts of one segment after its page map changed, keeping the
-    /// allocator-wide counts and the non-releasable (inactive split) statistic in step.
+    /// allocator-wide counts and the non-releasable (inactive split) statistic in step: bytes of touched
+    /// pages that no active (live or pending) block uses.
     fn refresh_page_counts(&mut self, slot: usize, before: (usize, usize)) {
         let seg = self.segment(slot);
         let after = (seg.pages.touched_count(), seg.pages.idle_count());
         self.touched_pages = self.touched_pages + after.0 - before.0;
         self.idle_pages = self.idle_pages + after.1 - before.1;
         let stranded = (self.touched_pages as u64 * self.page_size)
-            .saturating_sub(self.counters.allocated.current);
+            .saturating_sub(self.counters.active.current);
         let current = self.counters.inactive_split.current;
         if stranded > current {
             self.counters.inactive_split.add(stranded - current);
@@ -174,20 +188,54 @@ impl<D: Driver> Expandable<D> {
             .unwrap_or(0)
     }
 
+    /// Frees the live block at `addr`: at once if only its segment's stream used it, else parked until
+    /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        let before = self.page_counts(slot);
-        match self.segment_mut(slot).free(addr) {
-            FreeOutcome::Freed { size, requested } => {
-                self.counters.allocated.sub(size);
-                self.counters.requested.sub(requested);
-                self.counters.allocation.sub(1);
-                self.refresh_page_counts(slot, before);
-                Ok(())
-            }
-            FreeOutcome::AlreadyFree => Err(Error::DoubleFree { addr }),
-            FreeOutcome::NotABlockStart => Err(Error::UnknownAddress { addr }),
+        match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed { .. } => {}
+            FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
+            FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         }
+        if let Some(streams) = self.stream_uses.remove(&addr) {
+            return self.park_block(slot, addr, streams);
+        }
+        let before = self.page_counts(slot);
+        if let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).free(addr) {
+            self.counters.allocated.sub(size);
+            self.counters.active.sub(size);
+            self.counters.requested.sub(requested);
+            self.counters.allocation.sub(1);
+        }
+        self.refresh_page_counts(slot, before);
+        Ok(())
+    }
+
+    /// Releases idle memory beyond `max_idle_bytes`.
+    /// Gives idle memory beyond `max_idle_bytes` back to the driver. A failure keeps the memory idle (the next
+    /// free or poll tries again) and is reported through `tracing`: it must not fail the free that caused it.
+    fn release_excess_idle(&mut self) {
+        let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
+        if excess > 0
+            && let Err(err) = self.release_idle(excess)
+        {
+            tracing::warn!(%err, excess, "cuvmm: releasing idle memory beyond max_idle_bytes failed; kept idle");
+        }
+    }
+
+    /// Frees the pending blocks whose events completed, then keeps idle memory within its limit.
+    fn poll_pending(&mut self) -> Result<(), Error> {
+        if self.process_events()? > 0 {
+            self.release_excess_idle();
+        }
+        Ok(())
+    }
+
+    /// Everything cached goes back to the driver: pending frees are drained (their streams synchronized),
+    /// then every pooled handle and idle page is released.
+    fn release_cache(&mut self) -> Result<u64, Error> {
+        self.drain_pending()?;
+        self.release_idle(u64::MAX)
     }
 }
 
@@ -197,6 +245,7 @@ impl<D: Driver> Strategy for Expandable<D> {
     }
 
     fn alloc(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
+        self.poll_pending()?;
         self.allocate(size, stream)
     }
 
@@ -205,20 +254,21 @@ impl<D: Driver> Strategy for Expandable<D> {
     /// the failure is reported through `tracing`, so a caller never sees an error for a free that happened.
     fn free(&mut self, addr: u64) -> Result<(), Error> {
         self.free_block(addr)?;
-        let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
-        if excess > 0
-            && let Err(err) = self.release_idle(excess)
-        {
-            tracing::warn!(%err, excess, "cuvmm: releasing idle memory beyond max_idle_bytes failed; kept idle");
-        }
+        self.release_excess_idle();
         Ok(())
     }
 
+    fn record_stream(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
+        self.record_stream_use(addr, stream)
+    }
+
     fn empty_cache(&mut self) -> Result<(), Error> {
-        self.release_idle(u64::MAX)?;
+        self.release_cache()?;
         self.free_empty_segments()
     }
 
+    /// Releases what is idle now. Pending blocks are not idle: the next allocation polls their events, and
+    /// `empty_cache` waits for them.
     fn trim(&mut self, bytes: u64) -> Result<u64, Error> {
         self.release_idle(bytes)
     }
@@ -228,7 +278,7 @@ impl<D: Driver> Strategy for Expandable<D> {
         Stats {
             allocated_bytes: c.allocated,
             reserved_bytes: c.reserved,
-            active_bytes: c.allocated,
+            active_bytes: c.active,
             requested_bytes: c.requested,
             inactive_split_bytes: c.inactive_split,
             allocation: c.allocation,

@@ -38,7 +38,7 @@ impl<D: Driver> Expandable<D> {
                     tracing::info!(
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
-                    if let Err(err) = self.release_idle(u64::MAX) {
+                    if let Err(err) = self.release_cache() {
                         self.pooled
                             .extend(handles.reused.drain(..).chain(handles.fresh.drain(..)));
                         return Err(err);
@@ -97,8 +97,8 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// Waits for `stream`'s queued work before one of its pages is unmapped.
-    fn synchronize(&mut self, stream: StreamId) -> Result<(), Error> {
+    /// Waits for `stream`'s queued work (before one of its pages is unmapped, or pending frees are drained).
+    pub(super) fn synchronize(&mut self, stream: StreamId) -> Result<(), Error> {
         self.driver.synchronize(stream)?;
         self.counters.synchronizations += 1;
         Ok(())
@@ -163,7 +163,7 @@ impl<D: Driver> Expandable<D> {
             let Some(seg) = &self.segments[slot] else {
                 continue;
             };
-            if seg.live_count() > 0 || seg.pages.mapped_count() > 0 {
+            if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
                 continue;
             }
             let (va, key) = (seg.va, (seg.stream, seg.pool));
@@ -190,6 +190,7 @@ impl<D: Driver> Expandable<D> {
                 first_err.get_or_insert(err);
             }
         };
+        note(self.quiesce_streams());
         for seg in std::mem::take(&mut self.segments).into_iter().flatten() {
             if seg.pages.mapped_count() > 0 {
                 note(self.driver.synchronize(seg.stream).map_err(Error::from));

@@ -2,6 +2,10 @@
 //!
 //! The segment knows its blocks and which pages they touch; it makes no driver call. Free blocks are indexed
 //! by `(size, address)` for best fit; neighbours merge on free, so no two free blocks are adjacent.
+//!
+//! A block is free, live, or *pending*: freed by the program while work on other streams may still use it
+//! (`record_stream`). A pending block is not allocatable and still counts as a user of its pages, so they
+//! can be neither reused nor unmapped until the allocator releases it.
 
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
@@ -18,25 +22,50 @@ pub enum Pool {
     Large,
 }
 
-/// A block of a segment. `requested` is `Some` while the block is live.
+/// What a block of a segment is used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Allocatable.
+    Free,
+    /// Handed out, for a request of `requested` bytes.
+    Live { requested: u64 },
+    /// Freed by the program, waiting for events on other streams before it becomes free.
+    Pending,
+}
+
+/// A block of a segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Block {
     pub size: u64,
-    pub requested: Option<u64>,
+    pub state: BlockState,
 }
 
 impl Block {
+    /// A free block of `size` bytes.
+    pub fn free(size: u64) -> Self {
+        Self {
+            size,
+            state: BlockState::Free,
+        }
+    }
+
+    /// Whether the block is live or pending: not allocatable, and a user of its pages.
+    pub fn is_occupied(&self) -> bool {
+        self.state != BlockState::Free
+    }
+
+    /// Whether the block is handed out.
     pub fn is_live(&self) -> bool {
-        self.requested.is_some()
+        matches!(self.state, BlockState::Live { .. })
     }
 }
 
 /// What a free of an address inside this segment found there.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum FreeOutcome {
-    /// A live block was freed: its size and requested size.
+    /// A live block was freed (or parked): its size and requested size.
     Freed { size: u64, requested: u64 },
-    /// The address lies in a free block.
+    /// The address lies in a free or pending block.
     AlreadyFree,
     /// The address lies inside a live block but is not its start.
     NotABlockStart,
@@ -51,7 +80,7 @@ pub(crate) struct Segment {
     pub pages: PageMap,
     blocks: BTreeMap<u64, Block>,
     free: BTreeSet<(u64, u64)>,
-    live: usize,
+    occupied: usize,
 }
 
 impl Segment {
@@ -59,13 +88,7 @@ impl Segment {
     pub fn new(va: VaRange, stream: StreamId, pool: Pool, page_size: u64) -> Self {
         let pages = PageMap::new((va.size / page_size) as usize, page_size);
         let mut blocks = BTreeMap::new();
-        blocks.insert(
-            va.start,
-            Block {
-                size: va.size,
-                requested: None,
-            },
-        );
+        blocks.insert(va.start, Block::free(va.size));
         let mut free = BTreeSet::new();
         free.insert((va.size, va.start));
         Self {
@@ -75,13 +98,13 @@ impl Segment {
             pages,
             blocks,
             free,
-            live: 0,
+            occupied: 0,
         }
     }
 
-    /// Number of live blocks.
-    pub fn live_count(&self) -> usize {
-        self.live
+    /// Number of live and pending blocks.
+    pub fn occupied_count(&self) -> usize {
+        self.occupied
     }
 
     /// The smallest free block of at least `size` bytes: `(size, address)`.
@@ -106,6 +129,17 @@ impl Segment {
         best
     }
 
+    /// Among the `candidates` best-fitting free blocks for `size` bytes, the smallest *cached* one: every
+    /// page of the whole block is mapped with access set, so it is memory this segment's stream gave back,
+    /// not the unmapped frontier of the reservation. `(block size, address)`.
+    pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
+        self.free
+            .range((size, 0)..)
+            .take(candidates)
+            .find(|&&(block_size, addr)| self.pages.all_accessible(self.pages_of(addr, block_size)))
+            .copied()
+    }
+
     /// The pages that bytes `addr .. addr + size` touch.
     pub fn pages_of(&self, addr: u64, size: u64) -> Range<usize> {
         self.pages.pages_touched(addr - self.va.start, size)
@@ -123,56 +157,89 @@ impl Segment {
             .get_mut(&addr)
             .expect("carve: no block at address");
         assert!(
-            !block.is_live() && block.size >= size,
-            "carve: block is live or too small"
+            !block.is_occupied() && block.size >= size,
+            "carve: block is occupied or too small"
         );
         let rest = block.size - size;
         self.free.remove(&(block.size, addr));
         *block = Block {
             size,
-            requested: Some(requested),
+            state: BlockState::Live { requested },
         };
         if rest > 0 {
-            self.blocks.insert(
-                addr + size,
-                Block {
-                    size: rest,
-                    requested: None,
-                },
-            );
+            self.blocks.insert(addr + size, Block::free(rest));
             self.free.insert((rest, addr + size));
         }
-        self.live += 1;
+        self.occupied += 1;
         let pages = self.pages_of(addr, size);
         self.pages.add_user(pages);
     }
 
-    /// Frees the block that starts at `addr`, merging it with free neighbours.
-    pub fn free(&mut self, addr: u64) -> FreeOutcome {
+    /// What freeing `addr` would find: the live block that starts there (`Freed`), or why not.
+    pub fn check_free(&self, addr: u64) -> FreeOutcome {
         let Some((&start, &block)) = self.blocks.range(..=addr).next_back() else {
             return FreeOutcome::NotABlockStart;
         };
-        if !block.is_live() {
+        let BlockState::Live { requested } = block.state else {
             return FreeOutcome::AlreadyFree;
-        }
+        };
         if start != addr {
             return FreeOutcome::NotABlockStart;
         }
-        let requested = block.requested.unwrap_or(0);
-        let pages = self.pages_of(addr, block.size);
-        self.pages.remove_user(pages);
-        self.live -= 1;
-        self.insert_free(addr, block.size);
         FreeOutcome::Freed {
             size: block.size,
             requested,
         }
     }
 
-    /// Marks `addr .. addr + size` (currently one live block) free and merges it with its neighbours.
+    /// Frees the live block that starts at `addr`, merging it with free neighbours.
+    pub fn free(&mut self, addr: u64) -> FreeOutcome {
+        let outcome = self.check_free(addr);
+        if let FreeOutcome::Freed { size, .. } = outcome {
+            self.release(addr, size);
+        }
+        outcome
+    }
+
+    /// Turns the live block that starts at `addr` into a pending one: no longer live, not yet free, still a
+    /// user of its pages.
+    pub fn park(&mut self, addr: u64) -> FreeOutcome {
+        let outcome = self.check_free(addr);
+        if let (FreeOutcome::Freed { .. }, Some(block)) = (&outcome, self.blocks.get_mut(&addr)) {
+            block.state = BlockState::Pending;
+        }
+        outcome
+    }
+
+    /// Frees the pending block that starts at `addr`, merging it with free neighbours. Returns its size.
+    ///
+    /// # Panics
+    /// If there is no pending block at `addr`: the allocator's pending list lost track of it.
+    pub fn release_pending(&mut self, addr: u64) -> u64 {
+        let block = self.blocks.get(&addr).copied();
+        let size = match block {
+            Some(Block {
+                size,
+                state: BlockState::Pending,
+            }) => size,
+            _ => panic!("release_pending: no pending block at {addr:#x}"),
+        };
+        self.release(addr, size);
+        size
+    }
+
+    /// Drops the occupied block at `addr` as a user of its pages and makes it free.
+    fn release(&mut self, addr: u64, size: u64) {
+        let pages = self.pages_of(addr, size);
+        self.pages.remove_user(pages);
+        self.occupied -= 1;
+        self.insert_free(addr, size);
+    }
+
+    /// Marks `addr .. addr + size` (currently one occupied block) free and merges it with its neighbours.
     fn insert_free(&mut self, mut addr: u64, mut size: u64) {
         if let Some((&prev, &block)) = self.blocks.range(..addr).next_back()
-            && !block.is_live()
+            && !block.is_occupied()
         {
             self.free.remove(&(block.size, prev));
             self.blocks.remove(&addr);
@@ -181,19 +248,13 @@ impl Segment {
         }
         let next = addr + size;
         if let Some(&block) = self.blocks.get(&next)
-            && !block.is_live()
+            && !block.is_occupied()
         {
             self.free.remove(&(block.size, next));
             self.blocks.remove(&next);
             size += block.size;
         }
-        self.blocks.insert(
-            addr,
-            Block {
-                size,
-                requested: None,
-            },
-        );
+        self.blocks.insert(addr, Block::free(size));
         self.free.insert((size, addr));
     }
 

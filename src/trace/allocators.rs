@@ -36,12 +36,22 @@ pub enum BuildError {
 /// granularity is `page_size` bytes, with the default configuration (PyTorch's defaults for the models of
 /// PyTorch; "pytorch-expandable" needs a granularity that divides 2 MiB).
 pub fn build(name: &str, capacity: u64, page_size: u64) -> Result<Box<dyn Strategy>, BuildError> {
+    build_with(name, capacity, page_size, &Config::default())
+}
+
+/// As [`build`], with the allocator configured by `config`.
+pub fn build_with(
+    name: &str,
+    capacity: u64,
+    page_size: u64,
+    config: &Config,
+) -> Result<Box<dyn Strategy>, BuildError> {
     let device = SimDriver::new(
         SimConfig::default()
             .with_capacity(capacity)
             .with_granularity(page_size),
     );
-    build_on(name, device, Config::default())
+    build_on(name, device, config.clone())
 }
 
 /// The allocator called `name` on `device` (any [`Driver`]: a [`SimDriver`], a

@@ -33,6 +33,11 @@ impl TraceBuilder {
         self.trace.events.push(Event::Free { id });
     }
 
+    /// Appends a use of the live allocation `id` on `stream` (a stream other than its own).
+    pub fn record_stream(&mut self, id: u64, stream: StreamId) {
+        self.trace.events.push(Event::RecordStream { id, stream });
+    }
+
     /// Appends frees of all of `ids`, in order.
     pub fn free_all(&mut self, ids: impl IntoIterator<Item = u64>) {
         for id in ids {

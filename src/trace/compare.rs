@@ -3,7 +3,7 @@
 use super::allocators::{self, BuildError};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use super::workload;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::driver::DriverError;
 use crate::driver::device::{DeviceError, DeviceSpec};
 use crate::driver::sim::SimConfig;
@@ -25,6 +25,8 @@ pub struct CompareOptions {
     pub page_size: u64,
     /// Seed of the workload generators.
     pub seed: u64,
+    /// The allocators' configuration in `CUVMM_ALLOC_CONF` syntax (`key:value,...`); empty for the defaults.
+    pub alloc_conf: String,
     /// How to replay.
     pub replay: ReplayOptions,
 }
@@ -42,6 +44,7 @@ impl Default for CompareOptions {
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
+            alloc_conf: String::new(),
             replay: ReplayOptions::default(),
         }
     }
@@ -56,6 +59,9 @@ pub enum CompareError {
         /// The name given.
         name: String,
     },
+    /// The allocator configuration does not parse.
+    #[error("bad allocator configuration: {0}")]
+    Config(#[from] ConfigError),
     /// An allocator could not be built.
     #[error(transparent)]
     Build(#[from] BuildError),
@@ -110,10 +116,8 @@ pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareErr
         .with_capacity(options.capacity)
         .with_granularity(options.page_size)
         .with_backing_store(options.replay.touch);
-    let config = Config {
-        page_size: Some(options.page_size),
-        ..Config::default()
-    };
+    let mut config = Config::from_alloc_conf(&options.alloc_conf)?;
+    config.page_size = config.page_size.or(Some(options.page_size));
     // Open the device once before any work, so a missing driver is reported at once.
     drop(options.device.open(sim.clone())?);
     let mut results = Vec::new();
@@ -160,6 +164,15 @@ mod tests {
             err,
             CompareError::Build(BuildError::Unknown { .. })
         ));
+
+        let options = CompareOptions {
+            alloc_conf: "cross_stream_reuse:maybe".into(),
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(err, CompareError::Config(_)), "{err}");
+        assert!(err.is_usage_error());
+        assert!(err.to_string().contains("cross_stream_reuse"), "{err}");
     }
 
     #[test]

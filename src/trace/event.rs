@@ -1,4 +1,4 @@
-//! The trace model: a sequence of allocations and frees, each allocation named by an id.
+//! The trace model: a sequence of allocations, frees and cross-stream uses, each allocation named by an id.
 
 use crate::driver::StreamId;
 use std::collections::HashMap;
@@ -20,13 +20,21 @@ pub enum Event {
         /// The allocation to free.
         id: u64,
     },
+    /// The live allocation named `id` is used by work on `stream` too, not only on the stream it was
+    /// allocated for (PyTorch's `record_stream`): its memory may be reused only once that work is done.
+    RecordStream {
+        /// The allocation used.
+        id: u64,
+        /// The other stream that uses it.
+        stream: StreamId,
+    },
 }
 
 impl Event {
     /// The allocation this event names.
     pub fn id(&self) -> u64 {
         match *self {
-            Event::Alloc { id, .. } | Event::Free { id } => id,
+            Event::Alloc { id, .. } | Event::Free { id } | Event::RecordStream { id, .. } => id,
         }
     }
 }
@@ -76,6 +84,14 @@ pub enum TraceError {
         /// The id.
         id: u64,
     },
+    /// A use on another stream of an id that is not live.
+    #[error("event {index}: record_stream of {id}, which is not live")]
+    RecordStreamNotLive {
+        /// Position of the event.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
 }
 
 impl Trace {
@@ -107,13 +123,14 @@ impl Trace {
                     peak = peak.max(current);
                 }
                 Event::Free { id } => current -= live.remove(&id).unwrap_or(0),
+                Event::RecordStream { .. } => {}
             }
         }
         peak
     }
 
     /// Checks that every allocation asks for at least one byte under an id that is not live, and that every
-    /// free names a live allocation. Returns the first problem found.
+    /// free and every record_stream names a live allocation. Returns the first problem found.
     pub fn validate(&self) -> Result<(), TraceError> {
         // Some(true): live; Some(false): freed.
         let mut state: HashMap<u64, bool> = HashMap::new();
@@ -132,6 +149,11 @@ impl Trace {
                     Some(false) => return Err(TraceError::DoubleFree { index, id }),
                     None => return Err(TraceError::UnknownFree { index, id }),
                 },
+                Event::RecordStream { id, .. } => {
+                    if state.get(&id) != Some(&true) {
+                        return Err(TraceError::RecordStreamNotLive { index, id });
+                    }
+                }
             }
         }
         Ok(())
@@ -150,6 +172,13 @@ mod tests {
         }
     }
 
+    fn record(id: u64) -> Event {
+        Event::RecordStream {
+            id,
+            stream: StreamId(1),
+        }
+    }
+
     fn trace(events: Vec<Event>) -> Trace {
         Trace {
             name: "t".into(),
@@ -162,6 +191,7 @@ mod tests {
         let t = trace(vec![
             alloc(1, 100),
             alloc(2, 50),
+            record(2),
             Event::Free { id: 1 },
             alloc(3, 70),
             alloc(4, 10),
@@ -186,6 +216,14 @@ mod tests {
             (
                 vec![alloc(1, 8), Event::Free { id: 1 }, Event::Free { id: 1 }],
                 TraceError::DoubleFree { index: 2, id: 1 },
+            ),
+            (
+                vec![alloc(1, 8), Event::Free { id: 1 }, record(1)],
+                TraceError::RecordStreamNotLive { index: 2, id: 1 },
+            ),
+            (
+                vec![record(3)],
+                TraceError::RecordStreamNotLive { index: 0, id: 3 },
             ),
         ];
         for (events, expected) in cases {

@@ -1,7 +1,7 @@
 //! Workloads, traces and the replay engine: the tools layer that drives any allocator.
 //!
 //! A [`Trace`] is a sequence of allocations and frees ([`event`]); [`workload`] generates the built-in
-//! ones; [`replay`] runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
+//! ones; [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
 //! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results.
 
 pub mod allocators;

@@ -97,6 +97,8 @@ pub struct ReplayResult {
     pub driver_calls: DriverCalls,
     /// Driver time the calls cost (estimated on the simulated device), in microseconds.
     pub estimated_driver_us: f64,
+    /// Stream synchronizations the allocator made (before unmapping pages, or to drain pending frees).
+    pub synchronizations: u64,
     /// Wall time of the replay loop, in seconds.
     pub replay_seconds: f64,
 }
@@ -170,6 +172,24 @@ pub enum ReplayError {
         /// The byte read back.
         found: u8,
     },
+    /// A record_stream names no live allocation (and no allocation that failed with out-of-memory).
+    #[error("event {index}: record_stream of {id}, which is not live")]
+    RecordStreamNotLive {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The id.
+        id: u64,
+    },
+    /// A record_stream failed (other than by being unsupported).
+    #[error("event {index}: record_stream of allocation {id} failed: {source}")]
+    RecordStream {
+        /// Position of the event in the trace.
+        index: usize,
+        /// The allocation's id.
+        id: u64,
+        /// What the allocator said.
+        source: Error,
+    },
     /// The allocator broke an invariant.
     #[error("after event {index}: invariant broken: {source}")]
     Invariant {
@@ -181,8 +201,12 @@ pub enum ReplayError {
 }
 
 /// Replays `trace` through `strategy`: allocations in the trace map to the addresses the strategy returns.
-/// An allocation that fails with out-of-memory is counted in [`ReplayResult::ooms`] and its free skipped;
-/// any other failure stops the replay with the index of the event.
+/// An allocation that fails with out-of-memory is counted in [`ReplayResult::ooms`] and its free (and
+/// record_streams) skipped; any other failure stops the replay with the index of the event.
+///
+/// A [`Event::RecordStream`] calls [`Strategy::record_stream`]. An allocator that does not track streams
+/// ([`Error::Unsupported`]) replays it as nothing: no kernel runs during a replay, so the only effect of a
+/// cross-stream use is when the memory may be reused, and such an allocator reuses it at once.
 pub fn replay(
     strategy: &mut dyn Strategy,
     trace: &Trace,
@@ -236,6 +260,16 @@ pub fn replay(
                 None if failed.remove(&id) => {}
                 None => return Err(ReplayError::UnknownFree { index, id }),
             },
+            Event::RecordStream { id, stream } => match addrs.get(&id) {
+                Some(&addr) => match strategy.record_stream(addr, stream) {
+                    Ok(()) | Err(Error::Unsupported { .. }) => {}
+                    Err(source) => {
+                        return Err(ReplayError::RecordStream { index, id, source });
+                    }
+                },
+                None if failed.contains(&id) => {}
+                None => return Err(ReplayError::RecordStreamNotLive { index, id }),
+            },
         }
         let last = index + 1 == trace.events.len();
         let due = |every: usize| last || (every > 0 && (index + 1) % every == 0);
@@ -259,6 +293,7 @@ pub fn replay(
         ooms,
         driver_calls: DriverCalls::from_counters(&counters),
         estimated_driver_us: counters.time_us(),
+        synchronizations: stats.num_synchronizations,
         replay_seconds,
     })
 }

@@ -94,6 +94,7 @@ mod tests {
                 ..DriverCalls::default()
             },
             estimated_driver_us: 2_500.0,
+            synchronizations: 0,
             replay_seconds: 0.25,
         }
     }

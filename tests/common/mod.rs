@@ -13,16 +13,27 @@ pub fn expandable(
     small_size: u64,
     backing_store: bool,
 ) -> Expandable<SimDriver> {
+    let config = Config {
+        small_size,
+        ..Config::default()
+    };
+    expandable_with(granularity, pages, config, backing_store)
+}
+
+/// An expandable allocator configured by `config` on a simulated device of `pages` pages of `granularity`
+/// bytes.
+pub fn expandable_with(
+    granularity: u64,
+    pages: u64,
+    config: Config,
+    backing_store: bool,
+) -> Expandable<SimDriver> {
     let sim = SimDriver::new(
         SimConfig::default()
             .with_capacity(granularity * pages)
             .with_granularity(granularity)
             .with_backing_store(backing_store),
     );
-    let config = Config {
-        small_size,
-        ..Config::default()
-    };
     Expandable::new(sim, config).expect("valid configuration")
 }
 

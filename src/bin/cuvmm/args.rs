@@ -90,6 +90,10 @@ pub struct CompareArgs {
     /// Seed of the workload generators.
     #[arg(long, value_name = "N", default_value_t = workload::DEFAULT_SEED)]
     pub seed: u64,
+    /// Allocator configuration in PyTorch's `key:value,...` syntax (e.g. `cross_stream_reuse:True`);
+    /// default: the `CUVMM_ALLOC_CONF` environment variable, else the defaults.
+    #[arg(long, value_name = "CONF")]
+    pub alloc_conf: Option<String>,
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,

@@ -27,6 +27,10 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
         capacity: args.capacity,
         page_size: args.page_size,
         seed: args.seed,
+        alloc_conf: args
+            .alloc_conf
+            .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
+            .unwrap_or_default(),
         ..CompareOptions::default()
     };
     if !args.workloads.is_empty() {

@@ -20,8 +20,16 @@
 //!   are not driver calls and are not counted.
 //! - **Faults.** [`SimDriver::fail_nth`] and [`SimDriver::fail_randomly`] make chosen calls fail. The
 //!   fault is decided before the arguments are checked, so the n-th call fails whatever it asks for.
-//! - **Streams and events.** Any [`StreamId`] is a valid stream. Events stay pending until the test
-//!   completes them or their stream, or the stream is synchronized.
+//! - **Streams, work and events.** Any [`StreamId`] is a valid stream, with a FIFO queue of pending items:
+//!   work launched by the test ([`SimDriver::launch`]: a simulated kernel touching some device ranges) and
+//!   events. Nothing runs by itself: [`SimDriver::advance`], [`SimDriver::complete_event`] (an event and
+//!   everything before it on its stream), [`SimDriver::complete_stream`] and [`Driver::synchronize`]
+//!   complete work in stream order. An event recorded on a stream with nothing pending is complete at once.
+//! - **Use after unmap.** `unmap` of a range that pending work on any stream touches fails with
+//!   [`DriverError::UnmapWhileInUse`] and changes nothing: the simulator's stand-in for the illegal memory
+//!   access (or silent corruption) a GPU would give when that kernel ran. So no read or write of pending work
+//!   can ever go through a page unmapped under it, and a test that drives an allocator with work in flight
+//!   proves the allocator waited for the right streams.
 //! - **Bytes.** With [`SimConfig::backing_store`] on, [`SimDriver::write`] and [`SimDriver::read`] (test
 //!   controls) and [`Driver::memset_d8`] and [`Driver::copy_to_host`] (driver calls, counted) go
 //!   through mapped, accessible addresses to the physical memory behind them, so bytes move with a handle
@@ -34,12 +42,12 @@
 //!   something logs the report with `tracing::warn!` (it never panics).
 
 mod config;
-mod events;
 mod faults;
 mod latency;
 mod malloc;
 mod report;
 mod store;
+mod streams;
 mod va;
 mod vmm;
 
@@ -51,12 +59,12 @@ pub use report::LeakReport;
 use super::{
     Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
 };
-use events::Events;
 use faults::Faults;
 use malloc::Mallocs;
 use std::collections::VecDeque;
 use std::fmt;
 use store::{ByteStore, Owner};
+use streams::Streams;
 use vmm::Vmm;
 
 /// A simulated device.
@@ -66,7 +74,7 @@ pub struct SimDriver {
     faults: Faults,
     vmm: Vmm,
     mallocs: Mallocs,
-    events: Events,
+    streams: Streams,
     store: Option<ByteStore>,
     malloc_plan: VecDeque<(u64, u64)>,
 }
@@ -87,7 +95,7 @@ impl SimDriver {
             faults: Faults::default(),
             vmm: Vmm::new(config.granularity),
             mallocs: Mallocs::default(),
-            events: Events::default(),
+            streams: Streams::default(),
             store: config.backing_store.then(ByteStore::default),
             malloc_plan: VecDeque::new(),
             config,
@@ -124,7 +132,43 @@ impl SimDriver {
     }
     /// Events recorded on `stream` that have not completed yet (destroyed ones excluded).
     pub fn pending_events(&self, stream: StreamId) -> usize {
-        self.events.pending(stream)
+        self.streams.pending_events(stream).len()
+    }
+    /// The events of [`pending_events`](Self::pending_events), in the order they will complete.
+    pub fn pending_event_ids(&self, stream: StreamId) -> Vec<EventId> {
+        self.streams.pending_events(stream)
+    }
+    /// Events recorded and not yet destroyed, complete or not (an allocator should destroy every event it
+    /// records).
+    pub fn live_events(&self) -> usize {
+        self.streams.live_events()
+    }
+    /// Work items launched on `stream` that have not completed yet.
+    pub fn pending_work(&self, stream: StreamId) -> usize {
+        self.streams.pending_work(stream)
+    }
+    /// The streams whose pending work touches `range`, each once, in increasing order.
+    pub fn streams_using(&self, range: VaRange) -> Vec<StreamId> {
+        self.streams
+            .users_of(range.start, range.size)
+            .into_iter()
+            .map(|(stream, _)| stream)
+            .collect()
+    }
+    /// Queues a simulated kernel on `stream` that reads and writes `ranges`; returns its number. It stays
+    /// pending until the test completes it. Every byte of every range must be accessible now
+    /// ([`DriverError::NotMapped`] or [`DriverError::AccessDenied`] otherwise, and nothing is queued): a
+    /// kernel launched on memory that is not mapped would fault at once. Not a driver call.
+    pub fn launch(&mut self, stream: StreamId, ranges: &[VaRange]) -> Result<u64, DriverError> {
+        for range in ranges {
+            self.spans(range.start, range.size)?;
+        }
+        Ok(self.streams.launch(stream, ranges))
+    }
+    /// Completes the first `n` work items queued on `stream`, and the events that thereby complete.
+    /// Returns how many work items completed (fewer than `n` if the stream ran dry).
+    pub fn advance(&mut self, stream: StreamId, n: usize) -> usize {
+        self.streams.advance(stream, n)
     }
     /// Makes the `n`th call of `op` from now (1 = the next one) fail with `kind`. `n = 0` is taken as 1.
     /// Several faults may be planned; a second one for the same call replaces the first.
@@ -143,13 +187,13 @@ impl SimDriver {
     pub fn clear_faults(&mut self) {
         self.faults.clear();
     }
-    /// Marks one event complete.
+    /// Completes `event` and everything queued before it on its stream (stream order).
     pub fn complete_event(&mut self, event: EventId) -> Result<(), DriverError> {
-        self.events.complete(event)
+        self.streams.complete(event)
     }
-    /// Marks every event recorded on `stream` complete.
+    /// Completes everything queued on `stream`.
     pub fn complete_stream(&mut self, stream: StreamId) {
-        self.events.complete_stream(stream);
+        self.streams.complete_stream(stream);
     }
     /// Writes `data` at device address `va` (backing store on). Nothing is written if any byte of the range
     /// is not accessible.
@@ -319,6 +363,9 @@ impl Driver for SimDriver {
     }
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::Unmap, size)?;
+        if let Some(&(stream, va)) = self.streams.users_of(va, size).first() {
+            return Err(DriverError::UnmapWhileInUse { va, stream });
+        }
         for freed in self.vmm.unmap(va, size)? {
             self.forget(Owner::Handle(freed));
         }
@@ -353,19 +400,19 @@ impl Driver for SimDriver {
     }
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.begin(Op::RecordEvent, 0)?;
-        Ok(self.events.record(stream))
+        Ok(self.streams.record(stream))
     }
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.begin(Op::QueryEvent, 0)?;
-        self.events.is_complete(event)
+        self.streams.is_complete(event)
     }
     fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
         self.begin(Op::DestroyEvent, 0)?;
-        self.events.destroy(event)
+        self.streams.destroy(event)
     }
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         self.begin(Op::Synchronize, 0)?;
-        self.events.complete_stream(stream);
+        self.streams.complete_stream(stream);
         Ok(())
     }
     fn counters(&self) -> DriverCounters {

@@ -5,6 +5,7 @@
 
 pub mod llm_serving;
 pub mod moe;
+pub mod stream_prefetch_offload;
 pub mod stream_producer_consumer;
 pub mod transformer_train;
 
@@ -19,6 +20,7 @@ pub const BUILTIN: &[&str] = &[
     moe::NAME,
     llm_serving::NAME,
     stream_producer_consumer::NAME,
+    stream_prefetch_offload::NAME,
 ];
 
 /// A built-in workload: its name, what it models, and its generator.
@@ -28,7 +30,7 @@ struct Workload {
     generate: fn(u64) -> Trace,
 }
 
-const WORKLOADS: [Workload; 4] = [
+const WORKLOADS: [Workload; 5] = [
     Workload {
         name: transformer_train::NAME,
         description: transformer_train::DESCRIPTION,
@@ -48,6 +50,11 @@ const WORKLOADS: [Workload; 4] = [
         name: stream_producer_consumer::NAME,
         description: stream_producer_consumer::DESCRIPTION,
         generate: stream_producer_consumer::generate,
+    },
+    Workload {
+        name: stream_prefetch_offload::NAME,
+        description: stream_prefetch_offload::DESCRIPTION,
+        generate: stream_prefetch_offload::generate,
     },
 ];
 

@@ -4,7 +4,9 @@
 //! few batches in flight; two consumer streams, each with its own persistent model weights, take batches
 //! in turn and allocate work buffers (4 KiB to 256 MiB, freed within the batch) and output buffers kept in
 //! a small ring; a side stream allocates small staging and metrics buffers (hundreds of bytes to 64 KiB)
-//! that live a few batches. Every buffer is freed on the stream that allocated it: no cross-stream frees.
+//! that live a few batches. A consumer reads the batch the producer made two iterations before, so it
+//! records its use of those input buffers (`record_stream`); the producer frees them when they leave its
+//! in-flight window, and their memory returns to the producer only after the consumer's work on them.
 
 use super::super::builder::TraceBuilder;
 use super::super::event::Trace;
@@ -16,7 +18,7 @@ use std::collections::VecDeque;
 /// The workload's name.
 pub const NAME: &str = "stream-producer-consumer";
 /// One line saying what it models.
-pub const DESCRIPTION: &str = "a producer stream feeding two consumer streams and a side stream, each freeing its own buffers";
+pub const DESCRIPTION: &str = "a producer stream feeding two consumer streams (record_stream on its inputs) and a side stream";
 
 const PRODUCER: StreamId = StreamId(1);
 const CONSUMERS: [StreamId; 2] = [StreamId(2), StreamId(3)];
@@ -48,6 +50,11 @@ pub fn generate(seed: u64) -> Trace {
         );
         // The consumer whose turn it is works on the batch produced two iterations ago.
         let consumer = batch % CONSUMERS.len();
+        if let Some(inputs) = batches.len().checked_sub(3).map(|i| &batches[i]) {
+            for &input in inputs {
+                t.record_stream(input, CONSUMERS[consumer]);
+            }
+        }
         consume(
             &mut t,
             &mut rng,

@@ -1,0 +1,180 @@
+//! Blocks used on more than one stream: `record_stream`, and frees that wait for events.
+//!
+//! A block belongs to the stream of its segment, and reuse on that stream is stream-ordered, so it needs no
+//! event. Any other stream that uses the block is recorded (`record_stream`, or the requesting stream of a
+//! block borrowed from another stream's segment). Freeing a block with such streams records an event on each
+//! and *parks* the block: it leaves `allocated_bytes` at once but stays in `active_bytes`, and stays a user
+//! of its pages, so they can be neither handed out nor unmapped. At the start of every allocation the
+//! pending events are polled, as PyTorch's `process_events` does: per stream, in recording order, up to the
+//! first that has not completed. A block whose last event completed is really freed. `empty_cache` and the
+//! out-of-memory path synchronize the streams with pending events first and drain them all, as PyTorch's
+//! `synchronize_and_free_events`.
+
+use super::Expandable;
+use super::segment::FreeOutcome;
+use crate::driver::{Driver, EventId, StreamId};
+use crate::error::Error;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Parked blocks and the events they wait for.
+#[derive(Debug, Default)]
+pub(super) struct PendingFrees {
+    /// Per stream, its pending events in recording order, each with the block it holds back.
+    pub events: BTreeMap<StreamId, VecDeque<(EventId, u64)>>,
+    /// Per parked block (by address), how many of its events have not completed yet.
+    pub outstanding: HashMap<u64, usize>,
+}
+
+impl PendingFrees {
+    /// Whether no block is parked.
+    pub fn is_empty(&self) -> bool {
+        self.outstanding.is_empty()
+    }
+}
+
+impl<D: Driver> Expandable<D> {
+    /// Records that the live block at `addr` is used by work on `stream` too. A no-op for the stream of
+    /// the block's segment, whose reuse is stream-ordered, and for a stream already recorded.
+    pub(super) fn record_stream_use(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
+        let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
+        match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed { .. } => {}
+            FreeOutcome::AlreadyFree | FreeOutcome::NotABlockStart => {
+                return Err(Error::UnknownAddress { addr });
+            }
+        }
+        if stream == self.segment(slot).stream {
+            return Ok(());
+        }
+        let streams = self.stream_uses.entry(addr).or_default();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Frees the live block at `addr` in its segment `slot`, which other streams use: records an event on
+    /// each of them and parks the block until they complete. If an event cannot be recorded, the block stays
+    /// live, the events already recorded are destroyed, and the error is returned.
+    pub(super) fn park_block(
+        &mut self,
+        slot: usize,
+        addr: u64,
+        streams: Vec<StreamId>,
+    ) -> Result<(), Error> {
+        let mut events = Vec::with_capacity(streams.len());
+        for &stream in &streams {
+            match self.driver.record_event(stream) {
+                Ok(event) => events.push((stream, event)),
+                Err(err) => {
+                    for (_, event) in events {
+                        if let Err(destroy_err) = self.driver.destroy_event(event) {
+                            tracing::warn!(%destroy_err, "cuvmm: destroying an event after a failed free");
+                        }
+                    }
+                    self.stream_uses.insert(addr, streams);
+                    return Err(err.into());
+                }
+            }
+        }
+        let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).park(addr) else {
+            unreachable!("park_block is called for a live block start");
+        };
+        self.counters.allocated.sub(size);
+        self.counters.requested.sub(requested);
+        self.counters.allocation.sub(1);
+        self.pending.outstanding.insert(addr, events.len());
+        for (stream, event) in events {
+            self.pending
+                .events
+                .entry(stream)
+                .or_default()
+                .push_back((event, addr));
+        }
+        Ok(())
+    }
+
+    /// Polls the pending events, per stream in recording order up to the first incomplete one; destroys the
+    /// completed ones and frees the blocks that wait for nothing more. Returns the bytes freed.
+    pub(super) fn process_events(&mut self) -> Result<u64, Error> {
+        if self.pending.is_empty() {
+            return Ok(0);
+        }
+        let streams: Vec<StreamId> = self.pending.events.keys().copied().collect();
+        let mut freed = 0;
+        for stream in streams {
+            while let Some(&(event, addr)) =
+                self.pending.events.get(&stream).and_then(|q| q.front())
+            {
+                if !self.driver.event_complete(event)? {
+                    break;
+                }
+                self.driver.destroy_event(event)?;
+                if let Some(queue) = self.pending.events.get_mut(&stream) {
+                    queue.pop_front();
+                    if queue.is_empty() {
+                        self.pending.events.remove(&stream);
+                    }
+                }
+                let left = self
+                    .pending
+                    .outstanding
+                    .get_mut(&addr)
+                    .expect("a pending event's block is parked");
+                *left -= 1;
+                if *left == 0 {
+                    self.pending.outstanding.remove(&addr);
+                    freed += self.release_parked(addr);
+                }
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Synchronizes every stream that has pending events, then frees every parked block.
+    pub(super) fn drain_pending(&mut self) -> Result<(), Error> {
+        let streams: Vec<StreamId> = self.pending.events.keys().copied().collect();
+        for stream in streams {
+            self.synchronize(stream)?;
+        }
+        self.process_events()?;
+        Ok(())
+    }
+
+    /// Frees a parked block whose events all completed. Returns its size.
+    fn release_parked(&mut self, addr: u64) -> u64 {
+        let slot = self
+            .slot_of(addr)
+            .expect("a parked block lies in a segment");
+        let before = self.page_counts(slot);
+        let size = self.segment_mut(slot).release_pending(addr);
+        self.counters.active.sub(size);
+        self.refresh_page_counts(slot, before);
+        size
+    }
+
+    /// Waits for every stream the allocator knows of as a user of some memory (pending events, record_stream
+    /// uses of live blocks) and destroys every pending event, leaving parked blocks parked. Used on drop,
+    /// before everything is unmapped. Returns the first failure and goes on after it.
+    pub(super) fn quiesce_streams(&mut self) -> Result<(), Error> {
+        let mut streams: Vec<StreamId> = self.pending.events.keys().copied().collect();
+        streams.extend(self.stream_uses.values().flatten().copied());
+        streams.sort_unstable();
+        streams.dedup();
+        let mut first_err = None;
+        for stream in streams {
+            if let Err(err) = self.synchronize(stream) {
+                first_err.get_or_insert(err);
+            }
+        }
+        for (event, _) in std::mem::take(&mut self.pending.events)
+            .into_values()
+            .flatten()
+        {
+            if let Err(err) = self.driver.destroy_event(event) {
+                first_err.get_or_insert(err.into());
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
