@@ -55,7 +55,7 @@ fn cuda_without_the_feature_exits_2_saying_to_rebuild() {
     for args in CUDA_COMMANDS {
         refused(
             args,
-            "built without CUDA support; rebuild with --features cuda",
+            "no CUDA driver found: cuvmm was built without CUDA support; rebuild with --features cuda",
         );
     }
 }

@@ -34,7 +34,9 @@ pub enum DeviceError {
         text: String,
     },
     /// A CUDA device was asked for, but this build has no CUDA backend.
-    #[error("cuvmm was built without CUDA support; rebuild with --features cuda")]
+    #[error(
+        "no CUDA driver found: cuvmm was built without CUDA support; rebuild with --features cuda"
+    )]
     NoCudaSupport,
     /// The CUDA driver could not be used: no libcuda, no such device ([`DriverError::NoDriver`]), or a
     /// failed setup call.
