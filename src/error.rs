@@ -220,3 +220,18 @@ pub enum InvariantViolation {
         addr: u64,
     },
 }
+
+impl InvariantViolation {
+    /// The first statistic whose counter disagrees with the value recomputed from the blocks:
+    /// `(name, counter, recomputed)` triples, checked in order.
+    pub fn check_stats(stats: &[(&'static str, u64, u64)]) -> Result<(), InvariantViolation> {
+        match stats.iter().find(|(_, counted, actual)| counted != actual) {
+            Some(&(stat, counted, actual)) => Err(InvariantViolation::Stat {
+                stat,
+                counted,
+                actual,
+            }),
+            None => Ok(()),
+        }
+    }
+}

@@ -152,16 +152,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             (touched as u64 * a.page_size).saturating_sub(allocated + pending),
         ),
     ];
-    for (stat, counted, actual) in checks {
-        if counted != actual {
-            return Err(V::Stat {
-                stat,
-                counted,
-                actual,
-            });
-        }
-    }
-    Ok(())
+    V::check_stats(&checks)
 }
 
 /// The streams recorded for the live block at `addr` (if any): not empty, no duplicate, not `own`.

@@ -132,14 +132,5 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
         ("cached_blocks", pooled as u64, free_mapped),
         ("unmapped_blocks", pooled_unmapped as u64, unmapped),
     ];
-    for (stat, counted, actual) in checks {
-        if counted != actual {
-            return Err(V::Stat {
-                stat,
-                counted,
-                actual,
-            });
-        }
-    }
-    Ok(())
+    V::check_stats(&checks)
 }
