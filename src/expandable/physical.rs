@@ -122,16 +122,7 @@ impl<D: Driver> Expandable<D> {
     /// of it if there is less: pooled handles first, then idle pages from the highest addresses down.
     /// Returns the bytes given back.
     pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
-        let mut released = 0;
-        while released < bytes
-            && let Some(handle) = self.pooled.pop()
-        {
-            if let Err(err) = self.release_handle(handle) {
-                self.pooled.push(handle);
-                return Err(err);
-            }
-            released += self.page_size;
-        }
+        let mut released = self.release_pooled(bytes)?;
         while released < bytes && self.idle_pages > 0 {
             let pages = (bytes - released)
                 .div_ceil(self.page_size)
@@ -144,15 +135,23 @@ impl<D: Driver> Expandable<D> {
             if !got_any {
                 break;
             }
-            while released < bytes
-                && let Some(handle) = self.pooled.pop()
-            {
-                if let Err(err) = self.release_handle(handle) {
-                    self.pooled.push(handle);
-                    return Err(err);
-                }
-                released += self.page_size;
+            released += self.release_pooled(bytes - released)?;
+        }
+        Ok(released)
+    }
+
+    /// Releases pooled handles until at least `bytes` are given back or the pool is empty; returns the bytes
+    /// given back. A handle whose release fails stays in the pool.
+    fn release_pooled(&mut self, bytes: u64) -> Result<u64, Error> {
+        let mut released = 0;
+        while released < bytes
+            && let Some(handle) = self.pooled.pop()
+        {
+            if let Err(err) = self.release_handle(handle) {
+                self.pooled.push(handle);
+                return Err(err);
             }
+            released += self.page_size;
         }
         Ok(released)
     }
