@@ -2,18 +2,9 @@
 
 use cuvmm::trace::allocators::ALLOCATORS;
 use cuvmm::trace::workload::BUILTIN;
-use std::process::{Command, Output};
+mod common;
 
-fn cuvmm(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cuvmm"))
-        .args(args)
-        .output()
-        .expect("run cuvmm")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
+use common::{cuvmm, stderr};
 
 #[test]
 fn bad_flag_exits_2() {

@@ -5,18 +5,9 @@
 //! driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine those
 //! two tests have nothing to check and say so.
 
-use std::process::{Command, Output};
+mod common;
 
-fn cuvmm(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_cuvmm"))
-        .args(args)
-        .output()
-        .expect("run cuvmm")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
+use common::{cuvmm, stderr};
 
 /// Whether this machine has a usable CUDA device 0.
 #[cfg(feature = "cuda")]

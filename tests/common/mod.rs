@@ -43,3 +43,16 @@ pub fn pattern(id: u64, len: usize) -> Vec<u8> {
         .map(|i| (id.wrapping_mul(131).wrapping_add(i as u64 * 7) % 251) as u8)
         .collect()
 }
+
+/// Runs the `cuvmm` binary with `args` and waits for it.
+pub fn cuvmm(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_cuvmm"))
+        .args(args)
+        .output()
+        .expect("run cuvmm")
+}
+
+/// What a run printed on stderr.
+pub fn stderr(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
