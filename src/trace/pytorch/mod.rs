@@ -6,6 +6,7 @@
 //! configuration PyTorch ran with. `../shared/traces/README.md` describes the format.
 
 mod reconstruct;
+mod requests;
 mod settings;
 pub mod snapshot;
 
@@ -101,4 +102,34 @@ pub fn load(path: &Path, device: Option<usize>) -> Result<PytorchTrace, Snapshot
     let device = reconstruct::pick_device(path, &raw, device)?;
     let config = settings::config_from_settings(path, raw.allocator_settings.as_ref())?;
     reconstruct::build(path, &raw, device, config)
+}
+
+/// Reads the snapshot at `path` and builds the trace of `device`, or, when `device` is `None`, of every
+/// device that has trace entries (the busiest one if none has), in device order.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_devices(
+    path: &Path,
+    device: Option<usize>,
+) -> Result<Vec<PytorchTrace>, SnapshotError> {
+    let raw = snapshot::read(path)?;
+    let config = settings::config_from_settings(path, raw.allocator_settings.as_ref())?;
+    let devices: Vec<usize> = match device {
+        Some(_) => vec![reconstruct::pick_device(path, &raw, device)?],
+        None => {
+            let busy: Vec<usize> = (0..raw.device_traces.len())
+                .filter(|&d| raw.device_traces[d].as_ref().is_some_and(|e| !e.is_empty()))
+                .collect();
+            if busy.is_empty() {
+                vec![reconstruct::pick_device(path, &raw, None)?]
+            } else {
+                busy
+            }
+        }
+    };
+    devices
+        .into_iter()
+        .map(|d| reconstruct::build(path, &raw, d, config.clone()))
+        .collect()
 }
