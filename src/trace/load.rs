@@ -2,9 +2,11 @@
 //!
 //! The format is recognised from the file's first bytes: a pickle (PyTorch memory snapshot), an RMM
 //! `logging_resource_adaptor` CSV log (header `Thread,Time,Action,Pointer,Size,Stream`), or cuvmm's own
-//! line-oriented trace format (docs/trace-format.md).
+//! line-oriented trace format (docs/trace-format.md), or a PyTorch profiler (Kineto) trace with memory
+//! events (JSON, gzipped or not).
 
 use super::event::Trace;
+use super::kineto::{self, KinetoError};
 use super::pytorch::{self, SnapshotError};
 use std::path::{Path, PathBuf};
 
@@ -17,6 +19,8 @@ pub enum TraceFormat {
     RmmCsv,
     /// cuvmm's own text format.
     Cuvmm,
+    /// PyTorch profiler (Kineto) Chrome-trace JSON, gzipped or not.
+    Kineto,
 }
 
 /// Why a trace file cannot be replayed. Every message names the file.
@@ -32,7 +36,7 @@ pub enum LoadError {
     },
     /// The file is in none of the formats [`load`] reads.
     #[error(
-        "{path}: not a trace (expected a PyTorch memory snapshot pickle, an RMM CSV log or a cuvmm trace)"
+        "{path}: not a trace (expected a PyTorch memory snapshot pickle, an RMM CSV log, a cuvmm trace or a PyTorch profiler trace)"
     )]
     UnknownFormat {
         /// The file.
@@ -41,6 +45,9 @@ pub enum LoadError {
     /// A PyTorch snapshot that cannot be used.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
+    /// A PyTorch profiler trace that cannot be used.
+    #[error(transparent)]
+    Kineto(#[from] KinetoError),
     /// A format recognised but not read yet.
     #[error("{path}: {format:?} traces are not supported yet")]
     Unsupported {
@@ -70,12 +77,17 @@ pub fn detect(path: &Path) -> Result<TraceFormat, LoadError> {
     if head.first() == Some(&0x80) {
         return Ok(TraceFormat::PytorchSnapshot);
     }
+    if head.starts_with(&[0x1f, 0x8b]) {
+        return Ok(TraceFormat::Kineto);
+    }
     let text = String::from_utf8_lossy(&head);
     let first = text.trim_start_matches('\u{feff}').trim_start();
     if first.starts_with("Thread,Time,Action,Pointer,Size,Stream") {
         Ok(TraceFormat::RmmCsv)
     } else if first.starts_with("# cuvmm-trace") {
         Ok(TraceFormat::Cuvmm)
+    } else if first.starts_with('{') {
+        Ok(TraceFormat::Kineto)
     } else {
         Err(LoadError::UnknownFormat {
             path: path.to_path_buf(),
@@ -106,6 +118,7 @@ pub fn load(path: &Path, device: Option<usize>) -> Result<Vec<Trace>, LoadError>
                 t.to_trace(name)
             })
             .collect()),
+        TraceFormat::Kineto => Ok(kineto::load(path, device, &file)?),
         format => Err(LoadError::Unsupported {
             path: path.to_path_buf(),
             format,
@@ -133,6 +146,10 @@ mod tests {
         assert_eq!(detect(&csv).unwrap(), TraceFormat::RmmCsv);
         let own = scratch("a.trace", b"# cuvmm-trace v1\n");
         assert_eq!(detect(&own).unwrap(), TraceFormat::Cuvmm);
+        let kineto = scratch("a.json", b"{\"traceEvents\": []}");
+        assert_eq!(detect(&kineto).unwrap(), TraceFormat::Kineto);
+        let gz = scratch("a.json.gz", &[0x1f, 0x8b, 8, 0]);
+        assert_eq!(detect(&gz).unwrap(), TraceFormat::Kineto);
         let other = scratch("a.txt", b"hello");
         let err = load(&other, None).unwrap_err();
         assert!(matches!(err, LoadError::UnknownFormat { .. }));

@@ -9,6 +9,7 @@ pub mod builder;
 pub mod compare;
 pub mod event;
 pub mod fidelity;
+pub mod kineto;
 pub mod load;
 pub mod pytorch;
 pub mod replay;
