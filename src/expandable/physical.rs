@@ -8,6 +8,7 @@ use super::Expandable;
 use super::alloc::Handles;
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::Error;
+use crate::history::TraceAction;
 use std::ops::Range;
 
 impl<D: Driver> Expandable<D> {
@@ -22,11 +23,13 @@ impl<D: Driver> Expandable<D> {
             fresh: Vec::new(),
         };
         let mut retried = false;
-        if reused.len() < count
-            && let Err(err) = self.steal_idle(count - reused.len(), &mut reused)
-        {
-            self.pooled.extend(reused);
-            return Err(err);
+        if reused.len() < count {
+            let stolen = self.steal_idle(count - reused.len(), &mut reused);
+            self.counters.compacted += (reused.len() - from_pool) as u64;
+            if let Err(err) = stolen {
+                self.pooled.extend(reused);
+                return Err(err);
+            }
         }
         handles.reused = reused;
         while handles.reused.len() + handles.fresh.len() < count {
@@ -91,8 +94,18 @@ impl<D: Driver> Expandable<D> {
         let va = self.segment(slot).page_addr(run.start);
         self.driver.unmap(va, run.len() as u64 * self.page_size)?;
         let before = self.page_counts(slot);
+        let pages = run.len() as u64;
+        tracing::debug!(va, pages, stream = stream.0, "cuvmm: unmapped idle pages");
+        self.record(
+            TraceAction::SegmentUnmap,
+            va,
+            pages * self.page_size,
+            stream,
+        );
         let seg = self.segment_mut(slot);
         out.extend(run.map(|page| seg.pages.unmap(page)));
+        let pool = seg.pool;
+        self.counters.mapped.sub(pool, pages * self.page_size);
         self.refresh_page_counts(slot, before);
         Ok(())
     }
@@ -165,7 +178,7 @@ impl<D: Driver> Expandable<D> {
             if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
                 continue;
             }
-            let (va, key) = (seg.va, (seg.stream, seg.pool));
+            let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
             self.driver.free_reservation(va)?;
             self.segments[slot] = None;
             self.by_addr.remove(&va.start);
@@ -175,7 +188,7 @@ impl<D: Driver> Expandable<D> {
                     self.by_key.remove(&key);
                 }
             }
-            self.counters.segment.sub(1);
+            self.counters.segment.sub(pool, 1);
         }
         Ok(())
     }
