@@ -45,6 +45,12 @@ pub trait Strategy {
     /// Driver calls made so far.
     fn driver_counters(&self) -> DriverCounters;
 
+    /// Physical bytes held now (`stats().reserved_bytes.current`, without computing the rest of the
+    /// statistics). Called after every operation by replays that look for the peak.
+    fn reserved_bytes(&self) -> u64 {
+        self.stats().reserved_bytes.current
+    }
+
     /// The ordinal of the device the allocator runs on (its driver's [`Driver::ordinal`](crate::Driver::ordinal)).
     /// The default is 0.
     fn ordinal(&self) -> usize {

@@ -78,14 +78,17 @@ pub fn memory_summary(stats: &Stats, device: usize, allocator: &str) -> String {
     out
 }
 
-/// One metric row: its four views, each in the unit its "all" row (`pref`) picks.
+/// One metric row: its four views, each in the unit its "all" row (`pref`) picks. In PyTorch a pool's
+/// value never exceeds the total; in cuvmm a pool's reserved bytes can (pages unmapped from one pool and
+/// mapped in the other are not released), so the unit comes from the larger of the two and the column
+/// keeps its width.
 fn row(label: &str, stat: &Stat, pref: &Stat, format: fn(u64, u64) -> String) -> String {
     format!(
         " {label:<21} | {} | {} | {} | {} ",
-        format(stat.current, pref.current),
-        format(stat.peak, pref.peak),
-        format(stat.allocated, pref.allocated),
-        format(stat.freed, pref.freed),
+        format(stat.current, pref.current.max(stat.current)),
+        format(stat.peak, pref.peak.max(stat.peak)),
+        format(stat.allocated, pref.allocated.max(stat.allocated)),
+        format(stat.freed, pref.freed.max(stat.freed)),
     )
 }
 

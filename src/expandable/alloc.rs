@@ -73,7 +73,7 @@ impl<D: Driver> Expandable<D> {
                         device_free: Some(oom.device_free),
                     });
                 }
-                tracing::warn!(
+                tracing::info!(
                     requested = size,
                     stream = stream.0,
                     allocated = oom.allocated,

@@ -397,6 +397,10 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.driver.ordinal()
     }
 
+    fn reserved_bytes(&self) -> u64 {
+        self.counters.reserved.current
+    }
+
     fn snapshot(&self) -> Result<MemorySnapshot, Error> {
         Ok(self.memory_snapshot())
     }

@@ -55,7 +55,7 @@ impl<D: Driver> Split<D> {
                         self.counters.ooms += 1;
                         let oom = self.out_of_memory(orig_size, &req, marks);
                         self.record_oom(&oom, req.size);
-                        tracing::warn!(
+                        tracing::info!(
                             allocator = self.name(),
                             requested = orig_size,
                             stream = stream.0,

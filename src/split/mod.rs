@@ -432,6 +432,10 @@ impl<D: Driver> Strategy for Split<D> {
         self.driver.ordinal()
     }
 
+    fn reserved_bytes(&self) -> u64 {
+        self.counters.reserved.current()
+    }
+
     fn snapshot(&self) -> Result<MemorySnapshot, Error> {
         Ok(self.memory_snapshot())
     }

@@ -113,3 +113,22 @@ fn rows_follow_pytorch_order_with_pool_rows() {
         row("Allocator")
     );
 }
+
+#[test]
+fn a_pool_value_above_its_total_keeps_the_column_width() {
+    // cuvmm: pages unmapped from the large pool (freed there) were never released (not freed in all).
+    let mut stats = Stats::default();
+    stats.reserved_bytes.add(GIB);
+    stats.large_pool.reserved_bytes.add(4 * GIB);
+    stats.large_pool.reserved_bytes.sub(3 * GIB);
+    let text = memory_summary(&stats, 0, "cuvmm");
+    for line in text.lines() {
+        assert_eq!(line.chars().count(), WIDTH + 2, "{line:?}");
+    }
+    assert!(
+        text.contains(
+            "|       from large pool |   1024 MiB |   4096 MiB |   4096 MiB |   3072 MiB |"
+        ),
+        "{text}"
+    );
+}

@@ -10,6 +10,7 @@ pub mod compare;
 pub mod event;
 pub mod fidelity;
 pub mod load;
+pub mod peak;
 pub mod pytorch;
 pub mod replay;
 pub mod report;
