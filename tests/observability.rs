@@ -314,6 +314,12 @@ fn a_full_device_says_how_many_bytes_are_missing() {
         "{text}"
     );
     assert!(text.contains("free at least 4.00 MiB more"), "{text}");
+    // The failed request moved no statistic: PyTorch counts a block only when it hands it out.
+    let stats = cuvmm.stats();
+    assert_eq!(stats.allocated_bytes.peak, 7 * page);
+    assert_eq!(stats.allocation.allocated, 1);
+    assert_eq!(stats.large_pool.active_bytes.peak, 7 * page);
+    assert_eq!(stats.num_ooms, 1);
 }
 
 #[test]

@@ -42,10 +42,16 @@ impl<D: Driver> Expandable<D> {
         let (slot, addr, borrowed) = self.find_block(rounded, stream, pool)?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
-        self.count_block(pool, rounded, size, true);
+        // Counted only once its pages are there: a request that fails must not move a statistic or its
+        // peak (PyTorch counts a block when it hands it out). Meanwhile it is `carving`, so the
+        // non-releasable bytes of its pages stay right.
+        self.carving = Some((pool, rounded));
         self.refresh_page_counts(slot, before);
-        match self.back_with_pages(slot, addr, rounded) {
+        let backed = self.back_with_pages(slot, addr, rounded);
+        self.carving = None;
+        match backed {
             Ok(()) => {
+                self.count_block(pool, rounded, size, true);
                 if borrowed {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
                     self.stream_uses.insert(addr, vec![stream]);
@@ -54,7 +60,9 @@ impl<D: Driver> Expandable<D> {
                 Ok(addr)
             }
             Err(err) => {
-                self.free_block(addr)?;
+                let before = self.page_counts(slot);
+                self.segment_mut(slot).free(addr);
+                self.refresh_page_counts(slot, before);
                 if !err.is_out_of_memory() {
                     return Err(err);
                 }

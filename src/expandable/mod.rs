@@ -89,6 +89,8 @@ pub struct Expandable<D: Driver> {
     counters: Counters,
     /// Events recorded for snapshots, when recording is on.
     history: Option<History>,
+    /// The block being backed with pages (pool, bytes): carved, not yet counted as allocated.
+    carving: Option<(Pool, u64)>,
 }
 
 /// The counts of one segment that the allocator-wide totals follow, read before and after a change.
@@ -131,6 +133,7 @@ impl<D: Driver> Expandable<D> {
             idle_pages: 0,
             counters: Counters::default(),
             history: None,
+            carving: None,
         })
     }
 
@@ -188,8 +191,12 @@ impl<D: Driver> Expandable<D> {
         let p = pool.index();
         self.touched_pages[p] = self.touched_pages[p] + after.touched - before.touched;
         self.idle_pages = self.idle_pages + after.idle - before.idle;
+        let carving = match self.carving {
+            Some((carving_pool, bytes)) if carving_pool == pool => bytes,
+            _ => 0,
+        };
         let stranded = (self.touched_pages[p] as u64 * self.page_size)
-            .saturating_sub(self.counters.active.of(pool));
+            .saturating_sub(self.counters.active.of(pool) + carving);
         self.counters.inactive_split.set(pool, stranded);
         let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
             - before.straddling as u64;

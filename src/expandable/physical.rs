@@ -25,7 +25,15 @@ impl<D: Driver> Expandable<D> {
         let mut retried = false;
         if reused.len() < count {
             let stolen = self.steal_idle(count - reused.len(), &mut reused);
-            self.counters.compacted += (reused.len() - from_pool) as u64;
+            let stolen_pages = (reused.len() - from_pool) as u64;
+            self.counters.compacted += stolen_pages;
+            if stolen_pages > 0 {
+                tracing::debug!(
+                    pages = stolen_pages,
+                    pooled = from_pool,
+                    "cuvmm: compaction: idle pages unmapped for reuse"
+                );
+            }
             if let Err(err) = stolen {
                 self.pooled.extend(reused);
                 return Err(err);
@@ -39,6 +47,8 @@ impl<D: Driver> Expandable<D> {
                     retried = true;
                     self.counters.retries += 1;
                     tracing::info!(
+                        pages = count,
+                        created = handles.fresh.len(),
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
                     if let Err(err) = self.release_cache() {
@@ -135,6 +145,7 @@ impl<D: Driver> Expandable<D> {
     /// of it if there is less: pooled handles first, then idle pages from the highest addresses down.
     /// Returns the bytes given back.
     pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
+        let _span = tracing::debug_span!("cuvmm::release_idle", bytes).entered();
         let mut released = self.release_pooled(bytes)?;
         while released < bytes && self.idle_pages > 0 {
             let pages = (bytes - released)
@@ -149,6 +160,9 @@ impl<D: Driver> Expandable<D> {
                 break;
             }
             released += self.release_pooled(bytes - released)?;
+        }
+        if released > 0 {
+            tracing::debug!(released, "cuvmm: released idle memory to the driver");
         }
         Ok(released)
     }

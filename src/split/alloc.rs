@@ -88,11 +88,18 @@ impl<D: Driver> Split<D> {
         if let Some(addr) = self.alloc_block(req, false)? {
             return Ok(Some(addr));
         }
+        let _span =
+            tracing::debug_span!("grow", size = req.size, alloc_size = req.alloc_size).entered();
         if self.release_available_cached_blocks(req)?
             && let Some(addr) = self.alloc_block(req, false)?
         {
             return Ok(Some(addr));
         }
+        tracing::info!(
+            size = req.size,
+            stream = req.stream.0,
+            "device allocation failed; releasing cached blocks and retrying once"
+        );
         self.release_cached_blocks()?;
         self.alloc_block(req, true)
     }

@@ -71,6 +71,7 @@ impl<D: Driver> Split<D> {
     /// first; in expandable segments, unmaps every whole page of every cached block and frees reservations
     /// left with nothing mapped.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), Error> {
+        let _span = tracing::debug_span!("release_cached_blocks").entered();
         self.release_blocks(Pool::Large)?;
         self.release_blocks(Pool::Small)
     }
