@@ -97,6 +97,25 @@ impl<S: Strategy> Allocator<S> {
         self.shared.strategy.lock().stats()
     }
 
+    /// The statistics as PyTorch's `torch.cuda.memory_summary()` table, plus cuvmm's own rows
+    /// ([`summary::memory_summary`](crate::summary::memory_summary)).
+    pub fn memory_summary(&self) -> String {
+        crate::summary::summary_of(&*self.shared.strategy.lock())
+    }
+
+    /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
+    /// (PyTorch's `torch.cuda.memory._snapshot()`); `trace::pytorch::writer` pickles it for PyTorch's
+    /// memory viewer.
+    pub fn snapshot(&self) -> Result<crate::snapshot::MemorySnapshot, Error> {
+        self.shared.strategy.lock().snapshot()
+    }
+
+    /// Starts recording events for [`snapshot`](Self::snapshot), keeping the last `max_entries`, or stops
+    /// with `None` (PyTorch's `torch.cuda.memory._record_memory_history`).
+    pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), Error> {
+        self.shared.strategy.lock().record_history(max_entries)
+    }
+
     /// Gives all cached memory back to the driver.
     pub fn empty_cache(&self) -> Result<(), Error> {
         self.shared.strategy.lock().empty_cache()

@@ -1,9 +1,9 @@
 //! Errors at the API boundary, and the typed report of a broken invariant.
 
 use crate::config::ConfigError;
-use crate::driver::{DriverError, StreamId};
-use crate::size::format_size;
-use std::fmt;
+use crate::driver::DriverError;
+
+pub use crate::oom::{OutOfMemory, ReclaimStep, Suggestion};
 
 /// What an allocator operation can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -64,54 +64,6 @@ impl Error {
         }
     }
 }
-
-/// The state of the allocator when a request could not be served: the same numbers for programs as the
-/// message gives people.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutOfMemory {
-    /// Bytes asked for.
-    pub requested: u64,
-    /// Stream the request was made on.
-    pub stream: StreamId,
-    /// Total bytes of the device.
-    pub device_total: u64,
-    /// Bytes the device reported free at the failure.
-    pub device_free: u64,
-    /// Bytes held by live allocations.
-    pub allocated: u64,
-    /// Physical bytes held by the allocator (live, cached and idle).
-    pub reserved: u64,
-    /// Physical bytes held but touched by no live allocation.
-    pub idle: u64,
-    /// Largest request that could have been served without a driver call.
-    pub largest_free_block: u64,
-    /// Whether the cache was released and the request retried before giving up.
-    pub retried: bool,
-}
-
-impl fmt::Display for OutOfMemory {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "CUDA out of memory. Tried to allocate {}. GPU 0 has a total capacity of {} of which {} is free. \
-             Of the allocated memory {} is allocated by cuvmm, and {} is reserved by cuvmm but unallocated \
-             ({} idle); the largest free block is {}.",
-            format_size(self.requested),
-            format_size(self.device_total),
-            format_size(self.device_free),
-            format_size(self.allocated),
-            format_size(self.reserved.saturating_sub(self.allocated)),
-            format_size(self.idle),
-            format_size(self.largest_free_block),
-        )?;
-        if self.retried {
-            write!(f, " The cache was released and the request retried once.")?;
-        }
-        Ok(())
-    }
-}
-
-impl std::error::Error for OutOfMemory {}
 
 /// A broken invariant found by `check_invariants()`. Each names what it found, so a failing test or fuzz
 /// run says what went wrong without a debugger.

@@ -14,11 +14,15 @@ pub mod driver;
 pub mod driver_bench;
 pub mod error;
 pub mod expandable;
+pub mod history;
+pub mod oom;
 pub mod page_map;
 pub mod size;
+pub mod snapshot;
 pub mod split;
 pub mod stats;
 pub mod strategy;
+pub mod summary;
 pub mod trace;
 
 pub use allocator::{Allocator, DeviceBuffer};

@@ -1,6 +1,7 @@
 //! Statistics in the shape of PyTorch's `torch.cuda.memory_stats()`, plus what PyTorch lacks.
 
 use crate::driver::DriverCounters;
+use crate::expandable::Pool;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -46,6 +47,91 @@ impl Stat {
     pub fn reset_peak(&mut self) {
         self.peak = self.current;
     }
+
+    /// Moves the current value to `value`, counting the change as an increase or a decrease.
+    #[inline]
+    pub fn set(&mut self, value: u64) {
+        if value > self.current {
+            self.add(value - self.current);
+        } else {
+            self.sub(self.current - value);
+        }
+    }
+}
+
+/// One pool's share of the statistics PyTorch breaks down by pool (`<stat>.large_pool.*`,
+/// `<stat>.small_pool.*`): what `memory_summary` prints as "from large pool" and "from small pool".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolStats {
+    /// Bytes of live allocations in this pool.
+    pub allocated_bytes: Stat,
+    /// Bytes of live and not yet reusable (pending) allocations in this pool.
+    pub active_bytes: Stat,
+    /// Bytes requested by callers in this pool.
+    pub requested_bytes: Stat,
+    /// Physical bytes backing this pool's segments. For cuvmm, mapped pages only: pooled handles belong to no
+    /// pool (they are [`Stats::idle_handle_bytes`]), so the two pools add up to the total less those.
+    pub reserved_bytes: Stat,
+    /// Free bytes this pool cannot give back because they share a segment (classic) or a page (cuvmm) with
+    /// active blocks.
+    pub inactive_split_bytes: Stat,
+    /// Number of live allocations in this pool.
+    pub allocation: Stat,
+    /// Number of live and pending allocations in this pool.
+    pub active: Stat,
+    /// Number of segments of this pool.
+    pub segment: Stat,
+    /// Number of free blocks counted in `inactive_split_bytes`.
+    pub inactive_split: Stat,
+}
+
+/// A statistic kept for all pools and for each pool, as PyTorch's `StatArray`: every change to one pool
+/// changes the total by the same amount, so each has its own true peak.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StatArray {
+    /// All pools together.
+    pub all: Stat,
+    /// Per pool, indexed by [`Pool::index`].
+    pub pool: [Stat; 2],
+}
+
+impl StatArray {
+    /// Adds `n` to `pool` (and to the total).
+    #[inline]
+    pub fn add(&mut self, pool: Pool, n: u64) {
+        self.all.add(n);
+        self.pool[pool.index()].add(n);
+    }
+
+    /// Subtracts `n` from `pool` (and from the total).
+    #[inline]
+    pub fn sub(&mut self, pool: Pool, n: u64) {
+        self.all.sub(n);
+        self.pool[pool.index()].sub(n);
+    }
+
+    /// Moves `pool`'s current value to `value` (and the total by as much).
+    #[inline]
+    pub fn set(&mut self, pool: Pool, value: u64) {
+        let current = self.pool[pool.index()].current;
+        if value > current {
+            self.add(pool, value - current);
+        } else {
+            self.sub(pool, current - value);
+        }
+    }
+
+    /// The current total.
+    #[inline]
+    pub fn current(&self) -> u64 {
+        self.all.current
+    }
+
+    /// The current value of `pool`.
+    #[inline]
+    pub fn of(&self, pool: Pool) -> u64 {
+        self.pool[pool.index()].current
+    }
 }
 
 /// A snapshot of an allocator's statistics (a `Copy` value: take it, compare it, print it).
@@ -87,6 +173,20 @@ pub struct Stats {
     pub handles_reused: u64,
     /// Driver calls and their (estimated) time.
     pub driver: DriverCounters,
+    /// Number of live and pending allocations (PyTorch `active`).
+    pub active: Stat,
+    /// Number of free blocks counted in `inactive_split_bytes` (PyTorch `inactive_split`).
+    pub inactive_split: Stat,
+    /// The large pool's share of the statistics (PyTorch `<stat>.large_pool`).
+    pub large_pool: PoolStats,
+    /// The small pool's share of the statistics (PyTorch `<stat>.small_pool`).
+    pub small_pool: PoolStats,
+    /// Live allocations of at least `max_split_size` bytes (PyTorch `oversize_allocations`); 0 while
+    /// `max_split_size_mb` is unset.
+    pub oversize_allocations: Stat,
+    /// Segments of at least `max_split_size` bytes (PyTorch `oversize_segments`); 0 while
+    /// `max_split_size_mb` is unset, and always 0 for cuvmm, whose segments are virtual reservations.
+    pub oversize_segments: Stat,
 }
 
 impl Stats {
@@ -94,23 +194,27 @@ impl Stats {
     /// plus cuvmm's own under `cuvmm.`.
     pub fn to_pytorch_keys(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
-        let stats = [
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("requested_bytes", &self.requested_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-        ];
-        for (name, stat) in stats {
-            for (view, value) in [
+        let views = |stat: &Stat| {
+            [
                 ("current", stat.current),
                 ("peak", stat.peak),
                 ("allocated", stat.allocated),
                 ("freed", stat.freed),
-            ] {
-                out.insert(format!("{name}.all.{view}"), value);
+            ]
+        };
+        for (name, all, large, small) in self.pool_rows() {
+            for (pool, stat) in [("all", all), ("large_pool", large), ("small_pool", small)] {
+                for (view, value) in views(&stat) {
+                    out.insert(format!("{name}.{pool}.{view}"), value);
+                }
+            }
+        }
+        for (name, stat) in [
+            ("oversize_allocations", &self.oversize_allocations),
+            ("oversize_segments", &self.oversize_segments),
+        ] {
+            for (view, value) in views(stat) {
+                out.insert(format!("{name}.{view}"), value);
             }
         }
         for (name, value) in [
@@ -129,6 +233,53 @@ impl Stats {
             out.insert(name.to_string(), value);
         }
         out
+    }
+
+    /// PyTorch's pool-split statistics in `memory_summary`'s order: `(PyTorch key, all, large pool, small
+    /// pool)`.
+    pub fn pool_rows(&self) -> [(&'static str, Stat, Stat, Stat); 9] {
+        let (l, s) = (&self.large_pool, &self.small_pool);
+        [
+            (
+                "allocated_bytes",
+                self.allocated_bytes,
+                l.allocated_bytes,
+                s.allocated_bytes,
+            ),
+            (
+                "active_bytes",
+                self.active_bytes,
+                l.active_bytes,
+                s.active_bytes,
+            ),
+            (
+                "requested_bytes",
+                self.requested_bytes,
+                l.requested_bytes,
+                s.requested_bytes,
+            ),
+            (
+                "reserved_bytes",
+                self.reserved_bytes,
+                l.reserved_bytes,
+                s.reserved_bytes,
+            ),
+            (
+                "inactive_split_bytes",
+                self.inactive_split_bytes,
+                l.inactive_split_bytes,
+                s.inactive_split_bytes,
+            ),
+            ("allocation", self.allocation, l.allocation, s.allocation),
+            ("active", self.active, l.active, s.active),
+            ("segment", self.segment, l.segment, s.segment),
+            (
+                "inactive_split",
+                self.inactive_split,
+                l.inactive_split,
+                s.inactive_split,
+            ),
+        ]
     }
 
     /// Peak allocated over peak reserved: how much of the memory taken from the device was ever put to use.

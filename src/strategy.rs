@@ -3,6 +3,7 @@
 
 use crate::driver::{DriverCounters, DriverError, Op, StreamId};
 use crate::error::{Error, InvariantViolation};
+use crate::snapshot::MemorySnapshot;
 use crate::stats::Stats;
 
 /// An allocator's state machine: plain `&mut self`, no locks (the facade adds them).
@@ -43,6 +44,44 @@ pub trait Strategy {
 
     /// Driver calls made so far.
     fn driver_counters(&self) -> DriverCounters;
+
+    /// Physical bytes held now (`stats().reserved_bytes.current`, without computing the rest of the
+    /// statistics). Called after every operation by replays that look for the peak.
+    fn reserved_bytes(&self) -> u64 {
+        self.stats().reserved_bytes.current
+    }
+
+    /// The ordinal of the device the allocator runs on (its driver's [`Driver::ordinal`](crate::Driver::ordinal)).
+    /// The default is 0.
+    fn ordinal(&self) -> usize {
+        0
+    }
+
+    /// The allocator's segments and blocks now, and the events recorded since
+    /// [`record_history`](Strategy::record_history) turned recording on (PyTorch's
+    /// `torch.cuda.memory._snapshot()`).
+    ///
+    /// The default implementation returns [`Error::Unsupported`], for allocators that cannot list their
+    /// blocks.
+    fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        Err(Error::Unsupported {
+            what: "snapshot",
+            allocator: self.name(),
+        })
+    }
+
+    /// Starts recording events for [`snapshot`](Strategy::snapshot), keeping the last `max_entries`
+    /// (PyTorch's `_record_memory_history(max_entries=...)`), or stops and forgets them with `None`.
+    /// Recording is off until this is called; off, it costs nothing measurable.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
+        let _ = max_entries;
+        Err(Error::Unsupported {
+            what: "record_history",
+            allocator: self.name(),
+        })
+    }
 
     /// Sets `len` bytes from `addr` (inside a live allocation) to `value` on the device, through the
     /// driver's [`memset_d8`](crate::Driver::memset_d8). For `--touch` replays and tests, not a fast path.

@@ -53,6 +53,7 @@ impl Strategy for Bump {
                 idle: 0,
                 largest_free_block: 0,
                 retried: false,
+                ..OutOfMemory::default()
             })));
         }
         let addr = self.next;

@@ -7,6 +7,14 @@
 mod args;
 #[path = "cuvmm/commands.rs"]
 mod commands;
+#[path = "cuvmm/logging.rs"]
+mod logging;
+#[path = "cuvmm/snapshot.rs"]
+mod snapshot;
+#[path = "cuvmm/source.rs"]
+mod source;
+#[path = "cuvmm/summary.rs"]
+mod summary;
 
 use args::{Cli, Command};
 use clap::Parser;
@@ -14,7 +22,8 @@ use clap::error::ErrorKind;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let cli = match Cli::try_parse() {
+    let (leading_verbose, args) = logging::leading_verbosity(std::env::args_os().collect());
+    let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
         // A bad value (unknown workload, bad size): one line naming it.
         Err(e)
@@ -31,11 +40,14 @@ fn main() -> ExitCode {
         // Help, version, unknown flags: clap's own output and status (2 for errors).
         Err(e) => e.exit(),
     };
+    logging::init(cli.verbose.saturating_add(leading_verbose));
     match cli.command {
         None => commands::run_compare(cli.compare),
         Some(Command::Compare(args)) => commands::run_compare(args),
         Some(Command::Workloads) => commands::run_workloads(),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
+        Some(Command::Summary(args)) => summary::run_summary(args),
+        Some(Command::Snapshot(args)) => snapshot::run_snapshot(args),
     }
 }

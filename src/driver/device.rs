@@ -193,6 +193,9 @@ impl Driver for Device {
     fn counters(&self) -> DriverCounters {
         forward!(self, d => d.counters())
     }
+    fn ordinal(&self) -> usize {
+        forward!(self, d => d.ordinal())
+    }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         forward!(self, d => d.memset_d8(va, size, value))
     }

@@ -486,6 +486,11 @@ pub trait Driver {
     /// Calls made so far and the driver time they cost.
     fn counters(&self) -> DriverCounters;
 
+    /// The device's ordinal (`GPU N` in out-of-memory messages). The default is 0, the simulator's.
+    fn ordinal(&self) -> usize {
+        0
+    }
+
     /// Sets `size` bytes from `va` to `value` (`cuMemsetD8`), and returns once they are written. The range
     /// must be mapped with access set (or lie inside one `malloc` allocation); it may span several mappings.
     ///
@@ -556,5 +561,8 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     }
     fn counters(&self) -> DriverCounters {
         (**self).counters()
+    }
+    fn ordinal(&self) -> usize {
+        (**self).ordinal()
     }
 }

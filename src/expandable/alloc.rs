@@ -3,7 +3,8 @@
 use super::segment::{Pool, Segment};
 use super::{Expandable, ROUND};
 use crate::driver::{Driver, MemInfo, PhysHandle, StreamId};
-use crate::error::{Error, OutOfMemory};
+use crate::error::{Error, OutOfMemory, ReclaimStep};
+use crate::history::{TraceAction, TraceEntry};
 use crate::size::round_up;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.
@@ -37,25 +38,31 @@ impl<D: Driver> Expandable<D> {
         } else {
             Pool::Large
         };
+        let marks = self.reclaim_marks();
         let (slot, addr, borrowed) = self.find_block(rounded, stream, pool)?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
-        self.counters.allocated.add(rounded);
-        self.counters.active.add(rounded);
-        self.counters.requested.add(size);
-        self.counters.allocation.add(1);
+        // Counted only once its pages are there: a request that fails must not move a statistic or its
+        // peak (PyTorch counts a block when it hands it out). Meanwhile it is `carving`, so the
+        // non-releasable bytes of its pages stay right.
+        self.carving = Some((pool, rounded));
         self.refresh_page_counts(slot, before);
-        let retries_before = self.counters.retries;
-        match self.back_with_pages(slot, addr, rounded) {
+        let backed = self.back_with_pages(slot, addr, rounded);
+        self.carving = None;
+        match backed {
             Ok(()) => {
+                self.count_block(pool, rounded, size, true);
                 if borrowed {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
                     self.stream_uses.insert(addr, vec![stream]);
                 }
+                self.record(TraceAction::Alloc, addr, size, stream);
                 Ok(addr)
             }
             Err(err) => {
-                self.free_block(addr)?;
+                let before = self.page_counts(slot);
+                self.segment_mut(slot).free(addr);
+                self.refresh_page_counts(slot, before);
                 if !err.is_out_of_memory() {
                     return Err(err);
                 }
@@ -64,8 +71,24 @@ impl<D: Driver> Expandable<D> {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
                 self.counters.ooms += 1;
-                let retried = self.counters.retries > retries_before;
-                Err(self.out_of_memory(size, stream, retried))
+                let oom = self.out_of_memory(size, rounded, stream, marks);
+                if let Some(history) = &mut self.history {
+                    history.push(TraceEntry {
+                        action: TraceAction::Oom,
+                        addr: 0,
+                        size: rounded,
+                        stream,
+                        device_free: Some(oom.device_free),
+                    });
+                }
+                tracing::info!(
+                    requested = size,
+                    stream = stream.0,
+                    allocated = oom.allocated,
+                    reserved = oom.reserved,
+                    "cuvmm: out of memory"
+                );
+                Err(Error::OutOfMemory(Box::new(oom)))
             }
         }
     }
@@ -176,7 +199,7 @@ impl<D: Driver> Expandable<D> {
             capacity: self.device_total,
         })?;
         let va = self.driver.reserve(size)?;
-        tracing::debug!(
+        tracing::info!(
             start = va.start,
             size,
             ?pool,
@@ -193,7 +216,7 @@ impl<D: Driver> Expandable<D> {
         self.segments[slot] = Some(Segment::new(va, stream, pool, self.page_size));
         self.by_addr.insert(va.start, slot);
         self.by_key.entry((stream, pool)).or_default().push(slot);
-        self.counters.segment.add(1);
+        self.counters.segment.add(pool, 1);
         Ok(slot)
     }
 
@@ -212,15 +235,33 @@ impl<D: Driver> Expandable<D> {
                 .chain(handles.reused)
                 .collect::<Vec<_>>();
             queue.reverse();
-            for page in missing.into_iter().flatten() {
-                let handle = queue.pop().expect("one handle per missing page");
-                let va = self.segment(slot).page_addr(page);
-                if let Err(err) = self.driver.map(va, self.page_size, handle) {
-                    self.pooled.push(handle);
-                    self.pooled.extend(queue);
-                    return Err(err.into());
+            let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
+            tracing::debug!(
+                pages = need,
+                reused,
+                created = need as u64 - reused,
+                runs = missing.len(),
+                "cuvmm: mapping pages"
+            );
+            for run in missing {
+                let start = self.segment(slot).page_addr(run.start);
+                let mut mapped = 0;
+                for page in run {
+                    let handle = queue.pop().expect("one handle per missing page");
+                    let va = self.segment(slot).page_addr(page);
+                    if let Err(err) = self.driver.map(va, self.page_size, handle) {
+                        self.pooled.push(handle);
+                        self.pooled.extend(queue);
+                        if mapped > 0 {
+                            self.record(TraceAction::SegmentMap, start, mapped, stream);
+                        }
+                        return Err(err.into());
+                    }
+                    self.segment_mut(slot).pages.map(page, handle);
+                    self.counters.mapped.add(pool, self.page_size);
+                    mapped += self.page_size;
                 }
-                self.segment_mut(slot).pages.map(page, handle);
+                self.record(TraceAction::SegmentMap, start, mapped, stream);
             }
             self.counters.handles_reused += reused;
         }
@@ -233,22 +274,68 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// The out-of-memory error for a request, with the allocator's state for diagnosis.
-    fn out_of_memory(&mut self, requested: u64, stream: StreamId, retried: bool) -> Error {
+    /// The counters that say which reclaim steps ran, read when a request starts.
+    fn reclaim_marks(&self) -> ReclaimMarks {
+        ReclaimMarks {
+            compacted: self.counters.compacted,
+            released: self.counters.released,
+            retries: self.counters.retries,
+        }
+    }
+
+    /// The out-of-memory error for a request of `requested` bytes (`rounded` after rounding), with the
+    /// allocator's state for diagnosis and the reclaim steps run since `marks` were read.
+    fn out_of_memory(
+        &mut self,
+        requested: u64,
+        rounded: u64,
+        stream: StreamId,
+        marks: ReclaimMarks,
+    ) -> OutOfMemory {
         let info = self.driver.mem_info().unwrap_or(MemInfo {
             free: 0,
             total: self.device_total,
         });
-        Error::OutOfMemory(Box::new(OutOfMemory {
+        let c = &self.counters;
+        let mut reclaim = Vec::new();
+        if c.compacted > marks.compacted {
+            reclaim.push(ReclaimStep::Compaction {
+                pages: c.compacted - marks.compacted,
+            });
+        }
+        if c.released > marks.released {
+            reclaim.push(ReclaimStep::ReleaseCache {
+                bytes: (c.released - marks.released) * self.page_size,
+            });
+        }
+        let retried = c.retries > marks.retries;
+        if retried {
+            reclaim.push(ReclaimStep::Retry);
+        }
+        OutOfMemory {
+            allocator: "cuvmm",
+            device: self.driver.ordinal(),
             requested,
+            alloc_size: rounded,
             stream,
             device_total: info.total,
             device_free: info.free,
-            allocated: self.counters.allocated.current,
-            reserved: self.counters.reserved.current,
+            allowed: None,
+            allocated: c.allocated.current(),
+            reserved: c.reserved.current,
             idle: self.idle_bytes(),
+            idle_handles: self.pooled.len() as u64 * self.page_size,
             largest_free_block: self.largest_free_block(),
             retried,
-        }))
+            reclaim,
+        }
     }
+}
+
+/// Counters read when a request starts, to tell which reclaim steps it ran.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct ReclaimMarks {
+    compacted: u64,
+    released: u64,
+    retries: u64,
 }

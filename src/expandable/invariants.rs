@@ -8,22 +8,34 @@
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
 //!    recorded stream uses belong to live blocks and never name the block's own segment stream.
 
-use super::segment::{Block, BlockState};
+use super::segment::{Block, BlockState, Pool};
 use super::{Expandable, ROUND};
 use crate::driver::Driver;
 use crate::error::InvariantViolation as V;
 use std::collections::{HashMap, HashSet};
 
+/// What the block list says, per pool.
+#[derive(Default)]
+struct PoolTotals {
+    allocated: u64,
+    pending: u64,
+    pending_blocks: u64,
+    requested: u64,
+    live: u64,
+    touched: u64,
+    mapped: u64,
+    segments: u64,
+    straddling: u64,
+}
+
 pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
-    let mut allocated = 0;
-    let mut pending = 0;
-    let mut pending_blocks = 0;
-    let mut requested = 0;
-    let mut live = 0;
-    let mut touched = 0;
+    let mut totals = [PoolTotals::default(), PoolTotals::default()];
     let mut idle = 0;
     let mut held: HashSet<u64> = HashSet::new();
     for seg in a.live_segments() {
+        let t = &mut totals[seg.pool.index()];
+        t.segments += 1;
+        t.mapped += seg.pages.mapped_count() as u64;
         let mut expected = seg.va.start;
         let mut prev_free: Option<u64> = None;
         let mut users = vec![0u32; seg.pages.len()];
@@ -44,13 +56,13 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 BlockState::Live { .. } | BlockState::Pending => {
                     prev_free = None;
                     if let BlockState::Live { requested: req } = block.state {
-                        allocated += block.size;
-                        requested += req;
-                        live += 1;
+                        t.allocated += block.size;
+                        t.requested += req;
+                        t.live += 1;
                         check_stream_uses(a, addr, seg.stream)?;
                     } else {
-                        pending += block.size;
-                        pending_blocks += 1;
+                        t.pending += block.size;
+                        t.pending_blocks += 1;
                         if a.pending.outstanding.get(&addr).is_none_or(|&n| n == 0) {
                             return Err(V::PendingFree { addr });
                         }
@@ -77,6 +89,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     }
                     prev_free = Some(addr);
                     free_count += 1;
+                    t.straddling += u64::from(seg.is_straddling(addr, block.size));
                 }
             }
         }
@@ -110,7 +123,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 return Err(V::HandleHeldTwice { handle: handle.0 });
             }
         }
-        touched += seg.pages.touched_count();
+        t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();
     }
     let mapped = held.len() as u64;
@@ -119,7 +132,8 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
     }
-    check_pending_list(a, pending_blocks)?;
+    let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
+    check_pending_list(a, pending_blocks as usize)?;
     let c = &a.counters;
     if held.len() as u64 != c.created - c.released {
         return Err(V::HandleCount {
@@ -129,30 +143,66 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             released: c.released,
         });
     }
-    let checks = [
-        ("allocated_bytes", c.allocated.current, allocated),
-        ("active_bytes", c.active.current, allocated + pending),
-        ("requested_bytes", c.requested.current, requested),
-        ("allocation", c.allocation.current, live),
+    V::check_stats(&[
         (
             "reserved_bytes",
             c.reserved.current,
             held.len() as u64 * a.page_size,
         ),
-        (
-            "segment",
-            c.segment.current,
-            a.live_segments().count() as u64,
-        ),
-        ("touched_pages", a.touched_pages as u64, touched as u64),
         ("idle_pages", a.idle_pages as u64, idle as u64),
+    ])?;
+    for pool in [Pool::Small, Pool::Large] {
+        let t = &totals[pool.index()];
+        let i = pool.index();
+        let stranded = (t.touched * a.page_size).saturating_sub(t.allocated + t.pending);
+        V::check_stats(&[
+            ("allocated_bytes", c.allocated.pool[i].current, t.allocated),
+            (
+                "active_bytes",
+                c.active.pool[i].current,
+                t.allocated + t.pending,
+            ),
+            ("requested_bytes", c.requested.pool[i].current, t.requested),
+            ("allocation", c.allocation.pool[i].current, t.live),
+            (
+                "active",
+                c.active_count.pool[i].current,
+                t.live + t.pending_blocks,
+            ),
+            (
+                "mapped_bytes",
+                c.mapped.pool[i].current,
+                t.mapped * a.page_size,
+            ),
+            ("segment", c.segment.pool[i].current, t.segments),
+            ("touched_pages", a.touched_pages[i] as u64, t.touched),
+            (
+                "inactive_split_bytes",
+                c.inactive_split.pool[i].current,
+                stranded,
+            ),
+            (
+                "inactive_split",
+                c.inactive_split_count.pool[i].current,
+                t.straddling,
+            ),
+        ])?;
+    }
+    let sum = |f: &dyn Fn(&PoolTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    V::check_stats(&[
+        (
+            "allocated_bytes",
+            c.allocated.current(),
+            sum(&|t| t.allocated),
+        ),
+        ("allocation", c.allocation.current(), sum(&|t| t.live)),
+        ("segment", c.segment.current(), sum(&|t| t.segments)),
         (
             "inactive_split_bytes",
-            c.inactive_split.current,
-            (touched as u64 * a.page_size).saturating_sub(allocated + pending),
+            c.inactive_split.current(),
+            sum(&|t| (t.touched * a.page_size).saturating_sub(t.allocated + t.pending)),
         ),
-    ];
-    V::check_stats(&checks)
+    ])
 }
 
 /// The streams recorded for the live block at `addr` (if any): not empty, no duplicate, not `own`.

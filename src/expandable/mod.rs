@@ -18,6 +18,7 @@ mod alloc;
 mod invariants;
 mod physical;
 mod segment;
+mod snapshot;
 mod streams;
 
 pub use segment::Pool;
@@ -25,7 +26,9 @@ pub use segment::Pool;
 use crate::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
-use crate::stats::{Stat, Stats};
+use crate::history::{self, History, TraceAction};
+use crate::snapshot::MemorySnapshot;
+use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use segment::{FreeOutcome, Segment};
 use std::collections::{BTreeMap, HashMap};
@@ -35,16 +38,28 @@ use streams::PendingFrees;
 pub const ROUND: u64 = 512;
 
 /// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
+/// Per-pool statistics are [`StatArray`]s, as PyTorch's.
 #[derive(Debug, Default, Clone)]
 struct Counters {
-    allocated: Stat,
+    allocated: StatArray,
     /// Allocated plus pending (freed, waiting for other streams' events) bytes.
-    active: Stat,
-    requested: Stat,
-    allocation: Stat,
+    active: StatArray,
+    requested: StatArray,
+    allocation: StatArray,
+    /// Number of live plus pending blocks.
+    active_count: StatArray,
+    /// Every handle held (mapped or pooled).
     reserved: Stat,
-    segment: Stat,
-    inactive_split: Stat,
+    /// Mapped bytes per pool (pooled handles belong to no pool).
+    mapped: StatArray,
+    segment: StatArray,
+    /// Bytes of touched pages that no active block uses.
+    inactive_split: StatArray,
+    /// Free blocks that share a page with an active block.
+    inactive_split_count: StatArray,
+    oversize_allocations: Stat,
+    /// Idle pages unmapped to serve a request (compaction).
+    compacted: u64,
     retries: u64,
     ooms: u64,
     created: u64,
@@ -68,9 +83,22 @@ pub struct Expandable<D: Driver> {
     stream_uses: HashMap<u64, Vec<StreamId>>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
-    touched_pages: usize,
+    /// Pages touched by active blocks, per pool.
+    touched_pages: [usize; 2],
     idle_pages: usize,
     counters: Counters,
+    /// Events recorded for snapshots, when recording is on.
+    history: Option<History>,
+    /// The block being backed with pages (pool, bytes): carved, not yet counted as allocated.
+    carving: Option<(Pool, u64)>,
+}
+
+/// The counts of one segment that the allocator-wide totals follow, read before and after a change.
+#[derive(Clone, Copy, Debug)]
+struct SlotCounts {
+    touched: usize,
+    idle: usize,
+    straddling: usize,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -101,9 +129,11 @@ impl<D: Driver> Expandable<D> {
             pooled: Vec::new(),
             stream_uses: HashMap::new(),
             pending: PendingFrees::default(),
-            touched_pages: 0,
+            touched_pages: [0; 2],
             idle_pages: 0,
             counters: Counters::default(),
+            history: None,
+            carving: None,
         })
     }
 
@@ -151,27 +181,72 @@ impl<D: Driver> Expandable<D> {
         (self.idle_pages + self.pooled.len()) as u64 * self.page_size
     }
 
-    /// Re-reads the touched and idle page counts of one segment after its page map changed, keeping the
-    /// allocator-wide counts and the non-releasable (inactive split) statistic in step: bytes of touched
-    /// pages that no active (live or pending) block uses.
-    fn refresh_page_counts(&mut self, slot: usize, before: (usize, usize)) {
+    /// Re-reads the touched and idle page counts and the straddling free blocks of one segment after it
+    /// changed, keeping the allocator-wide counts and the non-releasable (inactive split) statistics of its
+    /// pool in step: bytes of touched pages that no active (live or pending) block uses, and the free blocks
+    /// that share such pages.
+    fn refresh_page_counts(&mut self, slot: usize, before: SlotCounts) {
+        let after = self.page_counts(slot);
+        let pool = self.segment(slot).pool;
+        let p = pool.index();
+        self.touched_pages[p] = self.touched_pages[p] + after.touched - before.touched;
+        self.idle_pages = self.idle_pages + after.idle - before.idle;
+        let carving = match self.carving {
+            Some((carving_pool, bytes)) if carving_pool == pool => bytes,
+            _ => 0,
+        };
+        let stranded = (self.touched_pages[p] as u64 * self.page_size)
+            .saturating_sub(self.counters.active.of(pool) + carving);
+        self.counters.inactive_split.set(pool, stranded);
+        let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
+            - before.straddling as u64;
+        self.counters.inactive_split_count.set(pool, count);
+    }
+
+    /// Records an event for snapshots if recording is on.
+    #[inline]
+    fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        history::record(&mut self.history, action, addr, size, stream);
+    }
+
+    fn page_counts(&self, slot: usize) -> SlotCounts {
         let seg = self.segment(slot);
-        let after = (seg.pages.touched_count(), seg.pages.idle_count());
-        self.touched_pages = self.touched_pages + after.0 - before.0;
-        self.idle_pages = self.idle_pages + after.1 - before.1;
-        let stranded = (self.touched_pages as u64 * self.page_size)
-            .saturating_sub(self.counters.active.current);
-        let current = self.counters.inactive_split.current;
-        if stranded > current {
-            self.counters.inactive_split.add(stranded - current);
-        } else {
-            self.counters.inactive_split.sub(current - stranded);
+        SlotCounts {
+            touched: seg.pages.touched_count(),
+            idle: seg.pages.idle_count(),
+            straddling: seg.straddling_count(),
         }
     }
 
-    fn page_counts(&self, slot: usize) -> (usize, usize) {
-        let seg = self.segment(slot);
-        (seg.pages.touched_count(), seg.pages.idle_count())
+    /// Counts a block of `size` bytes in `pool` as live (`live`: allocated and active) or as no longer
+    /// allocated; it stays active until [`count_inactive`](Self::count_inactive), since a pending block
+    /// leaves `allocated` at its free and `active` once its events complete.
+    fn count_block(&mut self, pool: Pool, size: u64, requested: u64, live: bool) {
+        let c = &mut self.counters;
+        let oversize = self.config.max_split_size.is_some_and(|max| size >= max);
+        if live {
+            c.allocated.add(pool, size);
+            c.requested.add(pool, requested);
+            c.allocation.add(pool, 1);
+            c.active.add(pool, size);
+            c.active_count.add(pool, 1);
+            if oversize {
+                c.oversize_allocations.add(1);
+            }
+        } else {
+            c.allocated.sub(pool, size);
+            c.requested.sub(pool, requested);
+            c.allocation.sub(pool, 1);
+            if oversize {
+                c.oversize_allocations.sub(1);
+            }
+        }
+    }
+
+    /// A block of `size` bytes in `pool` stops being active (freed, or its pending free completed).
+    fn count_inactive(&mut self, pool: Pool, size: u64) {
+        self.counters.active.sub(pool, size);
+        self.counters.active_count.sub(pool, 1);
     }
 
     /// The segment whose reservation contains `addr`.
@@ -201,11 +276,12 @@ impl<D: Driver> Expandable<D> {
             return self.park_block(slot, addr, streams);
         }
         let before = self.page_counts(slot);
+        let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
         if let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).free(addr) {
-            self.counters.allocated.sub(size);
-            self.counters.active.sub(size);
-            self.counters.requested.sub(requested);
-            self.counters.allocation.sub(1);
+            self.count_block(pool, size, requested, false);
+            self.count_inactive(pool, size);
+            self.record(TraceAction::FreeRequested, addr, requested, stream);
+            self.record(TraceAction::FreeCompleted, addr, requested, stream);
         }
         self.refresh_page_counts(slot, before);
         Ok(())
@@ -275,14 +351,28 @@ impl<D: Driver> Strategy for Expandable<D> {
 
     fn stats(&self) -> Stats {
         let c = &self.counters;
+        let pool_stats = |pool: Pool| {
+            let i = pool.index();
+            PoolStats {
+                allocated_bytes: c.allocated.pool[i],
+                active_bytes: c.active.pool[i],
+                requested_bytes: c.requested.pool[i],
+                reserved_bytes: c.mapped.pool[i],
+                inactive_split_bytes: c.inactive_split.pool[i],
+                allocation: c.allocation.pool[i],
+                active: c.active_count.pool[i],
+                segment: c.segment.pool[i],
+                inactive_split: c.inactive_split_count.pool[i],
+            }
+        };
         Stats {
-            allocated_bytes: c.allocated,
+            allocated_bytes: c.allocated.all,
             reserved_bytes: c.reserved,
-            active_bytes: c.active,
-            requested_bytes: c.requested,
-            inactive_split_bytes: c.inactive_split,
-            allocation: c.allocation,
-            segment: c.segment,
+            active_bytes: c.active.all,
+            requested_bytes: c.requested.all,
+            inactive_split_bytes: c.inactive_split.all,
+            allocation: c.allocation.all,
+            segment: c.segment.all,
             num_alloc_retries: c.retries,
             num_ooms: c.ooms,
             num_device_alloc: c.created,
@@ -293,6 +383,12 @@ impl<D: Driver> Strategy for Expandable<D> {
             idle_handle_bytes: self.pooled.len() as u64 * self.page_size,
             handles_reused: c.handles_reused,
             driver: self.driver.counters(),
+            active: c.active_count.all,
+            inactive_split: c.inactive_split_count.all,
+            large_pool: pool_stats(Pool::Large),
+            small_pool: pool_stats(Pool::Small),
+            oversize_allocations: c.oversize_allocations,
+            oversize_segments: Stat::default(),
         }
     }
 
@@ -302,6 +398,23 @@ impl<D: Driver> Strategy for Expandable<D> {
 
     fn driver_counters(&self) -> DriverCounters {
         self.driver.counters()
+    }
+
+    fn ordinal(&self) -> usize {
+        self.driver.ordinal()
+    }
+
+    fn reserved_bytes(&self) -> u64 {
+        self.counters.reserved.current
+    }
+
+    fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        Ok(self.memory_snapshot())
+    }
+
+    fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
+        self.history = max_entries.map(History::new);
+        Ok(())
     }
 
     fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {

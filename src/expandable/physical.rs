@@ -8,6 +8,7 @@ use super::Expandable;
 use super::alloc::Handles;
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::Error;
+use crate::history::TraceAction;
 use std::ops::Range;
 
 impl<D: Driver> Expandable<D> {
@@ -22,11 +23,21 @@ impl<D: Driver> Expandable<D> {
             fresh: Vec::new(),
         };
         let mut retried = false;
-        if reused.len() < count
-            && let Err(err) = self.steal_idle(count - reused.len(), &mut reused)
-        {
-            self.pooled.extend(reused);
-            return Err(err);
+        if reused.len() < count {
+            let stolen = self.steal_idle(count - reused.len(), &mut reused);
+            let stolen_pages = (reused.len() - from_pool) as u64;
+            self.counters.compacted += stolen_pages;
+            if stolen_pages > 0 {
+                tracing::debug!(
+                    pages = stolen_pages,
+                    pooled = from_pool,
+                    "cuvmm: compaction: idle pages unmapped for reuse"
+                );
+            }
+            if let Err(err) = stolen {
+                self.pooled.extend(reused);
+                return Err(err);
+            }
         }
         handles.reused = reused;
         while handles.reused.len() + handles.fresh.len() < count {
@@ -36,6 +47,8 @@ impl<D: Driver> Expandable<D> {
                     retried = true;
                     self.counters.retries += 1;
                     tracing::info!(
+                        pages = count,
+                        created = handles.fresh.len(),
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
                     if let Err(err) = self.release_cache() {
@@ -91,8 +104,18 @@ impl<D: Driver> Expandable<D> {
         let va = self.segment(slot).page_addr(run.start);
         self.driver.unmap(va, run.len() as u64 * self.page_size)?;
         let before = self.page_counts(slot);
+        let pages = run.len() as u64;
+        tracing::debug!(va, pages, stream = stream.0, "cuvmm: unmapped idle pages");
+        self.record(
+            TraceAction::SegmentUnmap,
+            va,
+            pages * self.page_size,
+            stream,
+        );
         let seg = self.segment_mut(slot);
         out.extend(run.map(|page| seg.pages.unmap(page)));
+        let pool = seg.pool;
+        self.counters.mapped.sub(pool, pages * self.page_size);
         self.refresh_page_counts(slot, before);
         Ok(())
     }
@@ -122,6 +145,7 @@ impl<D: Driver> Expandable<D> {
     /// of it if there is less: pooled handles first, then idle pages from the highest addresses down.
     /// Returns the bytes given back.
     pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
+        let _span = tracing::debug_span!("cuvmm::release_idle", bytes).entered();
         let mut released = self.release_pooled(bytes)?;
         while released < bytes && self.idle_pages > 0 {
             let pages = (bytes - released)
@@ -136,6 +160,9 @@ impl<D: Driver> Expandable<D> {
                 break;
             }
             released += self.release_pooled(bytes - released)?;
+        }
+        if released > 0 {
+            tracing::debug!(released, "cuvmm: released idle memory to the driver");
         }
         Ok(released)
     }
@@ -165,7 +192,7 @@ impl<D: Driver> Expandable<D> {
             if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
                 continue;
             }
-            let (va, key) = (seg.va, (seg.stream, seg.pool));
+            let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
             self.driver.free_reservation(va)?;
             self.segments[slot] = None;
             self.by_addr.remove(&va.start);
@@ -175,7 +202,7 @@ impl<D: Driver> Expandable<D> {
                     self.by_key.remove(&key);
                 }
             }
-            self.counters.segment.sub(1);
+            self.counters.segment.sub(pool, 1);
         }
         Ok(())
     }

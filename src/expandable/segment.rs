@@ -22,6 +22,17 @@ pub enum Pool {
     Large,
 }
 
+impl Pool {
+    /// The pool's index in per-pool arrays: 0 small, 1 large.
+    #[inline]
+    pub fn index(self) -> usize {
+        match self {
+            Pool::Small => 0,
+            Pool::Large => 1,
+        }
+    }
+}
+
 /// What a block of a segment is used for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockState {
@@ -81,6 +92,9 @@ pub(crate) struct Segment {
     blocks: BTreeMap<u64, Block>,
     free: BTreeSet<(u64, u64)>,
     occupied: usize,
+    /// Free blocks with an end that is not on a page boundary: they share a page with an occupied
+    /// neighbour (free blocks have no free neighbours), so part of them cannot be given back.
+    straddling: usize,
 }
 
 impl Segment {
@@ -89,17 +103,49 @@ impl Segment {
         let pages = PageMap::new((va.size / page_size) as usize, page_size);
         let mut blocks = BTreeMap::new();
         blocks.insert(va.start, Block::free(va.size));
-        let mut free = BTreeSet::new();
-        free.insert((va.size, va.start));
-        Self {
+        let mut segment = Self {
             va,
             stream,
             pool,
             pages,
             blocks,
-            free,
+            free: BTreeSet::new(),
             occupied: 0,
+            straddling: 0,
+        };
+        segment.index_free(va.start, va.size);
+        segment
+    }
+
+    /// Whether the free block `addr .. addr + size` shares a page with a neighbour.
+    fn straddles(&self, addr: u64, size: u64) -> bool {
+        let page = self.pages.page_size();
+        let offset = addr - self.va.start;
+        offset % page != 0 || (offset + size) % page != 0
+    }
+
+    /// Adds a free block to the free index.
+    fn index_free(&mut self, addr: u64, size: u64) {
+        self.free.insert((size, addr));
+        self.straddling += usize::from(self.straddles(addr, size));
+    }
+
+    /// Removes a free block from the free index.
+    fn unindex_free(&mut self, addr: u64, size: u64) {
+        if self.free.remove(&(size, addr)) {
+            self.straddling -= usize::from(self.straddles(addr, size));
         }
+    }
+
+    /// Number of free blocks that share a page with an occupied block (PyTorch's `inactive_split` count).
+    pub fn straddling_count(&self) -> usize {
+        self.straddling
+    }
+
+    /// Whether the free block `addr .. addr + size` would be counted by [`straddling_count`](Self::straddling_count)
+    /// (for the invariant walk).
+    pub fn is_straddling(&self, addr: u64, size: u64) -> bool {
+        self.straddles(addr, size)
     }
 
     /// Number of live and pending blocks.
@@ -161,14 +207,15 @@ impl Segment {
             "carve: block is occupied or too small"
         );
         let rest = block.size - size;
-        self.free.remove(&(block.size, addr));
+        let old = block.size;
         *block = Block {
             size,
             state: BlockState::Live { requested },
         };
+        self.unindex_free(addr, old);
         if rest > 0 {
             self.blocks.insert(addr + size, Block::free(rest));
-            self.free.insert((rest, addr + size));
+            self.index_free(addr + size, rest);
         }
         self.occupied += 1;
         let pages = self.pages_of(addr, size);
@@ -241,7 +288,7 @@ impl Segment {
         if let Some((&prev, &block)) = self.blocks.range(..addr).next_back()
             && !block.is_occupied()
         {
-            self.free.remove(&(block.size, prev));
+            self.unindex_free(prev, block.size);
             self.blocks.remove(&addr);
             addr = prev;
             size += block.size;
@@ -250,17 +297,31 @@ impl Segment {
         if let Some(&block) = self.blocks.get(&next)
             && !block.is_occupied()
         {
-            self.free.remove(&(block.size, next));
+            self.unindex_free(next, block.size);
             self.blocks.remove(&next);
             size += block.size;
         }
         self.blocks.insert(addr, Block::free(size));
-        self.free.insert((size, addr));
+        self.index_free(addr, size);
     }
 
     /// The block that starts at `addr`.
     pub fn block_at(&self, addr: u64) -> Option<Block> {
         self.blocks.get(&addr).copied()
+    }
+
+    /// The blocks that overlap `start .. end`, in address order.
+    pub fn blocks_overlapping(
+        &self,
+        start: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (u64, Block)> + '_ {
+        let first = self
+            .blocks
+            .range(..=start)
+            .next_back()
+            .map_or(start, |(&a, _)| a);
+        self.blocks.range(first..end).map(|(&a, &b)| (a, b))
     }
 
     /// All blocks in address order.

@@ -14,6 +14,7 @@ use super::Expandable;
 use super::segment::FreeOutcome;
 use crate::driver::{Driver, EventId, StreamId};
 use crate::error::Error;
+use crate::history::TraceAction;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Parked blocks and the events they wait for.
@@ -80,9 +81,10 @@ impl<D: Driver> Expandable<D> {
         let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).park(addr) else {
             unreachable!("park_block is called for a live block start");
         };
-        self.counters.allocated.sub(size);
-        self.counters.requested.sub(requested);
-        self.counters.allocation.sub(1);
+        let pool = self.segment(slot).pool;
+        self.count_block(pool, size, requested, false);
+        let own = self.segment(slot).stream;
+        self.record(TraceAction::FreeRequested, addr, requested, own);
         self.pending.outstanding.insert(addr, events.len());
         for (stream, event) in events {
             self.pending
@@ -148,7 +150,9 @@ impl<D: Driver> Expandable<D> {
             .expect("a parked block lies in a segment");
         let before = self.page_counts(slot);
         let size = self.segment_mut(slot).release_pending(addr);
-        self.counters.active.sub(size);
+        let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
+        self.count_inactive(pool, size);
+        self.record(TraceAction::FreeCompleted, addr, size, stream);
         self.refresh_page_counts(slot, before);
         size
     }

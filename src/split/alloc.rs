@@ -5,8 +5,10 @@ use super::block::Block;
 use super::rules;
 use super::{SegmentAction, Split};
 use crate::driver::{Driver, StreamId};
-use crate::error::{Error, OutOfMemory};
+use crate::error::{Error, OutOfMemory, ReclaimStep};
 use crate::expandable::Pool;
+use crate::history::TraceAction;
+use crate::strategy::Strategy;
 
 /// One request, as PyTorch's `AllocParams` carries it.
 #[derive(Clone, Copy, Debug)]
@@ -45,13 +47,26 @@ impl<D: Driver> Split<D> {
         };
         let block = match self.get_free_block(&req) {
             Some(addr) => addr,
-            None => match self.grow(&req)? {
-                Some(addr) => addr,
-                None => {
-                    self.counters.ooms += 1;
-                    return Err(self.out_of_memory(orig_size, stream));
+            None => {
+                let marks = (self.counters.reserved.all.freed, self.counters.retries);
+                match self.grow(&req)? {
+                    Some(addr) => addr,
+                    None => {
+                        self.counters.ooms += 1;
+                        let oom = self.out_of_memory(orig_size, &req, marks);
+                        self.record_oom(&oom, req.size);
+                        tracing::info!(
+                            allocator = self.name(),
+                            requested = orig_size,
+                            stream = stream.0,
+                            allocated = oom.allocated,
+                            reserved = oom.reserved,
+                            "out of memory"
+                        );
+                        return Err(Error::OutOfMemory(Box::new(oom)));
+                    }
                 }
-            },
+            }
         };
         let split = rules::should_split(
             req.pool,
@@ -73,11 +88,18 @@ impl<D: Driver> Split<D> {
         if let Some(addr) = self.alloc_block(req, false)? {
             return Ok(Some(addr));
         }
+        let _span =
+            tracing::debug_span!("grow", size = req.size, alloc_size = req.alloc_size).entered();
         if self.release_available_cached_blocks(req)?
             && let Some(addr) = self.alloc_block(req, false)?
         {
             return Ok(Some(addr));
         }
+        tracing::info!(
+            size = req.size,
+            stream = req.stream.0,
+            "device allocation failed; releasing cached blocks and retrying once"
+        );
         self.release_cached_blocks()?;
         self.alloc_block(req, true)
     }
@@ -183,9 +205,12 @@ impl<D: Driver> Split<D> {
             },
         );
         self.total_allocated_memory += size;
-        self.counters.segment.add(1);
-        self.counters.reserved.add(size);
+        self.counters.segment.add(pool, 1);
+        self.counters.reserved.add(pool, size);
         self.counters.device_alloc += 1;
+        if self.is_oversize(size) {
+            self.counters.oversize_segments.add(1);
+        }
     }
 
     /// PyTorch's `alloc_found_block`: marks the block at `addr` allocated, first splitting off the
@@ -205,42 +230,67 @@ impl<D: Driver> Split<D> {
             if !expandable {
                 let c = &mut self.counters;
                 if already_split {
-                    c.inactive_split_bytes.sub(req.size);
+                    c.inactive_split_bytes.sub(block.pool, req.size);
                 } else {
-                    c.inactive_split_bytes.add(remaining.size);
-                    c.inactive_split.add(1);
+                    c.inactive_split_bytes.add(block.pool, remaining.size);
+                    c.inactive_split.add(block.pool, 1);
                 }
             }
         } else if already_split && !expandable {
-            self.counters.inactive_split_bytes.sub(block.size);
-            self.counters.inactive_split.sub(1);
+            self.counters
+                .inactive_split_bytes
+                .sub(block.pool, block.size);
+            self.counters.inactive_split.sub(block.pool, 1);
         }
         block.allocated = true;
         block.requested = orig_size;
         block.stream = req.stream;
         self.blocks.insert(addr, block);
         let c = &mut self.counters;
-        c.allocation.add(1);
-        c.allocated.add(block.size);
-        c.active.add(block.size);
-        c.requested.add(orig_size);
+        c.allocation.add(block.pool, 1);
+        c.allocated.add(block.pool, block.size);
+        c.active.add(block.pool, block.size);
+        c.requested.add(block.pool, orig_size);
+        if self.is_oversize(block.size) {
+            self.counters.oversize_allocations.add(1);
+        }
+        self.trace(TraceAction::Alloc, addr, orig_size, block.stream);
         addr
     }
 
-    /// The error for a request that failed even after releasing the cache and retrying.
-    fn out_of_memory(&mut self, requested: u64, stream: StreamId) -> Error {
+    /// The error for a request that failed even after releasing the cache and retrying, with the reclaim
+    /// steps run since `marks` (bytes of reserved memory freed, retries) were read.
+    fn out_of_memory(&mut self, requested: u64, req: &Request, marks: (u64, u64)) -> OutOfMemory {
         let device_free = self.driver.mem_info().map_or(0, |m| m.free);
         let c = &self.counters;
-        Error::OutOfMemory(Box::new(OutOfMemory {
+        let mut reclaim = Vec::new();
+        if self.gc_enabled() {
+            reclaim.push(ReclaimStep::GarbageCollection);
+        }
+        if c.reserved.all.freed > marks.0 {
+            reclaim.push(ReclaimStep::ReleaseCache {
+                bytes: c.reserved.all.freed - marks.0,
+            });
+        }
+        if c.retries > marks.1 {
+            reclaim.push(ReclaimStep::Retry);
+        }
+        OutOfMemory {
+            allocator: self.name(),
+            device: self.driver.ordinal(),
             requested,
-            stream,
+            alloc_size: req.alloc_size,
+            stream: req.stream,
             device_total: self.device_total,
             device_free,
-            allocated: c.allocated.current,
-            reserved: c.reserved.current,
-            idle: c.reserved.current.saturating_sub(c.allocated.current),
+            allowed: self.allowed_memory_maximum,
+            allocated: c.allocated.current(),
+            reserved: c.reserved.current(),
+            idle: c.reserved.current().saturating_sub(c.allocated.current()),
+            idle_handles: 0,
             largest_free_block: self.largest_cached_block(),
             retried: true,
-        }))
+            reclaim,
+        }
     }
 }

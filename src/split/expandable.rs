@@ -276,7 +276,7 @@ impl<D: Driver> Split<D> {
         let (merged, _) = self.try_merge_blocks(merged, false);
         self.insert_into_blocks(merged);
         self.total_allocated_memory += mapped;
-        self.counters.reserved.add(mapped);
+        self.counters.reserved.add(pool, mapped);
         self.counters.device_alloc += 1;
         self.record(SegmentAction::SegmentMap, addr, mapped, block.stream);
         Ok(Some(merged))
@@ -338,7 +338,7 @@ impl<D: Driver> Split<D> {
             .unmapped
             .insert((block.stream, merged));
         self.total_allocated_memory -= size;
-        self.counters.reserved.sub(size);
+        self.counters.reserved.sub(block.pool, size);
         self.counters.device_free += 1;
         self.record(SegmentAction::SegmentUnmap, start, size, block.stream);
         Ok(Some(merged))

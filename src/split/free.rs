@@ -4,6 +4,7 @@
 use super::Split;
 use crate::driver::Driver;
 use crate::error::Error;
+use crate::history::TraceAction;
 
 impl<D: Driver> Split<D> {
     /// PyTorch's `free`: frees the live block that starts at `addr`.
@@ -15,8 +16,17 @@ impl<D: Driver> Split<D> {
         if !block.allocated {
             return Err(Error::DoubleFree { addr });
         }
-        self.counters.allocation.sub(1);
-        self.counters.allocated.sub(block.size);
+        self.counters.allocation.sub(block.pool, 1);
+        self.counters.allocated.sub(block.pool, block.size);
+        if self.is_oversize(block.size) {
+            self.counters.oversize_allocations.sub(1);
+        }
+        self.trace(
+            TraceAction::FreeRequested,
+            addr,
+            block.requested,
+            block.stream,
+        );
         self.free_block(addr);
         Ok(())
     }
@@ -26,6 +36,12 @@ impl<D: Driver> Split<D> {
     pub(super) fn free_block(&mut self, addr: u64) -> u64 {
         let expandable = self.is_expandable_block(addr);
         let original = self.blocks.at(addr);
+        self.trace(
+            TraceAction::FreeCompleted,
+            addr,
+            original.requested,
+            original.stream,
+        );
         if let Some(b) = self.blocks.get_mut(addr) {
             b.allocated = false;
             b.requested = 0;
@@ -48,11 +64,11 @@ impl<D: Driver> Split<D> {
         }
         let c = &mut self.counters;
         if !expandable {
-            Self::adjust(&mut c.inactive_split, net_blocks);
-            Self::adjust(&mut c.inactive_split_bytes, net_size);
+            Self::adjust(&mut c.inactive_split, original.pool, net_blocks);
+            Self::adjust(&mut c.inactive_split_bytes, original.pool, net_size);
         }
-        c.active.sub(original.size);
-        c.requested.sub(original.requested);
+        c.active.sub(original.pool, original.size);
+        c.requested.sub(original.pool, original.requested);
         addr
     }
 

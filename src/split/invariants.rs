@@ -10,15 +10,35 @@ use super::Split;
 use super::rules::MIN_BLOCK_SIZE;
 use crate::driver::Driver;
 use crate::error::InvariantViolation as V;
+use crate::expandable::Pool;
+
+/// What the block list says for one pool.
+#[derive(Default)]
+struct PoolTotals {
+    allocated: u64,
+    requested: u64,
+    live: u64,
+    reserved: u64,
+    malloc_segments: u64,
+    inactive_split_bytes: u64,
+    inactive_split: u64,
+}
 
 pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
-    let (mut allocated, mut requested, mut live) = (0, 0, 0);
-    let (mut reserved, mut malloc_segments) = (0, 0);
-    let (mut inactive_split_bytes, mut inactive_split) = (0, 0);
+    let mut totals = [PoolTotals::default(), PoolTotals::default()];
     let mut free_mapped = 0;
     let mut unmapped = 0;
     let mut blocks_seen = 0;
     for (&start, seg) in &a.segments {
+        let PoolTotals {
+            allocated,
+            requested,
+            live,
+            reserved,
+            malloc_segments,
+            inactive_split_bytes,
+            inactive_split,
+        } = &mut totals[seg.pool.index()];
         let mut expected = start;
         let mut prev: Option<(u64, bool, bool)> = None;
         let blocks: Vec<_> = a.blocks.of_segment(start).collect();
@@ -52,9 +72,9 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
             prev = Some((addr, b.allocated, b.mapped));
             let pool = a.pool(b.pool);
             if b.allocated {
-                allocated += b.size;
-                requested += b.requested;
-                live += 1;
+                *allocated += b.size;
+                *requested += b.requested;
+                *live += 1;
                 if pool.blocks.contains(&(b.stream, b.size, addr)) {
                     return Err(V::FreeIndex { addr });
                 }
@@ -64,8 +84,8 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
                     return Err(V::FreeIndex { addr });
                 }
                 if split && seg.expandable.is_none() {
-                    inactive_split += 1;
-                    inactive_split_bytes += b.size;
+                    *inactive_split += 1;
+                    *inactive_split_bytes += b.size;
                 }
             } else {
                 unmapped += 1;
@@ -98,10 +118,10 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
         }
         match &seg.expandable {
             None => {
-                reserved += seg.size;
-                malloc_segments += 1;
+                *reserved += seg.size;
+                *malloc_segments += 1;
             }
-            Some(es) => reserved += es.mapped_pages() as u64 * es.page,
+            Some(es) => *reserved += es.mapped_pages() as u64 * es.page,
         }
     }
     if blocks_seen != a.blocks.len() {
@@ -115,22 +135,43 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
     let pooled: usize = a.pools.iter().map(|p| p.blocks.len()).sum();
     let pooled_unmapped: usize = a.pools.iter().map(|p| p.unmapped.len()).sum();
     let c = &a.counters;
-    let checks = [
-        ("allocated_bytes", c.allocated.current, allocated),
-        ("active_bytes", c.active.current, allocated),
-        ("requested_bytes", c.requested.current, requested),
-        ("allocation", c.allocation.current, live),
-        ("reserved_bytes", c.reserved.current, reserved),
+    let sum = |f: &dyn Fn(&PoolTotals) -> u64| totals.iter().map(f).sum::<u64>();
+    let reserved = sum(&|t| t.reserved);
+    V::check_stats(&[
         ("total_allocated_memory", a.total_allocated_memory, reserved),
-        ("segment", c.segment.current, malloc_segments),
-        (
-            "inactive_split_bytes",
-            c.inactive_split_bytes.current,
-            inactive_split_bytes,
-        ),
-        ("inactive_split", c.inactive_split.current, inactive_split),
         ("cached_blocks", pooled as u64, free_mapped),
         ("unmapped_blocks", pooled_unmapped as u64, unmapped),
-    ];
-    V::check_stats(&checks)
+    ])?;
+    for pool in [Pool::Small, Pool::Large] {
+        let t = &totals[pool.index()];
+        let i = pool.index();
+        V::check_stats(&[
+            ("allocated_bytes", c.allocated.pool[i].current, t.allocated),
+            ("active_bytes", c.active.pool[i].current, t.allocated),
+            ("requested_bytes", c.requested.pool[i].current, t.requested),
+            ("allocation", c.allocation.pool[i].current, t.live),
+            ("reserved_bytes", c.reserved.pool[i].current, t.reserved),
+            ("segment", c.segment.pool[i].current, t.malloc_segments),
+            (
+                "inactive_split_bytes",
+                c.inactive_split_bytes.pool[i].current,
+                t.inactive_split_bytes,
+            ),
+            (
+                "inactive_split",
+                c.inactive_split.pool[i].current,
+                t.inactive_split,
+            ),
+        ])?;
+    }
+    V::check_stats(&[
+        (
+            "allocated_bytes",
+            c.allocated.current(),
+            sum(&|t| t.allocated),
+        ),
+        ("reserved_bytes", c.reserved.current(), reserved),
+        ("allocation", c.allocation.current(), sum(&|t| t.live)),
+        ("segment", c.segment.current(), sum(&|t| t.malloc_segments)),
+    ])
 }

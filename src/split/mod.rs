@@ -27,14 +27,17 @@ mod invariants;
 mod release;
 pub mod rules;
 mod seed;
+mod snapshot;
 
 pub use seed::{SeedBlock, SeedError, SeedSegment};
 
 use crate::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
-use crate::error::{Error, InvariantViolation};
+use crate::error::{Error, InvariantViolation, OutOfMemory};
 use crate::expandable::Pool;
-use crate::stats::{Stat, Stats};
+use crate::history::{self, History, TraceAction, TraceEntry};
+use crate::snapshot::MemorySnapshot;
+use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use block::{BlockPool, Blocks};
 use expandable::ExpandableSegment;
@@ -100,14 +103,16 @@ pub(crate) struct Segment {
 /// Counters kept up to date by every operation.
 #[derive(Debug, Default, Clone)]
 struct Counters {
-    allocated: Stat,
-    requested: Stat,
-    active: Stat,
-    allocation: Stat,
-    reserved: Stat,
-    segment: Stat,
-    inactive_split_bytes: Stat,
-    inactive_split: Stat,
+    allocated: StatArray,
+    requested: StatArray,
+    active: StatArray,
+    allocation: StatArray,
+    reserved: StatArray,
+    segment: StatArray,
+    inactive_split_bytes: StatArray,
+    inactive_split: StatArray,
+    oversize_allocations: Stat,
+    oversize_segments: Stat,
     retries: u64,
     ooms: u64,
     device_alloc: u64,
@@ -132,6 +137,8 @@ pub struct Split<D: Driver> {
     allowed_memory_maximum: Option<u64>,
     counters: Counters,
     log: Option<Vec<SegmentEvent>>,
+    /// Events recorded for snapshots, when recording is on.
+    history: Option<History>,
 }
 
 impl<D: Driver> Split<D> {
@@ -164,6 +171,7 @@ impl<D: Driver> Split<D> {
             allowed_memory_maximum: None,
             counters: Counters::default(),
             log: None,
+            history: None,
         })
     }
 
@@ -281,6 +289,20 @@ impl<D: Driver> Split<D> {
     }
 
     fn record(&mut self, action: SegmentAction, addr: u64, size: u64, stream: StreamId) {
+        tracing::debug!(
+            action = action.as_str(),
+            addr,
+            size,
+            stream = stream.0,
+            "segment event"
+        );
+        let traced = match action {
+            SegmentAction::SegmentAlloc => TraceAction::SegmentAlloc,
+            SegmentAction::SegmentFree => TraceAction::SegmentFree,
+            SegmentAction::SegmentMap => TraceAction::SegmentMap,
+            SegmentAction::SegmentUnmap => TraceAction::SegmentUnmap,
+        };
+        history::record(&mut self.history, traced, addr, size, stream);
         if let Some(log) = &mut self.log {
             log.push(SegmentEvent {
                 action,
@@ -291,21 +313,42 @@ impl<D: Driver> Split<D> {
         }
     }
 
-    /// Adds `delta` (which may be negative) to a statistic.
-    fn adjust(stat: &mut Stat, delta: i128) {
-        if delta > 0 {
-            stat.add(delta as u64);
-        } else if delta < 0 {
-            stat.sub(delta.unsigned_abs() as u64);
+    /// Records a block event for snapshots if recording is on.
+    #[inline]
+    fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        history::record(&mut self.history, action, addr, size, stream);
+    }
+
+    /// Records an out-of-memory error for snapshots if recording is on.
+    fn record_oom(&mut self, oom: &OutOfMemory, rounded: u64) {
+        if let Some(h) = &mut self.history {
+            h.push(TraceEntry {
+                action: TraceAction::Oom,
+                addr: 0,
+                size: rounded,
+                stream: oom.stream,
+                device_free: Some(oom.device_free),
+            });
         }
+    }
+
+    /// Adds `delta` (which may be negative) to a statistic of `pool`.
+    fn adjust(stat: &mut StatArray, pool: Pool, delta: i128) {
+        if delta > 0 {
+            stat.add(pool, delta as u64);
+        } else if delta < 0 {
+            stat.sub(pool, delta.unsigned_abs() as u64);
+        }
+    }
+
+    /// Whether a block or segment of `size` bytes is oversize (PyTorch: at least `max_split_size`).
+    fn is_oversize(&self, size: u64) -> bool {
+        size >= self.max_split_size()
     }
 }
 
 fn pool_index(pool: Pool) -> usize {
-    match pool {
-        Pool::Small => 0,
-        Pool::Large => 1,
-    }
+    pool.index()
 }
 
 impl<D: Driver> Strategy for Split<D> {
@@ -335,24 +378,45 @@ impl<D: Driver> Strategy for Split<D> {
 
     fn stats(&self) -> Stats {
         let c = &self.counters;
+        let pool_stats = |pool: Pool| {
+            let i = pool.index();
+            PoolStats {
+                allocated_bytes: c.allocated.pool[i],
+                active_bytes: c.active.pool[i],
+                requested_bytes: c.requested.pool[i],
+                reserved_bytes: c.reserved.pool[i],
+                inactive_split_bytes: c.inactive_split_bytes.pool[i],
+                allocation: c.allocation.pool[i],
+                // No record_stream: a block is active exactly while it is allocated.
+                active: c.allocation.pool[i],
+                segment: c.segment.pool[i],
+                inactive_split: c.inactive_split.pool[i],
+            }
+        };
         Stats {
-            allocated_bytes: c.allocated,
-            reserved_bytes: c.reserved,
-            active_bytes: c.active,
-            requested_bytes: c.requested,
-            inactive_split_bytes: c.inactive_split_bytes,
-            allocation: c.allocation,
-            segment: c.segment,
+            allocated_bytes: c.allocated.all,
+            reserved_bytes: c.reserved.all,
+            active_bytes: c.active.all,
+            requested_bytes: c.requested.all,
+            inactive_split_bytes: c.inactive_split_bytes.all,
+            allocation: c.allocation.all,
+            segment: c.segment.all,
             num_alloc_retries: c.retries,
             num_ooms: c.ooms,
             num_device_alloc: c.device_alloc,
             num_device_free: c.device_free,
             num_synchronizations: c.synchronizations,
             largest_free_block: self.largest_cached_block(),
-            idle_mapped_bytes: c.reserved.current.saturating_sub(c.active.current),
+            idle_mapped_bytes: c.reserved.current().saturating_sub(c.active.current()),
             idle_handle_bytes: 0,
             handles_reused: 0,
             driver: self.driver.counters(),
+            active: c.allocation.all,
+            inactive_split: c.inactive_split.all,
+            large_pool: pool_stats(Pool::Large),
+            small_pool: pool_stats(Pool::Small),
+            oversize_allocations: c.oversize_allocations,
+            oversize_segments: c.oversize_segments,
         }
     }
 
@@ -362,6 +426,23 @@ impl<D: Driver> Strategy for Split<D> {
 
     fn driver_counters(&self) -> DriverCounters {
         self.driver.counters()
+    }
+
+    fn ordinal(&self) -> usize {
+        self.driver.ordinal()
+    }
+
+    fn reserved_bytes(&self) -> u64 {
+        self.counters.reserved.current()
+    }
+
+    fn snapshot(&self) -> Result<MemorySnapshot, Error> {
+        Ok(self.memory_snapshot())
+    }
+
+    fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
+        self.history = max_entries.map(History::new);
+        Ok(())
     }
 
     fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {

@@ -17,8 +17,11 @@ impl<D: Driver> Split<D> {
         self.driver.free(addr)?;
         self.counters.device_free += 1;
         self.total_allocated_memory -= block.size;
-        self.counters.segment.sub(1);
-        self.counters.reserved.sub(block.size);
+        self.counters.segment.sub(block.pool, 1);
+        self.counters.reserved.sub(block.pool, block.size);
+        if self.is_oversize(block.size) {
+            self.counters.oversize_segments.sub(1);
+        }
         self.remove_from_pool(addr);
         self.blocks.remove(addr);
         self.segments.remove(&addr);
@@ -68,6 +71,7 @@ impl<D: Driver> Split<D> {
     /// first; in expandable segments, unmaps every whole page of every cached block and frees reservations
     /// left with nothing mapped.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), Error> {
+        let _span = tracing::debug_span!("release_cached_blocks").entered();
         self.release_blocks(Pool::Large)?;
         self.release_blocks(Pool::Small)
     }

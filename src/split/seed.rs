@@ -112,10 +112,13 @@ impl<D: Driver> Split<D> {
                 },
             );
             let c = &mut self.counters;
-            c.allocation.add(1);
-            c.allocated.add(b.size);
-            c.active.add(b.size);
-            c.requested.add(b.requested);
+            c.allocation.add(seed.pool, 1);
+            c.allocated.add(seed.pool, b.size);
+            c.active.add(seed.pool, b.size);
+            c.requested.add(seed.pool, b.requested);
+            if b.size >= self.config.max_split_size.unwrap_or(u64::MAX) {
+                c.oversize_allocations.add(1);
+            }
             cursor = b.offset + b.size;
         }
         if cursor < seed.size {
@@ -127,8 +130,8 @@ impl<D: Driver> Split<D> {
                 .insert(base + offset, Block { size, ..template });
             self.insert_into_blocks(base + offset);
             if split {
-                self.counters.inactive_split.add(1);
-                self.counters.inactive_split_bytes.add(size);
+                self.counters.inactive_split.add(seed.pool, 1);
+                self.counters.inactive_split_bytes.add(seed.pool, size);
             }
         }
         Ok(base)

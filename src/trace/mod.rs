@@ -11,6 +11,7 @@ pub mod event;
 pub mod fidelity;
 pub mod kineto;
 pub mod load;
+pub mod peak;
 pub mod pytorch;
 pub mod replay;
 pub mod report;

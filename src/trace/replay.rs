@@ -2,7 +2,7 @@
 
 use super::event::{Event, Trace};
 use crate::driver::{DriverCounters, Op};
-use crate::error::{Error, InvariantViolation};
+use crate::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
@@ -101,6 +101,9 @@ pub struct ReplayResult {
     pub synchronizations: u64,
     /// Wall time of the replay loop, in seconds.
     pub replay_seconds: f64,
+    /// The first out-of-memory error, with its diagnosis (not in the JSON: its message is for people).
+    #[serde(skip)]
+    pub first_oom: Option<Box<OutOfMemory>>,
 }
 
 /// Why a replay stopped.
@@ -216,6 +219,7 @@ pub fn replay(
     let mut sizes: HashMap<u64, u64> = HashMap::new();
     let mut failed: HashSet<u64> = HashSet::new();
     let mut ooms = 0;
+    let mut first_oom = None;
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
         match *event {
@@ -237,6 +241,9 @@ pub fn replay(
                     Err(e) if e.is_out_of_memory() => {
                         ooms += 1;
                         failed.insert(id);
+                        if let (None, Error::OutOfMemory(oom)) = (&first_oom, e) {
+                            first_oom = Some(oom);
+                        }
                     }
                     Err(source) => {
                         return Err(ReplayError::Alloc {
@@ -295,6 +302,7 @@ pub fn replay(
         estimated_driver_us: counters.time_us(),
         synchronizations: stats.num_synchronizations,
         replay_seconds,
+        first_oom,
     })
 }
 

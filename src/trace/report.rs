@@ -80,6 +80,7 @@ mod tests {
 
     fn result(workload: &str, reserved: u64) -> ReplayResult {
         ReplayResult {
+            first_oom: None,
             workload: workload.into(),
             allocator: "cuvmm".into(),
             events: 10,

@@ -1,6 +1,6 @@
 //! Command-line arguments.
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use cuvmm::driver::device::DeviceSpec;
 use cuvmm::trace::workload;
 
@@ -14,6 +14,10 @@ pub struct Cli {
     /// Options of `compare`, accepted without the subcommand's name.
     #[command(flatten)]
     pub compare: CompareArgs,
+    /// Log to stderr: -v info (segments reserved), -vv debug (map and unmap batches), -vvv trace.
+    /// Without it, RUST_LOG (e.g. `RUST_LOG=cuvmm=debug`) chooses; by default only errors are logged.
+    #[arg(short = 'v', long = "verbose", action = ArgAction::Count, global = true)]
+    pub verbose: u8,
 }
 
 /// The subcommands.
@@ -28,6 +32,11 @@ pub enum Command {
     /// Replay a PyTorch memory snapshot through the matching model of PyTorch's allocator and compare
     /// its segment events and peak reserved memory with what PyTorch did.
     Fidelity(FidelityArgs),
+    /// Replay a trace or workload and print memory_summary() (PyTorch's table) at the peak and at the end.
+    Summary(crate::summary::SummaryArgs),
+    /// Replay a trace or workload with history recording and write a snapshot pickle for PyTorch's memory
+    /// viewer (https://pytorch.org/memory_viz).
+    Snapshot(crate::snapshot::SnapshotArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
@@ -108,7 +117,7 @@ pub enum Format {
     Json,
 }
 
-fn parse_workload(name: &str) -> Result<String, String> {
+pub(crate) fn parse_workload(name: &str) -> Result<String, String> {
     if workload::BUILTIN.contains(&name) {
         Ok(name.to_string())
     } else {
@@ -129,7 +138,7 @@ fn parse_device(text: &str) -> Result<DeviceSpec, String> {
     Ok(spec)
 }
 
-fn parse_nonzero_size(text: &str) -> Result<u64, String> {
+pub(crate) fn parse_nonzero_size(text: &str) -> Result<u64, String> {
     match cuvmm::size::parse_size(text) {
         Ok(0) => Err("the size must not be 0".to_string()),
         Ok(bytes) => Ok(bytes),

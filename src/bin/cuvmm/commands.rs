@@ -43,6 +43,9 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
             return ExitCode::from(if e.is_usage_error() { USAGE } else { 1 });
         }
     };
+    if let Some(result) = results.iter().find(|r| r.first_oom.is_some()) {
+        crate::source::report_oom(result);
+    }
     match args.format {
         Format::Table => emit(&report::render_table(&results)),
         Format::Json => match report::render_json(&results) {

@@ -499,6 +499,10 @@ impl Driver for CudaDriver {
         self.counters
     }
 
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         self.counted(Op::Memset, |d| {
             d.ledger.check_touchable(Op::Memset, va, size)?;

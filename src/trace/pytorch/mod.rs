@@ -9,6 +9,7 @@ mod reconstruct;
 mod requests;
 mod settings;
 pub mod snapshot;
+pub mod writer;
 
 pub use snapshot::SnapshotError;
 

@@ -1,0 +1,55 @@
+//! `snapshot()`: the segments as PyTorch reports expandable ones, one per run of mapped pages, each tiled
+//! by the blocks (or the parts of free blocks) that lie on those pages.
+
+use super::Expandable;
+use super::segment::BlockState as State;
+use crate::driver::Driver;
+use crate::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
+
+impl<D: Driver> Expandable<D> {
+    /// The snapshot: for every run of mapped pages of every reservation, a segment whose blocks are the
+    /// live and pending blocks on it and the free blocks cut to it. A live or pending block never crosses
+    /// a run's end (its pages are all mapped), so only free blocks are cut.
+    pub(super) fn memory_snapshot(&self) -> MemorySnapshot {
+        let device = self.driver.ordinal();
+        let mut segments = Vec::new();
+        for seg in self.live_segments() {
+            for run in seg.pages.mapped_runs(0..seg.pages.len()) {
+                let (start, end) = (seg.page_addr(run.start), seg.page_addr(run.end));
+                let blocks = seg
+                    .blocks_overlapping(start, end)
+                    .map(|(addr, block)| {
+                        let lo = addr.max(start);
+                        let hi = (addr + block.size).min(end);
+                        let (state, requested_size) = match block.state {
+                            State::Live { requested } => (BlockState::ActiveAllocated, requested),
+                            State::Pending => (BlockState::ActivePendingFree, block.size),
+                            State::Free => (BlockState::Inactive, 0),
+                        };
+                        SnapshotBlock {
+                            address: lo,
+                            size: hi - lo,
+                            requested_size,
+                            state,
+                        }
+                    })
+                    .collect();
+                segments.push(SnapshotSegment {
+                    device,
+                    address: start,
+                    total_size: end - start,
+                    stream: seg.stream,
+                    pool: seg.pool,
+                    is_expandable: true,
+                    blocks,
+                });
+            }
+        }
+        let events = self
+            .history
+            .as_ref()
+            .map(|h| h.entries())
+            .unwrap_or_default();
+        MemorySnapshot::new(device, segments, events)
+    }
+}
