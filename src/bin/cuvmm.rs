@@ -5,8 +5,14 @@
 // Cargo would take each file for a binary of its own.
 #[path = "cuvmm/args.rs"]
 mod args;
+#[path = "cuvmm/capacity.rs"]
+mod capacity;
 #[path = "cuvmm/commands.rs"]
 mod commands;
+#[path = "cuvmm/plot.rs"]
+mod plot;
+#[path = "cuvmm/progress.rs"]
+mod progress;
 
 use args::{Cli, Command};
 use clap::Parser;
@@ -37,5 +43,6 @@ fn main() -> ExitCode {
         Some(Command::Workloads) => commands::run_workloads(),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
+        Some(Command::Capacity(args)) => capacity::run_capacity(args),
     }
 }
