@@ -38,12 +38,13 @@ fn entry(action: &str, addr: u64, size: u64) -> V {
 /// freed and a 4 MiB one made. Peak live 7 MiB, so the lower bound is 8 MiB with 2 MiB pages.
 fn tiny_snapshot() -> PathBuf {
     let base = 0x7f00_0000_0000u64;
-    let mut events = Vec::new();
-    events.push(entry("alloc", base, 3 * MIB / 2));
-    events.push(entry("alloc", base + 2 * MIB, 3 * MIB));
-    events.push(entry("free_requested", base, 3 * MIB / 2));
-    events.push(entry("free_completed", base, 3 * MIB / 2));
-    events.push(entry("alloc", base + 8 * MIB, 4 * MIB));
+    let events = vec![
+        entry("alloc", base, 3 * MIB / 2),
+        entry("alloc", base + 2 * MIB, 3 * MIB),
+        entry("free_requested", base, 3 * MIB / 2),
+        entry("free_completed", base, 3 * MIB / 2),
+        entry("alloc", base + 8 * MIB, 4 * MIB),
+    ];
     let snapshot = dict(vec![
         ("segments", V::List(vec![])),
         ("device_traces", V::List(vec![V::List(events)])),

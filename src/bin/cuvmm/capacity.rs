@@ -151,7 +151,7 @@ const HEADERS: [&str; 7] = [
     "allocator",
     "peak live",
     "min capacity",
-    "x peak live",
+    "x lower bound",
     "peak reserved",
     "replays",
 ];

@@ -20,7 +20,7 @@ const DELAY: Duration = Duration::from_secs(1);
 const INTERVAL: Duration = Duration::from_millis(100);
 /// Characters of the whole line: fits an 80-column terminal.
 const LINE: usize = 79;
-const BAR: usize = 24;
+const BAR: usize = 20;
 
 /// The bar itself: where it is, and when it was last drawn.
 #[derive(Debug)]
@@ -76,7 +76,7 @@ impl Drop for Progress {
     }
 }
 
-/// One line: `[=====>      ]  42%   3.1 s  label`, the label cut to fit [`LINE`] characters.
+/// One line: `[=====>      ]  42%   3.1s  label`, the label cut to fit [`LINE`] characters.
 fn render(fraction: f64, elapsed: Duration, label: &str) -> String {
     let fraction = if fraction.is_finite() {
         fraction.clamp(0.0, 1.0)
@@ -90,7 +90,7 @@ fn render(fraction: f64, elapsed: Duration, label: &str) -> String {
         n => format!("{}>{}", "=".repeat(n - 1), " ".repeat(BAR - n)),
     };
     let head = format!(
-        "[{bar}] {:>3.0}% {:>6.1} s  ",
+        "[{bar}] {:>3.0}% {:>5.1}s  ",
         fraction * 100.0,
         elapsed.as_secs_f64()
     );
@@ -204,18 +204,19 @@ impl CapacityObserver for CapacityProgress {
     fn probe(&mut self, capacity: u64, bracket: Bracket) {
         self.replays += 1;
         self.capacity = capacity;
-        // Replays still to come after this one: the bisection of the bracket, plus one doubling if no
-        // capacity is known to fit yet.
-        let pages = |bytes: u64| (bytes / self.page_size).max(1) as f64;
+        // Replays still to come after this one, if this one does not end the search: the bisection of
+        // the bracket; before any capacity is known to fit, a doubling and a bisection of the range it
+        // leaves (the guess from peak reserved usually cuts that short; the bar then jumps ahead).
+        let pages = |bytes: u64| (bytes / self.page_size).max(2) as f64;
         let rest = match bracket {
             Bracket {
                 fails: Some(fails),
                 fits: Some(fits),
             } => pages(fits - fails).log2().ceil() - 1.0,
-            Bracket {
-                fails: Some(fails), ..
-            } => pages(fails).log2().ceil().min(12.0) + 1.0,
-            _ => 0.0,
+            Bracket { fails, .. } => {
+                let lower = fails.unwrap_or(capacity);
+                pages(lower).log2().ceil().min(12.0) + 1.0
+            }
         };
         self.expected = self.replays as f64 + rest.max(0.0);
     }
@@ -242,7 +243,7 @@ impl ReplayObserver for CapacityProgress {
             (self.search, self.searches, self.replays, &self.label);
         let capacity = format_size(self.capacity);
         self.bar.update(done, || {
-            format!("{search}/{searches} {label}: replay {replays} at {capacity}")
+            format!("{search}/{searches} {label}: replay {replays}, {capacity}")
         });
     }
 }
@@ -255,7 +256,7 @@ mod tests {
     fn the_line_fits_80_columns_and_shows_the_fraction() {
         let line = render(0.5, Duration::from_millis(3_200), &"x".repeat(200));
         assert!(line.chars().count() <= LINE, "{line}");
-        assert!(line.contains(" 50%") && line.contains("3.2 s"), "{line}");
+        assert!(line.contains(" 50%") && line.contains("3.2s"), "{line}");
         assert!(
             line.starts_with(&format!("[{}>", "=".repeat(BAR / 2 - 1))),
             "{line}"
