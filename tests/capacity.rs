@@ -210,3 +210,22 @@ fn a_bad_configuration_or_allocator_is_a_usage_error() {
         "{err}"
     );
 }
+
+#[test]
+fn a_trace_no_program_could_make_is_a_usage_error_naming_the_event() {
+    let mut trace = single(MIB);
+    trace.events.push(cuvmm::trace::Event::Free { id: 99 });
+    let err = capacity::search(
+        &trace,
+        "cuvmm",
+        &CapacityOptions::default(),
+        &mut NoObserver,
+    )
+    .unwrap_err();
+    assert!(err.is_usage_error(), "{err}");
+    let message = err.to_string();
+    assert!(
+        message.contains("event 1") && message.contains("99"),
+        "{message}"
+    );
+}

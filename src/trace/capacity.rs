@@ -103,10 +103,19 @@ pub enum CapacityError {
 }
 
 impl CapacityError {
-    /// Whether the caller asked for something that cannot be (an unknown allocator, a bad configuration),
-    /// rather than a replay going wrong.
+    /// Whether the caller asked for something that cannot be (an unknown allocator, a bad configuration,
+    /// a trace no program could have made: a free or record_stream of an id that is not live, an id
+    /// allocated twice), rather than a replay going wrong.
     pub fn is_usage_error(&self) -> bool {
-        !matches!(self, CapacityError::Replay { .. })
+        match self {
+            CapacityError::Replay { source, .. } => matches!(
+                **source,
+                ReplayError::DuplicateId { .. }
+                    | ReplayError::UnknownFree { .. }
+                    | ReplayError::RecordStreamNotLive { .. }
+            ),
+            _ => true,
+        }
     }
 }
 
