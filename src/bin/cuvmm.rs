@@ -5,10 +5,16 @@
 // Cargo would take each file for a binary of its own.
 #[path = "cuvmm/args.rs"]
 mod args;
+#[path = "cuvmm/capacity.rs"]
+mod capacity;
 #[path = "cuvmm/commands.rs"]
 mod commands;
 #[path = "cuvmm/logging.rs"]
 mod logging;
+#[path = "cuvmm/plot.rs"]
+mod plot;
+#[path = "cuvmm/progress.rs"]
+mod progress;
 #[path = "cuvmm/snapshot.rs"]
 mod snapshot;
 #[path = "cuvmm/source.rs"]
@@ -49,5 +55,6 @@ fn main() -> ExitCode {
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
         Some(Command::Summary(args)) => summary::run_summary(args),
         Some(Command::Snapshot(args)) => snapshot::run_snapshot(args),
+        Some(Command::Capacity(args)) => capacity::run_capacity(args),
     }
 }

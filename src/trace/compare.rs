@@ -1,7 +1,8 @@
 //! Replaying workloads through allocators: what `cuvmm compare` does.
 
 use super::allocators::{self, BuildError};
-use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
+use super::observe::{NoObserver, ReplayObserver};
+use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay_observed};
 use super::workload;
 use crate::config::{Config, ConfigError};
 use crate::driver::DriverError;
@@ -98,6 +99,15 @@ impl CompareError {
 /// Replays each workload through each allocator, each replay on a fresh device. Names are checked before
 /// anything runs. Results come workload by workload, allocators in the order given.
 pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareError> {
+    compare_observed(options, &mut NoObserver)
+}
+
+/// As [`compare`], with `observer` watching every replay (a [`Sampler`](super::sample::Sampler) for
+/// `--plot`, a progress bar).
+pub fn compare_observed<O: ReplayObserver + ?Sized>(
+    options: &CompareOptions,
+    observer: &mut O,
+) -> Result<Vec<ReplayResult>, CompareError> {
     if let Some(name) = options
         .workloads
         .iter()
@@ -127,13 +137,12 @@ pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareErr
         for allocator in &options.allocators {
             let device = options.device.open(sim.clone())?;
             let mut strategy = allocators::build_on(allocator, device, config.clone())?;
-            let result = replay(strategy.as_mut(), &trace, &options.replay).map_err(|source| {
-                CompareError::Replay {
+            let result = replay_observed(strategy.as_mut(), &trace, &options.replay, observer)
+                .map_err(|source| CompareError::Replay {
                     workload: name.clone(),
                     allocator: allocator.clone(),
                     source: Box::new(source),
-                }
-            })?;
+                })?;
             results.push(result);
         }
     }

@@ -2,23 +2,28 @@
 //!
 //! A [`Trace`] is a sequence of allocations and frees ([`event`]); [`workload`] generates the built-in
 //! ones; [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
-//! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results.
+//! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results;
+//! [`capacity`] finds the smallest device each allocator fits on; [`sample`] and [`plot`] draw replays.
 
 pub mod allocators;
 pub mod builder;
+pub mod capacity;
 pub mod compare;
 pub mod event;
 pub mod fidelity;
 pub mod kineto;
 pub mod load;
+pub mod observe;
 pub mod peak;
+pub mod plot;
 pub mod pytorch;
 pub mod replay;
 pub mod report;
 pub mod rng;
+pub mod sample;
 pub mod workload;
 
 pub use builder::TraceBuilder;
 pub use event::{Event, Trace, TraceError};
-pub use replay::{DriverCalls, ReplayError, ReplayOptions, ReplayResult, replay};
+pub use replay::{DriverCalls, ReplayError, ReplayOptions, ReplayResult, replay, replay_observed};
 pub use rng::Rng;

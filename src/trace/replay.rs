@@ -1,6 +1,7 @@
 //! Replaying a trace through an allocator, and the result a replay reports.
 
 use super::event::{Event, Trace};
+use super::observe::{NoObserver, ReplayObserver};
 use crate::driver::{DriverCounters, Op};
 use crate::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
@@ -215,11 +216,23 @@ pub fn replay(
     trace: &Trace,
     options: &ReplayOptions,
 ) -> Result<ReplayResult, ReplayError> {
+    replay_observed(strategy, trace, options, &mut NoObserver)
+}
+
+/// As [`replay`], telling `observer` when the replay starts and after each event (see
+/// [`ReplayObserver`]). [`replay`] passes [`NoObserver`], for which the calls compile to nothing.
+pub fn replay_observed<O: ReplayObserver + ?Sized>(
+    strategy: &mut dyn Strategy,
+    trace: &Trace,
+    options: &ReplayOptions,
+    observer: &mut O,
+) -> Result<ReplayResult, ReplayError> {
     let mut addrs: HashMap<u64, u64> = HashMap::new();
     let mut sizes: HashMap<u64, u64> = HashMap::new();
     let mut failed: HashSet<u64> = HashSet::new();
     let mut ooms = 0;
     let mut first_oom = None;
+    observer.start(trace, strategy);
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
         match *event {
@@ -285,6 +298,7 @@ pub fn replay(
                 .check_invariants()
                 .map_err(|source| ReplayError::Invariant { index, source })?;
         }
+        observer.after_event(index, strategy);
     }
     let replay_seconds = start.elapsed().as_secs_f64();
     let stats = strategy.stats();

@@ -1,8 +1,9 @@
 //! Command-line arguments.
 
+use crate::capacity::CapacityArgs;
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use cuvmm::driver::device::DeviceSpec;
-use cuvmm::trace::workload;
+use cuvmm::trace::{allocators, workload};
 
 /// Replays allocation workloads through CUDA allocators on a simulated device and compares them.
 #[derive(Debug, Parser)]
@@ -37,6 +38,9 @@ pub enum Command {
     /// Replay a trace or workload with history recording and write a snapshot pickle for PyTorch's memory
     /// viewer (https://pytorch.org/memory_viz).
     Snapshot(crate::snapshot::SnapshotArgs),
+    /// Find the smallest simulated device on which each allocator replays each trace with no
+    /// out-of-memory, to one page, by bisection.
+    Capacity(CapacityArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
@@ -106,6 +110,12 @@ pub struct CompareArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+    /// Also draw allocated and reserved bytes over each trace, per allocator, into this SVG file.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
 }
 
 /// How results are printed.
@@ -117,13 +127,26 @@ pub enum Format {
     Json,
 }
 
-pub(crate) fn parse_workload(name: &str) -> Result<String, String> {
+/// A built-in workload's name.
+pub fn parse_workload(name: &str) -> Result<String, String> {
     if workload::BUILTIN.contains(&name) {
         Ok(name.to_string())
     } else {
         Err(format!(
             "unknown workload `{name}` (built-in: {})",
             workload::BUILTIN.join(", ")
+        ))
+    }
+}
+
+/// An allocator name [`allocators::build`] knows.
+pub fn parse_allocator(name: &str) -> Result<String, String> {
+    if allocators::ALLOCATORS.contains(&name) {
+        Ok(name.to_string())
+    } else {
+        Err(format!(
+            "unknown allocator `{name}` (known: {})",
+            allocators::ALLOCATORS.join(", ")
         ))
     }
 }
@@ -138,7 +161,8 @@ fn parse_device(text: &str) -> Result<DeviceSpec, String> {
     Ok(spec)
 }
 
-pub(crate) fn parse_nonzero_size(text: &str) -> Result<u64, String> {
+/// A size such as `2MiB`, not 0.
+pub fn parse_nonzero_size(text: &str) -> Result<u64, String> {
     match cuvmm::size::parse_size(text) {
         Ok(0) => Err("the size must not be 0".to_string()),
         Ok(bytes) => Ok(bytes),

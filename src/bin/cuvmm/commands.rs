@@ -1,14 +1,17 @@
 //! What each subcommand does. Results go to stdout, diagnostics to stderr.
 
 use crate::args::{CompareArgs, DriverBenchArgs, FidelityArgs, Format};
+use crate::plot::PlotFile;
+use crate::progress::CompareProgress;
 use cuvmm::driver::DriverError;
 use cuvmm::driver::device::DeviceError;
 use cuvmm::driver::sim::SimConfig;
 use cuvmm::driver_bench::{self, BenchOptions};
 use cuvmm::size::format_size;
-use cuvmm::trace::compare::{CompareOptions, compare};
+use cuvmm::trace::compare::{CompareOptions, compare_observed};
 use cuvmm::trace::fidelity::fidelity;
 use cuvmm::trace::replay::ReplayOptions;
+use cuvmm::trace::sample::Sampler;
 use cuvmm::trace::{report, workload};
 use std::io::Write;
 use std::process::ExitCode;
@@ -36,7 +39,19 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
     if !args.workloads.is_empty() {
         options.workloads = args.workloads;
     }
-    let results = match compare(&options) {
+    let plot = match args.plot.as_deref().map(PlotFile::create).transpose() {
+        Ok(plot) => plot,
+        Err(status) => return status,
+    };
+    let replays = options.workloads.len() * options.allocators.len();
+    let mut progress = CompareProgress::new(replays, args.quiet);
+    let mut sampler = plot.as_ref().map(|_| Sampler::default());
+    let compared = match &mut sampler {
+        Some(sampler) => compare_observed(&options, &mut (sampler, &mut progress)),
+        None => compare_observed(&options, &mut progress),
+    };
+    progress.finish();
+    let results = match compared {
         Ok(results) => results,
         Err(e) => {
             eprintln!("cuvmm: {e}");
@@ -45,6 +60,11 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
     };
     if let Some(result) = results.iter().find(|r| r.first_oom.is_some()) {
         crate::source::report_oom(result);
+    }
+    if let (Some(plot), Some(sampler)) = (plot, sampler) {
+        if let Err(status) = plot.write(sampler.series()) {
+            return status;
+        }
     }
     match args.format {
         Format::Table => emit(&report::render_table(&results)),

@@ -1,0 +1,213 @@
+//! `cuvmm capacity`: the smallest simulated device on which each allocator replays each trace with no
+//! out-of-memory.
+
+use crate::args::{Format, parse_allocator, parse_nonzero_size, parse_workload};
+use crate::commands::{USAGE, emit};
+use crate::progress::CapacityProgress;
+use clap::Args;
+use cuvmm::size::format_size;
+use cuvmm::trace::Trace;
+use cuvmm::trace::allocators::ALLOCATORS;
+use cuvmm::trace::capacity::{self, CapacityOptions, CapacityResult};
+use cuvmm::trace::{load, workload};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Options of `capacity`.
+#[derive(Debug, Args)]
+pub struct CapacityArgs {
+    /// Trace files to search (PyTorch memory snapshots, ...); several may follow one flag.
+    #[arg(long = "trace", value_name = "FILE", num_args = 1.., conflicts_with = "workloads")]
+    pub traces: Vec<PathBuf>,
+    /// A built-in workload to search (repeat for several; default, without --trace: all).
+    #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
+    pub workloads: Vec<String>,
+    /// An allocator to search for (repeat for several; default: all).
+    #[arg(long = "allocator", value_name = "NAME", value_parser = parse_allocator)]
+    pub allocators: Vec<String>,
+    /// Page size, e.g. 2MiB: the simulated device's granularity and the step of the search.
+    #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = parse_nonzero_size)]
+    pub page_size: u64,
+    /// The device of a multi-device snapshot to replay (default: each device that has events).
+    #[arg(long, value_name = "N", requires = "traces")]
+    pub device: Option<usize>,
+    /// Seed of the workload generators.
+    #[arg(long, value_name = "N", default_value_t = workload::DEFAULT_SEED)]
+    pub seed: u64,
+    /// Allocator configuration in PyTorch's `key:value,...` syntax; default: the `CUVMM_ALLOC_CONF`
+    /// environment variable, else the defaults.
+    #[arg(long, value_name = "CONF")]
+    pub alloc_conf: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// No progress bar.
+    #[arg(long, short)]
+    pub quiet: bool,
+}
+
+/// `cuvmm capacity`.
+pub fn run_capacity(args: CapacityArgs) -> ExitCode {
+    let options = CapacityOptions {
+        page_size: args.page_size,
+        alloc_conf: args
+            .alloc_conf
+            .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
+            .unwrap_or_default(),
+        ..CapacityOptions::default()
+    };
+    if let Err(e) = capacity::config(&options) {
+        eprintln!("cuvmm: --alloc-conf: {e}");
+        return ExitCode::from(USAGE);
+    }
+    let traces = match traces(&args.traces, &args.workloads, args.device, args.seed) {
+        Ok(traces) => traces,
+        Err(line) => {
+            eprintln!("cuvmm: {line}");
+            return ExitCode::from(USAGE);
+        }
+    };
+    let allocators: Vec<String> = if args.allocators.is_empty() {
+        ALLOCATORS.iter().map(|a| a.to_string()).collect()
+    } else {
+        args.allocators
+    };
+    let mut progress = CapacityProgress::new(
+        traces.len() * allocators.len(),
+        options.page_size,
+        args.quiet,
+    );
+    let mut results = Vec::new();
+    for trace in &traces {
+        for allocator in &allocators {
+            progress.next_search(&trace.name, allocator);
+            match capacity::search(trace, allocator, &options, &mut progress) {
+                Ok(result) => results.push(result),
+                Err(e) => {
+                    progress.finish();
+                    let message = e.to_string();
+                    eprintln!("cuvmm: {}", message.lines().next().unwrap_or_default());
+                    return ExitCode::from(if e.is_usage_error() { USAGE } else { 1 });
+                }
+            }
+        }
+    }
+    progress.finish();
+    match args.format {
+        Format::Table => emit(&render_table(&results)),
+        Format::Json => match serde_json::to_string_pretty(&Report { results: &results }) {
+            Ok(json) => emit(&format!("{json}\n")),
+            Err(e) => {
+                eprintln!("cuvmm: cannot write JSON: {e}");
+                ExitCode::FAILURE
+            }
+        },
+    }
+}
+
+/// The traces to search: the files' (one line naming the file if one cannot be read), else the workloads
+/// named, else every built-in workload.
+fn traces(
+    files: &[PathBuf],
+    workloads: &[String],
+    device: Option<usize>,
+    seed: u64,
+) -> Result<Vec<Trace>, String> {
+    if !files.is_empty() {
+        let mut traces = Vec::new();
+        for file in files {
+            let loaded = load::load(file, device).map_err(|e| {
+                let message = e.to_string();
+                message.lines().next().unwrap_or_default().to_string()
+            })?;
+            if loaded.is_empty() {
+                return Err(format!("{}: no device has events", file.display()));
+            }
+            traces.extend(loaded);
+        }
+        return Ok(traces);
+    }
+    let names: Vec<&str> = if workloads.is_empty() {
+        workload::BUILTIN.to_vec()
+    } else {
+        workloads.iter().map(String::as_str).collect()
+    };
+    names
+        .into_iter()
+        .map(|name| {
+            workload::generate(name, seed).ok_or_else(|| format!("unknown workload `{name}`"))
+        })
+        .collect()
+}
+
+#[derive(Serialize)]
+struct Report<'a> {
+    results: &'a [CapacityResult],
+}
+
+const HEADERS: [&str; 7] = [
+    "trace",
+    "allocator",
+    "peak live",
+    "min capacity",
+    "x lower bound",
+    "peak reserved",
+    "replays",
+];
+
+/// An aligned table: names left, numbers right. A search that found nothing says how far it went.
+fn render_table(results: &[CapacityResult]) -> String {
+    let rows: Vec<[String; 7]> = results
+        .iter()
+        .map(|r| {
+            let (capacity, ratio, reserved) = match r.min_capacity_bytes {
+                Some(c) => (
+                    format_size(c),
+                    format!("{:.3}", r.capacity_ratio.unwrap_or(f64::NAN)),
+                    r.peak_reserved_bytes.map(format_size).unwrap_or_default(),
+                ),
+                None => (
+                    format!("> {}", format_size(r.searched_up_to_bytes)),
+                    "-".into(),
+                    "-".into(),
+                ),
+            };
+            [
+                r.trace.clone(),
+                r.allocator.clone(),
+                format_size(r.peak_live_bytes),
+                capacity,
+                ratio,
+                reserved,
+                r.replays.to_string(),
+            ]
+        })
+        .collect();
+    let mut widths = HEADERS.map(str::len);
+    for cells in &rows {
+        for (width, cell) in widths.iter_mut().zip(cells) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &[String]| {
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (cell, w))| {
+                if i < 2 {
+                    format!("{cell:<w$}")
+                } else {
+                    format!("{cell:>w$}")
+                }
+            })
+            .collect();
+        format!("{}\n", padded.join("  ").trim_end())
+    };
+    let mut out = line(&HEADERS.map(String::from));
+    for cells in &rows {
+        out.push_str(&line(cells));
+    }
+    out
+}

@@ -1,0 +1,277 @@
+//! A progress bar on stderr for long runs: drawn only when stderr is a terminal and `--quiet` is not
+//! given, only once a run has taken a second, and redrawn at most ten times a second. Never on stdout.
+//!
+//! The observers here are told about every event of every replay; they look at the clock only every
+//! [`CHECK_EVERY`] events, so the replay loop pays a decrement and a branch per event.
+
+use cuvmm::Strategy;
+use cuvmm::size::format_size;
+use cuvmm::trace::Trace;
+use cuvmm::trace::capacity::{Bracket, CapacityObserver};
+use cuvmm::trace::observe::ReplayObserver;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// Events between two looks at the clock (a replay runs a few million events a second).
+const CHECK_EVERY: u32 = 4096;
+/// No bar for runs shorter than this.
+const DELAY: Duration = Duration::from_secs(1);
+/// The shortest time between two redraws.
+const INTERVAL: Duration = Duration::from_millis(100);
+/// Characters of the whole line: fits an 80-column terminal.
+const LINE: usize = 79;
+const BAR: usize = 20;
+
+/// The bar itself: where it is, and when it was last drawn.
+#[derive(Debug)]
+pub struct Progress {
+    enabled: bool,
+    start: Instant,
+    last_draw: Option<Instant>,
+}
+
+impl Progress {
+    /// A bar that draws only if stderr is a terminal and `quiet` is false.
+    pub fn new(quiet: bool) -> Self {
+        Self {
+            enabled: !quiet && std::io::stderr().is_terminal(),
+            start: Instant::now(),
+            last_draw: None,
+        }
+    }
+
+    /// Redraws the bar at `fraction` (0 to 1) with `label`, if it is enabled, the run has taken a second,
+    /// and the last redraw is a tenth of a second old.
+    pub fn update(&mut self, fraction: f64, label: impl FnOnce() -> String) {
+        if !self.enabled {
+            return;
+        }
+        let now = Instant::now();
+        if now.duration_since(self.start) < DELAY
+            || self
+                .last_draw
+                .is_some_and(|last| now.duration_since(last) < INTERVAL)
+        {
+            return;
+        }
+        self.last_draw = Some(now);
+        let line = render(fraction, now.duration_since(self.start), &label());
+        let mut stderr = std::io::stderr().lock();
+        // A progress bar that cannot be drawn is not worth failing the run for.
+        let _ = write!(stderr, "\r{line}\x1b[K").and_then(|()| stderr.flush());
+    }
+
+    /// Erases the bar, if it was drawn, so what follows starts on a clean line.
+    pub fn finish(&mut self) {
+        if self.last_draw.take().is_some() {
+            let mut stderr = std::io::stderr().lock();
+            let _ = write!(stderr, "\r\x1b[K").and_then(|()| stderr.flush());
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// One line: `[=====>      ]  42%   3.1s  label`, the label cut to fit [`LINE`] characters.
+fn render(fraction: f64, elapsed: Duration, label: &str) -> String {
+    let fraction = if fraction.is_finite() {
+        fraction.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    let filled = (fraction * BAR as f64).round() as usize;
+    let bar = match filled {
+        0 => " ".repeat(BAR),
+        n if n >= BAR => "=".repeat(BAR),
+        n => format!("{}>{}", "=".repeat(n - 1), " ".repeat(BAR - n)),
+    };
+    let head = format!(
+        "[{bar}] {:>3.0}% {:>5.1}s  ",
+        fraction * 100.0,
+        elapsed.as_secs_f64()
+    );
+    let room = LINE.saturating_sub(head.chars().count());
+    let label: String = label.chars().take(room).collect();
+    head + &label
+}
+
+/// The bar of `cuvmm compare`: one step per replay, split by events within it.
+#[derive(Debug)]
+pub struct CompareProgress {
+    bar: Progress,
+    replays: usize,
+    started: usize,
+    events: usize,
+    label: String,
+    countdown: u32,
+}
+
+impl CompareProgress {
+    /// A bar for `replays` replays.
+    pub fn new(replays: usize, quiet: bool) -> Self {
+        Self {
+            bar: Progress::new(quiet),
+            replays: replays.max(1),
+            started: 0,
+            events: 1,
+            label: String::new(),
+            countdown: CHECK_EVERY,
+        }
+    }
+
+    /// Erases the bar.
+    pub fn finish(&mut self) {
+        self.bar.finish();
+    }
+}
+
+impl ReplayObserver for CompareProgress {
+    fn start(&mut self, trace: &Trace, strategy: &dyn Strategy) {
+        self.started += 1;
+        self.events = trace.events.len().max(1);
+        self.label = format!("{} / {}", trace.name, strategy.name());
+    }
+
+    #[inline]
+    fn after_event(&mut self, index: usize, _: &dyn Strategy) {
+        self.countdown -= 1;
+        if self.countdown > 0 {
+            return;
+        }
+        self.countdown = CHECK_EVERY;
+        let done = (self.started - 1) as f64 + (index + 1) as f64 / self.events as f64;
+        let (replays, started, label) = (self.replays, self.started, &self.label);
+        self.bar.update(done / replays as f64, || {
+            format!("replay {started} of {replays}: {label}")
+        });
+    }
+}
+
+/// The bar of `cuvmm capacity`: one step per (trace, allocator) search, split by an estimate of the
+/// replays the search still needs.
+#[derive(Debug)]
+pub struct CapacityProgress {
+    bar: Progress,
+    searches: usize,
+    search: usize,
+    label: String,
+    page_size: u64,
+    replays: usize,
+    capacity: u64,
+    within: f64,
+    expected: f64,
+    events: usize,
+    countdown: u32,
+}
+
+impl CapacityProgress {
+    /// A bar for `searches` searches on pages of `page_size` bytes.
+    pub fn new(searches: usize, page_size: u64, quiet: bool) -> Self {
+        Self {
+            bar: Progress::new(quiet),
+            searches: searches.max(1),
+            search: 0,
+            label: String::new(),
+            page_size: page_size.max(1),
+            replays: 0,
+            capacity: 0,
+            within: 0.0,
+            expected: 1.0,
+            events: 1,
+            countdown: CHECK_EVERY,
+        }
+    }
+
+    /// The next search, of `trace` through `allocator`, starts.
+    pub fn next_search(&mut self, trace: &str, allocator: &str) {
+        self.search += 1;
+        self.label = format!("{trace} / {allocator}");
+        self.replays = 0;
+        self.within = 0.0;
+    }
+
+    /// Erases the bar.
+    pub fn finish(&mut self) {
+        self.bar.finish();
+    }
+}
+
+impl CapacityObserver for CapacityProgress {
+    fn probe(&mut self, capacity: u64, bracket: Bracket) {
+        self.replays += 1;
+        self.capacity = capacity;
+        // Replays still to come after this one, if this one does not end the search: the bisection of
+        // the bracket; before any capacity is known to fit, a doubling and a bisection of the range it
+        // leaves (the guess from peak reserved usually cuts that short; the bar then jumps ahead).
+        let pages = |bytes: u64| (bytes / self.page_size).max(2) as f64;
+        let rest = match bracket {
+            Bracket {
+                fails: Some(fails),
+                fits: Some(fits),
+            } => pages(fits - fails).log2().ceil() - 1.0,
+            Bracket { fails, .. } => {
+                let lower = fails.unwrap_or(capacity);
+                pages(lower).log2().ceil().min(12.0) + 1.0
+            }
+        };
+        self.expected = self.replays as f64 + rest.max(0.0);
+    }
+}
+
+impl ReplayObserver for CapacityProgress {
+    fn start(&mut self, trace: &Trace, _: &dyn Strategy) {
+        self.events = trace.events.len().max(1);
+    }
+
+    #[inline]
+    fn after_event(&mut self, index: usize, _: &dyn Strategy) {
+        self.countdown -= 1;
+        if self.countdown > 0 {
+            return;
+        }
+        self.countdown = CHECK_EVERY;
+        let replay = (index + 1) as f64 / self.events as f64;
+        let within = ((self.replays - 1) as f64 + replay) / self.expected.max(1.0);
+        // Never go back within a search when the estimate grows.
+        self.within = self.within.max(within.min(1.0));
+        let done = ((self.search - 1) as f64 + self.within) / self.searches as f64;
+        let (search, searches, replays, label) =
+            (self.search, self.searches, self.replays, &self.label);
+        let capacity = format_size(self.capacity);
+        self.bar.update(done, || {
+            format!("{search}/{searches} {label}: replay {replays}, {capacity}")
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_line_fits_80_columns_and_shows_the_fraction() {
+        let line = render(0.5, Duration::from_millis(3_200), &"x".repeat(200));
+        assert!(line.chars().count() <= LINE, "{line}");
+        assert!(line.contains(" 50%") && line.contains("3.2s"), "{line}");
+        assert!(
+            line.starts_with(&format!("[{}>", "=".repeat(BAR / 2 - 1))),
+            "{line}"
+        );
+        let full = render(1.5, Duration::ZERO, "done");
+        assert!(full.starts_with(&format!("[{}]", "=".repeat(BAR))) && full.ends_with("done"));
+        let empty = render(f64::NAN, Duration::ZERO, "");
+        assert!(empty.starts_with(&format!("[{}]", " ".repeat(BAR))) && empty.contains(" 0%"));
+    }
+
+    #[test]
+    fn a_quiet_bar_never_draws() {
+        let mut bar = Progress::new(true);
+        bar.start -= DELAY * 2;
+        bar.update(0.5, || unreachable!("a quiet bar builds no label"));
+        assert!(bar.last_draw.is_none());
+    }
+}
