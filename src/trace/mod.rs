@@ -1,7 +1,8 @@
 //! Workloads, traces and the replay engine: the tools layer that drives any allocator.
 //!
 //! A [`Trace`] is a sequence of allocations and frees ([`event`]); [`workload`] generates the built-in
-//! ones; [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
+//! ones; [`load`] reads trace files ([`pytorch`] snapshots, [`rmm`] logs, cuvmm's own [`text`] format);
+//! [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
 //! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results.
 
 pub mod allocators;
@@ -13,10 +14,21 @@ pub mod load;
 pub mod pytorch;
 pub mod replay;
 pub mod report;
+pub mod rmm;
 pub mod rng;
+pub mod text;
 pub mod workload;
 
 pub use builder::TraceBuilder;
 pub use event::{Event, Trace, TraceError};
 pub use replay::{DriverCalls, ReplayError, ReplayOptions, ReplayResult, replay};
 pub use rng::Rng;
+
+/// At most 40 characters of `text` (a field of a user's file), so an error message stays one short line.
+fn excerpt(text: &str) -> String {
+    const MAX: usize = 40;
+    match text.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.to_string(),
+    }
+}

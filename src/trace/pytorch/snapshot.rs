@@ -151,15 +151,21 @@ pub enum SnapshotError {
     },
 }
 
-/// Reads a pickled snapshot. serde-pickle needs `replace_recursive_structures` for these files: PyTorch
-/// shares frame dictionaries between entries through the pickle memo.
+/// Reads a pickled snapshot from the file at `path`.
 pub fn read(path: &Path) -> Result<RawSnapshot, SnapshotError> {
     let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
         path: path.to_path_buf(),
         source,
     })?;
+    parse(path, &bytes)
+}
+
+/// Reads a pickled snapshot from `bytes`; `path` names it in errors. serde-pickle needs
+/// `replace_recursive_structures` for these files: PyTorch shares frame dictionaries between entries
+/// through the pickle memo.
+pub fn parse(path: &Path, bytes: &[u8]) -> Result<RawSnapshot, SnapshotError> {
     let options = serde_pickle::DeOptions::new().replace_recursive_structures();
-    serde_pickle::from_slice(&bytes, options).map_err(|source| SnapshotError::Decode {
+    serde_pickle::from_slice(bytes, options).map_err(|source| SnapshotError::Decode {
         path: path.to_path_buf(),
         source,
     })
