@@ -7,6 +7,8 @@
 mod args;
 #[path = "cuvmm/commands.rs"]
 mod commands;
+#[path = "cuvmm/workload.rs"]
+mod workload;
 
 use args::{Cli, Command};
 use clap::Parser;
@@ -16,26 +18,41 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        // A bad value (unknown workload, bad size): one line naming it.
+        // Help and version: clap's own output and status.
         Err(e)
             if matches!(
                 e.kind(),
-                ErrorKind::ValueValidation | ErrorKind::InvalidValue
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
             ) =>
         {
-            let message = e.to_string();
-            let first = message.lines().next().unwrap_or_default();
-            eprintln!("cuvmm: {}", first.trim_start_matches("error: "));
+            e.exit()
+        }
+        // A bad flag or value (unknown flag, unknown workload, bad size, missing argument): one line naming
+        // it, status 2.
+        Err(e) => {
+            eprintln!("cuvmm: {}", first_paragraph(&e.to_string()));
             return ExitCode::from(commands::USAGE);
         }
-        // Help, version, unknown flags: clap's own output and status (2 for errors).
-        Err(e) => e.exit(),
     };
     match cli.command {
         None => commands::run_compare(cli.compare),
         Some(Command::Compare(args)) => commands::run_compare(args),
         Some(Command::Workloads) => commands::run_workloads(),
+        Some(Command::Workload(args)) => workload::run(args),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
     }
+}
+
+/// The first paragraph of a clap error, on one line: clap puts the problem there and the flag it names
+/// either on the same line or on the indented lines below (missing arguments), then a tip and the usage.
+fn first_paragraph(message: &str) -> String {
+    let lines: Vec<&str> = message
+        .lines()
+        .take_while(|line| !line.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    lines.join(" ").trim_start_matches("error: ").to_string()
 }

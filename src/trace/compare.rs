@@ -1,6 +1,8 @@
-//! Replaying workloads through allocators: what `cuvmm compare` does.
+//! Replaying workloads and trace files through allocators: what `cuvmm compare` does.
 
 use super::allocators::{self, BuildError};
+use super::event::Trace;
+use super::load::{self, LoadError};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use super::workload;
 use crate::config::{Config, ConfigError};
@@ -8,16 +10,22 @@ use crate::driver::DriverError;
 use crate::driver::device::{DeviceError, DeviceSpec};
 use crate::driver::sim::SimConfig;
 use crate::size::{GIB, MIB};
+use std::path::PathBuf;
 
 /// What to compare and on which device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompareOptions {
     /// Built-in workloads to replay, in order.
     pub workloads: Vec<String>,
+    /// Trace files to replay after the workloads, in order: PyTorch memory snapshots, RMM logs or cuvmm
+    /// traces ([`load::load`]).
+    pub traces: Vec<PathBuf>,
+    /// The device of a multi-device snapshot to replay; `None` replays each device that has events.
+    pub trace_device: Option<usize>,
     /// Allocators to replay them through, in order.
     pub allocators: Vec<String>,
     /// The device to replay on: the simulator (the default) or a CUDA device.
-    pub device: DeviceSpec,
+    pub backend: DeviceSpec,
     /// Device memory in bytes (the simulated device's; a CUDA device has what it has).
     pub capacity: u64,
     /// Page size in bytes: the simulated device's allocation granularity, and the allocator's page size
@@ -32,15 +40,18 @@ pub struct CompareOptions {
 }
 
 impl Default for CompareOptions {
-    /// Every built-in workload through every allocator on an 80 GiB device with 2 MiB pages.
+    /// Every built-in workload (and no trace file) through every allocator on an 80 GiB device with 2 MiB
+    /// pages.
     fn default() -> Self {
         Self {
             workloads: workload::BUILTIN.iter().map(|w| w.to_string()).collect(),
+            traces: Vec::new(),
+            trace_device: None,
             allocators: allocators::ALLOCATORS
                 .iter()
                 .map(|a| a.to_string())
                 .collect(),
-            device: DeviceSpec::Sim,
+            backend: DeviceSpec::Sim,
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
@@ -59,6 +70,9 @@ pub enum CompareError {
         /// The name given.
         name: String,
     },
+    /// A trace file cannot be read.
+    #[error(transparent)]
+    Trace(#[from] LoadError),
     /// The allocator configuration does not parse.
     #[error("bad allocator configuration: {0}")]
     Config(#[from] ConfigError),
@@ -71,7 +85,7 @@ pub enum CompareError {
     /// A replay failed.
     #[error("replaying `{workload}` through `{allocator}`: {source}")]
     Replay {
-        /// The workload.
+        /// The workload or trace.
         workload: String,
         /// The allocator.
         allocator: String,
@@ -95,8 +109,9 @@ impl CompareError {
     }
 }
 
-/// Replays each workload through each allocator, each replay on a fresh device. Names are checked before
-/// anything runs. Results come workload by workload, allocators in the order given.
+/// Replays each workload, then each trace of each trace file, through each allocator, each replay on a
+/// fresh device. Names are checked and trace files read before anything runs. Results come workload by
+/// workload and trace by trace, allocators in the order given.
 pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareError> {
     if let Some(name) = options
         .workloads
@@ -118,26 +133,45 @@ pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareErr
         .with_backing_store(options.replay.touch);
     let mut config = Config::from_alloc_conf(&options.alloc_conf)?;
     config.page_size = config.page_size.or(Some(options.page_size));
+    let mut files: Vec<Trace> = Vec::new();
+    for path in &options.traces {
+        files.extend(load::load(path, options.trace_device)?);
+    }
     // Open the device once before any work, so a missing driver is reported at once.
-    drop(options.device.open(sim.clone())?);
+    drop(options.backend.open(sim.clone())?);
     let mut results = Vec::new();
     for name in &options.workloads {
         let trace = workload::generate(name, options.seed)
             .ok_or_else(|| CompareError::UnknownWorkload { name: name.clone() })?;
-        for allocator in &options.allocators {
-            let device = options.device.open(sim.clone())?;
-            let mut strategy = allocators::build_on(allocator, device, config.clone())?;
-            let result = replay(strategy.as_mut(), &trace, &options.replay).map_err(|source| {
-                CompareError::Replay {
-                    workload: name.clone(),
-                    allocator: allocator.clone(),
-                    source: Box::new(source),
-                }
-            })?;
-            results.push(result);
-        }
+        replay_all(options, &sim, &config, &trace, &mut results)?;
+    }
+    for trace in &files {
+        replay_all(options, &sim, &config, trace, &mut results)?;
     }
     Ok(results)
+}
+
+/// Replays `trace` through each allocator of `options`, appending the results.
+fn replay_all(
+    options: &CompareOptions,
+    sim: &SimConfig,
+    config: &Config,
+    trace: &Trace,
+    results: &mut Vec<ReplayResult>,
+) -> Result<(), CompareError> {
+    for allocator in &options.allocators {
+        let device = options.backend.open(sim.clone())?;
+        let mut strategy = allocators::build_on(allocator, device, config.clone())?;
+        let result = replay(strategy.as_mut(), trace, &options.replay).map_err(|source| {
+            CompareError::Replay {
+                workload: trace.name.clone(),
+                allocator: allocator.clone(),
+                source: Box::new(source),
+            }
+        })?;
+        results.push(result);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -190,7 +224,7 @@ mod tests {
         // Without the feature, or without a driver, asking for CUDA fails before any replay.
         if !cfg!(feature = "cuda") {
             let options = CompareOptions {
-                device: DeviceSpec::Cuda { ordinal: 0 },
+                backend: DeviceSpec::Cuda { ordinal: 0 },
                 ..CompareOptions::default()
             };
             let err = compare(&options).unwrap_err();

@@ -19,7 +19,9 @@ pub const USAGE: u8 = 2;
 /// `cuvmm compare`.
 pub fn run_compare(args: CompareArgs) -> ExitCode {
     let mut options = CompareOptions {
-        device: args.device.device,
+        backend: args.backend.backend,
+        traces: args.traces,
+        trace_device: args.device,
         replay: ReplayOptions {
             touch: args.touch,
             ..ReplayOptions::default()
@@ -33,13 +35,14 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
             .unwrap_or_default(),
         ..CompareOptions::default()
     };
-    if !args.workloads.is_empty() {
+    // Without --workload: every workload, unless trace files are given.
+    if !args.workloads.is_empty() || !options.traces.is_empty() {
         options.workloads = args.workloads;
     }
     let results = match compare(&options) {
         Ok(results) => results,
         Err(e) => {
-            eprintln!("cuvmm: {e}");
+            eprintln!("cuvmm: {}", one_line(&e.to_string()));
             return ExitCode::from(if e.is_usage_error() { USAGE } else { 1 });
         }
     };
@@ -68,7 +71,7 @@ pub fn run_workloads() -> ExitCode {
 
 /// `cuvmm driver-bench`.
 pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
-    let mut device = match args.device.device.open(SimConfig::default()) {
+    let mut device = match args.backend.backend.open(SimConfig::default()) {
         Ok(device) => device,
         Err(e) => {
             eprintln!("cuvmm: {e}");
@@ -96,6 +99,11 @@ pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
             }
         },
     }
+}
+
+/// `message` on one line: a message quoting a user's file could hold a line break.
+pub fn one_line(message: &str) -> String {
+    message.replace(['\n', '\r'], " ")
 }
 
 /// Writes results to stdout. A reader that went away (`cuvmm | head`) ends the program quietly, as it
