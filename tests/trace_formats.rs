@@ -571,3 +571,84 @@ fn load_reads_each_format_and_names_the_trace_after_the_file() {
         Err(LoadError::Empty { .. })
     ));
 }
+
+/// Pickles whose decoding would exhaust memory, time or the stack: each is refused by the pass before
+/// serde-pickle (`trace/pytorch/guard.rs`), with the file named and the opcode's offset.
+#[test]
+fn snapshot_pickles_that_would_exhaust_the_decoder_are_refused() {
+    use cuvmm::trace::pytorch::{self, SnapshotError};
+    let nested = |levels: usize| {
+        let mut b = b"\x80\x02".to_vec();
+        b.extend(std::iter::repeat_n(*b"](", levels).flatten());
+        b.extend(std::iter::repeat_n(b'e', levels));
+        b.push(b'.');
+        b
+    };
+    // A 100,000-element list, memoized, then referenced 300 times: 3e7 nodes walked for 100 kB.
+    let mut shared = b"\x80\x02](".to_vec();
+    shared.extend(std::iter::repeat_n(b'N', 100_000));
+    shared.extend(b"eq\x01]q\x02(");
+    shared.extend(std::iter::repeat_n(*b"h\x01", 300).flatten());
+    shared.extend(b"e.");
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        // An 84-byte list that doubles forty times: out of memory before the guard.
+        (
+            "dup.pickle",
+            [&b"\x80\x02]"[..], &b"2a".repeat(40), b"."].concat(),
+            "DUP",
+        ),
+        (
+            "deep.pickle",
+            nested(1000),
+            "nesting deeper than 100 levels",
+        ),
+        // Deep enough to overflow the stack in the decoder's walk or drop.
+        (
+            "deeper.pickle",
+            nested(1_000_000),
+            "nesting deeper than 100 levels",
+        ),
+        (
+            "global.pickle",
+            b"\x80\x02c__builtin__\nlist\n)R.".to_vec(),
+            "object construction",
+        ),
+        (
+            "memo_copy.pickle",
+            b"\x80\x02]q\x01h\x01q\x02.".to_vec(),
+            "stored again",
+        ),
+        (
+            "memo_twice.pickle",
+            b"\x80\x02]q\x01]q\x01.".to_vec(),
+            "set twice",
+        ),
+        // A list that contains itself: changed after it was referenced.
+        (
+            "recursive.pickle",
+            b"\x80\x02]q\x00h\x00a.".to_vec(),
+            "changed after",
+        ),
+        (
+            "shared.pickle",
+            shared,
+            "walked more than 64 times per byte",
+        ),
+    ];
+    for (name, bytes, what) in cases {
+        let err = pytorch::parse_devices(Path::new(name), &bytes, None).unwrap_err();
+        assert!(
+            matches!(err, SnapshotError::Refused { .. }),
+            "{name}: {err}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.starts_with(name) && message.contains(what),
+            "{message}"
+        );
+    }
+    // What is left: a shallow pickle that shares values a few times decodes (and is not a snapshot).
+    let ok = b"\x80\x02](Neq\x01](h\x01h\x01e.";
+    let err = pytorch::parse_devices(Path::new("ok.pickle"), ok, None).unwrap_err();
+    assert!(matches!(err, SnapshotError::Decode { .. }), "{err}");
+}
