@@ -652,3 +652,34 @@ fn snapshot_pickles_that_would_exhaust_the_decoder_are_refused() {
     let err = pytorch::parse_devices(Path::new("ok.pickle"), ok, None).unwrap_err();
     assert!(matches!(err, SnapshotError::Decode { .. }), "{err}");
 }
+
+/// The real snapshots in `../shared/traces` are far inside the pickle guard's limits: they nest 7 levels,
+/// and decoding walks at most 2.8 value nodes per byte (`-- --nocapture` prints each).
+#[test]
+fn shared_snapshots_are_far_inside_the_pickle_guard() {
+    use cuvmm::trace::pytorch::guard::{self, MAX_DEPTH};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        println!("skipped: {} is absent", dir.display());
+        return;
+    };
+    let mut files: Vec<_> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
+        .collect();
+    files.sort();
+    for path in files {
+        let bytes = std::fs::read(&path).unwrap();
+        let cost = guard::check(&bytes).unwrap_or_else(|r| panic!("{}: {r:?}", path.display()));
+        let per_byte = cost.walked as f64 / bytes.len() as f64;
+        println!(
+            "{}: depth {}, {} nodes walked, {per_byte:.2} per byte",
+            path.file_name().unwrap().to_string_lossy(),
+            cost.depth,
+            cost.walked
+        );
+        assert!(cost.complete);
+        assert!(cost.depth <= MAX_DEPTH / 10, "{cost:?}");
+        assert!(per_byte < 4.0, "{cost:?}");
+    }
+}

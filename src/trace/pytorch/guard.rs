@@ -26,9 +26,22 @@ use std::collections::HashMap;
 pub const MAX_DEPTH: u32 = 100;
 
 /// The most value nodes serde-pickle may walk for a file of `len` bytes: 64 per byte, and at least 2^24.
-/// The shared snapshots (`../shared/traces`) need at most 2.8 per byte, and nest 7 levels deep.
+/// The shared snapshots (`../shared/traces`) need at most 2.8 per byte and nest 7 levels deep
+/// (`cargo test --test trace_formats shared_snapshots -- --nocapture`).
 pub fn visit_budget(len: usize) -> u64 {
     (len as u64).saturating_mul(64).max(1 << 24)
+}
+
+/// What decoding a pickle that passed costs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cost {
+    /// How deep the decoded value nests (0 for a scalar).
+    pub depth: u32,
+    /// Value nodes serde-pickle walks: each memoized value once per reference.
+    pub walked: u64,
+    /// Whether the pass reached the pickle's end (`STOP`); if not, serde-pickle refuses the file where
+    /// the pass stopped, and the cost is that of the part before.
+    pub complete: bool,
 }
 
 /// Why a pickle is refused, and at which byte.
@@ -64,28 +77,33 @@ struct Machine {
     memo: HashMap<u32, Memo>,
 }
 
-/// Checks the pickle in `bytes`.
+/// Checks the pickle in `bytes` and says what decoding it costs.
 ///
 /// # Errors
 /// A [`Refusal`] naming the first opcode that would copy, nest too deep or exceed the budget.
-pub fn check(bytes: &[u8]) -> Result<(), Refusal> {
+pub fn check(bytes: &[u8]) -> Result<Cost, Refusal> {
     let mut machine = Machine::default();
     let mut at = 0;
     while let Some(&op) = bytes.get(at) {
         let refuse = |what| Refusal { offset: at, what };
         let Some(arg_len) = argument_length(op, &bytes[at + 1..]) else {
-            return Ok(());
+            break;
         };
         let arg = &bytes[at + 1..at + 1 + arg_len];
         match machine.step(op, arg) {
             Step::Next => {}
-            Step::Stop => return machine.within_budget(bytes.len()).map_err(refuse),
-            Step::Unknown => return Ok(()),
+            Step::Stop if machine.walked() > visit_budget(bytes.len()) => {
+                return Err(refuse(
+                    "shared values that would be walked more than 64 times per byte of the file",
+                ));
+            }
+            Step::Stop => return Ok(machine.cost(true)),
+            Step::Unknown => break,
             Step::Refuse(what) => return Err(refuse(what)),
         }
         at += 1 + arg_len;
     }
-    Ok(())
+    Ok(machine.cost(false))
 }
 
 /// The length of the argument of `op` at the start of `rest`, or `None` if `op` is unknown or the
@@ -293,9 +311,9 @@ impl Machine {
         Ok(())
     }
 
-    /// Whether walking the decoded tree stays within [`visit_budget`]: each memoized value is walked once
-    /// per reference to it, other nodes once.
-    fn within_budget(&self, len: usize) -> Result<(), &'static str> {
+    /// The nodes walked in decoding the tree: each memoized value once per reference to it, the other
+    /// nodes on the stack once.
+    fn walked(&self) -> u64 {
         let memoized = self.memo.values().fold(0u64, |sum, m| {
             sum.saturating_add(m.size.saturating_mul(m.gets + 1))
         });
@@ -303,12 +321,16 @@ impl Machine {
             .stack
             .iter()
             .fold(0u64, |sum, &i| sum.saturating_add(self.size_depth(i).0));
-        if memoized.saturating_add(rest) > visit_budget(len) {
-            return Err(
-                "shared values that would be walked more than 64 times per byte of the file",
-            );
+        memoized.saturating_add(rest)
+    }
+
+    /// The cost so far; the depth is the result's (the stack's top).
+    fn cost(&self, complete: bool) -> Cost {
+        Cost {
+            depth: self.stack.last().map_or(0, |&i| self.size_depth(i).1),
+            walked: self.walked(),
+            complete,
         }
-        Ok(())
     }
 }
 

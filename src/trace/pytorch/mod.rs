@@ -5,7 +5,7 @@
 //! recording began ([`InitialSegment`]s, reconstructed from the final `segments` and the events), and the
 //! configuration PyTorch ran with. `../shared/traces/README.md` describes the format.
 
-mod guard;
+pub mod guard;
 mod reconstruct;
 mod requests;
 mod settings;
