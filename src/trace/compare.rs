@@ -210,6 +210,48 @@ mod tests {
     }
 
     #[test]
+    fn trace_files_replay_after_the_workloads_and_a_bad_one_is_a_usage_error() {
+        let dir = std::env::temp_dir().join(format!("cuvmm-compare-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let csv = dir.join("log.csv");
+        let log = "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x1000,4096,0x0\n";
+        std::fs::write(&csv, log).unwrap();
+        let options = CompareOptions {
+            workloads: Vec::new(),
+            traces: vec![csv.clone()],
+            allocators: vec!["cuvmm".into(), "classic".into()],
+            ..CompareOptions::default()
+        };
+        let results = compare(&options).unwrap();
+        let names: Vec<(&str, &str)> = results
+            .iter()
+            .map(|r| (r.workload.as_str(), r.allocator.as_str()))
+            .collect();
+        assert_eq!(names, [("log.csv", "cuvmm"), ("log.csv", "classic")]);
+        assert!(results.iter().all(|r| r.peak_live_bytes == 4096));
+
+        // A bad second file stops everything, even the built-in workload listed first.
+        let bad = dir.join("bad.csv");
+        std::fs::write(
+            &bad,
+            "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x1,-1,0\n",
+        )
+        .unwrap();
+        let options = CompareOptions {
+            workloads: vec!["moe".into()],
+            traces: vec![csv, bad],
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(err, CompareError::Trace(_)), "{err}");
+        assert!(err.is_usage_error());
+        assert!(
+            err.to_string().contains("bad.csv:2: negative size"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_missing_cuda_is_a_usage_error_and_a_failing_one_is_not() {
         let usage = |e: DeviceError| CompareError::Device(e).is_usage_error();
         assert!(usage(DeviceError::NoCudaSupport));
