@@ -1,6 +1,6 @@
-//! `--device`, `--touch` and `driver-bench` on the command line: exit statuses, one-line messages, JSON.
+//! `--backend`, `--touch` and `driver-bench` on the command line: exit statuses, one-line messages, JSON.
 //!
-//! What `--device cuda` does depends on the build and the machine: without the `cuda` feature it is refused
+//! What `--backend cuda` does depends on the build and the machine: without the `cuda` feature it is refused
 //! (status 2, one line saying to rebuild with `--features cuda`); with it, on a machine without a CUDA
 //! driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine those
 //! two tests have nothing to check and say so.
@@ -27,17 +27,17 @@ fn refused(args: &[&str], needle: &str) {
 }
 
 const CUDA_COMMANDS: [&[&str]; 4] = [
-    &["compare", "--device", "cuda"],
+    &["compare", "--backend", "cuda"],
     &[
         "compare",
-        "--device",
+        "--backend",
         "cuda:1",
         "--workload",
         "moe",
         "--touch",
     ],
-    &["--device", "cuda"],
-    &["driver-bench", "--device", "cuda"],
+    &["--backend", "cuda"],
+    &["driver-bench", "--backend", "cuda"],
 ];
 
 #[cfg(not(feature = "cuda"))]
@@ -55,7 +55,7 @@ fn cuda_without_the_feature_exits_2_saying_to_rebuild() {
 #[test]
 fn cuda_without_a_driver_exits_2_saying_no_driver_was_found() {
     if gpu_present() {
-        eprintln!("skipped: this machine has a CUDA device, so `--device cuda` is not refused");
+        eprintln!("skipped: this machine has a CUDA device, so `--backend cuda` is not refused");
         return;
     }
     for args in CUDA_COMMANDS {
@@ -64,14 +64,26 @@ fn cuda_without_a_driver_exits_2_saying_no_driver_was_found() {
 }
 
 #[test]
-fn a_bad_device_exits_2_naming_it() {
+fn a_bad_backend_exits_2_naming_it() {
     for bad in ["gpu", "cuda:", "cuda:x", "sim:0"] {
-        refused(&["compare", "--device", bad], bad);
+        refused(&["compare", "--backend", bad], bad);
         refused(
-            &["driver-bench", "--device", bad],
+            &["driver-bench", "--backend", bad],
             "expected sim, cuda or cuda:N",
         );
     }
+}
+
+#[test]
+fn the_old_device_flag_points_to_backend() {
+    // `--device` is now a trace's device index; a backend given to it says where it went.
+    for backend in ["cuda", "sim", "cuda:1"] {
+        refused(
+            &["compare", "--trace", "x.trace", "--device", backend],
+            &format!("use --backend {backend}"),
+        );
+    }
+    refused(&["driver-bench", "--device", "cuda"], "--device");
 }
 
 #[test]
@@ -79,7 +91,7 @@ fn touch_on_the_simulator_changes_no_allocation_figure() {
     let run = |touch: bool| {
         let mut args = vec![
             "compare",
-            "--device",
+            "--backend",
             "sim",
             "--workload",
             "moe",

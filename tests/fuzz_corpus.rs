@@ -5,6 +5,9 @@
 //! when one breaks; a missing or empty corpus directory fails the test too. A second test feeds each
 //! harness inputs from a seeded generator, so stable CI explores a little beyond the corpus.
 //!
+//! The `pytorch_snapshot` and `rmm_csv` seeds are written by `fuzz/seeds/trace_readers.py` (seed_* files
+//! must be read, bad_* refused).
+//!
 //! Part of the `expandable_ops` corpus is written from the scenarios in [`scenarios`], each aimed at one
 //! path; `CUVMM_WRITE_SEEDS=1 cargo test --test fuzz_corpus` rewrites those files after a change to the
 //! input layout. The other files are inputs the fuzzer found, minimized with `cargo fuzz cmin`.
@@ -17,6 +20,12 @@ mod expandable_ops;
 mod input;
 #[path = "harness/page_map.rs"]
 mod page_map;
+#[path = "harness/pytorch_snapshot.rs"]
+mod pytorch_snapshot;
+#[path = "harness/rmm_csv.rs"]
+mod rmm_csv;
+#[path = "harness/trace_replay.rs"]
+mod trace_replay;
 
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::FaultKind;
@@ -46,12 +55,21 @@ fn corpus(target: &str) -> Vec<PathBuf> {
 
 /// Runs `harness` on every file of `target`'s corpus and panics listing every failure, panics included.
 fn replay<T>(target: &str, harness: impl Fn(&[u8]) -> Result<T, String>) -> Vec<T> {
+    replay_named(target, harness)
+        .into_iter()
+        .map(|(_, result)| result)
+        .collect()
+}
+
+/// As [`replay`], each result with its file's name.
+fn replay_named<T>(target: &str, harness: impl Fn(&[u8]) -> Result<T, String>) -> Vec<(String, T)> {
     let mut results = Vec::new();
     let mut failures = Vec::new();
     for path in corpus(target) {
         let data = std::fs::read(&path).expect("readable corpus file");
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
         match catch_unwind(AssertUnwindSafe(|| harness(&data))) {
-            Ok(Ok(result)) => results.push(result),
+            Ok(Ok(result)) => results.push((name, result)),
             Ok(Err(message)) => failures.push(format!("{}: {message}", path.display())),
             Err(_) => failures.push(format!("{}: panicked (message above)", path.display())),
         }
@@ -99,6 +117,55 @@ fn page_map_corpus() {
     assert!(steps.iter().sum::<usize>() > 0, "no step applied");
 }
 
+#[test]
+fn pytorch_snapshot_corpus() {
+    // The seeds written by fuzz/seeds/trace_readers.py: seed_* are read, bad_* refused.
+    let outcomes = replay_named("pytorch_snapshot", pytorch_snapshot::run);
+    for (name, outcome) in &outcomes {
+        let read = matches!(outcome, pytorch_snapshot::Outcome::Read { .. });
+        if name.starts_with("seed_") || name.starts_with("bad_") {
+            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
+        }
+    }
+    let devices = |name: &str| outcomes.iter().find(|(n, _)| n == name).map(|(_, o)| *o);
+    assert!(
+        matches!(
+            devices("seed_two_devices"),
+            Some(pytorch_snapshot::Outcome::Read {
+                traces: 2,
+                events: 4
+            })
+        ),
+        "{:?}",
+        devices("seed_two_devices")
+    );
+}
+
+#[test]
+fn rmm_csv_corpus() {
+    let outcomes = replay_named("rmm_csv", rmm_csv::run);
+    for (name, outcome) in &outcomes {
+        let read = matches!(outcome, rmm_csv::Outcome::Read { .. });
+        if name.starts_with("seed_") || name.starts_with("bad_") {
+            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
+        }
+    }
+    let read =
+        |f: fn(&rmm_csv::Outcome) -> usize| outcomes.iter().map(|(_, o)| f(o)).sum::<usize>();
+    assert!(
+        read(|o| match o {
+            rmm_csv::Outcome::Read { failures, .. } => *failures,
+            _ => 0,
+        }) > 0
+    );
+    assert!(
+        read(|o| match o {
+            rmm_csv::Outcome::Read { seeded, .. } => *seeded,
+            _ => 0,
+        }) > 0
+    );
+}
+
 /// Inputs from a seeded SplitMix64 generator: the same every run.
 fn random_inputs(seed: u64, count: usize, len: usize) -> Vec<Vec<u8>> {
     let mut state = seed;
@@ -126,6 +193,23 @@ fn seeded_random_inputs() {
     }
     for data in random_inputs(3, 48, 700) {
         page_map::run(&data).unwrap_or_else(|e| panic!("page_map on {data:?}: {e}"));
+    }
+    for mut data in random_inputs(4, 64, 300) {
+        // Half of them start like a pickle, to get past the first opcode.
+        if data.len() % 2 == 0 && !data.is_empty() {
+            data[0] = 0x80;
+        }
+        pytorch_snapshot::run(&data)
+            .unwrap_or_else(|e| panic!("pytorch_snapshot on {data:?}: {e}"));
+    }
+    for data in random_inputs(5, 64, 300) {
+        // Bytes mapped onto the characters of a log, so that some rows come close to valid.
+        const CHARS: &[u8] = b"0123456789abcdefx,,,\n-allocatefree failure";
+        let text: Vec<u8> = data
+            .iter()
+            .map(|b| CHARS[*b as usize % CHARS.len()])
+            .collect();
+        rmm_csv::run(&text).unwrap_or_else(|e| panic!("rmm_csv on {text:?}: {e}"));
     }
 }
 

@@ -21,6 +21,8 @@ mod snapshot;
 mod source;
 #[path = "cuvmm/summary.rs"]
 mod summary;
+#[path = "cuvmm/workload.rs"]
+mod workload;
 
 use args::{Cli, Command};
 use clap::Parser;
@@ -31,30 +33,45 @@ fn main() -> ExitCode {
     let (leading_verbose, args) = logging::leading_verbosity(std::env::args_os().collect());
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
-        // A bad value (unknown workload, bad size): one line naming it.
+        // Help and version: clap's own output and status.
         Err(e)
             if matches!(
                 e.kind(),
-                ErrorKind::ValueValidation | ErrorKind::InvalidValue
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
             ) =>
         {
-            let message = e.to_string();
-            let first = message.lines().next().unwrap_or_default();
-            eprintln!("cuvmm: {}", first.trim_start_matches("error: "));
+            e.exit()
+        }
+        // A bad flag or value (unknown flag, unknown workload, bad size, missing argument): one line naming
+        // it, status 2.
+        Err(e) => {
+            eprintln!("cuvmm: {}", first_paragraph(&e.to_string()));
             return ExitCode::from(commands::USAGE);
         }
-        // Help, version, unknown flags: clap's own output and status (2 for errors).
-        Err(e) => e.exit(),
     };
     logging::init(cli.verbose.saturating_add(leading_verbose));
     match cli.command {
         None => commands::run_compare(cli.compare),
         Some(Command::Compare(args)) => commands::run_compare(args),
         Some(Command::Workloads) => commands::run_workloads(),
+        Some(Command::Workload(args)) => workload::run(args),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
         Some(Command::Summary(args)) => summary::run_summary(args),
         Some(Command::Snapshot(args)) => snapshot::run_snapshot(args),
         Some(Command::Capacity(args)) => capacity::run_capacity(args),
     }
+}
+
+/// The first paragraph of a clap error, on one line: clap puts the problem there and the flag it names
+/// either on the same line or on the indented lines below (missing arguments), then a tip and the usage.
+fn first_paragraph(message: &str) -> String {
+    let lines: Vec<&str> = message
+        .lines()
+        .take_while(|line| !line.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    lines.join(" ").trim_start_matches("error: ").to_string()
 }

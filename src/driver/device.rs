@@ -1,4 +1,4 @@
-//! Which device to run on: `--device sim|cuda[:N]`, parsed in one place for every tool.
+//! Which device to run on: `--backend sim|cuda[:N]`, parsed in one place for every tool.
 //!
 //! [`DeviceSpec`] is what the user asked for; [`DeviceSpec::open`] turns it into a [`Device`], one type that
 //! is either backend and implements [`Driver`] by forwarding, so the strategies, the replay engine and

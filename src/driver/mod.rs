@@ -7,7 +7,7 @@
 //!
 //! [`sim::SimDriver`] is the default backend: it enforces CUDA's rules so that a bug that would crash a GPU
 //! fails a test instead. The real CUDA backend, `cuda::CudaDriver`, lives in `driver/cuda/` behind the
-//! `cuda` feature; [`device`] picks one of them from a `--device sim|cuda[:N]` string.
+//! `cuda` feature; [`device`] picks one of them from a `--backend sim|cuda[:N]` string.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

@@ -1,6 +1,8 @@
-//! Replaying workloads through allocators: what `cuvmm compare` does.
+//! Replaying workloads and trace files through allocators: what `cuvmm compare` does.
 
 use super::allocators::{self, BuildError};
+use super::event::Trace;
+use super::load::{self, LoadError};
 use super::observe::{NoObserver, ReplayObserver};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay_observed};
 use super::workload;
@@ -9,16 +11,22 @@ use crate::driver::DriverError;
 use crate::driver::device::{DeviceError, DeviceSpec};
 use crate::driver::sim::SimConfig;
 use crate::size::{GIB, MIB};
+use std::path::PathBuf;
 
 /// What to compare and on which device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CompareOptions {
     /// Built-in workloads to replay, in order.
     pub workloads: Vec<String>,
+    /// Trace files to replay after the workloads, in order: PyTorch memory snapshots, RMM logs or cuvmm
+    /// traces ([`load::load`]).
+    pub traces: Vec<PathBuf>,
+    /// The device of a multi-device snapshot to replay; `None` replays each device that has events.
+    pub trace_device: Option<usize>,
     /// Allocators to replay them through, in order.
     pub allocators: Vec<String>,
     /// The device to replay on: the simulator (the default) or a CUDA device.
-    pub device: DeviceSpec,
+    pub backend: DeviceSpec,
     /// Device memory in bytes (the simulated device's; a CUDA device has what it has).
     pub capacity: u64,
     /// Page size in bytes: the simulated device's allocation granularity, and the allocator's page size
@@ -33,15 +41,18 @@ pub struct CompareOptions {
 }
 
 impl Default for CompareOptions {
-    /// Every built-in workload through every allocator on an 80 GiB device with 2 MiB pages.
+    /// Every built-in workload (and no trace file) through every allocator on an 80 GiB device with 2 MiB
+    /// pages.
     fn default() -> Self {
         Self {
             workloads: workload::BUILTIN.iter().map(|w| w.to_string()).collect(),
+            traces: Vec::new(),
+            trace_device: None,
             allocators: allocators::ALLOCATORS
                 .iter()
                 .map(|a| a.to_string())
                 .collect(),
-            device: DeviceSpec::Sim,
+            backend: DeviceSpec::Sim,
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
@@ -60,6 +71,9 @@ pub enum CompareError {
         /// The name given.
         name: String,
     },
+    /// A trace file cannot be read.
+    #[error(transparent)]
+    Trace(#[from] LoadError),
     /// The allocator configuration does not parse.
     #[error("bad allocator configuration: {0}")]
     Config(#[from] ConfigError),
@@ -72,7 +86,7 @@ pub enum CompareError {
     /// A replay failed.
     #[error("replaying `{workload}` through `{allocator}`: {source}")]
     Replay {
-        /// The workload.
+        /// The workload or trace.
         workload: String,
         /// The allocator.
         allocator: String,
@@ -96,8 +110,9 @@ impl CompareError {
     }
 }
 
-/// Replays each workload through each allocator, each replay on a fresh device. Names are checked before
-/// anything runs. Results come workload by workload, allocators in the order given.
+/// Replays each workload, then each trace of each trace file, through each allocator, each replay on a
+/// fresh device. Names are checked and trace files read before anything runs. Results come workload by
+/// workload and trace by trace, allocators in the order given.
 pub fn compare(options: &CompareOptions) -> Result<Vec<ReplayResult>, CompareError> {
     compare_observed(options, &mut NoObserver)
 }
@@ -128,25 +143,46 @@ pub fn compare_observed<O: ReplayObserver + ?Sized>(
         .with_backing_store(options.replay.touch);
     let mut config = Config::from_alloc_conf(&options.alloc_conf)?;
     config.page_size = config.page_size.or(Some(options.page_size));
+    let mut files: Vec<Trace> = Vec::new();
+    for path in &options.traces {
+        files.extend(load::load(path, options.trace_device)?);
+    }
     // Open the device once before any work, so a missing driver is reported at once.
-    drop(options.device.open(sim.clone())?);
+    drop(options.backend.open(sim.clone())?);
     let mut results = Vec::new();
     for name in &options.workloads {
         let trace = workload::generate(name, options.seed)
             .ok_or_else(|| CompareError::UnknownWorkload { name: name.clone() })?;
-        for allocator in &options.allocators {
-            let device = options.device.open(sim.clone())?;
-            let mut strategy = allocators::build_on(allocator, device, config.clone())?;
-            let result = replay_observed(strategy.as_mut(), &trace, &options.replay, observer)
-                .map_err(|source| CompareError::Replay {
-                    workload: name.clone(),
-                    allocator: allocator.clone(),
-                    source: Box::new(source),
-                })?;
-            results.push(result);
-        }
+        replay_all(options, &sim, &config, &trace, &mut results, observer)?;
+    }
+    for trace in &files {
+        replay_all(options, &sim, &config, trace, &mut results, observer)?;
     }
     Ok(results)
+}
+
+/// Replays `trace` through each allocator of `options`, appending the results.
+fn replay_all<O: ReplayObserver + ?Sized>(
+    options: &CompareOptions,
+    sim: &SimConfig,
+    config: &Config,
+    trace: &Trace,
+    results: &mut Vec<ReplayResult>,
+    observer: &mut O,
+) -> Result<(), CompareError> {
+    for allocator in &options.allocators {
+        let device = options.backend.open(sim.clone())?;
+        let mut strategy = allocators::build_on(allocator, device, config.clone())?;
+        let result = replay_observed(strategy.as_mut(), trace, &options.replay, observer).map_err(
+            |source| CompareError::Replay {
+                workload: trace.name.clone(),
+                allocator: allocator.clone(),
+                source: Box::new(source),
+            },
+        )?;
+        results.push(result);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -185,6 +221,48 @@ mod tests {
     }
 
     #[test]
+    fn trace_files_replay_after_the_workloads_and_a_bad_one_is_a_usage_error() {
+        let dir = std::env::temp_dir().join(format!("cuvmm-compare-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let csv = dir.join("log.csv");
+        let log = "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x1000,4096,0x0\n";
+        std::fs::write(&csv, log).unwrap();
+        let options = CompareOptions {
+            workloads: Vec::new(),
+            traces: vec![csv.clone()],
+            allocators: vec!["cuvmm".into(), "classic".into()],
+            ..CompareOptions::default()
+        };
+        let results = compare(&options).unwrap();
+        let names: Vec<(&str, &str)> = results
+            .iter()
+            .map(|r| (r.workload.as_str(), r.allocator.as_str()))
+            .collect();
+        assert_eq!(names, [("log.csv", "cuvmm"), ("log.csv", "classic")]);
+        assert!(results.iter().all(|r| r.peak_live_bytes == 4096));
+
+        // A bad second file stops everything, even the built-in workload listed first.
+        let bad = dir.join("bad.csv");
+        std::fs::write(
+            &bad,
+            "Thread,Time,Action,Pointer,Size,Stream\n1,t,allocate,0x1,-1,0\n",
+        )
+        .unwrap();
+        let options = CompareOptions {
+            workloads: vec!["moe".into()],
+            traces: vec![csv, bad],
+            ..CompareOptions::default()
+        };
+        let err = compare(&options).unwrap_err();
+        assert!(matches!(err, CompareError::Trace(_)), "{err}");
+        assert!(err.is_usage_error());
+        assert!(
+            err.to_string().contains("bad.csv:2: negative size"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn a_missing_cuda_is_a_usage_error_and_a_failing_one_is_not() {
         let usage = |e: DeviceError| CompareError::Device(e).is_usage_error();
         assert!(usage(DeviceError::NoCudaSupport));
@@ -199,7 +277,7 @@ mod tests {
         // Without the feature, or without a driver, asking for CUDA fails before any replay.
         if !cfg!(feature = "cuda") {
             let options = CompareOptions {
-                device: DeviceSpec::Cuda { ordinal: 0 },
+                backend: DeviceSpec::Cuda { ordinal: 0 },
                 ..CompareOptions::default()
             };
             let err = compare(&options).unwrap_err();

@@ -3,6 +3,10 @@
 use crate::driver::StreamId;
 use std::collections::HashMap;
 
+/// The largest request a trace file may hold: 2^50 bytes (1 PiB), beyond any device. The readers refuse
+/// more, so sizes and their sums stay far from overflowing 64 bits.
+pub const MAX_SIZE: u64 = 1 << 50;
+
 /// One request in a trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {

@@ -23,7 +23,7 @@ const MAX_SIZE: u64 = 1 << 50;
 /// Why a profiler trace cannot be replayed. Every message names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum KinetoError {
-    /// The file cannot be read or decompressed.
+    /// The file cannot be decompressed.
     #[error("{path}: cannot read: {source}")]
     Io {
         /// The file.
@@ -46,6 +46,14 @@ pub enum KinetoError {
         path: PathBuf,
         /// Position of the event among the file's events.
         index: usize,
+    },
+    /// No CUDA device has memory events (the profiler ran without `profile_memory=True`, or on no GPU).
+    #[error(
+        "{path}: no CUDA memory events (record with torch.profiler.profile(profile_memory=True))"
+    )]
+    NoMemoryEvents {
+        /// The file.
+        path: PathBuf,
     },
     /// The device asked for has no memory events.
     #[error("{path}: no memory events on CUDA device {device} (devices with events: {devices})")]
@@ -92,28 +100,31 @@ struct MemoryEvent {
     bytes: i64,
 }
 
-/// Reads the profiler trace at `path` (gzipped or not) and returns the trace of CUDA device `device`, or
+/// Reads the profiler trace in `bytes` (gzipped or not; `path` names the file in errors) and returns the trace of CUDA device `device`, or
 /// of each CUDA device with memory events when `device` is `None`, in device order. Traces are named
 /// `name`, with `:N` appended for a device N other than 0.
 ///
 /// # Errors
 /// [`KinetoError`], naming the file.
-pub fn load(path: &Path, device: Option<usize>, name: &str) -> Result<Vec<Trace>, KinetoError> {
-    let io = |source| KinetoError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let raw = std::fs::read(path).map_err(io)?;
-    let json = if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut text = Vec::new();
-        flate2::read::MultiGzDecoder::new(raw.as_slice())
-            .read_to_end(&mut text)
-            .map_err(io)?;
-        text
+pub fn parse(
+    path: &Path,
+    bytes: &[u8],
+    device: Option<usize>,
+    name: &str,
+) -> Result<Vec<Trace>, KinetoError> {
+    let mut unzipped = Vec::new();
+    let json = if bytes.starts_with(&[0x1f, 0x8b]) {
+        flate2::read::MultiGzDecoder::new(bytes)
+            .read_to_end(&mut unzipped)
+            .map_err(|source| KinetoError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+        unzipped.as_slice()
     } else {
-        raw
+        bytes
     };
-    let file: File = serde_json::from_slice(&json).map_err(|source| KinetoError::Json {
+    let file: File = serde_json::from_slice(json).map_err(|source| KinetoError::Json {
         path: path.to_path_buf(),
         source,
     })?;
@@ -131,6 +142,11 @@ pub fn load(path: &Path, device: Option<usize>, name: &str) -> Result<Vec<Trace>
                 path: path.to_path_buf(),
                 device: d,
                 devices,
+            });
+        }
+        None if devices.is_empty() => {
+            return Err(KinetoError::NoMemoryEvents {
+                path: path.to_path_buf(),
             });
         }
         None => devices.into_iter().collect(),

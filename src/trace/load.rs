@@ -8,6 +8,9 @@
 use super::event::Trace;
 use super::kineto::{self, KinetoError};
 use super::pytorch::{self, SnapshotError};
+use super::rmm::{self, RmmError};
+use super::text::{self, TextError};
+use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// The formats [`load`] reads.
@@ -23,6 +26,17 @@ pub enum TraceFormat {
     Kineto,
 }
 
+impl fmt::Display for TraceFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TraceFormat::PytorchSnapshot => "a PyTorch memory snapshot",
+            TraceFormat::RmmCsv => "an RMM log",
+            TraceFormat::Cuvmm => "a cuvmm trace",
+            TraceFormat::Kineto => "a PyTorch profiler trace",
+        })
+    }
+}
+
 /// Why a trace file cannot be replayed. Every message names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -33,6 +47,12 @@ pub enum LoadError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// The file is empty.
+    #[error("{path}: empty file, not a trace")]
+    Empty {
+        /// The file.
+        path: PathBuf,
     },
     /// The file is in none of the formats [`load`] reads.
     #[error(
@@ -48,12 +68,20 @@ pub enum LoadError {
     /// A PyTorch profiler trace that cannot be used.
     #[error(transparent)]
     Kineto(#[from] KinetoError),
-    /// A format recognised but not read yet.
-    #[error("{path}: {format:?} traces are not supported yet")]
-    Unsupported {
+    /// An RMM log that cannot be read.
+    #[error(transparent)]
+    Rmm(#[from] RmmError),
+    /// A cuvmm trace that cannot be read.
+    #[error(transparent)]
+    Text(#[from] TextError),
+    /// A device other than 0 asked of a format that holds one device's trace.
+    #[error("{path}: no device {device}: {format} holds the trace of one device, device 0")]
+    NoSuchDevice {
         /// The file.
         path: PathBuf,
-        /// Its format.
+        /// The device asked for.
+        device: usize,
+        /// The file's format.
         format: TraceFormat,
     },
 }
@@ -61,7 +89,7 @@ pub enum LoadError {
 /// The format of the file at `path`, from its first bytes.
 ///
 /// # Errors
-/// [`LoadError::Io`] or [`LoadError::UnknownFormat`].
+/// [`LoadError::Io`], [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
 pub fn detect(path: &Path) -> Result<TraceFormat, LoadError> {
     use std::io::Read;
     let io = |source| LoadError::Io {
@@ -74,15 +102,28 @@ pub fn detect(path: &Path) -> Result<TraceFormat, LoadError> {
         .take(64)
         .read_to_end(&mut head)
         .map_err(io)?;
+    detect_bytes(path, &head)
+}
+
+/// The format of a file that starts with `head`; `path` names it in errors.
+///
+/// # Errors
+/// [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
+pub fn detect_bytes(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
+    if head.is_empty() {
+        return Err(LoadError::Empty {
+            path: path.to_path_buf(),
+        });
+    }
     if head.first() == Some(&0x80) {
         return Ok(TraceFormat::PytorchSnapshot);
     }
     if head.starts_with(&[0x1f, 0x8b]) {
         return Ok(TraceFormat::Kineto);
     }
-    let text = String::from_utf8_lossy(&head);
+    let text = String::from_utf8_lossy(&head[..head.len().min(64)]);
     let first = text.trim_start_matches('\u{feff}').trim_start();
-    if first.starts_with("Thread,Time,Action,Pointer,Size,Stream") {
+    if first.starts_with(rmm::HEADER) {
         Ok(TraceFormat::RmmCsv)
     } else if first.starts_with("# cuvmm-trace") {
         Ok(TraceFormat::Cuvmm)
@@ -96,34 +137,61 @@ pub fn detect(path: &Path) -> Result<TraceFormat, LoadError> {
 }
 
 /// Reads the traces in the file at `path`: for a PyTorch snapshot, the trace of `device`, or of each device
-/// that has events when `device` is `None`; for the other formats, the one trace they hold. Each trace is
-/// named after the file (and the device, for a device other than 0). Memory live before recording began
-/// comes first, as allocations.
+/// that has events when `device` is `None`; for the other formats, the one trace they hold (device 0).
+/// Each trace is named after the file (and the device, for a device other than 0). Memory live before
+/// recording began comes first, as allocations.
 ///
 /// # Errors
 /// [`LoadError`], naming the file.
 pub fn load(path: &Path, device: Option<usize>) -> Result<Vec<Trace>, LoadError> {
+    let bytes = std::fs::read(path).map_err(|source| LoadError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    load_bytes(path, &bytes, device)
+}
+
+/// As [`load`], from the file's bytes; `path` names the traces and the errors.
+///
+/// # Errors
+/// As [`load`].
+pub fn load_bytes(
+    path: &Path,
+    bytes: &[u8],
+    device: Option<usize>,
+) -> Result<Vec<Trace>, LoadError> {
     let file = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string());
-    match detect(path)? {
-        TraceFormat::PytorchSnapshot => Ok(pytorch::load_devices(path, device)?
-            .iter()
-            .map(|t| {
-                let name = match t.device {
-                    0 => file.clone(),
-                    d => format!("{file}:{d}"),
-                };
-                t.to_trace(name)
-            })
-            .collect()),
-        TraceFormat::Kineto => Ok(kineto::load(path, device, &file)?),
-        format => Err(LoadError::Unsupported {
+    let format = detect_bytes(path, bytes)?;
+    let multi_device = matches!(format, TraceFormat::PytorchSnapshot | TraceFormat::Kineto);
+    if !multi_device && device.is_some_and(|d| d != 0) {
+        return Err(LoadError::NoSuchDevice {
             path: path.to_path_buf(),
+            device: device.unwrap_or_default(),
             format,
-        }),
+        });
     }
+    let mut trace = match format {
+        TraceFormat::PytorchSnapshot => {
+            return Ok(pytorch::parse_devices(path, bytes, device)?
+                .iter()
+                .map(|t| {
+                    let name = match t.device {
+                        0 => file.clone(),
+                        d => format!("{file}:{d}"),
+                    };
+                    t.to_trace(name)
+                })
+                .collect());
+        }
+        TraceFormat::Kineto => return Ok(kineto::parse(path, bytes, device, &file)?),
+        TraceFormat::RmmCsv => rmm::parse(path, bytes)?.trace,
+        TraceFormat::Cuvmm => text::parse(path, bytes)?,
+    };
+    trace.name = file;
+    Ok(vec![trace])
 }
 
 #[cfg(test)]
@@ -154,6 +222,8 @@ mod tests {
         let err = load(&other, None).unwrap_err();
         assert!(matches!(err, LoadError::UnknownFormat { .. }));
         assert!(err.to_string().contains("a.txt"), "{err}");
+        let empty = scratch("a.csv.empty", b"");
+        assert!(matches!(detect(&empty), Err(LoadError::Empty { .. })));
         let missing = std::env::temp_dir().join("cuvmm-no-such-trace");
         assert!(matches!(
             load(&missing, None).unwrap_err(),

@@ -28,6 +28,8 @@ pub enum Command {
     Compare(CompareArgs),
     /// List the built-in workloads.
     Workloads,
+    /// Write a built-in workload as a trace file in cuvmm's format (docs/trace-format.md).
+    Workload(crate::workload::WorkloadArgs),
     /// Measure what each virtual-memory driver call costs, per physical page size.
     DriverBench(DriverBenchArgs),
     /// Replay a PyTorch memory snapshot through the matching model of PyTorch's allocator and compare
@@ -43,13 +45,13 @@ pub enum Command {
     Capacity(CapacityArgs),
 }
 
-/// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
+/// Which device to run on; shared by every subcommand that uses one, so `--backend` parses the same way
 /// everywhere.
 #[derive(Debug, Args)]
-pub struct DeviceArgs {
-    /// The device: sim (simulated, the default), cuda (CUDA device 0) or cuda:N.
-    #[arg(long, value_name = "DEVICE", default_value = "sim", value_parser = parse_device)]
-    pub device: DeviceSpec,
+pub struct BackendArgs {
+    /// The device to run on: sim (simulated, the default), cuda (CUDA device 0) or cuda:N.
+    #[arg(long, value_name = "BACKEND", default_value = "sim", value_parser = parse_backend)]
+    pub backend: DeviceSpec,
 }
 
 /// Options of `driver-bench`.
@@ -57,7 +59,7 @@ pub struct DeviceArgs {
 pub struct DriverBenchArgs {
     /// Where to measure.
     #[command(flatten)]
-    pub device: DeviceArgs,
+    pub backend: BackendArgs,
     /// Repetitions per page size (medians are reported).
     #[arg(long, value_name = "N", default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     pub repetitions: u64,
@@ -83,12 +85,18 @@ pub struct FidelityArgs {
 /// Options of `compare`.
 #[derive(Debug, Args)]
 pub struct CompareArgs {
-    /// A built-in workload to replay (repeat for several; default: all).
+    /// A built-in workload to replay (repeat for several; default: all, unless --trace is given).
     #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
     pub workloads: Vec<String>,
+    /// A trace file to replay: a PyTorch memory snapshot, an RMM log or a cuvmm trace (repeat for several).
+    #[arg(long = "trace", value_name = "FILE")]
+    pub traces: Vec<std::path::PathBuf>,
+    /// The device of a multi-device snapshot to replay (default: each device that has events).
+    #[arg(long, value_name = "N", requires = "traces", value_parser = parse_trace_device)]
+    pub device: Option<usize>,
     /// Where to replay.
     #[command(flatten)]
-    pub device: DeviceArgs,
+    pub backend: BackendArgs,
     /// Write a byte pattern into each allocation (cuMemsetD8) and check a sample of it before it is freed;
     /// the driver time reported then includes these writes and reads.
     #[arg(long)]
@@ -127,7 +135,7 @@ pub enum Format {
     Json,
 }
 
-/// A built-in workload's name.
+/// A built-in workload's name, or the list of them.
 pub fn parse_workload(name: &str) -> Result<String, String> {
     if workload::BUILTIN.contains(&name) {
         Ok(name.to_string())
@@ -151,14 +159,30 @@ pub fn parse_allocator(name: &str) -> Result<String, String> {
     }
 }
 
-/// A `--device` value this build can run on: `cuda` is refused here, with the reason, when the `cuda`
+/// A `--backend` value this build can run on: `cuda` is refused here, with the reason, when the `cuda`
 /// feature is off.
-fn parse_device(text: &str) -> Result<DeviceSpec, String> {
+fn parse_backend(text: &str) -> Result<DeviceSpec, String> {
     let spec: DeviceSpec = text
         .parse()
         .map_err(|e: cuvmm::driver::device::DeviceError| e.to_string())?;
     spec.check_supported().map_err(|e| e.to_string())?;
     Ok(spec)
+}
+
+/// A `--device` value: a trace device's index. `sim` or `cuda` get a pointer to `--backend`, which took
+/// over `--device`'s old meaning.
+fn parse_trace_device(text: &str) -> Result<usize, String> {
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        if let Ok(n) = text.parse() {
+            return Ok(n);
+        }
+    }
+    if text.parse::<DeviceSpec>().is_ok() {
+        return Err(format!(
+            "--device is a trace's device index; to run on {text}, use --backend {text}"
+        ));
+    }
+    Err("expected a device index (0, 1, ...)".to_string())
 }
 
 /// A size such as `2MiB`, not 0.

@@ -22,7 +22,9 @@ pub const USAGE: u8 = 2;
 /// `cuvmm compare`.
 pub fn run_compare(args: CompareArgs) -> ExitCode {
     let mut options = CompareOptions {
-        device: args.device.device,
+        backend: args.backend.backend,
+        traces: args.traces,
+        trace_device: args.device,
         replay: ReplayOptions {
             touch: args.touch,
             ..ReplayOptions::default()
@@ -36,14 +38,16 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
             .unwrap_or_default(),
         ..CompareOptions::default()
     };
-    if !args.workloads.is_empty() {
+    // Without --workload: every workload, unless trace files are given.
+    if !args.workloads.is_empty() || !options.traces.is_empty() {
         options.workloads = args.workloads;
     }
     let plot = match args.plot.as_deref().map(PlotFile::create).transpose() {
         Ok(plot) => plot,
         Err(status) => return status,
     };
-    let replays = options.workloads.len() * options.allocators.len();
+    // One trace per file, unless a snapshot holds several devices' (the bar then grows).
+    let replays = (options.workloads.len() + options.traces.len()) * options.allocators.len();
     let mut progress = CompareProgress::new(replays, args.quiet);
     let mut sampler = plot.as_ref().map(|_| Sampler::default());
     let compared = match &mut sampler {
@@ -54,7 +58,7 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
     let results = match compared {
         Ok(results) => results,
         Err(e) => {
-            eprintln!("cuvmm: {e}");
+            eprintln!("cuvmm: {}", one_line(&e.to_string()));
             return ExitCode::from(if e.is_usage_error() { USAGE } else { 1 });
         }
     };
@@ -91,7 +95,7 @@ pub fn run_workloads() -> ExitCode {
 
 /// `cuvmm driver-bench`.
 pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
-    let mut device = match args.device.device.open(SimConfig::default()) {
+    let mut device = match args.backend.backend.open(SimConfig::default()) {
         Ok(device) => device,
         Err(e) => {
             eprintln!("cuvmm: {e}");
@@ -119,6 +123,11 @@ pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
             }
         },
     }
+}
+
+/// `message` on one line: a message quoting a user's file could hold a line break.
+pub fn one_line(message: &str) -> String {
+    message.replace(['\n', '\r'], " ")
 }
 
 /// Writes results to stdout. A reader that went away (`cuvmm | head`) ends the program quietly, as it

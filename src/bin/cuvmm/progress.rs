@@ -111,7 +111,7 @@ pub struct CompareProgress {
 }
 
 impl CompareProgress {
-    /// A bar for `replays` replays.
+    /// A bar for `replays` replays (more may come: the bar grows to the replays started).
     pub fn new(replays: usize, quiet: bool) -> Self {
         Self {
             bar: Progress::new(quiet),
@@ -132,6 +132,8 @@ impl CompareProgress {
 impl ReplayObserver for CompareProgress {
     fn start(&mut self, trace: &Trace, strategy: &dyn Strategy) {
         self.started += 1;
+        // A snapshot file may hold several devices' traces: the count given is then a lower bound.
+        self.replays = self.replays.max(self.started);
         self.events = trace.events.len().max(1);
         self.label = format!("{} / {}", trace.name, strategy.name());
     }

@@ -5,6 +5,7 @@
 //! recording began ([`InitialSegment`]s, reconstructed from the final `segments` and the events), and the
 //! configuration PyTorch ran with. `../shared/traces/README.md` describes the format.
 
+pub mod guard;
 mod reconstruct;
 mod requests;
 mod settings;
@@ -114,16 +115,35 @@ pub fn load_devices(
     path: &Path,
     device: Option<usize>,
 ) -> Result<Vec<PytorchTrace>, SnapshotError> {
-    let raw = snapshot::read(path)?;
+    devices_from_raw(path, &snapshot::read(path)?, device)
+}
+
+/// As [`load_devices`], from the pickle's bytes; `path` names the snapshot in errors.
+///
+/// # Errors
+/// As [`load`].
+pub fn parse_devices(
+    path: &Path,
+    bytes: &[u8],
+    device: Option<usize>,
+) -> Result<Vec<PytorchTrace>, SnapshotError> {
+    devices_from_raw(path, &snapshot::parse(path, bytes)?, device)
+}
+
+fn devices_from_raw(
+    path: &Path,
+    raw: &snapshot::RawSnapshot,
+    device: Option<usize>,
+) -> Result<Vec<PytorchTrace>, SnapshotError> {
     let config = settings::config_from_settings(path, raw.allocator_settings.as_ref())?;
     let devices: Vec<usize> = match device {
-        Some(_) => vec![reconstruct::pick_device(path, &raw, device)?],
+        Some(_) => vec![reconstruct::pick_device(path, raw, device)?],
         None => {
             let busy: Vec<usize> = (0..raw.device_traces.len())
                 .filter(|&d| raw.device_traces[d].as_ref().is_some_and(|e| !e.is_empty()))
                 .collect();
             if busy.is_empty() {
-                vec![reconstruct::pick_device(path, &raw, None)?]
+                vec![reconstruct::pick_device(path, raw, None)?]
             } else {
                 busy
             }
@@ -131,6 +151,6 @@ pub fn load_devices(
     };
     devices
         .into_iter()
-        .map(|d| reconstruct::build(path, &raw, d, config.clone()))
+        .map(|d| reconstruct::build(path, raw, d, config.clone()))
         .collect()
 }

@@ -121,6 +121,17 @@ pub enum SnapshotError {
         /// What the pickle decoder said.
         source: serde_pickle::Error,
     },
+    /// A pickle whose decoding would exhaust memory, time or the stack (it copies values, nests too deep,
+    /// or shares values too often), which no memory snapshot does.
+    #[error("{path}: not a PyTorch memory snapshot: {what} (pickle byte {offset})")]
+    Refused {
+        /// The file.
+        path: PathBuf,
+        /// Offset of the opcode refused.
+        offset: usize,
+        /// What it would do.
+        what: &'static str,
+    },
     /// The snapshot has no device with that ordinal.
     #[error("{path}: no device {device} in the snapshot (it has {devices})")]
     NoSuchDevice {
@@ -151,15 +162,27 @@ pub enum SnapshotError {
     },
 }
 
-/// Reads a pickled snapshot. serde-pickle needs `replace_recursive_structures` for these files: PyTorch
-/// shares frame dictionaries between entries through the pickle memo.
+/// Reads a pickled snapshot from the file at `path`.
 pub fn read(path: &Path) -> Result<RawSnapshot, SnapshotError> {
     let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
         path: path.to_path_buf(),
         source,
     })?;
+    parse(path, &bytes)
+}
+
+/// Reads a pickled snapshot from `bytes`; `path` names it in errors. A pickle that would make the decoder
+/// exhaust memory, time or the stack is refused first (`guard.rs`). serde-pickle needs
+/// `replace_recursive_structures` for these files: PyTorch shares frame dictionaries between entries
+/// through the pickle memo.
+pub fn parse(path: &Path, bytes: &[u8]) -> Result<RawSnapshot, SnapshotError> {
+    super::guard::check(bytes).map_err(|refusal| SnapshotError::Refused {
+        path: path.to_path_buf(),
+        offset: refusal.offset,
+        what: refusal.what,
+    })?;
     let options = serde_pickle::DeOptions::new().replace_recursive_structures();
-    serde_pickle::from_slice(&bytes, options).map_err(|source| SnapshotError::Decode {
+    serde_pickle::from_slice(bytes, options).map_err(|source| SnapshotError::Decode {
         path: path.to_path_buf(),
         source,
     })

@@ -1,0 +1,14 @@
+//! Fuzzes the RMM log reader (`trace::rmm`) with arbitrary bytes; the properties are listed
+//! in `tests/harness/rmm_csv.rs`, which `tests/fuzz_corpus.rs` also runs.
+#![no_main]
+
+#[path = "../../tests/harness/rmm_csv.rs"]
+mod rmm_csv;
+#[path = "../../tests/harness/trace_replay.rs"]
+mod trace_replay;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    if let Err(message) = rmm_csv::run(data) {
+        panic!("{message}");
+    }
+});
