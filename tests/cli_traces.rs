@@ -148,7 +148,7 @@ fn unreadable_and_corrupt_files_exit_2_naming_the_file() {
         "not a PyTorch profiler trace",
     );
     trace_refused(
-        &file("corrupt.json.gz", &[0x1f, 0x8b, 8, 0, 1, 2, 3]),
+        &file("corrupt.json.gz", [0x1f, 0x8b, 8, 0, 1, 2, 3]),
         "cannot read",
     );
     trace_refused(
