@@ -13,8 +13,8 @@ impl<D: Driver> Split<D> {
     /// PyTorch's `release_block`: `cudaFree`s the cached segment whose only block is at `addr`.
     pub(super) fn release_block(&mut self, addr: u64) -> Result<(), Error> {
         let block = self.blocks.at(addr);
-        self.record(SegmentAction::SegmentFree, addr, block.size, block.stream);
         self.driver.free(addr)?;
+        self.record(SegmentAction::SegmentFree, addr, block.size, block.stream);
         self.counters.device_free += 1;
         self.total_allocated_memory -= block.size;
         self.counters.segment.sub(1);
@@ -68,6 +68,7 @@ impl<D: Driver> Split<D> {
     /// first; in expandable segments, unmaps every whole page of every cached block and frees reservations
     /// left with nothing mapped.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), Error> {
+        self.release_stranded()?;
         self.release_blocks(Pool::Large)?;
         self.release_blocks(Pool::Small)
     }
@@ -145,6 +146,7 @@ impl<D: Driver> Split<D> {
     /// same order, until at least `bytes` were released. Returns the bytes released.
     pub(super) fn release_some(&mut self, bytes: u64) -> Result<u64, Error> {
         let start = self.total_allocated_memory;
+        self.release_stranded()?;
         for pool in [Pool::Large, Pool::Small] {
             let keys: Vec<SizeKey> = self.pool(pool).blocks.iter().copied().collect();
             for (_, _, addr) in keys {
@@ -175,7 +177,7 @@ impl<D: Driver> Split<D> {
             };
             let result = match segment.expandable {
                 None => self.driver.free(start).map_err(Error::from),
-                Some(es) => es.teardown(&mut self.driver, segment.stream),
+                Some(mut es) => es.teardown(&mut self.driver, segment.stream),
             };
             if let Err(e) = result {
                 first_err.get_or_insert(e);
