@@ -19,6 +19,7 @@ pub mod size;
 pub mod split;
 pub mod stats;
 pub mod strategy;
+mod sync;
 pub mod trace;
 
 pub use allocator::{Allocator, DeviceBuffer};
