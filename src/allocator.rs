@@ -11,9 +11,8 @@ use crate::error::{Error, InvariantViolation};
 use crate::expandable::Expandable;
 use crate::stats::Stats;
 use crate::strategy::Strategy;
-use parking_lot::Mutex;
+use crate::sync::{Arc, Mutex};
 use std::fmt;
-use std::sync::Arc;
 
 struct Shared<S> {
     strategy: Mutex<S>,

@@ -23,6 +23,7 @@ pub mod split;
 pub mod stats;
 pub mod strategy;
 pub mod summary;
+mod sync;
 pub mod trace;
 
 pub use allocator::{Allocator, DeviceBuffer};

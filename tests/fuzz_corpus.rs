@@ -5,12 +5,12 @@
 //! when one breaks; a missing or empty corpus directory fails the test too. A second test feeds each
 //! harness inputs from a seeded generator, so stable CI explores a little beyond the corpus.
 //!
+//! Part of the `expandable_ops` and `split_ops` corpora is written from the scenarios in [`scenarios`]
+//! and [`split_scenarios`], each aimed at one path; `CUVMM_WRITE_SEEDS=1 cargo test --test fuzz_corpus`
+//! rewrites those files after a change to the input layout. The other files are inputs the fuzzer found, minimized with `cargo fuzz cmin`.
+//!
 //! The `pytorch_snapshot` and `rmm_csv` seeds are written by `fuzz/seeds/trace_readers.py` (seed_* files
 //! must be read, bad_* refused).
-//!
-//! Part of the `expandable_ops` corpus is written from the scenarios in [`scenarios`], each aimed at one
-//! path; `CUVMM_WRITE_SEEDS=1 cargo test --test fuzz_corpus` rewrites those files after a change to the
-//! input layout. The other files are inputs the fuzzer found, minimized with `cargo fuzz cmin`.
 
 #[path = "harness/config_parse.rs"]
 mod config_parse;
@@ -24,6 +24,8 @@ mod page_map;
 mod pytorch_snapshot;
 #[path = "harness/rmm_csv.rs"]
 mod rmm_csv;
+#[path = "harness/split_ops.rs"]
+mod split_ops;
 #[path = "harness/trace_replay.rs"]
 mod trace_replay;
 
@@ -91,6 +93,29 @@ fn expandable_ops_corpus() {
     // The corpus must exercise what the target is for, not only decode.
     let total = |f: fn(&expandable_ops::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
     assert!(total(|s| s.allocs) > 0, "no allocation succeeded");
+    assert!(total(|s| s.ooms) > 0, "no allocation ran out of memory");
+    assert!(total(|s| s.faults_fired) > 0, "no fault fired");
+    assert!(
+        total(|s| s.failed_by_fault) > 0,
+        "no operation failed by a fault"
+    );
+}
+
+#[test]
+fn split_ops_corpus() {
+    let summaries = replay("split_ops", |data| {
+        split_ops::run(data).map_err(|f| f.to_string())
+    });
+    // The corpus must exercise both modes, running out of memory and failing by faults.
+    let total = |f: fn(&split_ops::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
+    for expandable in [false, true] {
+        assert!(
+            summaries
+                .iter()
+                .any(|s| s.expandable == expandable && s.allocs > 0),
+            "no allocation succeeded with expandable_segments {expandable}"
+        );
+    }
     assert!(total(|s| s.ooms) > 0, "no allocation ran out of memory");
     assert!(total(|s| s.faults_fired) > 0, "no fault fired");
     assert!(
@@ -193,6 +218,11 @@ fn seeded_random_inputs() {
     }
     for data in random_inputs(3, 48, 700) {
         page_map::run(&data).unwrap_or_else(|e| panic!("page_map on {data:?}: {e}"));
+    }
+    for data in random_inputs(4, 48, 360) {
+        if let Err(failure) = split_ops::run(&data) {
+            panic!("split_ops on {data:?}:\n{failure}");
+        }
     }
     for mut data in random_inputs(4, 64, 300) {
         // Half of them start like a pickle, to get past the first opcode.
@@ -337,6 +367,157 @@ fn written_seeds_match_their_scenarios() {
         assert_eq!(expandable_ops::decode(&bytes), (setup, actions), "{name}");
         let path = dir.join(name);
         if write {
+            std::fs::write(&path, &bytes).expect("seed written");
+        }
+        let on_disk = std::fs::read(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (CUVMM_WRITE_SEEDS=1 writes it)", path.display()));
+        assert_eq!(on_disk, bytes, "{name} differs from its scenario");
+    }
+}
+
+/// The hand-written `split_ops` seeds: (file name, setup, operations).
+fn split_scenarios() -> Vec<(&'static str, split_ops::Setup, Vec<split_ops::Action>)> {
+    use split_ops::Action::*;
+    use split_ops::{MIB, Setup};
+    let setup = |granules, expandable, max_split_mb, roundup, gc| Setup {
+        granules,
+        expandable,
+        max_split_mb,
+        roundup,
+        gc,
+    };
+    let alloc = |size, stream| Alloc { size, stream };
+    let fault = |op, n, kind| Fault { op, n, kind };
+    let (err, oom) = (FaultKind::Error, FaultKind::OutOfMemory);
+    vec![
+        (
+            // Small blocks split 2 MiB segments, a 5 MiB block splits a 20 MiB one, a 12 MiB block gets
+            // its own; freed neighbours merge and are reused per stream; empty_cache frees whole segments.
+            "seed_classic_split_and_merge",
+            setup(64, false, None, false, false),
+            vec![
+                alloc(1000, 0),
+                alloc(688_128, 0),
+                alloc(1000, 1),
+                alloc(5 * MIB, 0),
+                alloc(3 * MIB, 0),
+                alloc(12 * MIB, 1),
+                Free { pick: 1 },
+                Free { pick: 3 },
+                alloc(2 * MIB, 0),
+                alloc(10 * MIB, 1),
+                Trim { mib: 4 },
+                Free { pick: 0 },
+                EmptyCache,
+            ],
+        ),
+        (
+            // max_split_size_mb:20 on a 48 MiB device: oversize blocks are not split, and a request that
+            // does not fit is served after the cached oversize blocks are released; then out of memory.
+            "seed_classic_oversize_release",
+            setup(24, false, Some(20), false, false),
+            vec![
+                alloc(30 * MIB, 0),
+                Free { pick: 0 },
+                alloc(22 * MIB, 0),
+                alloc(40 * MIB, 0),
+                Free { pick: 0 },
+                alloc(40 * MIB, 1),
+                alloc(20 * MIB, 1),
+                Free { pick: 0 },
+                alloc(10 * MIB + 1, 0),
+            ],
+        ),
+        (
+            // cudaMalloc runs out of memory (the cache is released and the request retried once), then
+            // fails outright; cudaFree fails while the cache is released.
+            "seed_classic_malloc_faults",
+            setup(40, false, None, false, false),
+            vec![
+                alloc(6 * MIB, 0),
+                Free { pick: 0 },
+                fault(Op::Malloc, 1, oom),
+                alloc(30 * MIB, 1),
+                fault(Op::Malloc, 1, err),
+                alloc(512, 2),
+                alloc(512, 2),
+                fault(Op::Free, 1, err),
+                Free { pick: 0 },
+                EmptyCache,
+                fault(Op::MemInfo, 1, err),
+                alloc(70 * MIB, 0),
+                EmptyCache,
+            ],
+        ),
+        (
+            // Expandable segments: a growth of three 20 MiB pages whose second map fails, one whose
+            // set_access fails, creates that run out of memory or fail, and unmap, release, synchronize
+            // and free_reservation failing while the cache is released.
+            "seed_expandable_growth_faults",
+            setup(80, true, None, false, false),
+            vec![
+                fault(Op::Map, 2, err),
+                alloc(50 * MIB, 0),
+                fault(Op::SetAccess, 1, err),
+                alloc(50 * MIB, 0),
+                alloc(50 * MIB, 0),
+                alloc(3000, 1),
+                fault(Op::Create, 1, oom),
+                alloc(20 * MIB + 512, 1),
+                fault(Op::Create, 2, err),
+                alloc(45 * MIB, 2),
+                Free { pick: 0 },
+                fault(Op::Unmap, 2, err),
+                EmptyCache,
+                fault(Op::Release, 1, err),
+                Trim { mib: 40 },
+                fault(Op::Synchronize, 1, err),
+                EmptyCache,
+                Free { pick: 0 },
+                fault(Op::FreeReservation, 1, err),
+                EmptyCache,
+                fault(Op::Reserve, 1, err),
+                alloc(1000, 2),
+            ],
+        ),
+        (
+            // Garbage collection (threshold 0.6 of a 0.9 fraction) and roundup_power2_divisions:4 with
+            // sizes at the rules' thresholds, in both modes' worth of requests; refused requests too.
+            "seed_gc_roundup_thresholds",
+            setup(48, false, Some(40), true, true),
+            vec![
+                alloc(MIB, 0),
+                alloc(MIB + 512, 0),
+                alloc(10 * MIB - 512, 0),
+                alloc(10 * MIB + 1, 0),
+                Free { pick: 1 },
+                Free { pick: 1 },
+                alloc(20 * MIB + 512, 0),
+                alloc(40 * MIB + 1, 1),
+                Free { pick: 0 },
+                alloc(9 * MIB, 0),
+                BadFree { pick: 0 },
+                alloc(0, 0),
+                alloc(96 * MIB + 1, 1),
+                Free { pick: 0 },
+                BadFree { pick: 7 },
+            ],
+        ),
+    ]
+}
+
+/// The hand-written `split_ops` seeds on disk are exactly what their scenarios encode to, and decode
+/// back to them.
+#[test]
+fn written_split_seeds_match_their_scenarios() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/split_ops");
+    let write = std::env::var_os("CUVMM_WRITE_SEEDS").is_some();
+    for (name, setup, actions) in split_scenarios() {
+        let bytes = split_ops::encode(&setup, &actions);
+        assert_eq!(split_ops::decode(&bytes), (setup, actions), "{name}");
+        let path = dir.join(name);
+        if write {
+            std::fs::create_dir_all(&dir).expect("corpus directory created");
             std::fs::write(&path, &bytes).expect("seed written");
         }
         let on_disk = std::fs::read(&path)

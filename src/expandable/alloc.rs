@@ -173,11 +173,12 @@ impl<D: Driver> Expandable<D> {
         Ok(None)
     }
 
-    /// Whether `stream` has no queued work left: an event recorded on it now has already completed.
+    /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An
+    /// event that cannot be destroyed is destroyed again at the next poll.
     fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
         let event = self.driver.record_event(stream)?;
         let complete = self.driver.event_complete(event);
-        let destroyed = self.driver.destroy_event(event);
+        let destroyed = self.destroy_event(event);
         let complete = complete?;
         destroyed?;
         Ok(complete)

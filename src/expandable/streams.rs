@@ -24,12 +24,15 @@ pub(super) struct PendingFrees {
     pub events: BTreeMap<StreamId, VecDeque<(EventId, u64)>>,
     /// Per parked block (by address), how many of its events have not completed yet.
     pub outstanding: HashMap<u64, usize>,
+    /// Events the allocator no longer waits for whose `destroy_event` failed: destroyed again at the next
+    /// poll, so none is left behind.
+    pub undestroyed: Vec<EventId>,
 }
 
 impl PendingFrees {
-    /// Whether no block is parked.
+    /// Whether no block is parked and no event waits to be destroyed.
     pub fn is_empty(&self) -> bool {
-        self.outstanding.is_empty()
+        self.outstanding.is_empty() && self.undestroyed.is_empty()
     }
 }
 
@@ -69,8 +72,8 @@ impl<D: Driver> Expandable<D> {
                 Ok(event) => events.push((stream, event)),
                 Err(err) => {
                     for (_, event) in events {
-                        if let Err(destroy_err) = self.driver.destroy_event(event) {
-                            tracing::warn!(%destroy_err, "cuvmm: destroying an event after a failed free");
+                        if let Err(destroy_err) = self.destroy_event(event) {
+                            tracing::warn!(%destroy_err, "cuvmm: destroying an event after a failed free; retried at the next poll");
                         }
                     }
                     self.stream_uses.insert(addr, streams);
@@ -101,6 +104,9 @@ impl<D: Driver> Expandable<D> {
     pub(super) fn process_events(&mut self) -> Result<u64, Error> {
         if self.pending.is_empty() {
             return Ok(0);
+        }
+        for event in std::mem::take(&mut self.pending.undestroyed) {
+            self.destroy_event(event)?;
         }
         let streams: Vec<StreamId> = self.pending.events.keys().copied().collect();
         let mut freed = 0;
@@ -171,14 +177,27 @@ impl<D: Driver> Expandable<D> {
                 first_err.get_or_insert(err);
             }
         }
-        for (event, _) in std::mem::take(&mut self.pending.events)
+        let parked = std::mem::take(&mut self.pending.events)
             .into_values()
-            .flatten()
+            .flatten();
+        let events: Vec<EventId> = parked.map(|(event, _)| event).collect();
+        for event in events
+            .into_iter()
+            .chain(std::mem::take(&mut self.pending.undestroyed))
         {
             if let Err(err) = self.driver.destroy_event(event) {
                 first_err.get_or_insert(err.into());
             }
         }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Destroys `event`, which the allocator no longer needs. If the driver refuses, the event is kept and
+    /// destroyed again at the next poll, and the error is returned.
+    pub(super) fn destroy_event(&mut self, event: EventId) -> Result<(), Error> {
+        self.driver.destroy_event(event).map_err(|err| {
+            self.pending.undestroyed.push(event);
+            err.into()
+        })
     }
 }

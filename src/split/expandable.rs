@@ -24,6 +24,20 @@ pub(crate) struct ExpandableSegment {
     pub page: u64,
     /// The handle mapped at each page, up to the last mapped one.
     pub handles: Vec<Option<PhysHandle>>,
+    /// Pages that a failed driver call left held: a handle whose release failed, or a page whose unmap
+    /// failed while a failed growth was rolled back. Counted as reserved, and given back on the release
+    /// paths (see [`Split::release_stranded`]).
+    pub stranded: Vec<Stranded>,
+}
+
+/// A page of physical memory the allocator could not give back yet (a driver call failed), and where it
+/// is still mapped, if anywhere. No block uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Stranded {
+    /// The page's handle.
+    pub handle: PhysHandle,
+    /// The address it is still mapped at, if its unmap failed.
+    pub mapped_at: Option<u64>,
 }
 
 impl ExpandableSegment {
@@ -34,24 +48,26 @@ impl ExpandableSegment {
         (begin as usize, end as usize)
     }
 
+    /// Physical bytes this segment holds: its mapped pages and its stranded ones.
+    pub fn held_bytes(&self) -> u64 {
+        (self.mapped_pages() + self.stranded.len()) as u64 * self.page
+    }
+
     /// PyTorch's `ExpandableSegment::map`: creates one handle per page of the pages covering
     /// `offset .. offset + size` (`offset` page aligned), maps them and sets access on the whole range.
-    /// Returns the bytes mapped, or 0 if the device ran out of memory (nothing is kept then).
+    /// Returns the bytes mapped, or 0 if the device ran out of memory. On any failure nothing stays
+    /// mapped: what was created or mapped is given back (PyTorch gives back only the handles of a failed
+    /// `cuMemCreate`; its other failures throw), and what cannot be is kept as stranded. Stranded pages are
+    /// retried first, since one may still be mapped in the range.
     fn map<D: Driver>(&mut self, driver: &mut D, offset: u64, size: u64) -> Result<u64, Error> {
+        self.retry_stranded(driver)?;
         let (begin, end) = self.pages_covering(offset, size);
-        if self.handles.len() < end {
-            self.handles.resize(end, None);
-        }
-        for i in begin..end {
+        let mut created = Vec::with_capacity(end - begin);
+        for _ in begin..end {
             match driver.create(self.page) {
-                Ok(h) => self.handles[i] = Some(h),
+                Ok(h) => created.push((h, None)),
                 Err(e) => {
-                    for j in begin..i {
-                        if let Some(h) = self.handles[j].take() {
-                            driver.release(h)?;
-                        }
-                    }
-                    self.trim_handles();
+                    self.give_back(driver, created);
                     return if e.is_out_of_memory() {
                         Ok(0)
                     } else {
@@ -60,52 +76,118 @@ impl ExpandableSegment {
                 }
             }
         }
-        for i in begin..end {
-            let handle = self.handles[i].expect("handle created above");
-            driver.map(self.page_addr(i), self.page, handle)?;
+        for entry in 0..created.len() {
+            let addr = self.page_addr(begin + entry);
+            if let Err(e) = driver.map(addr, self.page, created[entry].0) {
+                self.give_back(driver, created);
+                return Err(e.into());
+            }
+            created[entry].1 = Some(addr);
         }
         let bytes = (end - begin) as u64 * self.page;
-        driver.set_access(self.page_addr(begin), bytes)?;
+        if let Err(e) = driver.set_access(self.page_addr(begin), bytes) {
+            self.give_back(driver, created);
+            return Err(e.into());
+        }
+        if self.handles.len() < end {
+            self.handles.resize(end, None);
+        }
+        for (i, (handle, _)) in (begin..end).zip(created) {
+            self.handles[i] = Some(handle);
+        }
         Ok(bytes)
+    }
+
+    /// Unmaps (where mapped) and releases pages that a failed growth had obtained; whatever fails is kept
+    /// in [`stranded`](Self::stranded).
+    fn give_back<D: Driver>(&mut self, driver: &mut D, pages: Vec<(PhysHandle, Option<u64>)>) {
+        for (handle, mapped_at) in pages {
+            self.stranded.push(Stranded { handle, mapped_at });
+        }
+        if let Err(err) = self.retry_stranded(driver) {
+            tracing::warn!(%err, "pytorch model: giving back the pages of a failed growth failed; kept for later");
+        }
+    }
+
+    /// Tries again to unmap and release every stranded page. Returns the first failure; the pages that
+    /// failed stay stranded.
+    pub fn retry_stranded<D: Driver>(&mut self, driver: &mut D) -> Result<(), Error> {
+        let mut first_err = None;
+        for mut s in std::mem::take(&mut self.stranded) {
+            if let Some(addr) = s.mapped_at {
+                if let Err(e) = driver.unmap(addr, self.page) {
+                    first_err.get_or_insert(e);
+                    self.stranded.push(s);
+                    continue;
+                }
+                s.mapped_at = None;
+            }
+            if let Err(e) = driver.release(s.handle) {
+                first_err.get_or_insert(e);
+                self.stranded.push(s);
+            }
+        }
+        first_err.map_or(Ok(()), |e| Err(e.into()))
     }
 
     /// PyTorch's `ExpandableSegment::unmap`: unmaps and releases the whole pages inside
     /// `offset .. offset + size`, after synchronizing `stream`. Returns the offset and size unmapped (size 0
-    /// if no whole page lies inside).
+    /// if no whole page lies inside) and the first failure. A failed unmap stops there: the range returned
+    /// is then the pages before it, which were unmapped.
     fn unmap<D: Driver>(
         &mut self,
         driver: &mut D,
         stream: StreamId,
         offset: u64,
         size: u64,
-    ) -> Result<(u64, u64), Error> {
+    ) -> (u64, u64, Result<(), Error>) {
         let begin = offset.div_ceil(self.page) as usize;
         let end = ((offset + size) / self.page) as usize;
         if begin >= end {
-            return Ok((offset, 0));
+            return (offset, 0, Ok(()));
         }
-        self.unmap_handles(driver, stream, begin, end)?;
-        Ok((begin as u64 * self.page, (end - begin) as u64 * self.page))
+        let (done, result) = self.unmap_handles(driver, stream, begin, end);
+        (
+            begin as u64 * self.page,
+            (done - begin) as u64 * self.page,
+            result,
+        )
     }
 
     /// PyTorch's `unmapHandles`: synchronize the stream (unmapping does not wait for it), then unmap and
-    /// release each page.
+    /// release each page. Returns the page up to which everything was unmapped (`begin` if the
+    /// synchronization failed, `end` unless an unmap failed) and the first failure. A handle whose
+    /// release fails after its unmap is kept as stranded.
     fn unmap_handles<D: Driver>(
         &mut self,
         driver: &mut D,
         stream: StreamId,
         begin: usize,
         end: usize,
-    ) -> Result<(), Error> {
-        driver.synchronize(stream)?;
+    ) -> (usize, Result<(), Error>) {
+        if let Err(e) = driver.synchronize(stream) {
+            return (begin, Err(e.into()));
+        }
+        let mut first_err = None;
         for i in begin..end {
-            if let Some(h) = self.handles.get_mut(i).and_then(Option::take) {
-                driver.unmap(self.page_addr(i), self.page)?;
-                driver.release(h)?;
+            let Some(handle) = self.handles.get(i).copied().flatten() else {
+                continue;
+            };
+            if let Err(e) = driver.unmap(self.page_addr(i), self.page) {
+                self.trim_handles();
+                return (i, Err(e.into()));
+            }
+            self.handles[i] = None;
+            if let Err(e) = driver.release(handle) {
+                self.stranded.push(Stranded {
+                    handle,
+                    mapped_at: None,
+                });
+                first_err.get_or_insert(e);
             }
         }
         self.trim_handles();
-        Ok(())
+        (end, first_err.map_or(Ok(()), |e| Err(e.into())))
     }
 
     fn trim_handles(&mut self) {
@@ -123,11 +205,13 @@ impl ExpandableSegment {
         self.handles.iter().flatten().count()
     }
 
-    /// Unmaps everything and frees the reservation (PyTorch's destructor).
-    pub fn teardown<D: Driver>(mut self, driver: &mut D, stream: StreamId) -> Result<(), Error> {
+    /// Unmaps everything, gives back stranded pages and frees the reservation (PyTorch's destructor).
+    /// On failure the segment keeps what it could not give back, and the call may be repeated.
+    pub fn teardown<D: Driver>(&mut self, driver: &mut D, stream: StreamId) -> Result<(), Error> {
+        self.retry_stranded(driver)?;
         if self.mapped_pages() > 0 {
             let end = self.handles.len();
-            self.unmap_handles(driver, stream, 0, end)?;
+            self.unmap_handles(driver, stream, 0, end).1?;
         }
         driver.free_reservation(self.va)?;
         Ok(())
@@ -221,6 +305,7 @@ impl<D: Driver> Split<D> {
                     va,
                     page,
                     handles: Vec::new(),
+                    stranded: Vec::new(),
                 }),
             },
         );
@@ -251,7 +336,11 @@ impl<D: Driver> Split<D> {
             .get_mut(&block.segment)
             .expect("block's segment exists");
         let es = segment.expandable.as_mut().expect("an expandable segment");
-        let mapped = es.map(&mut self.driver, addr - block.segment, size)?;
+        let held = es.held_bytes();
+        let result = es.map(&mut self.driver, addr - block.segment, size);
+        let held_delta = i128::from(es.held_bytes()) - i128::from(held);
+        self.adjust_held(block.pool, held_delta);
+        let mapped = result?;
         if mapped == 0 {
             return Ok(None);
         }
@@ -275,8 +364,6 @@ impl<D: Driver> Split<D> {
         let (merged, _) = self.try_merge_blocks(addr, true);
         let (merged, _) = self.try_merge_blocks(merged, false);
         self.insert_into_blocks(merged);
-        self.total_allocated_memory += mapped;
-        self.counters.reserved.add(pool, mapped);
         self.counters.device_alloc += 1;
         self.record(SegmentAction::SegmentMap, addr, mapped, block.stream);
         Ok(Some(merged))
@@ -284,7 +371,8 @@ impl<D: Driver> Split<D> {
 
     /// PyTorch's `unmap_block`: unmaps the whole pages inside the cached block at `addr`; the pieces
     /// before and after them stay cached. Returns the address of the unmapped block (merged with unmapped
-    /// neighbours), or `None` if no whole page was inside.
+    /// neighbours), or `None` if no whole page was inside. If a driver call fails part way, the pages
+    /// unmapped before it are booked as unmapped all the same, and the failure is returned.
     pub(super) fn unmap_block(&mut self, addr: u64) -> Result<Option<u64>, Error> {
         let block = self.blocks.at(addr);
         let segment = self
@@ -293,10 +381,13 @@ impl<D: Driver> Split<D> {
             .expect("block's segment exists");
         let stream = segment.stream;
         let es = segment.expandable.as_mut().expect("an expandable segment");
-        let (offset, size) =
-            es.unmap(&mut self.driver, stream, addr - block.segment, block.size)?;
+        let held = es.held_bytes();
+        let (offset, size, result) =
+            es.unmap(&mut self.driver, stream, addr - block.segment, block.size);
+        let held_delta = i128::from(es.held_bytes()) - i128::from(held);
+        self.adjust_held(block.pool, held_delta);
         if size == 0 {
-            return Ok(None);
+            return result.map(|()| None);
         }
         self.counters.synchronizations += 1;
         let start = block.segment + offset;
@@ -337,27 +428,95 @@ impl<D: Driver> Split<D> {
         self.pool_mut(block.pool)
             .unmapped
             .insert((block.stream, merged));
-        self.total_allocated_memory -= size;
-        self.counters.reserved.sub(block.pool, size);
         self.counters.device_free += 1;
         self.record(SegmentAction::SegmentUnmap, start, size, block.stream);
-        Ok(Some(merged))
+        result.map(|()| Some(merged))
     }
 
     /// PyTorch's `release_expandable_segment`: frees the reservation whose only block, unmapped, is at
-    /// `addr`.
+    /// `addr`. If that fails, the segment stays as it was (a later `empty_cache` tries again).
     pub(super) fn release_expandable_segment(&mut self, addr: u64) -> Result<(), Error> {
         let block = self.blocks.at(addr);
         if block.mapped {
             return Ok(());
         }
+        let Some(segment) = self.segments.get_mut(&block.segment) else {
+            return Ok(());
+        };
+        let stream = segment.stream;
+        if let Some(es) = segment.expandable.as_mut() {
+            let held = es.held_bytes();
+            let result = es.teardown(&mut self.driver, stream);
+            let held_delta = i128::from(es.held_bytes()) - i128::from(held);
+            self.adjust_held(block.pool, held_delta);
+            result?;
+        }
         self.remove_from_pool(addr);
         self.blocks.remove(addr);
-        if let Some(segment) = self.segments.remove(&block.segment)
-            && let Some(es) = segment.expandable
-        {
-            es.teardown(&mut self.driver, segment.stream)?;
+        self.segments.remove(&block.segment);
+        Ok(())
+    }
+
+    /// Tries again to give back every stranded page (see [`ExpandableSegment::stranded`]); returns the
+    /// first failure. Called on the release paths, where the cache goes back to the driver.
+    pub(super) fn release_stranded(&mut self) -> Result<(), Error> {
+        let starts: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| {
+                s.expandable
+                    .as_ref()
+                    .is_some_and(|es| !es.stranded.is_empty())
+            })
+            .map(|(&start, _)| start)
+            .collect();
+        let mut first_err = None;
+        for start in starts {
+            let Some(segment) = self.segments.get_mut(&start) else {
+                continue;
+            };
+            let pool = segment.pool;
+            let Some(es) = segment.expandable.as_mut() else {
+                continue;
+            };
+            let held = es.held_bytes();
+            let result = es.retry_stranded(&mut self.driver);
+            let held_delta = i128::from(es.held_bytes()) - i128::from(held);
+            self.adjust_held(pool, held_delta);
+            if let Err(e) = result {
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Frees every reservation that has nothing mapped (one unmapped block covers it). PyTorch keeps such
+    /// a reservation until the allocator is destroyed when its first mapping ran out of memory, or when
+    /// freeing it failed; `empty_cache` here gives it back.
+    pub(super) fn release_unmapped_segments(&mut self) -> Result<(), Error> {
+        let empty: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|&(&start, s)| {
+                s.expandable.is_some()
+                    && self
+                        .blocks
+                        .get(start)
+                        .is_some_and(|b| !b.mapped && b.size == s.size)
+            })
+            .map(|(&start, _)| start)
+            .collect();
+        for start in empty {
+            self.release_expandable_segment(start)?;
         }
         Ok(())
+    }
+
+    /// Adds `delta` (which may be negative) to the memory held from the device: PyTorch's
+    /// `total_allocated_memory` and the reserved statistic of `pool`.
+    fn adjust_held(&mut self, pool: Pool, delta: i128) {
+        let total = i128::from(self.total_allocated_memory) + delta;
+        self.total_allocated_memory = u64::try_from(total).unwrap_or(0);
+        Self::adjust(&mut self.counters.reserved, pool, delta);
     }
 }

@@ -121,7 +121,7 @@ pub(super) fn check<D: Driver>(a: &Split<D>) -> Result<(), V> {
                 *reserved += seg.size;
                 *malloc_segments += 1;
             }
-            Some(es) => *reserved += es.mapped_pages() as u64 * es.page,
+            Some(es) => *reserved += es.held_bytes(),
         }
     }
     if blocks_seen != a.blocks.len() {

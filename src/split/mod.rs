@@ -369,7 +369,8 @@ impl<D: Driver> Strategy for Split<D> {
     }
 
     fn empty_cache(&mut self) -> Result<(), Error> {
-        self.release_cached_blocks()
+        self.release_cached_blocks()?;
+        self.release_unmapped_segments()
     }
 
     fn trim(&mut self, bytes: u64) -> Result<u64, Error> {

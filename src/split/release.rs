@@ -13,8 +13,8 @@ impl<D: Driver> Split<D> {
     /// PyTorch's `release_block`: `cudaFree`s the cached segment whose only block is at `addr`.
     pub(super) fn release_block(&mut self, addr: u64) -> Result<(), Error> {
         let block = self.blocks.at(addr);
-        self.record(SegmentAction::SegmentFree, addr, block.size, block.stream);
         self.driver.free(addr)?;
+        self.record(SegmentAction::SegmentFree, addr, block.size, block.stream);
         self.counters.device_free += 1;
         self.total_allocated_memory -= block.size;
         self.counters.segment.sub(block.pool, 1);
@@ -72,6 +72,7 @@ impl<D: Driver> Split<D> {
     /// left with nothing mapped.
     pub(super) fn release_cached_blocks(&mut self) -> Result<(), Error> {
         let _span = tracing::debug_span!("release_cached_blocks").entered();
+        self.release_stranded()?;
         self.release_blocks(Pool::Large)?;
         self.release_blocks(Pool::Small)
     }
@@ -149,6 +150,7 @@ impl<D: Driver> Split<D> {
     /// same order, until at least `bytes` were released. Returns the bytes released.
     pub(super) fn release_some(&mut self, bytes: u64) -> Result<u64, Error> {
         let start = self.total_allocated_memory;
+        self.release_stranded()?;
         for pool in [Pool::Large, Pool::Small] {
             let keys: Vec<SizeKey> = self.pool(pool).blocks.iter().copied().collect();
             for (_, _, addr) in keys {
@@ -179,7 +181,7 @@ impl<D: Driver> Split<D> {
             };
             let result = match segment.expandable {
                 None => self.driver.free(start).map_err(Error::from),
-                Some(es) => es.teardown(&mut self.driver, segment.stream),
+                Some(mut es) => es.teardown(&mut self.driver, segment.stream),
             };
             if let Err(e) = result {
                 first_err.get_or_insert(e);

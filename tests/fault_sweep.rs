@@ -1,0 +1,585 @@
+//! Fault-injection sweep: every driver call a random operation sequence makes is made to fail in turn.
+//!
+//! For each allocator (cuvmm's `Expandable`, the classic split model and PyTorch's expandable segments) and
+//! each seed, a random sequence of operations (allocations of random sizes, multi-page growths included;
+//! frees; `record_stream`, cuvmm only; `trim`; `empty_cache`) first runs without faults, counting the
+//! driver calls of each kind it makes. Then, for each kind of call (reserve, create, map, set_access,
+//! unmap, release, and the other calls each allocator makes) and each call index `n` the sequence reached,
+//! the sequence runs again on a fresh allocator whose `n`th call of that kind fails (`SimDriver::fail_nth`;
+//! `create` and `malloc` also fail once as out-of-memory, the failure the allocators retry). Checked:
+//! - the fault fires, and the operation it fires in either succeeds (recovered: a documented retry, or
+//!   memory kept idle when giving it back failed) or fails with a typed driver or out-of-memory error;
+//!   an out-of-memory `create` or `malloc` inside a successful allocation was retried
+//!   (`num_alloc_retries` went up); every other operation succeeds;
+//! - after every operation: `check_invariants()`, the statistics against the live allocations,
+//!   `reserved_bytes` equal to what the device holds, and every live allocation's bytes;
+//! - at the end, with faults cleared: the allocator serves new requests (a multi-page one included) and
+//!   their bytes read back; after freeing everything and `empty_cache`, nothing is reserved, no event is
+//!   left, and the device's leak report is empty (no handle, mapping, reservation or `malloc`).
+//!
+//! `CUVMM_FAULT_SWEEP_SEEDS=N` runs N seeds per allocator instead of the default (for the figures in
+//! `docs/reliability.md`); each test prints what it injected to stderr.
+
+use cuvmm::config::Config;
+use cuvmm::driver::Op;
+use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
+use cuvmm::expandable::Expandable;
+use cuvmm::split::Split;
+use cuvmm::{Driver as _, Error, Strategy, StreamId};
+use std::collections::BTreeMap;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+/// Seeds per allocator in a plain `cargo test`.
+const DEFAULT_SEEDS: u64 = 12;
+/// Operations per sequence.
+const OPS: usize = 36;
+/// Bytes of one marker written into live allocations.
+const MARKER: u64 = 16;
+/// The calls a fault is injected into, for every allocator (a kind an allocator never calls is skipped).
+const FAULT_OPS: [Op; 14] = [
+    Op::Reserve,
+    Op::Create,
+    Op::Map,
+    Op::SetAccess,
+    Op::Unmap,
+    Op::Release,
+    Op::FreeReservation,
+    Op::Synchronize,
+    Op::Malloc,
+    Op::Free,
+    Op::RecordEvent,
+    Op::QueryEvent,
+    Op::DestroyEvent,
+    Op::MemInfo,
+];
+
+/// Which allocator a sweep drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Cuvmm,
+    Classic,
+    PytorchExpandable,
+}
+
+impl Kind {
+    /// Device granularity; allocation sizes scale with it.
+    fn granularity(self) -> u64 {
+        match self {
+            Kind::Cuvmm => 64 * KIB,
+            Kind::Classic | Kind::PytorchExpandable => 2 * MIB,
+        }
+    }
+
+    /// A device large enough that no sequence runs out of memory.
+    fn capacity(self) -> u64 {
+        match self {
+            Kind::Cuvmm => 512 * self.granularity(),
+            Kind::Classic | Kind::PytorchExpandable => 1024 * MIB,
+        }
+    }
+
+    /// Spacing of the markers in live allocations: one per page.
+    fn stride(self) -> u64 {
+        match self {
+            Kind::Cuvmm => self.granularity(),
+            Kind::Classic | Kind::PytorchExpandable => 2 * MIB,
+        }
+    }
+}
+
+/// The allocator under test, reachable as a `Strategy` and through its simulated device.
+enum Subject {
+    Cuvmm(Box<Expandable<SimDriver>>),
+    Split(Box<Split<SimDriver>>),
+}
+
+impl Subject {
+    /// A fresh allocator of `kind`; `seed` picks cuvmm's idle limit (0, so frees give memory back, or
+    /// unlimited).
+    fn new(kind: Kind, seed: u64) -> Self {
+        let sim = SimDriver::new(
+            SimConfig::default()
+                .with_capacity(kind.capacity())
+                .with_granularity(kind.granularity())
+                .with_backing_store(true),
+        );
+        match kind {
+            Kind::Cuvmm => {
+                let idle = if seed % 2 == 0 { 0 } else { u64::MAX };
+                let config = Config {
+                    small_size: 4 * KIB,
+                    ..Config::default()
+                }
+                .with_max_idle_bytes(idle);
+                Subject::Cuvmm(Box::new(
+                    Expandable::new(sim, config).expect("valid configuration"),
+                ))
+            }
+            Kind::Classic | Kind::PytorchExpandable => {
+                let config = Config {
+                    expandable_segments: kind == Kind::PytorchExpandable,
+                    ..Config::default()
+                };
+                Subject::Split(Box::new(
+                    Split::new(sim, config).expect("valid configuration"),
+                ))
+            }
+        }
+    }
+
+    fn strategy(&mut self) -> &mut dyn Strategy {
+        match self {
+            Subject::Cuvmm(a) => a.as_mut(),
+            Subject::Split(a) => a.as_mut(),
+        }
+    }
+
+    fn sim(&self) -> &SimDriver {
+        match self {
+            Subject::Cuvmm(a) => a.driver(),
+            Subject::Split(a) => a.driver(),
+        }
+    }
+
+    fn sim_mut(&mut self) -> &mut SimDriver {
+        match self {
+            Subject::Cuvmm(a) => a.driver_mut(),
+            Subject::Split(a) => a.driver_mut(),
+        }
+    }
+}
+
+/// One operation of a sequence. Picks choose among the live allocations (modulo their number).
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Alloc { size: u64, stream: u64 },
+    Free { pick: usize },
+    RecordStream { pick: usize, stream: u64 },
+    Trim { bytes: u64 },
+    EmptyCache,
+}
+
+/// SplitMix64, so a sequence is a pure function of its seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A random sequence for `kind`: sizes from a few bytes to several pages (multi-page growths), at most
+/// eight allocations live, so the device never runs short.
+fn sequence(kind: Kind, seed: u64) -> Vec<Step> {
+    let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ kind as u64);
+    let page = kind.granularity();
+    let (mut live, mut steps) = (0usize, Vec::with_capacity(OPS));
+    while steps.len() < OPS {
+        let step = match rng.below(20) {
+            0..=8 if live < 8 => {
+                let size = match rng.below(4) {
+                    0 => 1 + rng.below(4 * KIB),
+                    1 => 1 + rng.below(page),
+                    2 => page * (1 + rng.below(6)) + rng.below(page),
+                    _ => match kind {
+                        Kind::Cuvmm => page * (1 + rng.below(12)),
+                        _ => MIB * (1 + rng.below(60)) + rng.below(MIB),
+                    },
+                };
+                live += 1;
+                Step::Alloc {
+                    size,
+                    stream: rng.below(3),
+                }
+            }
+            0..=13 if live > 0 => {
+                live -= 1;
+                Step::Free {
+                    pick: rng.next() as usize,
+                }
+            }
+            14..=15 if live > 0 && kind == Kind::Cuvmm => Step::RecordStream {
+                pick: rng.next() as usize,
+                stream: rng.below(3),
+            },
+            16..=17 => Step::Trim {
+                bytes: page * rng.below(8),
+            },
+            18 => Step::EmptyCache,
+            _ => continue,
+        };
+        steps.push(step);
+    }
+    steps
+}
+
+/// A fault planned for one run: the `n`th call of `op` fails with `kind`.
+#[derive(Clone, Copy, Debug)]
+struct Fault {
+    op: Op,
+    n: u64,
+    kind: FaultKind,
+}
+
+/// What one run saw.
+#[derive(Debug, Default)]
+struct Outcome {
+    /// Driver calls per kind made by the sequence (before the final cleanup).
+    calls: BTreeMap<Op, u64>,
+    /// The operation the fault fired in, and whether it returned an error.
+    fired_in: Option<(usize, bool)>,
+    /// Map calls made by each operation: (first map call, last map call), 1-based.
+    maps: Vec<(u64, u64)>,
+}
+
+/// A live allocation: its size and id.
+type Live = BTreeMap<u64, (u64, u64)>;
+
+/// Runs `steps` on a fresh allocator with `fault` planned and checks everything the module docs list.
+fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Outcome, String> {
+    let mut subject = Subject::new(kind, seed);
+    if let Some(f) = fault {
+        subject.sim_mut().fail_nth(f.op, f.n, f.kind);
+    }
+    let start = subject.sim().counters();
+    let target = fault.map(|f| start.get(f.op) + f.n);
+    let fired = |s: &Subject| {
+        fault
+            .zip(target)
+            .is_some_and(|(f, t)| s.sim().counters().get(f.op) >= t)
+    };
+    let mut live: Live = BTreeMap::new();
+    let mut outcome = Outcome::default();
+    let mut next_id = 0;
+    for (i, &step) in steps.iter().enumerate() {
+        let was_fired = fired(&subject);
+        let retries = subject.strategy().stats().num_alloc_retries;
+        let maps_before = subject.sim().counters().get(Op::Map) - start.get(Op::Map);
+        let result = apply(&mut subject, &mut live, &mut next_id, kind, step);
+        let maps_after = subject.sim().counters().get(Op::Map) - start.get(Op::Map);
+        outcome.maps.push((maps_before + 1, maps_after));
+        let fired_now = !was_fired && fired(&subject);
+        if fired_now {
+            outcome.fired_in = Some((i, result.is_err()));
+        }
+        match result {
+            Err(err) if !fired_now => return Err(format!("step {i} {step:?} failed: {err:?}")),
+            Err(err) if !(matches!(err, Error::Driver(_)) || err.is_out_of_memory()) => {
+                return Err(format!("step {i} {step:?}: untyped failure {err:?}"));
+            }
+            Ok(()) if fired_now && matches!(step, Step::Alloc { .. }) => {
+                let f = fault.expect("a fault fired");
+                let retried = subject.strategy().stats().num_alloc_retries > retries;
+                if f.kind == FaultKind::OutOfMemory && !retried {
+                    return Err(format!(
+                        "step {i} {step:?}: {} ran out of memory and the allocation succeeded \
+                         without a retry",
+                        f.op
+                    ));
+                }
+            }
+            _ => {}
+        }
+        check(&mut subject, &live, kind).map_err(|e| format!("after step {i} {step:?}: {e}"))?;
+    }
+    for op in FAULT_OPS {
+        let calls = subject.sim().counters().get(op) - start.get(op);
+        outcome.calls.insert(op, calls);
+    }
+    if fault.is_some() && outcome.fired_in.is_none() {
+        return Err("the planned fault never fired".into());
+    }
+    finish(&mut subject, &mut live, &mut next_id, kind).map_err(|e| format!("cleanup: {e}"))?;
+    Ok(outcome)
+}
+
+/// Applies one step; a failed allocation or free leaves the model as it was.
+fn apply(
+    subject: &mut Subject,
+    live: &mut Live,
+    next_id: &mut u64,
+    kind: Kind,
+    step: Step,
+) -> Result<(), Error> {
+    let nth = |live: &Live, pick: usize| live.keys().nth(pick % live.len().max(1)).copied();
+    match step {
+        Step::Alloc { size, stream } => {
+            let addr = subject.strategy().alloc(size, StreamId(stream))?;
+            *next_id += 1;
+            stamp(subject, addr, size, *next_id, kind);
+            live.insert(addr, (size, *next_id));
+        }
+        Step::Free { pick } => {
+            if let Some(addr) = nth(live, pick) {
+                subject.strategy().free(addr)?;
+                live.remove(&addr);
+            }
+        }
+        Step::RecordStream { pick, stream } => {
+            if let Some(addr) = nth(live, pick) {
+                subject.strategy().record_stream(addr, StreamId(stream))?;
+            }
+        }
+        Step::Trim { bytes } => {
+            subject.strategy().trim(bytes)?;
+        }
+        Step::EmptyCache => subject.strategy().empty_cache()?,
+    }
+    Ok(())
+}
+
+/// Where the markers of an allocation of `size` bytes go: every `stride` bytes, and its last bytes.
+fn marker_offsets(size: u64, stride: u64) -> Vec<u64> {
+    let mut offsets: Vec<u64> = (0..size).step_by(stride as usize).collect();
+    if let Some(&last) = offsets.last()
+        && size >= last + 2 * MARKER
+    {
+        offsets.push(size - MARKER);
+    }
+    offsets
+}
+
+/// The marker of allocation `id` at `offset` (shorter at the end of a small allocation).
+fn marker(id: u64, offset: u64, size: u64) -> Vec<u8> {
+    let mut bytes = [0u8; MARKER as usize];
+    bytes[..8].copy_from_slice(&id.to_le_bytes());
+    bytes[8..].copy_from_slice(&(offset.wrapping_mul(0x9E37) ^ id).to_le_bytes());
+    bytes[..(size - offset).min(MARKER) as usize].to_vec()
+}
+
+/// Writes the markers of a new allocation through the device's backing store.
+fn stamp(subject: &mut Subject, addr: u64, size: u64, id: u64, kind: Kind) {
+    for offset in marker_offsets(size, kind.stride()) {
+        let bytes = marker(id, offset, size);
+        if let Err(e) = subject.sim_mut().write(addr + offset, &bytes) {
+            panic!("allocation {addr:#x}+{size} is not writable at {offset}: {e}");
+        }
+    }
+}
+
+/// The properties that hold after every operation.
+fn check(subject: &mut Subject, live: &Live, kind: Kind) -> Result<(), String> {
+    let strategy = subject.strategy();
+    strategy
+        .check_invariants()
+        .map_err(|v| format!("invariant broken: {v}"))?;
+    let stats = strategy.stats();
+    let requested: u64 = live.values().map(|&(size, _)| size).sum();
+    if (stats.requested_bytes.current, stats.allocation.current) != (requested, live.len() as u64) {
+        return Err(format!(
+            "stats say {} B in {} allocations, the model {requested} B in {}",
+            stats.requested_bytes.current,
+            stats.allocation.current,
+            live.len()
+        ));
+    }
+    let used = subject.sim().used_bytes();
+    if stats.reserved_bytes.current != used {
+        return Err(format!(
+            "reserved_bytes is {}, the device holds {used}",
+            stats.reserved_bytes.current
+        ));
+    }
+    for (&addr, &(size, id)) in live {
+        for offset in marker_offsets(size, kind.stride()) {
+            let want = marker(id, offset, size);
+            let got = subject
+                .sim()
+                .read(addr + offset, want.len())
+                .map_err(|e| format!("allocation {addr:#x}+{size} unreadable at {offset}: {e}"))?;
+            if got != want {
+                return Err(format!(
+                    "allocation {addr:#x}+{size} lost its bytes at {offset}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// With faults cleared: new requests are served and hold their bytes; then everything is freed, the cache
+/// emptied, and the device holds nothing.
+fn finish(
+    subject: &mut Subject,
+    live: &mut Live,
+    next_id: &mut u64,
+    kind: Kind,
+) -> Result<(), String> {
+    subject.sim_mut().clear_faults();
+    let page = kind.granularity();
+    for (size, stream) in [(100, 0), (3 * page + 512, 1), (page, 2)] {
+        apply(subject, live, next_id, kind, Step::Alloc { size, stream })
+            .map_err(|e| format!("a new request of {size} B failed: {e:?}"))?;
+    }
+    check(subject, live, kind)?;
+    for addr in std::mem::take(live).into_keys() {
+        subject
+            .strategy()
+            .free(addr)
+            .map_err(|e| format!("free({addr:#x}): {e:?}"))?;
+    }
+    subject
+        .strategy()
+        .empty_cache()
+        .map_err(|e| format!("empty_cache: {e:?}"))?;
+    check(subject, live, kind)?;
+    let reserved = subject.strategy().stats().reserved_bytes.current;
+    if reserved != 0 {
+        return Err(format!("{reserved} B still reserved after empty_cache"));
+    }
+    if subject.sim().live_events() != 0 {
+        return Err(format!(
+            "{} events left undestroyed",
+            subject.sim().live_events()
+        ));
+    }
+    let leaks = subject.sim().leak_report();
+    if !leaks.is_empty() {
+        return Err(format!("the device reports leaks: {leaks}"));
+    }
+    Ok(())
+}
+
+/// What a sweep injected, for the test's report.
+#[derive(Debug, Default)]
+struct Tally {
+    sequences: u64,
+    runs: u64,
+    per_op: BTreeMap<Op, u64>,
+    surfaced: u64,
+    recovered: u64,
+    halfway_maps: u64,
+}
+
+/// Sweeps `seeds` sequences of `kind`: one run per fault. Panics naming the first failing run.
+fn sweep(kind: Kind, seeds: u64) -> Tally {
+    let mut tally = Tally::default();
+    for seed in 0..seeds {
+        let steps = sequence(kind, seed);
+        let baseline = run(kind, seed, &steps, None)
+            .unwrap_or_else(|e| panic!("{kind:?} seed {seed} without faults: {e}\n{steps:#?}"));
+        tally.sequences += 1;
+        for (&op, &count) in &baseline.calls {
+            let kinds: &[FaultKind] = match op {
+                Op::Create | Op::Malloc => &[FaultKind::Error, FaultKind::OutOfMemory],
+                _ => &[FaultKind::Error],
+            };
+            for n in 1..=count {
+                for &fault_kind in kinds {
+                    let fault = Fault {
+                        op,
+                        n,
+                        kind: fault_kind,
+                    };
+                    let outcome = run(kind, seed, &steps, Some(fault)).unwrap_or_else(|e| {
+                        panic!("{kind:?} seed {seed} with {fault:?}: {e}\n{steps:#?}")
+                    });
+                    let (step, failed) = outcome.fired_in.expect("checked by run");
+                    tally.runs += 1;
+                    *tally.per_op.entry(op).or_default() += 1;
+                    if failed {
+                        tally.surfaced += 1;
+                    } else {
+                        tally.recovered += 1;
+                    }
+                    let (first, last) = baseline.maps[step];
+                    if op == Op::Map && n > first && n <= last {
+                        tally.halfway_maps += 1;
+                    }
+                }
+            }
+        }
+    }
+    let per_op: Vec<String> = tally
+        .per_op
+        .iter()
+        .map(|(op, n)| format!("{op} {n}"))
+        .collect();
+    let halfway = match kind {
+        Kind::Classic => String::new(),
+        _ => format!(
+            "; {} maps failed after the first page of a multi-page growth",
+            tally.halfway_maps
+        ),
+    };
+    eprintln!(
+        "fault sweep {kind:?}: {} sequences of {OPS} operations, {} faults injected ({}); {} surfaced \
+         as typed errors, {} recovered{halfway}",
+        tally.sequences,
+        tally.runs,
+        per_op.join(", "),
+        tally.surfaced,
+        tally.recovered,
+    );
+    tally
+}
+
+/// Seeds per allocator: `CUVMM_FAULT_SWEEP_SEEDS`, else [`DEFAULT_SEEDS`].
+fn seeds() -> u64 {
+    std::env::var("CUVMM_FAULT_SWEEP_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(DEFAULT_SEEDS)
+}
+
+/// The sweep reached what it is for: the six VMM calls (or malloc and free), and maps that fail half
+/// way through a multi-page growth.
+fn assert_covers(tally: &Tally, ops: &[Op]) {
+    for op in ops {
+        assert!(
+            tally.per_op.get(op).copied().unwrap_or(0) > 0,
+            "no {op} fault was injected"
+        );
+    }
+    assert!(tally.surfaced > 0 && tally.recovered > 0, "{tally:?}");
+}
+
+#[test]
+fn every_driver_call_of_cuvmm_fails_in_turn() {
+    let tally = sweep(Kind::Cuvmm, seeds());
+    assert_covers(
+        &tally,
+        &[
+            Op::Reserve,
+            Op::Create,
+            Op::Map,
+            Op::SetAccess,
+            Op::Unmap,
+            Op::Release,
+            Op::RecordEvent,
+        ],
+    );
+    assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
+}
+
+#[test]
+fn every_driver_call_of_the_classic_model_fails_in_turn() {
+    let tally = sweep(Kind::Classic, seeds());
+    assert_covers(&tally, &[Op::Malloc, Op::Free]);
+}
+
+#[test]
+fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
+    let tally = sweep(Kind::PytorchExpandable, seeds());
+    assert_covers(
+        &tally,
+        &[
+            Op::Reserve,
+            Op::Create,
+            Op::Map,
+            Op::SetAccess,
+            Op::Unmap,
+            Op::Release,
+        ],
+    );
+    assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
+}

@@ -1,0 +1,158 @@
+//! A deterministic model check of the facade's synchronization with loom: every interleaving of the
+//! threads below, at every lock acquisition and `Arc` reference count change, is run.
+//!
+//! The facade (`src/allocator.rs`) has no atomics or lock-free code of its own: an `Arc` shared by every
+//! handle and buffer, one `Mutex` around the strategy, and a second `Mutex` around the errors that
+//! `DeviceBuffer::drop` could not return (taken with `take_deferred_errors`). A drop frees under the first
+//! lock, releases it, then records a failure under the second; no code holds both. What could go wrong is
+//! what these models check in every interleaving: a deadlock (loom reports one), a free lost or applied
+//! twice, a deferred error lost, the strategy dropped while a handle lives or never dropped (loom reports a
+//! leaked `Arc`), invariants broken or statistics seen half-updated.
+//!
+//! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/sync.rs` swaps in loom's `Mutex` and `Arc`:
+//! `RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom --target-dir target/loom`
+//! (what `.ci/run` runs; without the `cli` feature the binary and clap are not built).
+//! Each model prints how many interleavings it explored.
+#![cfg(loom)]
+
+use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::expandable::Expandable;
+use cuvmm::{Allocator, Config, Error, StreamId};
+use loom::thread;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const PAGE: u64 = 64 << 10;
+
+type Alloc = Allocator<Expandable<SimDriver>>;
+
+/// A small cuvmm allocator on a simulated device.
+fn allocator() -> Alloc {
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(64 * PAGE)
+            .with_granularity(PAGE),
+    );
+    Allocator::expandable(sim, Config::default()).expect("valid configuration")
+}
+
+/// Explores every interleaving of `model` (up to loom's default bounds), counting them; prints and
+/// returns the count.
+fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) -> usize {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let before = RUNS.load(Ordering::SeqCst);
+    loom::model(move || {
+        RUNS.fetch_add(1, Ordering::SeqCst);
+        model();
+    });
+    let runs = RUNS.load(Ordering::SeqCst) - before;
+    eprintln!("loom {name}: {runs} interleavings explored");
+    runs
+}
+
+/// After the threads: nothing live, invariants hold, and emptying the cache leaves the device empty.
+fn assert_drained(alloc: &Alloc) {
+    alloc.check_invariants().expect("invariants hold");
+    let stats = alloc.stats();
+    assert_eq!(stats.allocation.current, 0);
+    assert_eq!(stats.active_bytes.current, 0);
+    alloc.empty_cache().expect("empty_cache");
+    assert_eq!(alloc.stats().reserved_bytes.current, 0);
+    alloc.with_strategy(|s| {
+        let leaks = s.driver().leak_report();
+        assert!(leaks.is_empty(), "{leaks}");
+    });
+}
+
+#[test]
+fn buffers_allocated_and_dropped_on_two_threads_while_a_third_reads_stats() {
+    let runs = explore("alloc/drop x2 + stats", || {
+        let alloc = allocator();
+        let workers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let alloc = alloc.clone();
+                thread::spawn(move || {
+                    let buffer = alloc.alloc_on((t + 1) * PAGE, StreamId(t)).expect("room");
+                    alloc.check_invariants().expect("invariants hold");
+                    drop(buffer);
+                })
+            })
+            .collect();
+        // Each statistic comes from one locked snapshot: never a half-done allocation.
+        let stats = alloc.stats();
+        assert!(stats.allocation.current <= 2);
+        assert!(stats.allocated_bytes.current <= stats.reserved_bytes.current);
+        assert!(
+            [0, PAGE, 2 * PAGE, 3 * PAGE].contains(&stats.allocated_bytes.current),
+            "{stats:?}"
+        );
+        for worker in workers {
+            worker.join().expect("worker");
+        }
+        assert_drained(&alloc);
+        assert!(alloc.take_deferred_errors().is_empty());
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn a_drop_racing_an_explicit_free_of_the_same_buffer_fails_exactly_once() {
+    let runs = explore("drop vs free_raw", || {
+        let alloc = allocator();
+        let buffer = alloc.alloc(PAGE).expect("room");
+        let ptr = buffer.ptr();
+        let dropper = thread::spawn(move || drop(buffer));
+        let freed = alloc.free_raw(ptr);
+        dropper.join().expect("dropper");
+        let deferred = alloc.take_deferred_errors();
+        // One of the two frees the block; the other fails, returned or deferred, never lost or doubled.
+        match (&freed, deferred.as_slice()) {
+            (Ok(()), [Error::DoubleFree { .. }]) => {}
+            (Err(Error::DoubleFree { .. }), []) => {}
+            other => panic!("free_raw and drop gave {other:?}"),
+        }
+        assert_drained(&alloc);
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn deferred_errors_taken_while_a_drop_records_one_are_never_lost() {
+    let runs = explore("deferred errors vs take", || {
+        let alloc = allocator();
+        let buffer = alloc.alloc(PAGE).expect("room");
+        // Freed behind the buffer's back: its drop fails and defers a DoubleFree.
+        alloc.free_raw(buffer.ptr()).expect("free");
+        let taker = {
+            let alloc = alloc.clone();
+            thread::spawn(move || alloc.take_deferred_errors().len())
+        };
+        drop(buffer);
+        let taken = taker.join().expect("taker") + alloc.take_deferred_errors().len();
+        assert_eq!(taken, 1, "the drop's error was lost or duplicated");
+        assert_drained(&alloc);
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn the_allocator_outlives_every_handle_and_buffer_and_is_dropped_once() {
+    let runs = explore("last handle on another thread", || {
+        let alloc = allocator();
+        let buffer = alloc.alloc_on(2 * PAGE, StreamId(1)).expect("room");
+        let other = alloc.clone();
+        let worker = thread::spawn(move || {
+            buffer.record_stream(StreamId(2)).expect("record_stream");
+            drop(buffer);
+            other.trim(u64::MAX).expect("trim");
+            // The last handle may be this one: the strategy (and its device) is dropped here then.
+            drop(other);
+        });
+        let stats = alloc.stats();
+        assert!(stats.allocation.current <= 1);
+        alloc.check_invariants().expect("invariants hold");
+        drop(alloc);
+        worker.join().expect("worker");
+        // loom fails the model if the shared state (an Arc) was not dropped by now.
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
