@@ -5,6 +5,8 @@
 // Cargo would take each file for a binary of its own.
 #[path = "cuvmm/args.rs"]
 mod args;
+#[path = "cuvmm/bench.rs"]
+mod bench;
 #[path = "cuvmm/commands.rs"]
 mod commands;
 
@@ -37,5 +39,6 @@ fn main() -> ExitCode {
         Some(Command::Workloads) => commands::run_workloads(),
         Some(Command::DriverBench(args)) => commands::run_driver_bench(args),
         Some(Command::Fidelity(args)) => commands::run_fidelity(args),
+        Some(Command::Bench(args)) => bench::run_bench(args),
     }
 }

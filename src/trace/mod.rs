@@ -2,9 +2,11 @@
 //!
 //! A [`Trace`] is a sequence of allocations and frees ([`event`]); [`workload`] generates the built-in
 //! ones; [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy); [`allocators`] builds every
-//! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results.
+//! allocator by name; [`compare`] replays workloads through allocators; [`report`] prints the results;
+//! [`bench`](mod@bench) measures replay throughput.
 
 pub mod allocators;
+pub mod bench;
 pub mod builder;
 pub mod compare;
 pub mod event;

@@ -28,6 +28,9 @@ pub enum Command {
     /// Replay a PyTorch memory snapshot through the matching model of PyTorch's allocator and compare
     /// its segment events and peak reserved memory with what PyTorch did.
     Fidelity(FidelityArgs),
+    /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
+    /// median events per second and wall time, and the ratio to classic.
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--device` parses the same way
@@ -108,7 +111,8 @@ pub enum Format {
     Json,
 }
 
-fn parse_workload(name: &str) -> Result<String, String> {
+/// A built-in workload's name, or why not.
+pub(crate) fn parse_workload(name: &str) -> Result<String, String> {
     if workload::BUILTIN.contains(&name) {
         Ok(name.to_string())
     } else {
