@@ -217,6 +217,11 @@ impl PageMap {
         runs(&self.mapped[pages.clone()], true, pages.start)
     }
 
+    /// The first `limit` maximal runs of mapped pages inside `pages`, in address order.
+    pub fn mapped_runs_limited(&self, pages: Range<usize>, limit: usize) -> Vec<Range<usize>> {
+        runs_limited(&self.mapped[pages.clone()], true, pages.start, limit)
+    }
+
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
@@ -236,6 +241,11 @@ impl PageMap {
         runs(&self.idle, true, 0)
     }
 
+    /// Maximal runs of idle pages inside `pages`, in address order.
+    pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
+        runs(&self.idle[pages.clone()], true, pages.start)
+    }
+
     /// Idle pages from the highest address down.
     pub fn idle_pages_rev(&self) -> impl Iterator<Item = usize> + '_ {
         self.idle.iter_ones().rev()
@@ -244,9 +254,14 @@ impl PageMap {
 
 /// Maximal runs of bits equal to `value` in `bits`, as page ranges offset by `base`.
 fn runs(bits: &BitSlice, value: bool, base: usize) -> Vec<Range<usize>> {
+    runs_limited(bits, value, base, usize::MAX)
+}
+
+/// The first `limit` maximal runs of bits equal to `value` in `bits`, as page ranges offset by `base`.
+fn runs_limited(bits: &BitSlice, value: bool, base: usize, limit: usize) -> Vec<Range<usize>> {
     let mut out = Vec::new();
     let mut pos = 0;
-    while pos < bits.len() {
+    while pos < bits.len() && out.len() < limit {
         let start = if value {
             bits[pos..].first_one()
         } else {
