@@ -25,10 +25,11 @@ pub use segment::Pool;
 use crate::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
+use crate::fast_hash::FastMap;
 use crate::stats::{Stat, Stats};
 use crate::strategy::Strategy;
 use segment::{FreeOutcome, Segment};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use streams::PendingFrees;
 
 /// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
@@ -62,10 +63,10 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     segments: Vec<Option<Segment>>,
     by_addr: BTreeMap<u64, usize>,
-    by_key: HashMap<(StreamId, Pool), Vec<usize>>,
+    by_key: FastMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
-    stream_uses: HashMap<u64, Vec<StreamId>>,
+    stream_uses: FastMap<u64, Vec<StreamId>>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
     touched_pages: usize,
@@ -97,9 +98,9 @@ impl<D: Driver> Expandable<D> {
             device_total,
             segments: Vec::new(),
             by_addr: BTreeMap::new(),
-            by_key: HashMap::new(),
+            by_key: FastMap::default(),
             pooled: Vec::new(),
-            stream_uses: HashMap::new(),
+            stream_uses: FastMap::default(),
             pending: PendingFrees::default(),
             touched_pages: 0,
             idle_pages: 0,
@@ -192,21 +193,22 @@ impl<D: Driver> Expandable<D> {
     /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        match self.segment(slot).check_free(addr) {
-            FreeOutcome::Freed { .. } => {}
+        let (size, requested) = match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed { size, requested } => (size, requested),
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
-        }
-        if let Some(streams) = self.stream_uses.remove(&addr) {
+        };
+        if !self.stream_uses.is_empty()
+            && let Some(streams) = self.stream_uses.remove(&addr)
+        {
             return self.park_block(slot, addr, streams);
         }
         let before = self.page_counts(slot);
-        if let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).free(addr) {
-            self.counters.allocated.sub(size);
-            self.counters.active.sub(size);
-            self.counters.requested.sub(requested);
-            self.counters.allocation.sub(1);
-        }
+        self.segment_mut(slot).free_live(addr, size);
+        self.counters.allocated.sub(size);
+        self.counters.active.sub(size);
+        self.counters.requested.sub(requested);
+        self.counters.allocation.sub(1);
         self.refresh_page_counts(slot, before);
         Ok(())
     }

@@ -137,7 +137,7 @@ impl Segment {
                 return best;
             }
         }
-        if self.min_saving(size) == 0 {
+        if self.min_saving(size) == 0 || self.pages.idle_count() == 0 {
             return best;
         }
         // Every best fit by size needs pages: a larger free block may hold mapped pages the request can use
@@ -179,10 +179,15 @@ impl Segment {
         let end = start + block_size;
         let round = super::ROUND;
         let mut best = at_start;
-        for run in self
-            .pages
-            .mapped_runs_limited(self.pages_of(start, block_size), PLACEMENT_RUNS)
-        {
+        let pages = self.pages_of(start, block_size);
+        let runs = if self.pages.idle_count() == 0 {
+            // Inside a free block only idle pages are mapped, besides its first and last, which live
+            // neighbours may share; and a window over the first is the block's start.
+            self.pages.mapped_runs(pages.end - 1..pages.end)
+        } else {
+            self.pages.mapped_runs_limited(pages, PLACEMENT_RUNS)
+        };
+        for run in runs {
             let run_start = self.page_addr(run.start).max(start);
             let run_end = self.page_addr(run.end).min(end);
             let from_start = run_start.next_multiple_of(round).min(end - size);
@@ -295,13 +300,10 @@ impl Segment {
         }
     }
 
-    /// Frees the live block that starts at `addr`, merging it with free neighbours.
-    pub fn free(&mut self, addr: u64) -> FreeOutcome {
-        let outcome = self.check_free(addr);
-        if let FreeOutcome::Freed { size, .. } = outcome {
-            self.release(addr, size);
-        }
-        outcome
+    /// Frees the live block of `size` bytes at `addr`, which [`Segment::check_free`] found, merging it with
+    /// free neighbours.
+    pub fn free_live(&mut self, addr: u64, size: u64) {
+        self.release(addr, size);
     }
 
     /// Turns the live block that starts at `addr` into a pending one: no longer live, not yet free, still a

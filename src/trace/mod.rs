@@ -11,6 +11,7 @@ pub mod builder;
 pub mod compare;
 pub mod event;
 pub mod fidelity;
+mod id_table;
 pub mod load;
 pub mod pytorch;
 pub mod replay;

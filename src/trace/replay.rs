@@ -1,11 +1,11 @@
 //! Replaying a trace through an allocator, and the result a replay reports.
 
 use super::event::{Event, Trace};
+use super::id_table::{IdTable, Slot};
 use crate::driver::{DriverCounters, Op};
 use crate::error::{Error, InvariantViolation};
 use crate::strategy::Strategy;
 use serde::Serialize;
-use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// How to replay.
@@ -212,23 +212,19 @@ pub fn replay(
     trace: &Trace,
     options: &ReplayOptions,
 ) -> Result<ReplayResult, ReplayError> {
-    let mut addrs: HashMap<u64, u64> = HashMap::new();
-    let mut sizes: HashMap<u64, u64> = HashMap::new();
-    let mut failed: HashSet<u64> = HashSet::new();
+    let mut ids = IdTable::new(trace.events.len());
     let mut ooms = 0;
     let start = Instant::now();
     for (index, event) in trace.events.iter().enumerate() {
         match *event {
             Event::Alloc { id, size, stream } => {
-                if addrs.contains_key(&id) {
+                if let Slot::Live { .. } = ids.get(id) {
                     return Err(ReplayError::DuplicateId { index, id });
                 }
                 match strategy.alloc(size, stream) {
                     Ok(addr) => {
-                        failed.remove(&id);
-                        addrs.insert(id, addr);
+                        ids.set(id, Slot::Live { addr, size });
                         if options.touch {
-                            sizes.insert(id, size);
                             strategy
                                 .memset(addr, size, touch_byte(id))
                                 .map_err(|source| ReplayError::Touch { index, id, source })?;
@@ -236,7 +232,7 @@ pub fn replay(
                     }
                     Err(e) if e.is_out_of_memory() => {
                         ooms += 1;
-                        failed.insert(id);
+                        ids.set(id, Slot::Failed);
                     }
                     Err(source) => {
                         return Err(ReplayError::Alloc {
@@ -248,27 +244,28 @@ pub fn replay(
                     }
                 }
             }
-            Event::Free { id } => match addrs.remove(&id) {
-                Some(addr) => {
-                    if let Some(size) = sizes.remove(&id) {
+            Event::Free { id } => match ids.get(id) {
+                Slot::Live { addr, size } => {
+                    ids.set(id, Slot::Unknown);
+                    if options.touch {
                         check_touched(strategy, index, id, addr, size)?;
                     }
                     strategy
                         .free(addr)
                         .map_err(|source| ReplayError::Free { index, id, source })?
                 }
-                None if failed.remove(&id) => {}
-                None => return Err(ReplayError::UnknownFree { index, id }),
+                Slot::Failed => ids.set(id, Slot::Unknown),
+                Slot::Unknown => return Err(ReplayError::UnknownFree { index, id }),
             },
-            Event::RecordStream { id, stream } => match addrs.get(&id) {
-                Some(&addr) => match strategy.record_stream(addr, stream) {
+            Event::RecordStream { id, stream } => match ids.get(id) {
+                Slot::Live { addr, .. } => match strategy.record_stream(addr, stream) {
                     Ok(()) | Err(Error::Unsupported { .. }) => {}
                     Err(source) => {
                         return Err(ReplayError::RecordStream { index, id, source });
                     }
                 },
-                None if failed.contains(&id) => {}
-                None => return Err(ReplayError::RecordStreamNotLive { index, id }),
+                Slot::Failed => {}
+                Slot::Unknown => return Err(ReplayError::RecordStreamNotLive { index, id }),
             },
         }
         let last = index + 1 == trace.events.len();
