@@ -130,8 +130,8 @@ impl PageMap {
     /// # Panics
     /// If one of them is not mapped.
     pub fn set_accessible(&mut self, pages: Range<usize>) {
-        for page in pages.clone() {
-            assert!(self.mapped[page], "set_access on unmapped page {page}");
+        if let Some(first) = self.mapped[pages.clone()].first_zero() {
+            panic!("set_access on unmapped page {}", pages.start + first);
         }
         self.accessible[pages].fill(true);
     }
@@ -157,31 +157,75 @@ impl PageMap {
     }
 
     /// Records that a live block now touches every page of `pages`.
+    ///
+    /// A block's pages other than its first and last are touched by no other block, so they are updated
+    /// together, a word of bits at a time, when none has a user yet; the ends one by one.
     pub fn add_user(&mut self, pages: Range<usize>) {
-        for page in pages {
-            self.users[page] += 1;
-            if self.users[page] == 1 {
-                self.touched_count += 1;
-                if self.mapped[page] {
-                    self.set_idle(page, false);
-                }
-            }
+        let Some(inner) = Self::split_ends(&pages) else {
+            pages.for_each(|page| self.add_user_page(page));
+            return;
+        };
+        self.add_user_page(pages.start);
+        if self.users[inner.clone()].iter().all(|&u| u == 0) {
+            self.users[inner.clone()].fill(1);
+            self.touched_count += inner.len();
+            let idle = &mut self.idle[inner];
+            self.idle_count -= idle.count_ones();
+            idle.fill(false);
+        } else {
+            inner.for_each(|page| self.add_user_page(page));
         }
+        self.add_user_page(pages.end - 1);
     }
 
     /// Records that a live block no longer touches the pages of `pages`.
     ///
+    /// As [`add_user`](Self::add_user), the pages between the first and the last are updated together when
+    /// each has exactly one user.
+    ///
     /// # Panics
     /// If a page's count would go below zero.
     pub fn remove_user(&mut self, pages: Range<usize>) {
-        for page in pages {
-            assert!(self.users[page] > 0, "page {page} has no user to remove");
-            self.users[page] -= 1;
-            if self.users[page] == 0 {
-                self.touched_count -= 1;
-                if self.mapped[page] {
-                    self.set_idle(page, true);
-                }
+        let Some(inner) = Self::split_ends(&pages) else {
+            pages.for_each(|page| self.remove_user_page(page));
+            return;
+        };
+        self.remove_user_page(pages.start);
+        if self.users[inner.clone()].iter().all(|&u| u == 1) {
+            self.users[inner.clone()].fill(0);
+            self.touched_count -= inner.len();
+            // No page had become idle: each had a user. Now exactly the mapped ones are.
+            let mapped = &self.mapped[inner.clone()];
+            self.idle_count += mapped.count_ones();
+            self.idle[inner].copy_from_bitslice(mapped);
+        } else {
+            inner.for_each(|page| self.remove_user_page(page));
+        }
+        self.remove_user_page(pages.end - 1);
+    }
+
+    /// The pages of `pages` between its first and its last, if it has at least three.
+    fn split_ends(pages: &Range<usize>) -> Option<Range<usize>> {
+        (pages.len() >= 3).then(|| pages.start + 1..pages.end - 1)
+    }
+
+    fn add_user_page(&mut self, page: usize) {
+        self.users[page] += 1;
+        if self.users[page] == 1 {
+            self.touched_count += 1;
+            if self.mapped[page] {
+                self.set_idle(page, false);
+            }
+        }
+    }
+
+    fn remove_user_page(&mut self, page: usize) {
+        assert!(self.users[page] > 0, "page {page} has no user to remove");
+        self.users[page] -= 1;
+        if self.users[page] == 0 {
+            self.touched_count -= 1;
+            if self.mapped[page] {
+                self.set_idle(page, true);
             }
         }
     }
@@ -209,31 +253,41 @@ impl PageMap {
 
     /// Maximal runs of unmapped pages inside `pages`, in address order.
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped[pages.clone()], false, pages.start)
+        runs(&self.mapped, pages, false)
     }
 
     /// Maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped[pages.clone()], true, pages.start)
+        runs(&self.mapped, pages, true)
+    }
+
+    /// The first `limit` maximal runs of mapped pages inside `pages`, in address order.
+    pub fn mapped_runs_limited(&self, pages: Range<usize>, limit: usize) -> Vec<Range<usize>> {
+        runs_limited(&self.mapped, pages, true, limit)
     }
 
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
-        for run in runs(&self.accessible[pages.clone()], false, pages.start) {
-            out.extend(runs(&self.mapped[run.clone()], true, run.start));
+        for run in runs(&self.accessible, pages, false) {
+            out.extend(runs(&self.mapped, run, true));
         }
         out
     }
 
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.
     pub fn accessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.accessible[pages.clone()], true, pages.start)
+        runs(&self.accessible, pages, true)
     }
 
     /// Maximal runs of idle pages, in address order.
     pub fn idle_runs(&self) -> Vec<Range<usize>> {
-        runs(&self.idle, true, 0)
+        runs(&self.idle, 0..self.len(), true)
+    }
+
+    /// Maximal runs of idle pages inside `pages`, in address order.
+    pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
+        runs(&self.idle, pages, true)
     }
 
     /// Idle pages from the highest address down.
@@ -242,28 +296,48 @@ impl PageMap {
     }
 }
 
-/// Maximal runs of bits equal to `value` in `bits`, as page ranges offset by `base`.
-fn runs(bits: &BitSlice, value: bool, base: usize) -> Vec<Range<usize>> {
+/// Maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
+fn runs(bits: &BitVec, pages: Range<usize>, value: bool) -> Vec<Range<usize>> {
+    runs_limited(bits, pages, value, usize::MAX)
+}
+
+/// The first `limit` maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
+fn runs_limited(
+    bits: &BitVec,
+    pages: Range<usize>,
+    value: bool,
+    limit: usize,
+) -> Vec<Range<usize>> {
+    let words = bits.as_raw_slice();
     let mut out = Vec::new();
-    let mut pos = 0;
-    while pos < bits.len() {
-        let start = if value {
-            bits[pos..].first_one()
-        } else {
-            bits[pos..].first_zero()
-        };
-        let Some(start) = start.map(|s| s + pos) else {
+    let mut pos = pages.start;
+    while out.len() < limit {
+        let Some(start) = find(words, pos..pages.end, value) else {
             break;
         };
-        let len = if value {
-            bits[start..].leading_ones()
-        } else {
-            bits[start..].leading_zeros()
-        };
-        out.push(base + start..base + start + len);
-        pos = start + len;
+        let end = find(words, start..pages.end, !value).unwrap_or(pages.end);
+        out.push(start..end);
+        pos = end;
     }
     out
+}
+
+/// The first bit in `range` equal to `value`, a word at a time (bit `i` is bit `i % usize::BITS` of word
+/// `i / usize::BITS`, as `BitVec`'s default `Lsb0` order stores it).
+fn find(words: &[usize], range: Range<usize>, value: bool) -> Option<usize> {
+    const BITS: usize = usize::BITS as usize;
+    let mut at = range.start;
+    while at < range.end {
+        let (index, bit) = (at / BITS, at % BITS);
+        let word = if value { words[index] } else { !words[index] };
+        let from_bit = word & (usize::MAX << bit);
+        if from_bit != 0 {
+            let found = index * BITS + from_bit.trailing_zeros() as usize;
+            return (found < range.end).then_some(found);
+        }
+        at = (index + 1) * BITS;
+    }
+    None
 }
 
 #[cfg(test)]
@@ -298,6 +372,19 @@ mod tests {
         assert_eq!(map.unmap(1), PhysHandle(7));
         assert_eq!(map.idle_count(), 1);
         assert_eq!(map.mapped_count(), 1);
+    }
+
+    #[test]
+    fn runs_cross_word_boundaries() {
+        let mut map = PageMap::new(200, 1);
+        for page in (60..70).chain(127..130).chain(190..200) {
+            map.map(page, PhysHandle(page as u64));
+        }
+        assert_eq!(map.mapped_runs_limited(0..200, 2), vec![60..70, 127..130]);
+        assert_eq!(map.mapped_runs(65..195), vec![65..70, 127..130, 190..195]);
+        assert_eq!(map.unmapped_runs(125..192), vec![125..127, 130..190]);
+        assert_eq!(map.idle_runs_in(128..200), vec![128..130, 190..200]);
+        assert_eq!(map.mapped_runs(70..127), Vec::<Range<usize>>::new());
     }
 
     #[test]

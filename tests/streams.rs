@@ -363,11 +363,17 @@ fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
 fn the_unmapped_frontier_of_another_streams_segment_is_not_borrowed() {
     let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
-    // Freed, `a` merges with the rest of S1's reservation: a free block mostly unmapped.
+    // Freed, `a` merges with the rest of S1's reservation: a free block mostly unmapped, whose first four
+    // pages are idle. Those may be borrowed, with no driver call; the unmapped rest may not.
     alloc.free(a).unwrap();
+    let maps = alloc.driver_counters().get(Op::Map);
     let b = alloc.alloc(4 * PAGE, S2).unwrap();
-    assert_eq!(segment_stream(&alloc, b), S2);
-    finish(alloc, &[b]);
+    assert_eq!((b, segment_stream(&alloc, b)), (a, S1));
+    assert_eq!(alloc.driver_counters().get(Op::Map), maps);
+    let c = alloc.alloc(PAGE, S2).unwrap();
+    assert_eq!(segment_stream(&alloc, c), S2);
+    alloc.check_invariants().unwrap();
+    finish(alloc, &[b, c]);
 }
 
 #[test]

@@ -5,6 +5,8 @@
 // Cargo would take each file for a binary of its own.
 #[path = "cuvmm/args.rs"]
 mod args;
+#[path = "cuvmm/bench.rs"]
+mod bench;
 #[path = "cuvmm/capacity.rs"]
 mod capacity;
 #[path = "cuvmm/commands.rs"]
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
         Some(Command::Summary(args)) => summary::run_summary(args),
         Some(Command::Snapshot(args)) => snapshot::run_snapshot(args),
         Some(Command::Capacity(args)) => capacity::run_capacity(args),
+        Some(Command::Bench(args)) => bench::run_bench(args),
     }
 }
 

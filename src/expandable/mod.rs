@@ -26,12 +26,13 @@ pub use segment::Pool;
 use crate::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
+use crate::fast_hash::FastMap;
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use segment::{FreeOutcome, Segment};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use streams::PendingFrees;
 
 /// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
@@ -77,10 +78,10 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     segments: Vec<Option<Segment>>,
     by_addr: BTreeMap<u64, usize>,
-    by_key: HashMap<(StreamId, Pool), Vec<usize>>,
+    by_key: FastMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
-    stream_uses: HashMap<u64, Vec<StreamId>>,
+    stream_uses: FastMap<u64, Vec<StreamId>>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
     /// Pages touched by active blocks, per pool.
@@ -125,9 +126,9 @@ impl<D: Driver> Expandable<D> {
             device_total,
             segments: Vec::new(),
             by_addr: BTreeMap::new(),
-            by_key: HashMap::new(),
+            by_key: FastMap::default(),
             pooled: Vec::new(),
-            stream_uses: HashMap::new(),
+            stream_uses: FastMap::default(),
             pending: PendingFrees::default(),
             touched_pages: [0; 2],
             idle_pages: 0,
@@ -267,27 +268,27 @@ impl<D: Driver> Expandable<D> {
     /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        match self.segment(slot).check_free(addr) {
-            FreeOutcome::Freed { .. } => {}
+        let (size, requested) = match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed { size, requested } => (size, requested),
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
-        }
-        if let Some(streams) = self.stream_uses.remove(&addr) {
+        };
+        if !self.stream_uses.is_empty()
+            && let Some(streams) = self.stream_uses.remove(&addr)
+        {
             return self.park_block(slot, addr, streams);
         }
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
-        if let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).free(addr) {
-            self.count_block(pool, size, requested, false);
-            self.count_inactive(pool, size);
-            self.record(TraceAction::FreeRequested, addr, requested, stream);
-            self.record(TraceAction::FreeCompleted, addr, requested, stream);
-        }
+        self.segment_mut(slot).free_live(addr, size);
+        self.count_block(pool, size, requested, false);
+        self.count_inactive(pool, size);
+        self.record(TraceAction::FreeRequested, addr, requested, stream);
+        self.record(TraceAction::FreeCompleted, addr, requested, stream);
         self.refresh_page_counts(slot, before);
         Ok(())
     }
 
-    /// Releases idle memory beyond `max_idle_bytes`.
     /// Gives idle memory beyond `max_idle_bytes` back to the driver. A failure keeps the memory idle (the next
     /// free or poll tries again) and is reported through `tracing`: it must not fail the free that caused it.
     fn release_excess_idle(&mut self) {

@@ -12,6 +12,13 @@ use crate::page_map::PageMap;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
+/// How many runs of mapped pages inside one free block [`Segment::placement`] considers, and how many idle
+/// runs [`Segment::mapped_fit`] follows to larger free blocks.
+const PLACEMENT_RUNS: usize = 16;
+
+/// A placement inside a free block must save this fraction (1 / n) of a request's pages ([`Segment::min_saving`]).
+const INNER_PLACEMENT_DIVISOR: usize = 8;
+
 /// Which pool a request belongs to: small requests get segments of their own so that tiny long-lived
 /// blocks do not pin pages that large blocks would free.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -158,32 +165,124 @@ impl Segment {
         self.free.range((size, 0)..).next().copied()
     }
 
-    /// Among the `candidates` best-fitting free blocks for `size` bytes, the one whose first `size` bytes
-    /// need the fewest pages mapped: `(missing pages, block size, address)`. Stops at the first that needs
-    /// none.
+    /// The placement of `size` bytes that needs the fewest pages mapped, among the `candidates` best-fitting
+    /// free blocks and, if each of those needs pages, the free blocks around the [`PLACEMENT_RUNS`] longest
+    /// idle runs: `(missing pages, block size, address)`, ties to the smaller block. The address may lie
+    /// inside the block ([`Segment::placement`]). Stops at the first placement that needs no page.
     pub fn mapped_fit(&self, size: u64, candidates: usize) -> Option<(usize, u64, u64)> {
         let mut best: Option<(usize, u64, u64)> = None;
-        for &(block_size, addr) in self.free.range((size, 0)..).take(candidates) {
-            let missing = self.pages.unmapped_count(self.pages_of(addr, size));
+        let mut consider = |start: u64, block_size: u64| {
+            let (missing, addr) = self.placement(start, block_size, size);
             if best.is_none_or(|b| (missing, block_size) < (b.0, b.1)) {
                 best = Some((missing, block_size, addr));
             }
-            if missing == 0 {
+            missing == 0
+        };
+        for &(block_size, start) in self.free.range((size, 0)..).take(candidates) {
+            if consider(start, block_size) {
+                return best;
+            }
+        }
+        if self.min_saving(size) == 0 || self.pages.idle_count() == 0 {
+            return best;
+        }
+        // Every best fit by size needs pages: a larger free block may hold mapped pages the request can use
+        // where they are. Idle pages lie in free blocks only, so the longest idle runs point at them.
+        let mut runs = self.pages.idle_runs();
+        runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.len()));
+        for run in runs.into_iter().take(PLACEMENT_RUNS) {
+            let page_start = self.page_addr(run.start);
+            let Some((&start, block)) = self.blocks.range(..=page_start).next_back() else {
+                continue;
+            };
+            if !block.is_occupied() && block.size >= size && consider(start, block.size) {
                 break;
             }
         }
         best
     }
 
-    /// Among the `candidates` best-fitting free blocks for `size` bytes, the smallest *cached* one: every
-    /// page of the whole block is mapped with access set, so it is memory this segment's stream gave back,
-    /// not the unmapped frontier of the reservation. `(block size, address)`.
+    /// How many fewer pages a placement inside a free block must need than one at its start to be worth
+    /// splitting the block for: an eighth of the request's pages; 0 (never) for requests under 8 pages.
+    fn min_saving(&self, size: u64) -> usize {
+        (size / self.pages.page_size()) as usize / INNER_PLACEMENT_DIVISOR
+    }
+
+    /// Where in the free block `start .. start + block_size` to put `size` bytes: `(missing pages, address)`.
+    ///
+    /// At the block's start, unless a placement inside the block needs at least [`Segment::min_saving`]
+    /// fewer pages mapped. The placements inside considered are, for each of the first [`PLACEMENT_RUNS`]
+    /// runs of mapped pages of the block, the window that starts where the run starts and the one that ends
+    /// where it ends (a window with the fewest unmapped pages can always be slid to start or end at a run
+    /// boundary), aligned to [`ROUND`](super::ROUND) inside the block; ties go to the lowest address.
+    pub fn placement(&self, start: u64, block_size: u64, size: u64) -> (usize, u64) {
+        let missing_at = |addr: u64| self.pages.unmapped_count(self.pages_of(addr, size));
+        let at_start = (missing_at(start), start);
+        let min_saving = self.min_saving(size);
+        if min_saving == 0 || at_start.0 < min_saving || block_size == size {
+            return at_start;
+        }
+        let end = start + block_size;
+        let round = super::ROUND;
+        let mut best = at_start;
+        let pages = self.pages_of(start, block_size);
+        let runs = if self.pages.idle_count() == 0 {
+            // Inside a free block only idle pages are mapped, besides its first and last, which live
+            // neighbours may share; and a window over the first is the block's start.
+            self.pages.mapped_runs(pages.end - 1..pages.end)
+        } else {
+            self.pages.mapped_runs_limited(pages, PLACEMENT_RUNS)
+        };
+        for run in runs {
+            let run_start = self.page_addr(run.start).max(start);
+            let run_end = self.page_addr(run.end).min(end);
+            let from_start = run_start.next_multiple_of(round).min(end - size);
+            let to_end = (run_end.saturating_sub(size) / round * round).max(start);
+            for addr in [from_start, to_end] {
+                let candidate = (missing_at(addr), addr);
+                best = best.min(candidate);
+            }
+            if best.0 == 0 {
+                break;
+            }
+        }
+        if at_start.0 - best.0 >= min_saving {
+            best
+        } else {
+            at_start
+        }
+    }
+
+    /// Among the `candidates` best-fitting free blocks for `size` bytes, the smallest that holds `size`
+    /// *cached* bytes, memory this segment's stream gave back rather than the unmapped frontier of the
+    /// reservation: either the whole block is mapped with access set, or `size` bytes of it lie on idle
+    /// pages (mapped with access, touched by no live block). `(block size, address)`: the block's start, or
+    /// the lowest such address in it.
     pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
         self.free
             .range((size, 0)..)
             .take(candidates)
-            .find(|&&(block_size, addr)| self.pages.all_accessible(self.pages_of(addr, block_size)))
-            .copied()
+            .find_map(|&(block_size, start)| {
+                Some((block_size, self.cached_window(start, block_size, size)?))
+            })
+    }
+
+    /// Where `size` cached bytes lie in the free block `start .. start + block_size` (see
+    /// [`Segment::cached_fit`]).
+    fn cached_window(&self, start: u64, block_size: u64, size: u64) -> Option<u64> {
+        let pages = self.pages_of(start, block_size);
+        if self.pages.all_accessible(pages.clone()) {
+            return Some(start);
+        }
+        let end = start + block_size;
+        self.pages.idle_runs_in(pages).into_iter().find_map(|run| {
+            let from = self
+                .page_addr(run.start)
+                .max(start)
+                .next_multiple_of(super::ROUND);
+            let fits = from + size <= self.page_addr(run.end).min(end);
+            (fits && self.pages.all_accessible(self.pages_of(from, size))).then_some(from)
+        })
     }
 
     /// The pages that bytes `addr .. addr + size` touch.
@@ -196,23 +295,31 @@ impl Segment {
         self.va.start + page as u64 * self.pages.page_size()
     }
 
-    /// Turns the first `size` bytes of the free block at `addr` into a live block; the rest stays free.
+    /// Turns `addr .. addr + size`, which lies inside one free block, into a live block; what is left of the
+    /// free block before and after it stays free.
     pub fn carve(&mut self, addr: u64, size: u64, requested: u64) {
-        let block = self
+        let (&start, &block) = self
             .blocks
-            .get_mut(&addr)
+            .range(..=addr)
+            .next_back()
             .expect("carve: no block at address");
         assert!(
-            !block.is_occupied() && block.size >= size,
+            !block.is_occupied() && addr + size <= start + block.size,
             "carve: block is occupied or too small"
         );
-        let rest = block.size - size;
-        let old = block.size;
-        *block = Block {
-            size,
-            state: BlockState::Live { requested },
-        };
-        self.unindex_free(addr, old);
+        self.unindex_free(start, block.size);
+        if addr > start {
+            self.blocks.insert(start, Block::free(addr - start));
+            self.index_free(start, addr - start);
+        }
+        self.blocks.insert(
+            addr,
+            Block {
+                size,
+                state: BlockState::Live { requested },
+            },
+        );
+        let rest = start + block.size - (addr + size);
         if rest > 0 {
             self.blocks.insert(addr + size, Block::free(rest));
             self.index_free(addr + size, rest);
@@ -239,13 +346,10 @@ impl Segment {
         }
     }
 
-    /// Frees the live block that starts at `addr`, merging it with free neighbours.
-    pub fn free(&mut self, addr: u64) -> FreeOutcome {
-        let outcome = self.check_free(addr);
-        if let FreeOutcome::Freed { size, .. } = outcome {
-            self.release(addr, size);
-        }
-        outcome
+    /// Frees the live block of `size` bytes at `addr`, which [`Segment::check_free`] found, merging it with
+    /// free neighbours.
+    pub fn free_live(&mut self, addr: u64, size: u64) {
+        self.release(addr, size);
     }
 
     /// Turns the live block that starts at `addr` into a pending one: no longer live, not yet free, still a
@@ -357,3 +461,6 @@ impl Segment {
         best
     }
 }
+
+#[cfg(test)]
+mod tests;

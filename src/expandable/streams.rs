@@ -14,8 +14,9 @@ use super::Expandable;
 use super::segment::FreeOutcome;
 use crate::driver::{Driver, EventId, StreamId};
 use crate::error::Error;
+use crate::fast_hash::FastMap;
 use crate::history::TraceAction;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 /// Parked blocks and the events they wait for.
 #[derive(Debug, Default)]
@@ -23,7 +24,7 @@ pub(super) struct PendingFrees {
     /// Per stream, its pending events in recording order, each with the block it holds back.
     pub events: BTreeMap<StreamId, VecDeque<(EventId, u64)>>,
     /// Per parked block (by address), how many of its events have not completed yet.
-    pub outstanding: HashMap<u64, usize>,
+    pub outstanding: FastMap<u64, usize>,
     /// Events the allocator no longer waits for whose `destroy_event` failed: destroyed again at the next
     /// poll, so none is left behind.
     pub undestroyed: Vec<EventId>,

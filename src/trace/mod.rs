@@ -5,14 +5,16 @@
 //! [`kineto`] profiler traces); [`replay`](mod@replay) runs a trace through a [`Strategy`](crate::Strategy);
 //! [`allocators`] builds every allocator by name; [`compare`] replays workloads through allocators; [`report`]
 //! prints the results; [`capacity`] finds the smallest device each allocator fits on; [`sample`] and [`plot`]
-//! draw replays.
+//! draw replays; [`bench`](mod@bench) measures replay throughput.
 
 pub mod allocators;
+pub mod bench;
 pub mod builder;
 pub mod capacity;
 pub mod compare;
 pub mod event;
 pub mod fidelity;
+mod id_table;
 pub mod kineto;
 pub mod load;
 pub mod observe;

@@ -1,12 +1,12 @@
 //! Replaying a trace through an allocator, and the result a replay reports.
 
 use super::event::{Event, Trace};
+use super::id_table::{IdTable, Slot};
 use super::observe::{NoObserver, ReplayObserver};
 use crate::driver::{DriverCounters, Op};
 use crate::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
 use serde::Serialize;
-use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 /// How to replay.
@@ -227,9 +227,7 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
     options: &ReplayOptions,
     observer: &mut O,
 ) -> Result<ReplayResult, ReplayError> {
-    let mut addrs: HashMap<u64, u64> = HashMap::new();
-    let mut sizes: HashMap<u64, u64> = HashMap::new();
-    let mut failed: HashSet<u64> = HashSet::new();
+    let mut ids = IdTable::new(trace.events.len());
     let mut ooms = 0;
     let mut first_oom = None;
     observer.start(trace, strategy);
@@ -237,15 +235,13 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
     for (index, event) in trace.events.iter().enumerate() {
         match *event {
             Event::Alloc { id, size, stream } => {
-                if addrs.contains_key(&id) {
+                if let Slot::Live { .. } = ids.get(id) {
                     return Err(ReplayError::DuplicateId { index, id });
                 }
                 match strategy.alloc(size, stream) {
                     Ok(addr) => {
-                        failed.remove(&id);
-                        addrs.insert(id, addr);
+                        ids.set(id, Slot::Live { addr, size });
                         if options.touch {
-                            sizes.insert(id, size);
                             strategy
                                 .memset(addr, size, touch_byte(id))
                                 .map_err(|source| ReplayError::Touch { index, id, source })?;
@@ -253,7 +249,7 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
                     }
                     Err(e) if e.is_out_of_memory() => {
                         ooms += 1;
-                        failed.insert(id);
+                        ids.set(id, Slot::Failed);
                         if let (None, Error::OutOfMemory(oom)) = (&first_oom, e) {
                             first_oom = Some(oom);
                         }
@@ -268,27 +264,28 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
                     }
                 }
             }
-            Event::Free { id } => match addrs.remove(&id) {
-                Some(addr) => {
-                    if let Some(size) = sizes.remove(&id) {
+            Event::Free { id } => match ids.get(id) {
+                Slot::Live { addr, size } => {
+                    ids.set(id, Slot::Unknown);
+                    if options.touch {
                         check_touched(strategy, index, id, addr, size)?;
                     }
                     strategy
                         .free(addr)
                         .map_err(|source| ReplayError::Free { index, id, source })?
                 }
-                None if failed.remove(&id) => {}
-                None => return Err(ReplayError::UnknownFree { index, id }),
+                Slot::Failed => ids.set(id, Slot::Unknown),
+                Slot::Unknown => return Err(ReplayError::UnknownFree { index, id }),
             },
-            Event::RecordStream { id, stream } => match addrs.get(&id) {
-                Some(&addr) => match strategy.record_stream(addr, stream) {
+            Event::RecordStream { id, stream } => match ids.get(id) {
+                Slot::Live { addr, .. } => match strategy.record_stream(addr, stream) {
                     Ok(()) | Err(Error::Unsupported { .. }) => {}
                     Err(source) => {
                         return Err(ReplayError::RecordStream { index, id, source });
                     }
                 },
-                None if failed.contains(&id) => {}
-                None => return Err(ReplayError::RecordStreamNotLive { index, id }),
+                Slot::Failed => {}
+                Slot::Unknown => return Err(ReplayError::RecordStreamNotLive { index, id }),
             },
         }
         let last = index + 1 == trace.events.len();

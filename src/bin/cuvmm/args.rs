@@ -43,6 +43,9 @@ pub enum Command {
     /// Find the smallest simulated device on which each allocator replays each trace with no
     /// out-of-memory, to one page, by bisection.
     Capacity(CapacityArgs),
+    /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
+    /// median events per second and wall time, and the ratio to classic.
+    Bench(crate::bench::BenchArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--backend` parses the same way

@@ -43,6 +43,7 @@
 
 mod config;
 mod faults;
+mod granules;
 mod latency;
 mod malloc;
 mod report;

@@ -10,7 +10,8 @@
 //! leave with them.
 
 use crate::driver::{DriverError, EventId, StreamId, VaRange};
-use std::collections::{HashMap, VecDeque};
+use crate::fast_hash::FastMap;
+use std::collections::VecDeque;
 
 /// One item of a stream's queue.
 #[derive(Debug, Clone)]
@@ -33,8 +34,8 @@ struct Event {
 pub(super) struct Streams {
     next_event: u64,
     next_work: u64,
-    events: HashMap<u64, Event>,
-    queues: HashMap<StreamId, VecDeque<Item>>,
+    events: FastMap<u64, Event>,
+    queues: FastMap<StreamId, VecDeque<Item>>,
 }
 
 impl Streams {

@@ -1,10 +1,15 @@
 //! The virtual-memory calls' state and CUDA's rules for them: reservations, physical handles, mappings.
 //!
 //! Every method checks all of its rules before it changes anything, so a failed call has no effect.
+//!
+//! Handles are numbered from 1 in creation order and kept in a vector indexed by number; mappings live in a
+//! page table of granules ([`Granules`]). Both make a call cost a few array reads instead of ordered-map or
+//! SipHash lookups, which dominated replays.
 
+use super::granules::{Granule, Granules};
 use super::va::VaRegion;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// Where reservations start: a realistic device address.
 const RESERVATION_BASE: u64 = 0x7f00_0000_0000;
@@ -38,9 +43,12 @@ pub(super) struct Vmm {
     granularity: u64,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
-    mappings: BTreeMap<u64, Mapping>,
-    handles: HashMap<u64, Handle>,
-    next_handle: u64,
+    /// The page table: which handle each granule of address space maps.
+    granules: Granules,
+    /// Mappings alive.
+    mappings: usize,
+    /// Handle number `n` at index `n - 1`; `None` once its memory is freed.
+    handles: Vec<Option<Handle>>,
     live_handles: usize,
     /// Bytes of handles whose memory is not yet freed (released but still mapped ones included).
     physical: u64,
@@ -53,9 +61,9 @@ impl Vmm {
             granularity,
             va: VaRegion::new(RESERVATION_BASE, VA_TOP, granularity),
             reservations: BTreeMap::new(),
-            mappings: BTreeMap::new(),
-            handles: HashMap::new(),
-            next_handle: 0,
+            granules: Granules::default(),
+            mappings: 0,
+            handles: Vec::new(),
             live_handles: 0,
             physical: 0,
         }
@@ -84,11 +92,15 @@ impl Vmm {
                 start: range.start,
             });
         }
-        let inside = self.mappings.range(range.start..range.end());
-        if inside.clone().next().is_some() {
+        let g = self.granularity;
+        let mapped = self
+            .granules
+            .mapping_starts(range.start / g, range.end() / g)
+            .len();
+        if mapped > 0 {
             return Err(DriverError::ReservationInUse {
                 start: range.start,
-                mapped: inside.count(),
+                mapped,
             });
         }
         self.reservations.remove(&range.start);
@@ -105,16 +117,12 @@ impl Vmm {
                 free,
             });
         }
-        self.next_handle += 1;
-        let id = self.next_handle;
-        self.handles.insert(
-            id,
-            Handle {
-                size,
-                released: false,
-                maps: 0,
-            },
-        );
+        self.handles.push(Some(Handle {
+            size,
+            released: false,
+            maps: 0,
+        }));
+        let id = self.handles.len() as u64;
         self.live_handles += 1;
         self.physical += size;
         Ok(PhysHandle(id))
@@ -146,48 +154,58 @@ impl Vmm {
                 size,
             });
         }
-        let outside = DriverError::OutsideReservation {
+        let outside = || DriverError::OutsideReservation {
             op: Op::Map,
             start: va,
             size,
         };
-        let end = va.checked_add(size).ok_or(outside.clone())?;
+        if va.checked_add(size).is_none() {
+            return Err(outside());
+        }
         let (&r_start, &r_size) = self
             .reservations
             .range(..=va)
             .next_back()
-            .ok_or(outside.clone())?;
+            .ok_or_else(outside)?;
         if !VaRange::new(r_start, r_size).contains_range(va, size) {
-            return Err(outside);
+            return Err(outside());
         }
-        if let Some((&existing, m)) = self.mappings.range(..end).next_back() {
-            if existing + m.size > va {
-                return Err(DriverError::AlreadyMapped {
-                    start: va,
-                    size,
-                    existing,
-                });
-            }
+        let g = self.granularity;
+        let (first, count) = (va / g, size / g);
+        // The mapping covering the highest granule of the range is the one starting last before its end.
+        if let Some(existing) = (first..first + count).rev().find_map(|i| {
+            let granule = self.granules.get(i);
+            granule.is_mapped().then(|| (i - granule.offset) * g)
+        }) {
+            return Err(DriverError::AlreadyMapped {
+                start: va,
+                size,
+                existing,
+            });
         }
-        if let Some(h) = self.handles.get_mut(&handle.0) {
+        if let Some(h) = self.handle_mut(handle.0) {
             h.maps += 1;
         }
-        self.mappings.insert(
-            va,
-            Mapping {
-                size,
+        for offset in 0..count {
+            let granule = Granule {
                 handle: handle.0,
+                offset,
                 accessible: false,
-            },
-        );
+            };
+            self.granules.set(first + offset, granule);
+        }
+        self.mappings += 1;
         Ok(())
     }
 
     /// `cuMemSetAccess` on whole mappings.
     pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         let end = self.check_whole_mappings(Op::SetAccess, va, size)?;
-        for (_, m) in self.mappings.range_mut(va..end) {
-            m.accessible = true;
+        let g = self.granularity;
+        for index in va / g..end / g {
+            let mut granule = self.granules.get(index);
+            granule.accessible = true;
+            self.granules.set(index, granule);
         }
         Ok(())
     }
@@ -195,15 +213,23 @@ impl Vmm {
     /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
         let end = self.check_whole_mappings(Op::Unmap, va, size)?;
+        let g = self.granularity;
         let mut freed = Vec::new();
-        while let Some((&start, &m)) = self.mappings.range(va..end).next() {
-            self.mappings.remove(&start);
-            let Some(h) = self.handles.get_mut(&m.handle) else {
+        let mut index = va / g;
+        while index < end / g {
+            let handle = self.granules.get(index).handle;
+            let granules = self.mapping_size(handle) / g;
+            for i in index..index + granules {
+                self.granules.set(i, Granule::default());
+            }
+            index += granules;
+            self.mappings -= 1;
+            let Some(h) = self.handle_mut(handle) else {
                 continue;
             };
             h.maps -= 1;
             if h.released && h.maps == 0 {
-                freed.push(self.drop_handle(m.handle));
+                freed.push(self.drop_handle(handle));
             }
         }
         Ok(freed)
@@ -211,13 +237,22 @@ impl Vmm {
 
     /// The size of a handle the device still knows (released but mapped ones included).
     pub(super) fn handle_size(&self, handle: PhysHandle) -> Option<u64> {
-        self.handles.get(&handle.0).map(|h| h.size)
+        self.handle(handle.0).map(|h| h.size)
     }
 
     /// The mapping that contains `addr`, with its start.
     pub(super) fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
-        let (&start, &m) = self.mappings.range(..=addr).next_back()?;
-        (addr - start < m.size).then_some((start, m))
+        let index = addr / self.granularity;
+        let granule = self.granules.get(index);
+        granule.is_mapped().then(|| {
+            let start = (index - granule.offset) * self.granularity;
+            let mapping = Mapping {
+                size: self.mapping_size(granule.handle),
+                handle: granule.handle,
+                accessible: granule.accessible,
+            };
+            (start, mapping)
+        })
     }
 
     /// Bytes of physical memory held by handles.
@@ -232,7 +267,7 @@ impl Vmm {
 
     /// Live mappings.
     pub(super) fn mapping_count(&self) -> usize {
-        self.mappings.len()
+        self.mappings
     }
 
     /// Live reservations.
@@ -242,21 +277,19 @@ impl Vmm {
 
     /// Handles not released, with their sizes, in creation order.
     pub(super) fn unreleased_handles(&self) -> Vec<(PhysHandle, u64)> {
-        let mut out: Vec<_> = self
-            .handles
-            .iter()
-            .filter(|(_, h)| !h.released)
-            .map(|(&id, h)| (PhysHandle(id), h.size))
-            .collect();
-        out.sort_unstable();
-        out
+        (1..)
+            .zip(&self.handles)
+            .filter_map(|(id, h)| h.filter(|h| !h.released).map(|h| (PhysHandle(id), h.size)))
+            .collect()
     }
 
     /// Live mappings, in address order.
     pub(super) fn mapped_ranges(&self) -> Vec<VaRange> {
-        self.mappings
-            .iter()
-            .map(|(&s, m)| VaRange::new(s, m.size))
+        let g = self.granularity;
+        self.granules
+            .mapping_starts(0, u64::MAX)
+            .into_iter()
+            .map(|(index, granule)| VaRange::new(index * g, self.mapping_size(granule.handle)))
             .collect()
     }
 
@@ -278,15 +311,35 @@ impl Vmm {
 
     /// A handle that is known and not released.
     fn live_handle(&mut self, op: Op, handle: PhysHandle) -> Result<&mut Handle, DriverError> {
-        self.handles
-            .get_mut(&handle.0)
+        self.handle_mut(handle.0)
             .filter(|h| !h.released)
             .ok_or(DriverError::UnknownHandle { op, handle })
     }
 
+    /// Handle number `id`, if its memory is not freed yet.
+    fn handle(&self, id: u64) -> Option<&Handle> {
+        let index = usize::try_from(id).ok()?.checked_sub(1)?;
+        self.handles.get(index)?.as_ref()
+    }
+
+    fn handle_mut(&mut self, id: u64) -> Option<&mut Handle> {
+        let index = usize::try_from(id).ok()?.checked_sub(1)?;
+        self.handles.get_mut(index)?.as_mut()
+    }
+
+    /// Bytes mapped by a mapping of handle `id` (0 for a handle the device no longer knows, which a mapped
+    /// handle never is).
+    fn mapping_size(&self, id: u64) -> u64 {
+        self.handle(id).map_or(0, |h| h.size)
+    }
+
     /// Frees a released, unmapped handle's memory. Returns its number.
     fn drop_handle(&mut self, id: u64) -> u64 {
-        if let Some(h) = self.handles.remove(&id) {
+        let index = usize::try_from(id).ok().and_then(|i| i.checked_sub(1));
+        if let Some(h) = index
+            .and_then(|i| self.handles.get_mut(i))
+            .and_then(Option::take)
+        {
             self.physical -= h.size;
         }
         id
@@ -329,30 +382,31 @@ impl Vmm {
                 start: va,
                 size,
             })?;
-        let partial = |mapping: u64, m: &Mapping| DriverError::PartialMapping {
+        let g = self.granularity;
+        let partial = |mapping: u64, mapping_size: u64| DriverError::PartialMapping {
             op,
             start: va,
             size,
             mapping,
-            mapping_size: m.size,
+            mapping_size,
         };
-        if let Some((&s, m)) = self.mappings.range(..va).next_back() {
-            if s + m.size > va {
-                return Err(partial(s, m));
-            }
+        let first = self.granules.get(va / g);
+        if first.is_mapped() && first.offset > 0 {
+            let mapping = va - first.offset * g;
+            return Err(partial(mapping, self.mapping_size(first.handle)));
         }
+        // From here on each granule at `cursor` starts a mapping or is unmapped: mappings never overlap.
         let mut cursor = va;
-        for (&s, m) in self.mappings.range(va..end) {
-            if s != cursor {
+        while cursor < end {
+            let granule = self.granules.get(cursor / g);
+            if !granule.is_mapped() {
                 return Err(DriverError::NotMapped { op, addr: cursor });
             }
-            if s + m.size > end {
-                return Err(partial(s, m));
+            let mapping_size = self.mapping_size(granule.handle);
+            if cursor + mapping_size > end {
+                return Err(partial(cursor, mapping_size));
             }
-            cursor = s + m.size;
-        }
-        if cursor != end {
-            return Err(DriverError::NotMapped { op, addr: cursor });
+            cursor += mapping_size;
         }
         Ok(end)
     }
