@@ -10,17 +10,17 @@
 
 #![deny(unsafe_code)]
 
+use crate::bits::Bits;
 use crate::driver::PhysHandle;
-use bitvec::prelude::*;
 use std::ops::Range;
 
 /// The state of every page of one reservation.
 #[derive(Debug, Clone)]
 pub struct PageMap {
     page_size: u64,
-    mapped: BitVec,
-    accessible: BitVec,
-    idle: BitVec,
+    mapped: Bits,
+    accessible: Bits,
+    idle: Bits,
     handles: Vec<Option<PhysHandle>>,
     users: Vec<u32>,
     mapped_count: usize,
@@ -34,9 +34,9 @@ impl PageMap {
         assert!(page_size > 0, "page size must be non-zero");
         Self {
             page_size,
-            mapped: bitvec![0; pages],
-            accessible: bitvec![0; pages],
-            idle: bitvec![0; pages],
+            mapped: Bits::new(pages),
+            accessible: Bits::new(pages),
+            idle: Bits::new(pages),
             handles: vec![None; pages],
             users: vec![0; pages],
             mapped_count: 0,
@@ -73,17 +73,17 @@ impl PageMap {
 
     /// Whether page `page` is mapped.
     pub fn is_mapped(&self, page: usize) -> bool {
-        self.mapped[page]
+        self.mapped.get(page)
     }
 
     /// Whether page `page` is mapped with access set.
     pub fn is_accessible(&self, page: usize) -> bool {
-        self.accessible[page]
+        self.accessible.get(page)
     }
 
     /// Whether page `page` is mapped and touched by no live block.
     pub fn is_idle(&self, page: usize) -> bool {
-        self.idle[page]
+        self.idle.get(page)
     }
 
     /// The handle mapped at `page`, if any.
@@ -116,7 +116,7 @@ impl PageMap {
     /// # Panics
     /// If the page is already mapped: the caller lost track of a mapping.
     pub fn map(&mut self, page: usize, handle: PhysHandle) {
-        assert!(!self.mapped[page], "page {page} mapped twice");
+        assert!(!self.mapped.get(page), "page {page} mapped twice");
         self.mapped.set(page, true);
         self.handles[page] = Some(handle);
         self.mapped_count += 1;
@@ -130,10 +130,10 @@ impl PageMap {
     /// # Panics
     /// If one of them is not mapped.
     pub fn set_accessible(&mut self, pages: Range<usize>) {
-        if let Some(first) = self.mapped[pages.clone()].first_zero() {
-            panic!("set_access on unmapped page {}", pages.start + first);
+        if let Some(page) = self.mapped.find(pages.clone(), false) {
+            panic!("set_access on unmapped page {page}");
         }
-        self.accessible[pages].fill(true);
+        self.accessible.fill(pages, true);
     }
 
     /// Records that `page` was unmapped, and returns the handle that was mapped there.
@@ -169,9 +169,8 @@ impl PageMap {
         if self.users[inner.clone()].iter().all(|&u| u == 0) {
             self.users[inner.clone()].fill(1);
             self.touched_count += inner.len();
-            let idle = &mut self.idle[inner];
-            self.idle_count -= idle.count_ones();
-            idle.fill(false);
+            self.idle_count -= self.idle.count_ones(inner.clone());
+            self.idle.fill(inner, false);
         } else {
             inner.for_each(|page| self.add_user_page(page));
         }
@@ -195,9 +194,8 @@ impl PageMap {
             self.users[inner.clone()].fill(0);
             self.touched_count -= inner.len();
             // No page had become idle: each had a user. Now exactly the mapped ones are.
-            let mapped = &self.mapped[inner.clone()];
-            self.idle_count += mapped.count_ones();
-            self.idle[inner].copy_from_bitslice(mapped);
+            self.idle_count += self.mapped.count_ones(inner.clone());
+            self.idle.copy_from(&self.mapped, inner);
         } else {
             inner.for_each(|page| self.remove_user_page(page));
         }
@@ -213,7 +211,7 @@ impl PageMap {
         self.users[page] += 1;
         if self.users[page] == 1 {
             self.touched_count += 1;
-            if self.mapped[page] {
+            if self.mapped.get(page) {
                 self.set_idle(page, false);
             }
         }
@@ -224,14 +222,14 @@ impl PageMap {
         self.users[page] -= 1;
         if self.users[page] == 0 {
             self.touched_count -= 1;
-            if self.mapped[page] {
+            if self.mapped.get(page) {
                 self.set_idle(page, true);
             }
         }
     }
 
     fn set_idle(&mut self, page: usize, idle: bool) {
-        if self.idle[page] != idle {
+        if self.idle.get(page) != idle {
             self.idle.set(page, idle);
             if idle {
                 self.idle_count += 1;
@@ -243,101 +241,57 @@ impl PageMap {
 
     /// Whether every page of `pages` is mapped with access set (true for an empty range).
     pub fn all_accessible(&self, pages: Range<usize>) -> bool {
-        self.accessible[pages].all()
+        self.accessible.all(pages)
     }
 
     /// Number of unmapped pages inside `pages`.
     pub fn unmapped_count(&self, pages: Range<usize>) -> usize {
-        self.mapped[pages].count_zeros()
+        pages.len() - self.mapped.count_ones(pages)
     }
 
     /// Maximal runs of unmapped pages inside `pages`, in address order.
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped, pages, false)
+        self.mapped.runs(pages, false, usize::MAX)
     }
 
     /// Maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped, pages, true)
+        self.mapped.runs(pages, true, usize::MAX)
     }
 
     /// The first `limit` maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs_limited(&self, pages: Range<usize>, limit: usize) -> Vec<Range<usize>> {
-        runs_limited(&self.mapped, pages, true, limit)
+        self.mapped.runs(pages, true, limit)
     }
 
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
-        for run in runs(&self.accessible, pages, false) {
-            out.extend(runs(&self.mapped, run, true));
+        for run in self.accessible.runs(pages, false, usize::MAX) {
+            out.extend(self.mapped.runs(run, true, usize::MAX));
         }
         out
     }
 
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.
     pub fn accessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.accessible, pages, true)
+        self.accessible.runs(pages, true, usize::MAX)
     }
 
     /// Maximal runs of idle pages, in address order.
     pub fn idle_runs(&self) -> Vec<Range<usize>> {
-        runs(&self.idle, 0..self.len(), true)
+        self.idle.runs(0..self.len(), true, usize::MAX)
     }
 
     /// Maximal runs of idle pages inside `pages`, in address order.
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.idle, pages, true)
+        self.idle.runs(pages, true, usize::MAX)
     }
 
     /// Idle pages from the highest address down.
     pub fn idle_pages_rev(&self) -> impl Iterator<Item = usize> + '_ {
-        self.idle.iter_ones().rev()
+        self.idle_runs().into_iter().rev().flat_map(Iterator::rev)
     }
-}
-
-/// Maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
-fn runs(bits: &BitVec, pages: Range<usize>, value: bool) -> Vec<Range<usize>> {
-    runs_limited(bits, pages, value, usize::MAX)
-}
-
-/// The first `limit` maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
-fn runs_limited(
-    bits: &BitVec,
-    pages: Range<usize>,
-    value: bool,
-    limit: usize,
-) -> Vec<Range<usize>> {
-    let words = bits.as_raw_slice();
-    let mut out = Vec::new();
-    let mut pos = pages.start;
-    while out.len() < limit {
-        let Some(start) = find(words, pos..pages.end, value) else {
-            break;
-        };
-        let end = find(words, start..pages.end, !value).unwrap_or(pages.end);
-        out.push(start..end);
-        pos = end;
-    }
-    out
-}
-
-/// The first bit in `range` equal to `value`, a word at a time (bit `i` is bit `i % usize::BITS` of word
-/// `i / usize::BITS`, as `BitVec`'s default `Lsb0` order stores it).
-fn find(words: &[usize], range: Range<usize>, value: bool) -> Option<usize> {
-    const BITS: usize = usize::BITS as usize;
-    let mut at = range.start;
-    while at < range.end {
-        let (index, bit) = (at / BITS, at % BITS);
-        let word = if value { words[index] } else { !words[index] };
-        let from_bit = word & (usize::MAX << bit);
-        if from_bit != 0 {
-            let found = index * BITS + from_bit.trailing_zeros() as usize;
-            return (found < range.end).then_some(found);
-        }
-        at = (index + 1) * BITS;
-    }
-    None
 }
 
 #[cfg(test)]

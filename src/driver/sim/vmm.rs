@@ -43,6 +43,8 @@ pub(super) struct Vmm {
     granularity: u64,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
+    /// The reservation `map` found last, `(start, size)`: maps come in runs into one reservation.
+    last_reservation: Option<(u64, u64)>,
     /// The page table: which handle each granule of address space maps.
     granules: Granules,
     /// Mappings alive.
@@ -61,6 +63,7 @@ impl Vmm {
             granularity,
             va: VaRegion::new(RESERVATION_BASE, VA_TOP, granularity),
             reservations: BTreeMap::new(),
+            last_reservation: None,
             granules: Granules::default(),
             mappings: 0,
             handles: Vec::new(),
@@ -104,6 +107,7 @@ impl Vmm {
             });
         }
         self.reservations.remove(&range.start);
+        self.last_reservation = None;
         Ok(())
     }
 
@@ -162,38 +166,36 @@ impl Vmm {
         if va.checked_add(size).is_none() {
             return Err(outside());
         }
-        let (&r_start, &r_size) = self
-            .reservations
-            .range(..=va)
-            .next_back()
-            .ok_or_else(outside)?;
-        if !VaRange::new(r_start, r_size).contains_range(va, size) {
-            return Err(outside());
+        let inside = |(start, len): (u64, u64)| VaRange::new(start, len).contains_range(va, size);
+        if !self.last_reservation.is_some_and(inside) {
+            let (&r_start, &r_size) = self
+                .reservations
+                .range(..=va)
+                .next_back()
+                .ok_or_else(outside)?;
+            if !inside((r_start, r_size)) {
+                return Err(outside());
+            }
+            self.last_reservation = Some((r_start, r_size));
         }
         let g = self.granularity;
         let (first, count) = (va / g, size / g);
         // The mapping covering the highest granule of the range is the one starting last before its end.
-        if let Some(existing) = (first..first + count).rev().find_map(|i| {
-            let granule = self.granules.get(i);
-            granule.is_mapped().then(|| (i - granule.offset) * g)
-        }) {
+        if let Some((i, granule)) = self.granules.last_mapped(first..first + count) {
             return Err(DriverError::AlreadyMapped {
                 start: va,
                 size,
-                existing,
+                existing: (i - granule.offset) * g,
             });
         }
         if let Some(h) = self.handle_mut(handle.0) {
             h.maps += 1;
         }
-        for offset in 0..count {
-            let granule = Granule {
-                handle: handle.0,
-                offset,
-                accessible: false,
-            };
-            self.granules.set(first + offset, granule);
-        }
+        self.granules.fill(first..first + count, |offset| Granule {
+            handle: handle.0,
+            offset,
+            accessible: false,
+        });
         self.mappings += 1;
         Ok(())
     }
@@ -202,11 +204,8 @@ impl Vmm {
     pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         let end = self.check_whole_mappings(Op::SetAccess, va, size)?;
         let g = self.granularity;
-        for index in va / g..end / g {
-            let mut granule = self.granules.get(index);
-            granule.accessible = true;
-            self.granules.set(index, granule);
-        }
+        self.granules
+            .update(va / g..end / g, |granule| granule.accessible = true);
         Ok(())
     }
 
@@ -219,9 +218,8 @@ impl Vmm {
         while index < end / g {
             let handle = self.granules.get(index).handle;
             let granules = self.mapping_size(handle) / g;
-            for i in index..index + granules {
-                self.granules.set(i, Granule::default());
-            }
+            self.granules
+                .fill(index..index + granules, |_| Granule::default());
             index += granules;
             self.mappings -= 1;
             let Some(h) = self.handle_mut(handle) else {
