@@ -21,7 +21,11 @@ pub struct PageMap {
     mapped: Bits,
     accessible: Bits,
     idle: Bits,
+    pages: usize,
+    /// The handle at each page, for the pages up to the highest ever mapped or used (a reservation is much
+    /// larger than what is ever touched, so these grow on demand instead of being filled up front).
     handles: Vec<Option<PhysHandle>>,
+    /// The live blocks touching each page, as far as `handles` goes.
     users: Vec<u32>,
     mapped_count: usize,
     idle_count: usize,
@@ -37,8 +41,9 @@ impl PageMap {
             mapped: Bits::new(pages),
             accessible: Bits::new(pages),
             idle: Bits::new(pages),
-            handles: vec![None; pages],
-            users: vec![0; pages],
+            pages,
+            handles: Vec::new(),
+            users: Vec::new(),
             mapped_count: 0,
             idle_count: 0,
             touched_count: 0,
@@ -47,12 +52,12 @@ impl PageMap {
 
     /// Number of pages.
     pub fn len(&self) -> usize {
-        self.users.len()
+        self.pages
     }
 
     /// Whether the map has no pages.
     pub fn is_empty(&self) -> bool {
-        self.users.is_empty()
+        self.pages == 0
     }
 
     /// Bytes per page.
@@ -88,12 +93,28 @@ impl PageMap {
 
     /// The handle mapped at `page`, if any.
     pub fn handle(&self, page: usize) -> Option<PhysHandle> {
-        self.handles[page]
+        self.check(page);
+        self.handles.get(page).copied().flatten()
     }
 
     /// How many live blocks touch `page`.
     pub fn users(&self, page: usize) -> u32 {
-        self.users[page]
+        self.check(page);
+        self.users.get(page).copied().unwrap_or(0)
+    }
+
+    /// Panics if `page` is not a page of the map.
+    fn check(&self, page: usize) {
+        assert!(page < self.pages, "page {page} out of {}", self.pages);
+    }
+
+    /// Makes `handles` and `users` cover pages below `end` (at most every page).
+    fn cover(&mut self, end: usize) {
+        if end > self.users.len() {
+            let len = end.max(2 * self.users.len()).min(self.pages);
+            self.users.resize(len, 0);
+            self.handles.resize(len, None);
+        }
     }
 
     /// Pages mapped.
@@ -117,6 +138,7 @@ impl PageMap {
     /// If the page is already mapped: the caller lost track of a mapping.
     pub fn map(&mut self, page: usize, handle: PhysHandle) {
         assert!(!self.mapped.get(page), "page {page} mapped twice");
+        self.cover(page + 1);
         self.mapped.set(page, true);
         self.handles[page] = Some(handle);
         self.mapped_count += 1;
@@ -141,13 +163,15 @@ impl PageMap {
     /// # Panics
     /// If the page is not mapped, or a live block still touches it.
     pub fn unmap(&mut self, page: usize) -> PhysHandle {
+        let users = self.users(page);
         assert!(
-            self.users[page] == 0,
-            "unmapping page {page} that {} live blocks touch",
-            self.users[page]
+            users == 0,
+            "unmapping page {page} that {users} live blocks touch"
         );
-        let handle = self.handles[page]
-            .take()
+        let handle = self
+            .handles
+            .get_mut(page)
+            .and_then(Option::take)
             .unwrap_or_else(|| panic!("unmapping unmapped page {page}"));
         self.mapped.set(page, false);
         self.accessible.set(page, false);
@@ -161,6 +185,10 @@ impl PageMap {
     /// A block's pages other than its first and last are touched by no other block, so they are updated
     /// together, a word of bits at a time, when none has a user yet; the ends one by one.
     pub fn add_user(&mut self, pages: Range<usize>) {
+        if pages.end > self.pages {
+            self.check(pages.end - 1);
+        }
+        self.cover(pages.end);
         let Some(inner) = Self::split_ends(&pages) else {
             pages.for_each(|page| self.add_user_page(page));
             return;
@@ -185,7 +213,8 @@ impl PageMap {
     /// # Panics
     /// If a page's count would go below zero.
     pub fn remove_user(&mut self, pages: Range<usize>) {
-        let Some(inner) = Self::split_ends(&pages) else {
+        let Some(inner) = Self::split_ends(&pages).filter(|inner| inner.end <= self.users.len())
+        else {
             pages.for_each(|page| self.remove_user_page(page));
             return;
         };
@@ -218,7 +247,7 @@ impl PageMap {
     }
 
     fn remove_user_page(&mut self, page: usize) {
-        assert!(self.users[page] > 0, "page {page} has no user to remove");
+        assert!(self.users(page) > 0, "page {page} has no user to remove");
         self.users[page] -= 1;
         if self.users[page] == 0 {
             self.touched_count -= 1;
@@ -267,10 +296,38 @@ impl PageMap {
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
-        for run in self.accessible.runs(pages, false, usize::MAX) {
-            out.extend(self.mapped.runs(run, true, usize::MAX));
+        let mut pos = pages.start;
+        while let Some(run) = self.first_inaccessible_run(pos..pages.end) {
+            pos = run.end;
+            out.push(run);
         }
         out
+    }
+
+    /// The first page inside `pages` that is not mapped.
+    pub fn first_unmapped(&self, pages: Range<usize>) -> Option<usize> {
+        self.mapped.find(pages, false)
+    }
+
+    /// The first maximal run of mapped pages without access inside `pages`.
+    pub fn first_inaccessible_run(&self, pages: Range<usize>) -> Option<Range<usize>> {
+        let mut pos = pages.start;
+        // Access is set only on mapped pages: look for a page without access that is mapped.
+        let start = loop {
+            let candidate = self.accessible.find(pos..pages.end, false)?;
+            if self.mapped.get(candidate) {
+                break candidate;
+            }
+            pos = self.mapped.find(candidate..pages.end, true)?;
+        };
+        let accessible = self.accessible.find(start..pages.end, true);
+        let unmapped = self.mapped.find(start..pages.end, false);
+        let end = [accessible, unmapped]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(pages.end);
+        Some(start..end)
     }
 
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.

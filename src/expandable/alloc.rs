@@ -201,19 +201,14 @@ impl<D: Driver> Expandable<D> {
     /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
     fn back_with_pages(&mut self, slot: usize, addr: u64, size: u64) -> Result<(), Error> {
         let pages = self.segment(slot).pages_of(addr, size);
-        let missing = self.segment(slot).pages.unmapped_runs(pages.clone());
-        let need: usize = missing.iter().map(|run| run.len()).sum();
+        let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {
             let handles = self.obtain_handles(need)?;
             let reused = handles.reused.len() as u64;
-            let mut queue = handles
-                .fresh
-                .into_iter()
-                .chain(handles.reused)
-                .collect::<Vec<_>>();
-            queue.reverse();
-            for page in missing.into_iter().flatten() {
-                let handle = queue.pop().expect("one handle per missing page");
+            let mut queue = handles.fresh.into_iter().chain(handles.reused);
+            let mut pos = pages.start;
+            while let Some(page) = self.segment(slot).pages.first_unmapped(pos..pages.end) {
+                let handle = queue.next().expect("one handle per missing page");
                 let va = self.segment(slot).page_addr(page);
                 if let Err(err) = self.driver.map(va, self.page_size, handle) {
                     self.pooled.push(handle);
@@ -221,13 +216,20 @@ impl<D: Driver> Expandable<D> {
                     return Err(err.into());
                 }
                 self.segment_mut(slot).pages.map(page, handle);
+                pos = page + 1;
             }
             self.counters.handles_reused += reused;
         }
-        for run in self.segment(slot).pages.inaccessible_runs(pages) {
+        let mut pos = pages.start;
+        while let Some(run) = self
+            .segment(slot)
+            .pages
+            .first_inaccessible_run(pos..pages.end)
+        {
             let va = self.segment(slot).page_addr(run.start);
             self.driver
                 .set_access(va, run.len() as u64 * self.page_size)?;
+            pos = run.end;
             self.segment_mut(slot).pages.set_accessible(run);
         }
         Ok(())

@@ -30,8 +30,10 @@ pub(crate) struct Blocks {
     /// Unused slots of `nodes`.
     spare: Vec<u32>,
     by_start: FastMap<u64, u32>,
-    /// Per page, the last (highest) block starting in it, or `NIL`.
+    /// Per page, the last (highest) block starting in it, or `NIL`; as far as the highest page where a
+    /// block ever started (it grows on demand, as most of a reservation never holds a block start).
     last_start: Vec<u32>,
+    pages: usize,
     /// Pages in which some block starts.
     starts: Bits,
     head: u32,
@@ -46,7 +48,8 @@ impl Blocks {
             nodes: Vec::new(),
             spare: Vec::new(),
             by_start: FastMap::default(),
-            last_start: vec![NIL; pages.max(1)],
+            last_start: Vec::new(),
+            pages: pages.max(1),
             starts: Bits::new(pages.max(1)),
             head: NIL,
             base,
@@ -76,6 +79,7 @@ impl Blocks {
         }
         let page = self.page(addr.checked_sub(self.base)?)?;
         let mut n = self.last_start[self.starts.find_last_set(page)?];
+        // (A page with a start bit is below `last_start.len()`.)
         while n != NIL && self.nodes[n as usize].addr > addr {
             n = self.nodes[n as usize].prev;
         }
@@ -141,7 +145,7 @@ impl Blocks {
 
     fn page(&self, offset: u64) -> Option<usize> {
         let page = usize::try_from(offset / self.page_size).ok()?;
-        (page < self.last_start.len()).then_some(page)
+        (page < self.pages).then_some(page)
     }
 
     /// Stores a node for `block` at `addr` between `prev` and `next` (the caller sets their links).
@@ -163,8 +167,11 @@ impl Blocks {
             }
         };
         self.by_start.insert(addr, n);
-        let page = (addr - self.base) / self.page_size;
-        let page = page as usize;
+        let page = ((addr - self.base) / self.page_size) as usize;
+        if page >= self.last_start.len() {
+            let len = (page + 1).max(2 * self.last_start.len()).min(self.pages);
+            self.last_start.resize(len, NIL);
+        }
         let last = self.last_start[page];
         if last == NIL || self.nodes[last as usize].addr < addr {
             self.last_start[page] = n;

@@ -52,6 +52,12 @@ impl Granules {
             })
     }
 
+    /// The granule at `index`, to change it.
+    pub(super) fn get_mut(&mut self, index: u64) -> &mut Granule {
+        let at = self.position_or_insert(index / CHUNK);
+        &mut self.chunks[at][(index % CHUNK) as usize]
+    }
+
     /// The highest granule in `range` that a mapping covers, with its index.
     pub(super) fn last_mapped(&self, range: Range<u64>) -> Option<(u64, Granule)> {
         let mut found = None;
