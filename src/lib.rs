@@ -9,6 +9,7 @@
 //! ([`Allocator`]), and the tools ([`trace`], [`driver_bench`]). See `docs/DESIGN.md`.
 
 pub mod allocator;
+mod bits;
 pub mod config;
 pub mod driver;
 pub mod driver_bench;

@@ -10,18 +10,22 @@
 
 #![deny(unsafe_code)]
 
+use crate::bits::Bits;
 use crate::driver::PhysHandle;
-use bitvec::prelude::*;
 use std::ops::Range;
 
 /// The state of every page of one reservation.
 #[derive(Debug, Clone)]
 pub struct PageMap {
     page_size: u64,
-    mapped: BitVec,
-    accessible: BitVec,
-    idle: BitVec,
+    mapped: Bits,
+    accessible: Bits,
+    idle: Bits,
+    pages: usize,
+    /// The handle at each page, for the pages up to the highest ever mapped or used (a reservation is much
+    /// larger than what is ever touched, so these grow on demand instead of being filled up front).
     handles: Vec<Option<PhysHandle>>,
+    /// The live blocks touching each page, as far as `handles` goes.
     users: Vec<u32>,
     mapped_count: usize,
     idle_count: usize,
@@ -34,11 +38,12 @@ impl PageMap {
         assert!(page_size > 0, "page size must be non-zero");
         Self {
             page_size,
-            mapped: bitvec![0; pages],
-            accessible: bitvec![0; pages],
-            idle: bitvec![0; pages],
-            handles: vec![None; pages],
-            users: vec![0; pages],
+            mapped: Bits::new(pages),
+            accessible: Bits::new(pages),
+            idle: Bits::new(pages),
+            pages,
+            handles: Vec::new(),
+            users: Vec::new(),
             mapped_count: 0,
             idle_count: 0,
             touched_count: 0,
@@ -47,12 +52,12 @@ impl PageMap {
 
     /// Number of pages.
     pub fn len(&self) -> usize {
-        self.users.len()
+        self.pages
     }
 
     /// Whether the map has no pages.
     pub fn is_empty(&self) -> bool {
-        self.users.is_empty()
+        self.pages == 0
     }
 
     /// Bytes per page.
@@ -73,27 +78,43 @@ impl PageMap {
 
     /// Whether page `page` is mapped.
     pub fn is_mapped(&self, page: usize) -> bool {
-        self.mapped[page]
+        self.mapped.get(page)
     }
 
     /// Whether page `page` is mapped with access set.
     pub fn is_accessible(&self, page: usize) -> bool {
-        self.accessible[page]
+        self.accessible.get(page)
     }
 
     /// Whether page `page` is mapped and touched by no live block.
     pub fn is_idle(&self, page: usize) -> bool {
-        self.idle[page]
+        self.idle.get(page)
     }
 
     /// The handle mapped at `page`, if any.
     pub fn handle(&self, page: usize) -> Option<PhysHandle> {
-        self.handles[page]
+        self.check(page);
+        self.handles.get(page).copied().flatten()
     }
 
     /// How many live blocks touch `page`.
     pub fn users(&self, page: usize) -> u32 {
-        self.users[page]
+        self.check(page);
+        self.users.get(page).copied().unwrap_or(0)
+    }
+
+    /// Panics if `page` is not a page of the map.
+    fn check(&self, page: usize) {
+        assert!(page < self.pages, "page {page} out of {}", self.pages);
+    }
+
+    /// Makes `handles` and `users` cover pages below `end` (at most every page).
+    fn cover(&mut self, end: usize) {
+        if end > self.users.len() {
+            let len = end.max(2 * self.users.len()).min(self.pages);
+            self.users.resize(len, 0);
+            self.handles.resize(len, None);
+        }
     }
 
     /// Pages mapped.
@@ -116,7 +137,8 @@ impl PageMap {
     /// # Panics
     /// If the page is already mapped: the caller lost track of a mapping.
     pub fn map(&mut self, page: usize, handle: PhysHandle) {
-        assert!(!self.mapped[page], "page {page} mapped twice");
+        assert!(!self.mapped.get(page), "page {page} mapped twice");
+        self.cover(page + 1);
         self.mapped.set(page, true);
         self.handles[page] = Some(handle);
         self.mapped_count += 1;
@@ -130,10 +152,10 @@ impl PageMap {
     /// # Panics
     /// If one of them is not mapped.
     pub fn set_accessible(&mut self, pages: Range<usize>) {
-        if let Some(first) = self.mapped[pages.clone()].first_zero() {
-            panic!("set_access on unmapped page {}", pages.start + first);
+        if let Some(page) = self.mapped.find(pages.clone(), false) {
+            panic!("set_access on unmapped page {page}");
         }
-        self.accessible[pages].fill(true);
+        self.accessible.fill(pages, true);
     }
 
     /// Records that `page` was unmapped, and returns the handle that was mapped there.
@@ -141,13 +163,15 @@ impl PageMap {
     /// # Panics
     /// If the page is not mapped, or a live block still touches it.
     pub fn unmap(&mut self, page: usize) -> PhysHandle {
+        let users = self.users(page);
         assert!(
-            self.users[page] == 0,
-            "unmapping page {page} that {} live blocks touch",
-            self.users[page]
+            users == 0,
+            "unmapping page {page} that {users} live blocks touch"
         );
-        let handle = self.handles[page]
-            .take()
+        let handle = self
+            .handles
+            .get_mut(page)
+            .and_then(Option::take)
             .unwrap_or_else(|| panic!("unmapping unmapped page {page}"));
         self.mapped.set(page, false);
         self.accessible.set(page, false);
@@ -161,6 +185,10 @@ impl PageMap {
     /// A block's pages other than its first and last are touched by no other block, so they are updated
     /// together, a word of bits at a time, when none has a user yet; the ends one by one.
     pub fn add_user(&mut self, pages: Range<usize>) {
+        if pages.end > self.pages {
+            self.check(pages.end - 1);
+        }
+        self.cover(pages.end);
         let Some(inner) = Self::split_ends(&pages) else {
             pages.for_each(|page| self.add_user_page(page));
             return;
@@ -169,9 +197,8 @@ impl PageMap {
         if self.users[inner.clone()].iter().all(|&u| u == 0) {
             self.users[inner.clone()].fill(1);
             self.touched_count += inner.len();
-            let idle = &mut self.idle[inner];
-            self.idle_count -= idle.count_ones();
-            idle.fill(false);
+            self.idle_count -= self.idle.count_ones(inner.clone());
+            self.idle.fill(inner, false);
         } else {
             inner.for_each(|page| self.add_user_page(page));
         }
@@ -186,7 +213,8 @@ impl PageMap {
     /// # Panics
     /// If a page's count would go below zero.
     pub fn remove_user(&mut self, pages: Range<usize>) {
-        let Some(inner) = Self::split_ends(&pages) else {
+        let Some(inner) = Self::split_ends(&pages).filter(|inner| inner.end <= self.users.len())
+        else {
             pages.for_each(|page| self.remove_user_page(page));
             return;
         };
@@ -195,9 +223,8 @@ impl PageMap {
             self.users[inner.clone()].fill(0);
             self.touched_count -= inner.len();
             // No page had become idle: each had a user. Now exactly the mapped ones are.
-            let mapped = &self.mapped[inner.clone()];
-            self.idle_count += mapped.count_ones();
-            self.idle[inner].copy_from_bitslice(mapped);
+            self.idle_count += self.mapped.count_ones(inner.clone());
+            self.idle.copy_from(&self.mapped, inner);
         } else {
             inner.for_each(|page| self.remove_user_page(page));
         }
@@ -213,25 +240,25 @@ impl PageMap {
         self.users[page] += 1;
         if self.users[page] == 1 {
             self.touched_count += 1;
-            if self.mapped[page] {
+            if self.mapped.get(page) {
                 self.set_idle(page, false);
             }
         }
     }
 
     fn remove_user_page(&mut self, page: usize) {
-        assert!(self.users[page] > 0, "page {page} has no user to remove");
+        assert!(self.users(page) > 0, "page {page} has no user to remove");
         self.users[page] -= 1;
         if self.users[page] == 0 {
             self.touched_count -= 1;
-            if self.mapped[page] {
+            if self.mapped.get(page) {
                 self.set_idle(page, true);
             }
         }
     }
 
     fn set_idle(&mut self, page: usize, idle: bool) {
-        if self.idle[page] != idle {
+        if self.idle.get(page) != idle {
             self.idle.set(page, idle);
             if idle {
                 self.idle_count += 1;
@@ -243,101 +270,85 @@ impl PageMap {
 
     /// Whether every page of `pages` is mapped with access set (true for an empty range).
     pub fn all_accessible(&self, pages: Range<usize>) -> bool {
-        self.accessible[pages].all()
+        self.accessible.all(pages)
     }
 
     /// Number of unmapped pages inside `pages`.
     pub fn unmapped_count(&self, pages: Range<usize>) -> usize {
-        self.mapped[pages].count_zeros()
+        pages.len() - self.mapped.count_ones(pages)
     }
 
     /// Maximal runs of unmapped pages inside `pages`, in address order.
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped, pages, false)
+        self.mapped.runs(pages, false, usize::MAX)
     }
 
     /// Maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.mapped, pages, true)
+        self.mapped.runs(pages, true, usize::MAX)
     }
 
     /// The first `limit` maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs_limited(&self, pages: Range<usize>, limit: usize) -> Vec<Range<usize>> {
-        runs_limited(&self.mapped, pages, true, limit)
+        self.mapped.runs(pages, true, limit)
     }
 
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
-        for run in runs(&self.accessible, pages, false) {
-            out.extend(runs(&self.mapped, run, true));
+        let mut pos = pages.start;
+        while let Some(run) = self.first_inaccessible_run(pos..pages.end) {
+            pos = run.end;
+            out.push(run);
         }
         out
     }
 
+    /// The first page inside `pages` that is not mapped.
+    pub fn first_unmapped(&self, pages: Range<usize>) -> Option<usize> {
+        self.mapped.find(pages, false)
+    }
+
+    /// The first maximal run of mapped pages without access inside `pages`.
+    pub fn first_inaccessible_run(&self, pages: Range<usize>) -> Option<Range<usize>> {
+        let mut pos = pages.start;
+        // Access is set only on mapped pages: look for a page without access that is mapped.
+        let start = loop {
+            let candidate = self.accessible.find(pos..pages.end, false)?;
+            if self.mapped.get(candidate) {
+                break candidate;
+            }
+            pos = self.mapped.find(candidate..pages.end, true)?;
+        };
+        let accessible = self.accessible.find(start..pages.end, true);
+        let unmapped = self.mapped.find(start..pages.end, false);
+        let end = [accessible, unmapped]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(pages.end);
+        Some(start..end)
+    }
+
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.
     pub fn accessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.accessible, pages, true)
+        self.accessible.runs(pages, true, usize::MAX)
     }
 
     /// Maximal runs of idle pages, in address order.
     pub fn idle_runs(&self) -> Vec<Range<usize>> {
-        runs(&self.idle, 0..self.len(), true)
+        self.idle.runs(0..self.len(), true, usize::MAX)
     }
 
     /// Maximal runs of idle pages inside `pages`, in address order.
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        runs(&self.idle, pages, true)
+        self.idle.runs(pages, true, usize::MAX)
     }
 
     /// Idle pages from the highest address down.
     pub fn idle_pages_rev(&self) -> impl Iterator<Item = usize> + '_ {
-        self.idle.iter_ones().rev()
+        self.idle_runs().into_iter().rev().flat_map(Iterator::rev)
     }
-}
-
-/// Maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
-fn runs(bits: &BitVec, pages: Range<usize>, value: bool) -> Vec<Range<usize>> {
-    runs_limited(bits, pages, value, usize::MAX)
-}
-
-/// The first `limit` maximal runs of bits equal to `value` among bits `pages` of `bits`, as page ranges.
-fn runs_limited(
-    bits: &BitVec,
-    pages: Range<usize>,
-    value: bool,
-    limit: usize,
-) -> Vec<Range<usize>> {
-    let words = bits.as_raw_slice();
-    let mut out = Vec::new();
-    let mut pos = pages.start;
-    while out.len() < limit {
-        let Some(start) = find(words, pos..pages.end, value) else {
-            break;
-        };
-        let end = find(words, start..pages.end, !value).unwrap_or(pages.end);
-        out.push(start..end);
-        pos = end;
-    }
-    out
-}
-
-/// The first bit in `range` equal to `value`, a word at a time (bit `i` is bit `i % usize::BITS` of word
-/// `i / usize::BITS`, as `BitVec`'s default `Lsb0` order stores it).
-fn find(words: &[usize], range: Range<usize>, value: bool) -> Option<usize> {
-    const BITS: usize = usize::BITS as usize;
-    let mut at = range.start;
-    while at < range.end {
-        let (index, bit) = (at / BITS, at % BITS);
-        let word = if value { words[index] } else { !words[index] };
-        let from_bit = word & (usize::MAX << bit);
-        if from_bit != 0 {
-            let found = index * BITS + from_bit.trailing_zeros() as usize;
-            return (found < range.end).then_some(found);
-        }
-        at = (index + 1) * BITS;
-    }
-    None
 }
 
 #[cfg(test)]

@@ -225,51 +225,61 @@ impl<D: Driver> Expandable<D> {
     /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
     fn back_with_pages(&mut self, slot: usize, addr: u64, size: u64) -> Result<(), Error> {
         let pages = self.segment(slot).pages_of(addr, size);
-        let missing = self.segment(slot).pages.unmapped_runs(pages.clone());
-        let need: usize = missing.iter().map(|run| run.len()).sum();
+        let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {
             let handles = self.obtain_handles(need)?;
             let reused = handles.reused.len() as u64;
-            let mut queue = handles
-                .fresh
-                .into_iter()
-                .chain(handles.reused)
-                .collect::<Vec<_>>();
-            queue.reverse();
+            let mut queue = handles.fresh.into_iter().chain(handles.reused);
             let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
             tracing::debug!(
                 pages = need,
                 reused,
                 created = need as u64 - reused,
-                runs = missing.len(),
                 "cuvmm: mapping pages"
             );
-            for run in missing {
-                let start = self.segment(slot).page_addr(run.start);
-                let mut mapped = 0;
-                for page in run {
-                    let handle = queue.pop().expect("one handle per missing page");
-                    let va = self.segment(slot).page_addr(page);
-                    if let Err(err) = self.driver.map(va, self.page_size, handle) {
-                        self.pooled.push(handle);
-                        self.pooled.extend(queue);
-                        if mapped > 0 {
-                            self.record(TraceAction::SegmentMap, start, mapped, stream);
-                        }
-                        return Err(err.into());
+            // The run of contiguous pages mapped so far (address, bytes): one `segment_map` event each.
+            let mut run: Option<(u64, u64)> = None;
+            let mut pos = pages.start;
+            while let Some(page) = self.segment(slot).pages.first_unmapped(pos..pages.end) {
+                let handle = queue.next().expect("one handle per missing page");
+                let va = self.segment(slot).page_addr(page);
+                if let Err(err) = self.driver.map(va, self.page_size, handle) {
+                    self.pooled.push(handle);
+                    self.pooled.extend(queue);
+                    if let Some((start, bytes)) = run {
+                        self.record(TraceAction::SegmentMap, start, bytes, stream);
                     }
-                    self.segment_mut(slot).pages.map(page, handle);
-                    self.counters.mapped.add(pool, self.page_size);
-                    mapped += self.page_size;
+                    return Err(err.into());
                 }
-                self.record(TraceAction::SegmentMap, start, mapped, stream);
+                self.segment_mut(slot).pages.map(page, handle);
+                self.counters.mapped.add(pool, self.page_size);
+                run = match run {
+                    Some((start, bytes)) if start + bytes == va => {
+                        Some((start, bytes + self.page_size))
+                    }
+                    Some((start, bytes)) => {
+                        self.record(TraceAction::SegmentMap, start, bytes, stream);
+                        Some((va, self.page_size))
+                    }
+                    None => Some((va, self.page_size)),
+                };
+                pos = page + 1;
+            }
+            if let Some((start, bytes)) = run {
+                self.record(TraceAction::SegmentMap, start, bytes, stream);
             }
             self.counters.handles_reused += reused;
         }
-        for run in self.segment(slot).pages.inaccessible_runs(pages) {
+        let mut pos = pages.start;
+        while let Some(run) = self
+            .segment(slot)
+            .pages
+            .first_inaccessible_run(pos..pages.end)
+        {
             let va = self.segment(slot).page_addr(run.start);
             self.driver
                 .set_access(va, run.len() as u64 * self.page_size)?;
+            pos = run.end;
             self.segment_mut(slot).pages.set_accessible(run);
         }
         Ok(())

@@ -15,6 +15,7 @@
 #![deny(unsafe_code)]
 
 mod alloc;
+mod blocks;
 mod invariants;
 mod physical;
 mod segment;

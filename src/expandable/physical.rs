@@ -17,10 +17,11 @@ impl<D: Driver> Expandable<D> {
     /// once. On failure every handle obtained so far goes back to the pool.
     pub(super) fn obtain_handles(&mut self, count: usize) -> Result<Handles, Error> {
         let from_pool = count.min(self.pooled.len());
-        let mut reused = self.pooled.split_off(self.pooled.len() - from_pool);
+        let mut reused = Vec::with_capacity(count);
+        reused.extend(self.pooled.drain(self.pooled.len() - from_pool..));
         let mut handles = Handles {
             reused: Vec::new(),
-            fresh: Vec::new(),
+            fresh: Vec::with_capacity(count - from_pool),
         };
         let mut retried = false;
         if reused.len() < count {

@@ -7,9 +7,10 @@
 //! (`record_stream`). A pending block is not allocatable and still counts as a user of its pages, so they
 //! can be neither reused nor unmapped until the allocator releases it.
 
+use super::blocks::Blocks;
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::ops::Range;
 
 /// How many runs of mapped pages inside one free block [`Segment::placement`] considers, and how many idle
@@ -96,7 +97,7 @@ pub(crate) struct Segment {
     pub stream: StreamId,
     pub pool: Pool,
     pub pages: PageMap,
-    blocks: BTreeMap<u64, Block>,
+    blocks: Blocks,
     free: BTreeSet<(u64, u64)>,
     occupied: usize,
     /// Free blocks with an end that is not on a page boundary: they share a page with an occupied
@@ -107,9 +108,9 @@ pub(crate) struct Segment {
 impl Segment {
     /// A segment over `va`, one free block covering all of it.
     pub fn new(va: VaRange, stream: StreamId, pool: Pool, page_size: u64) -> Self {
-        let pages = PageMap::new((va.size / page_size) as usize, page_size);
-        let mut blocks = BTreeMap::new();
-        blocks.insert(va.start, Block::free(va.size));
+        let page_count = (va.size / page_size) as usize;
+        let pages = PageMap::new(page_count, page_size);
+        let blocks = Blocks::new(va.start, page_count, page_size, Block::free(va.size));
         let mut segment = Self {
             va,
             stream,
@@ -192,7 +193,7 @@ impl Segment {
         runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.len()));
         for run in runs.into_iter().take(PLACEMENT_RUNS) {
             let page_start = self.page_addr(run.start);
-            let Some((&start, block)) = self.blocks.range(..=page_start).next_back() else {
+            let Some((start, block)) = self.blocks.containing(page_start) else {
                 continue;
             };
             if !block.is_occupied() && block.size >= size && consider(start, block.size) {
@@ -298,31 +299,33 @@ impl Segment {
     /// Turns `addr .. addr + size`, which lies inside one free block, into a live block; what is left of the
     /// free block before and after it stays free.
     pub fn carve(&mut self, addr: u64, size: u64, requested: u64) {
-        let (&start, &block) = self
+        let (start, block) = self
             .blocks
-            .range(..=addr)
-            .next_back()
+            .containing(addr)
             .expect("carve: no block at address");
         assert!(
             !block.is_occupied() && addr + size <= start + block.size,
             "carve: block is occupied or too small"
         );
         self.unindex_free(start, block.size);
+        let mut left = block.size;
         if addr > start {
-            self.blocks.insert(start, Block::free(addr - start));
-            self.index_free(start, addr - start);
+            let head = addr - start;
+            self.blocks
+                .split(start, Block::free(head), Block::free(left - head));
+            self.index_free(start, head);
+            left -= head;
         }
-        self.blocks.insert(
-            addr,
-            Block {
-                size,
-                state: BlockState::Live { requested },
-            },
-        );
-        let rest = start + block.size - (addr + size);
+        let live = Block {
+            size,
+            state: BlockState::Live { requested },
+        };
+        let rest = left - size;
         if rest > 0 {
-            self.blocks.insert(addr + size, Block::free(rest));
+            self.blocks.split(addr, live, Block::free(rest));
             self.index_free(addr + size, rest);
+        } else if let Some(block) = self.blocks.get_mut(addr) {
+            *block = live;
         }
         self.occupied += 1;
         let pages = self.pages_of(addr, size);
@@ -331,7 +334,7 @@ impl Segment {
 
     /// What freeing `addr` would find: the live block that starts there (`Freed`), or why not.
     pub fn check_free(&self, addr: u64) -> FreeOutcome {
-        let Some((&start, &block)) = self.blocks.range(..=addr).next_back() else {
+        let Some((start, block)) = self.blocks.containing(addr) else {
             return FreeOutcome::NotABlockStart;
         };
         let BlockState::Live { requested } = block.state else {
@@ -356,7 +359,7 @@ impl Segment {
     /// user of its pages.
     pub fn park(&mut self, addr: u64) -> FreeOutcome {
         let outcome = self.check_free(addr);
-        if let (FreeOutcome::Freed { .. }, Some(block)) = (&outcome, self.blocks.get_mut(&addr)) {
+        if let (FreeOutcome::Freed { .. }, Some(block)) = (&outcome, self.blocks.get_mut(addr)) {
             block.state = BlockState::Pending;
         }
         outcome
@@ -367,7 +370,7 @@ impl Segment {
     /// # Panics
     /// If there is no pending block at `addr`: the allocator's pending list lost track of it.
     pub fn release_pending(&mut self, addr: u64) -> u64 {
-        let block = self.blocks.get(&addr).copied();
+        let block = self.blocks.get(addr);
         let size = match block {
             Some(Block {
                 size,
@@ -388,30 +391,31 @@ impl Segment {
     }
 
     /// Marks `addr .. addr + size` (currently one occupied block) free and merges it with its neighbours.
-    fn insert_free(&mut self, mut addr: u64, mut size: u64) {
-        if let Some((&prev, &block)) = self.blocks.range(..addr).next_back()
+    fn insert_free(&mut self, addr: u64, mut size: u64) {
+        if let Some(block) = self.blocks.get_mut(addr) {
+            block.state = BlockState::Free;
+        }
+        let mut start = addr;
+        if let Some((prev, block)) = self.blocks.before(addr)
             && !block.is_occupied()
         {
             self.unindex_free(prev, block.size);
-            self.blocks.remove(&addr);
-            addr = prev;
+            start = self.blocks.merge_into_previous(addr);
             size += block.size;
         }
-        let next = addr + size;
-        if let Some(&block) = self.blocks.get(&next)
+        if let Some((next, block)) = self.blocks.after(start)
             && !block.is_occupied()
         {
             self.unindex_free(next, block.size);
-            self.blocks.remove(&next);
+            self.blocks.merge_into_previous(next);
             size += block.size;
         }
-        self.blocks.insert(addr, Block::free(size));
-        self.index_free(addr, size);
+        self.index_free(start, size);
     }
 
     /// The block that starts at `addr`.
     pub fn block_at(&self, addr: u64) -> Option<Block> {
-        self.blocks.get(&addr).copied()
+        self.blocks.get(addr)
     }
 
     /// The blocks that overlap `start .. end`, in address order.
@@ -420,17 +424,15 @@ impl Segment {
         start: u64,
         end: u64,
     ) -> impl Iterator<Item = (u64, Block)> + '_ {
-        let first = self
-            .blocks
-            .range(..=start)
-            .next_back()
-            .map_or(start, |(&a, _)| a);
-        self.blocks.range(first..end).map(|(&a, &b)| (a, b))
+        std::iter::successors(self.blocks.containing(start), |&(addr, _)| {
+            self.blocks.after(addr)
+        })
+        .take_while(move |&(addr, _)| addr < end)
     }
 
     /// All blocks in address order.
     pub fn blocks(&self) -> impl Iterator<Item = (u64, Block)> + '_ {
-        self.blocks.iter().map(|(&a, &b)| (a, b))
+        self.blocks.iter()
     }
 
     /// The free index: `(size, address)` of every free block.

@@ -8,7 +8,9 @@
 //! something is first mapped there, so the table's memory follows what was mapped, not the reservations.
 
 use crate::fast_hash::FastMap;
+use std::cell::Cell;
 use std::fmt;
+use std::ops::Range;
 
 /// Granules per chunk.
 const CHUNK: u64 = 1024;
@@ -34,46 +36,122 @@ impl Granule {
 /// Every granule of the address space, by granule index (address / granularity).
 #[derive(Clone, Default)]
 pub(super) struct Granules {
-    chunks: FastMap<u64, Box<[Granule]>>,
+    chunks: Vec<Box<[Granule]>>,
+    /// Chunk number (granule index / [`CHUNK`]) to its position in `chunks`.
+    index: FastMap<u64, usize>,
+    /// The chunk found last, `(chunk number, position)`: calls come in runs on neighbouring granules.
+    last: Cell<Option<(u64, usize)>>,
 }
 
 impl Granules {
     /// The granule at `index` (unmapped if nothing was ever mapped near it).
     pub(super) fn get(&self, index: u64) -> Granule {
-        self.chunks
-            .get(&(index / CHUNK))
-            .map_or_else(Granule::default, |chunk| chunk[(index % CHUNK) as usize])
+        self.position(index / CHUNK)
+            .map_or_else(Granule::default, |at| {
+                self.chunks[at][(index % CHUNK) as usize]
+            })
     }
 
-    /// Sets the granule at `index`.
-    pub(super) fn set(&mut self, index: u64, granule: Granule) {
-        let chunk = self
-            .chunks
-            .entry(index / CHUNK)
-            .or_insert_with(|| vec![Granule::default(); CHUNK as usize].into_boxed_slice());
-        chunk[(index % CHUNK) as usize] = granule;
+    /// The granule at `index`, to change it.
+    pub(super) fn get_mut(&mut self, index: u64) -> &mut Granule {
+        let at = self.position_or_insert(index / CHUNK);
+        &mut self.chunks[at][(index % CHUNK) as usize]
+    }
+
+    /// The highest granule in `range` that a mapping covers, with its index.
+    pub(super) fn last_mapped(&self, range: Range<u64>) -> Option<(u64, Granule)> {
+        let mut found = None;
+        // Chunks come in increasing order: a later find is a higher granule.
+        for_chunks(range, |number, slots| {
+            let Some(at) = self.position(number) else {
+                return;
+            };
+            let chunk = &self.chunks[at];
+            if let Some(i) = slots.clone().rev().find(|&i| chunk[i].is_mapped()) {
+                found = Some((number * CHUNK + i as u64, chunk[i]));
+            }
+        });
+        found
+    }
+
+    /// Sets each granule of `range` to `granule(offset from the range's start)`.
+    pub(super) fn fill(&mut self, range: Range<u64>, granule: impl Fn(u64) -> Granule) {
+        let start = range.start;
+        for_chunks(range, |number, slots| {
+            let at = self.position_or_insert(number);
+            for i in slots {
+                self.chunks[at][i] = granule(number * CHUNK + i as u64 - start);
+            }
+        });
+    }
+
+    /// Applies `f` to each granule of `range`.
+    pub(super) fn update(&mut self, range: Range<u64>, mut f: impl FnMut(&mut Granule)) {
+        for_chunks(range, |number, slots| {
+            let at = self.position_or_insert(number);
+            self.chunks[at][slots].iter_mut().for_each(&mut f);
+        });
     }
 
     /// The first granules of the mappings that start at granule indices `start .. end`, in increasing order,
     /// with what they record.
     pub(super) fn mapping_starts(&self, start: u64, end: u64) -> Vec<(u64, Granule)> {
-        let mut keys: Vec<u64> = self
-            .chunks
-            .keys()
-            .copied()
-            .filter(|&k| k >= start / CHUNK && k <= end.saturating_sub(1) / CHUNK)
+        let mut numbers: Vec<(u64, usize)> = self
+            .index
+            .iter()
+            .map(|(&number, &at)| (number, at))
+            .filter(|&(k, _)| k >= start / CHUNK && k <= end.saturating_sub(1) / CHUNK)
             .collect();
-        keys.sort_unstable();
+        numbers.sort_unstable();
         let mut out = Vec::new();
-        for key in keys {
-            for (i, granule) in self.chunks[&key].iter().enumerate() {
-                let index = key * CHUNK + i as u64;
+        for (number, at) in numbers {
+            for (i, granule) in self.chunks[at].iter().enumerate() {
+                let index = number * CHUNK + i as u64;
                 if (start..end).contains(&index) && granule.is_mapped() && granule.offset == 0 {
                     out.push((index, *granule));
                 }
             }
         }
         out
+    }
+
+    /// Where chunk `number` is in `chunks`, if it exists.
+    fn position(&self, number: u64) -> Option<usize> {
+        if let Some((last, at)) = self.last.get()
+            && last == number
+        {
+            return Some(at);
+        }
+        let at = *self.index.get(&number)?;
+        self.last.set(Some((number, at)));
+        Some(at)
+    }
+
+    /// Where chunk `number` is in `chunks`, created unmapped if it does not exist.
+    fn position_or_insert(&mut self, number: u64) -> usize {
+        if let Some(at) = self.position(number) {
+            return at;
+        }
+        let at = self.chunks.len();
+        self.chunks
+            .push(vec![Granule::default(); CHUNK as usize].into_boxed_slice());
+        self.index.insert(number, at);
+        self.last.set(Some((number, at)));
+        at
+    }
+}
+
+/// Calls `f(chunk number, slots in the chunk)` for each chunk that granules `range` touch, in order.
+fn for_chunks(range: Range<u64>, mut f: impl FnMut(u64, Range<usize>)) {
+    let mut at = range.start;
+    while at < range.end {
+        let number = at / CHUNK;
+        let end = ((number + 1) * CHUNK).min(range.end);
+        f(
+            number,
+            (at % CHUNK) as usize..(end - number * CHUNK) as usize,
+        );
+        at = end;
     }
 }
 
@@ -98,21 +176,20 @@ mod tests {
             offset,
             accessible: false,
         };
-        for (index, granule) in [
-            (5000, at(3, 0)),
-            (5001, at(3, 1)),
-            (10, at(2, 0)),
-            (3 * CHUNK - 1, at(4, 0)),
-        ] {
-            g.set(index, granule);
-        }
+        g.fill(5000..5002, |offset| at(3, offset));
+        g.fill(10..11, |_| at(2, 0));
+        g.fill(3 * CHUNK - 1..3 * CHUNK, |_| at(4, 0));
         assert_eq!(g.get(5001), at(3, 1));
+        assert_eq!(g.last_mapped(0..5000), Some((3 * CHUNK - 1, at(4, 0))));
+        assert_eq!(g.last_mapped(11..3 * CHUNK - 1), None);
         assert_eq!(
             g.mapping_starts(0, u64::MAX),
             [(10, at(2, 0)), (3 * CHUNK - 1, at(4, 0)), (5000, at(3, 0))]
         );
         assert_eq!(g.mapping_starts(11, 5000), [(3 * CHUNK - 1, at(4, 0))]);
-        g.set(10, Granule::default());
+        g.update(5000..5002, |granule| granule.accessible = true);
+        assert!(g.get(5000).accessible && g.get(5001).accessible && !g.get(5002).accessible);
+        g.fill(10..11, |_| Granule::default());
         assert_eq!(g.mapping_starts(0, 5000).len(), 1);
     }
 }

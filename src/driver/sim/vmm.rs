@@ -37,12 +37,48 @@ pub(super) struct Mapping {
     pub(super) accessible: bool,
 }
 
+/// The allocation granularity, with the shift that divides by it when it is a power of two (always, on a
+/// GPU), since a division is the slowest step of an otherwise short call.
+#[derive(Debug, Clone, Copy)]
+struct Granularity {
+    bytes: u64,
+    shift: Option<u32>,
+}
+
+impl Granularity {
+    fn new(bytes: u64) -> Self {
+        Self {
+            bytes,
+            shift: bytes.is_power_of_two().then(|| bytes.trailing_zeros()),
+        }
+    }
+
+    /// The granule `addr` lies in (`addr / bytes`).
+    fn index(self, addr: u64) -> u64 {
+        match self.shift {
+            Some(shift) => addr >> shift,
+            None => addr / self.bytes,
+        }
+    }
+
+    /// Whether `value` is a multiple of the granularity.
+    fn divides(self, value: u64) -> bool {
+        match self.shift {
+            Some(shift) => value & ((1 << shift) - 1) == 0,
+            None => value % self.bytes == 0,
+        }
+    }
+}
+
 /// Reservations, handles and mappings.
 #[derive(Debug, Clone)]
 pub(super) struct Vmm {
     granularity: u64,
+    granule: Granularity,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
+    /// The reservation `map` found last, `(start, size)`: maps come in runs into one reservation.
+    last_reservation: Option<(u64, u64)>,
     /// The page table: which handle each granule of address space maps.
     granules: Granules,
     /// Mappings alive.
@@ -59,8 +95,10 @@ impl Vmm {
     pub(super) fn new(granularity: u64) -> Self {
         Self {
             granularity,
+            granule: Granularity::new(granularity),
             va: VaRegion::new(RESERVATION_BASE, VA_TOP, granularity),
             reservations: BTreeMap::new(),
+            last_reservation: None,
             granules: Granules::default(),
             mappings: 0,
             handles: Vec::new(),
@@ -92,10 +130,12 @@ impl Vmm {
                 start: range.start,
             });
         }
-        let g = self.granularity;
         let mapped = self
             .granules
-            .mapping_starts(range.start / g, range.end() / g)
+            .mapping_starts(
+                self.granule.index(range.start),
+                self.granule.index(range.end()),
+            )
             .len();
         if mapped > 0 {
             return Err(DriverError::ReservationInUse {
@@ -104,6 +144,7 @@ impl Vmm {
             });
         }
         self.reservations.remove(&range.start);
+        self.last_reservation = None;
         Ok(())
     }
 
@@ -162,37 +203,46 @@ impl Vmm {
         if va.checked_add(size).is_none() {
             return Err(outside());
         }
-        let (&r_start, &r_size) = self
-            .reservations
-            .range(..=va)
-            .next_back()
-            .ok_or_else(outside)?;
-        if !VaRange::new(r_start, r_size).contains_range(va, size) {
-            return Err(outside());
+        let inside = |(start, len): (u64, u64)| VaRange::new(start, len).contains_range(va, size);
+        if !self.last_reservation.is_some_and(inside) {
+            let (&r_start, &r_size) = self
+                .reservations
+                .range(..=va)
+                .next_back()
+                .ok_or_else(outside)?;
+            if !inside((r_start, r_size)) {
+                return Err(outside());
+            }
+            self.last_reservation = Some((r_start, r_size));
         }
         let g = self.granularity;
-        let (first, count) = (va / g, size / g);
-        // The mapping covering the highest granule of the range is the one starting last before its end.
-        if let Some(existing) = (first..first + count).rev().find_map(|i| {
-            let granule = self.granules.get(i);
-            granule.is_mapped().then(|| (i - granule.offset) * g)
-        }) {
-            return Err(DriverError::AlreadyMapped {
-                start: va,
-                size,
-                existing,
-            });
+        let (first, count) = (self.granule.index(va), self.granule.index(size));
+        let mapped = |offset| Granule {
+            handle: handle.0,
+            offset,
+            accessible: false,
+        };
+        let already = |i: u64, granule: Granule| DriverError::AlreadyMapped {
+            start: va,
+            size,
+            existing: (i - granule.offset) * g,
+        };
+        if count == 1 {
+            // One granule, the usual page: one lookup checks and records it.
+            let granule = self.granules.get_mut(first);
+            if granule.is_mapped() {
+                return Err(already(first, *granule));
+            }
+            *granule = mapped(0);
+        } else {
+            // The mapping covering the highest granule of the range is the one starting last before its end.
+            if let Some((i, granule)) = self.granules.last_mapped(first..first + count) {
+                return Err(already(i, granule));
+            }
+            self.granules.fill(first..first + count, mapped);
         }
         if let Some(h) = self.handle_mut(handle.0) {
             h.maps += 1;
-        }
-        for offset in 0..count {
-            let granule = Granule {
-                handle: handle.0,
-                offset,
-                accessible: false,
-            };
-            self.granules.set(first + offset, granule);
         }
         self.mappings += 1;
         Ok(())
@@ -201,27 +251,23 @@ impl Vmm {
     /// `cuMemSetAccess` on whole mappings.
     pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         let end = self.check_whole_mappings(Op::SetAccess, va, size)?;
-        let g = self.granularity;
-        for index in va / g..end / g {
-            let mut granule = self.granules.get(index);
-            granule.accessible = true;
-            self.granules.set(index, granule);
-        }
+        self.granules
+            .update(self.granule.index(va)..self.granule.index(end), |granule| {
+                granule.accessible = true
+            });
         Ok(())
     }
 
     /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
         let end = self.check_whole_mappings(Op::Unmap, va, size)?;
-        let g = self.granularity;
         let mut freed = Vec::new();
-        let mut index = va / g;
-        while index < end / g {
+        let mut index = self.granule.index(va);
+        while index < self.granule.index(end) {
             let handle = self.granules.get(index).handle;
-            let granules = self.mapping_size(handle) / g;
-            for i in index..index + granules {
-                self.granules.set(i, Granule::default());
-            }
+            let granules = self.granule.index(self.mapping_size(handle));
+            self.granules
+                .fill(index..index + granules, |_| Granule::default());
             index += granules;
             self.mappings -= 1;
             let Some(h) = self.handle_mut(handle) else {
@@ -242,7 +288,7 @@ impl Vmm {
 
     /// The mapping that contains `addr`, with its start.
     pub(super) fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
-        let index = addr / self.granularity;
+        let index = self.granule.index(addr);
         let granule = self.granules.get(index);
         granule.is_mapped().then(|| {
             let start = (index - granule.offset) * self.granularity;
@@ -359,7 +405,7 @@ impl Vmm {
     }
 
     fn check_multiple(&self, op: Op, what: &'static str, value: u64) -> Result<(), DriverError> {
-        if value % self.granularity == 0 {
+        if self.granule.divides(value) {
             Ok(())
         } else {
             Err(DriverError::NotAligned {
@@ -390,7 +436,7 @@ impl Vmm {
             mapping,
             mapping_size,
         };
-        let first = self.granules.get(va / g);
+        let first = self.granules.get(self.granule.index(va));
         if first.is_mapped() && first.offset > 0 {
             let mapping = va - first.offset * g;
             return Err(partial(mapping, self.mapping_size(first.handle)));
@@ -398,7 +444,7 @@ impl Vmm {
         // From here on each granule at `cursor` starts a mapping or is unmapped: mappings never overlap.
         let mut cursor = va;
         while cursor < end {
-            let granule = self.granules.get(cursor / g);
+            let granule = self.granules.get(self.granule.index(cursor));
             if !granule.is_mapped() {
                 return Err(DriverError::NotMapped { op, addr: cursor });
             }

@@ -1,0 +1,262 @@
+//! The blocks that tile one segment, in address order: a doubly linked list in a slab, with a hash map from
+//! each block's start address and, per page, the last block starting in it.
+//!
+//! Freeing merges a block with its neighbours, which the links give at once; finding a block by its start is
+//! one hash lookup; finding the block that holds any address (the rarer question) goes to the page's last
+//! block start, or back to the last page where one starts. An ordered map answered all three with tree
+//! searches, several per allocation and free, which was most of a replay's time.
+
+#![deny(unsafe_code)]
+
+use super::segment::Block;
+use crate::bits::Bits;
+use crate::fast_hash::FastMap;
+
+/// No node.
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    addr: u64,
+    block: Block,
+    prev: u32,
+    next: u32,
+}
+
+/// The blocks of one segment.
+#[derive(Debug)]
+pub(crate) struct Blocks {
+    nodes: Vec<Node>,
+    /// Unused slots of `nodes`.
+    spare: Vec<u32>,
+    by_start: FastMap<u64, u32>,
+    /// Per page, the last (highest) block starting in it, or `NIL`; as far as the highest page where a
+    /// block ever started (it grows on demand, as most of a reservation never holds a block start).
+    last_start: Vec<u32>,
+    pages: usize,
+    /// Pages in which some block starts.
+    starts: Bits,
+    head: u32,
+    base: u64,
+    page_size: u64,
+}
+
+impl Blocks {
+    /// One block, `block`, covering `pages` pages of `page_size` bytes from `base`.
+    pub(crate) fn new(base: u64, pages: usize, page_size: u64, block: Block) -> Self {
+        let mut blocks = Self {
+            nodes: Vec::new(),
+            spare: Vec::new(),
+            by_start: FastMap::default(),
+            last_start: Vec::new(),
+            pages: pages.max(1),
+            starts: Bits::new(pages.max(1)),
+            head: NIL,
+            base,
+            page_size,
+        };
+        blocks.head = blocks.link(base, block, NIL, NIL);
+        blocks
+    }
+
+    /// The block that starts at `addr`.
+    pub(crate) fn get(&self, addr: u64) -> Option<Block> {
+        self.by_start
+            .get(&addr)
+            .map(|&n| self.nodes[n as usize].block)
+    }
+
+    /// The block that starts at `addr`, to change it in place (its size only where the tiling stays whole).
+    pub(crate) fn get_mut(&mut self, addr: u64) -> Option<&mut Block> {
+        let n = *self.by_start.get(&addr)?;
+        Some(&mut self.nodes[n as usize].block)
+    }
+
+    /// The block that holds `addr`, with its start.
+    pub(crate) fn containing(&self, addr: u64) -> Option<(u64, Block)> {
+        if let Some(block) = self.get(addr) {
+            return Some((addr, block));
+        }
+        let page = self.page(addr.checked_sub(self.base)?)?;
+        let mut n = self.last_start[self.starts.find_last_set(page)?];
+        // (A page with a start bit is below `last_start.len()`.)
+        while n != NIL && self.nodes[n as usize].addr > addr {
+            n = self.nodes[n as usize].prev;
+        }
+        let node = self.nodes.get(n as usize)?;
+        (addr < node.addr + node.block.size).then_some((node.addr, node.block))
+    }
+
+    /// The block before the one that starts at `addr`, with its start.
+    pub(crate) fn before(&self, addr: u64) -> Option<(u64, Block)> {
+        self.neighbour(addr, |node| node.prev)
+    }
+
+    /// The block after the one that starts at `addr`, with its start.
+    pub(crate) fn after(&self, addr: u64) -> Option<(u64, Block)> {
+        self.neighbour(addr, |node| node.next)
+    }
+
+    /// Replaces the block at `addr` by `first` there and `second` right after it (`first.size` bytes on).
+    pub(crate) fn split(&mut self, addr: u64, first: Block, second: Block) {
+        let n = self.by_start[&addr];
+        self.nodes[n as usize].block = first;
+        let next = self.nodes[n as usize].next;
+        let m = self.link(addr + first.size, second, n, next);
+        self.nodes[n as usize].next = m;
+        if next != NIL {
+            self.nodes[next as usize].prev = m;
+        }
+    }
+
+    /// Merges the block at `addr` into the block before it, which grows by its size. Returns the merged
+    /// block's start.
+    pub(crate) fn merge_into_previous(&mut self, addr: u64) -> u64 {
+        let n = self.by_start[&addr];
+        let Node {
+            block, prev, next, ..
+        } = self.nodes[n as usize];
+        let previous = &mut self.nodes[prev as usize];
+        previous.block.size += block.size;
+        previous.next = next;
+        let start = previous.addr;
+        if next != NIL {
+            self.nodes[next as usize].prev = prev;
+        }
+        self.unlink(n);
+        start
+    }
+
+    /// All blocks in address order, with their starts.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, Block)> + '_ {
+        let mut n = self.head;
+        std::iter::from_fn(move || {
+            let node = self.nodes.get(n as usize)?;
+            n = node.next;
+            Some((node.addr, node.block))
+        })
+    }
+
+    fn neighbour(&self, addr: u64, pick: impl Fn(&Node) -> u32) -> Option<(u64, Block)> {
+        let n = *self.by_start.get(&addr)?;
+        let node = self.nodes.get(pick(&self.nodes[n as usize]) as usize)?;
+        Some((node.addr, node.block))
+    }
+
+    fn page(&self, offset: u64) -> Option<usize> {
+        let page = usize::try_from(offset / self.page_size).ok()?;
+        (page < self.pages).then_some(page)
+    }
+
+    /// Stores a node for `block` at `addr` between `prev` and `next` (the caller sets their links).
+    fn link(&mut self, addr: u64, block: Block, prev: u32, next: u32) -> u32 {
+        let node = Node {
+            addr,
+            block,
+            prev,
+            next,
+        };
+        let n = match self.spare.pop() {
+            Some(n) => {
+                self.nodes[n as usize] = node;
+                n
+            }
+            None => {
+                self.nodes.push(node);
+                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 blocks")
+            }
+        };
+        self.by_start.insert(addr, n);
+        let page = ((addr - self.base) / self.page_size) as usize;
+        if page >= self.last_start.len() {
+            let len = (page + 1).max(2 * self.last_start.len()).min(self.pages);
+            self.last_start.resize(len, NIL);
+        }
+        let last = self.last_start[page];
+        if last == NIL || self.nodes[last as usize].addr < addr {
+            self.last_start[page] = n;
+            self.starts.set(page, true);
+        }
+        n
+    }
+
+    /// Forgets node `n`, already taken out of the list.
+    fn unlink(&mut self, n: u32) {
+        let Node { addr, prev, .. } = self.nodes[n as usize];
+        self.by_start.remove(&addr);
+        let page = ((addr - self.base) / self.page_size) as usize;
+        if self.last_start[page] == n {
+            let same_page = prev != NIL
+                && (self.nodes[prev as usize].addr - self.base) / self.page_size == page as u64;
+            if same_page {
+                self.last_start[page] = prev;
+            } else {
+                self.last_start[page] = NIL;
+                self.starts.set(page, false);
+            }
+        }
+        self.spare.push(n);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::expandable::segment::BlockState;
+
+    const PAGE: u64 = 4096;
+    const BASE: u64 = 1 << 20;
+
+    fn live(size: u64) -> Block {
+        Block {
+            size,
+            state: BlockState::Live { requested: size },
+        }
+    }
+
+    #[test]
+    fn splits_merges_and_lookups_agree_with_the_tiling() {
+        let mut b = Blocks::new(BASE, 16, PAGE, Block::free(16 * PAGE));
+        // [live 512][live 512][free ...] inside page 0, then a live block from page 3 on.
+        b.split(BASE, live(512), Block::free(16 * PAGE - 512));
+        b.split(BASE + 512, live(512), Block::free(16 * PAGE - 1024));
+        b.split(
+            BASE + 1024,
+            Block::free(3 * PAGE - 1024),
+            Block::free(13 * PAGE),
+        );
+        b.get_mut(BASE + 3 * PAGE).unwrap().state = BlockState::Live { requested: 1 };
+        let starts: Vec<u64> = b.iter().map(|(a, _)| a - BASE).collect();
+        assert_eq!(starts, [0, 512, 1024, 3 * PAGE]);
+        assert_eq!(b.containing(BASE + 700).map(|(a, _)| a), Some(BASE + 512));
+        assert_eq!(
+            b.containing(BASE + 2 * PAGE + 5).map(|(a, _)| a),
+            Some(BASE + 1024)
+        );
+        assert_eq!(
+            b.containing(BASE + 15 * PAGE).map(|(a, _)| a),
+            Some(BASE + 3 * PAGE)
+        );
+        assert_eq!(b.containing(BASE + 16 * PAGE), None);
+        assert_eq!(b.containing(BASE - 1), None);
+        assert_eq!(b.before(BASE + 1024).map(|(a, _)| a), Some(BASE + 512));
+        assert_eq!(b.after(BASE + 1024).map(|(a, _)| a), Some(BASE + 3 * PAGE));
+        assert_eq!(b.before(BASE).map(|(a, _)| a), None);
+        // Merging the second block into the first leaves page 0 with one start, at BASE.
+        assert_eq!(b.merge_into_previous(BASE + 512), BASE);
+        assert_eq!(b.get(BASE).unwrap().size, 1024);
+        assert_eq!(b.get(BASE + 512), None);
+        assert_eq!(b.containing(BASE + 700).map(|(a, _)| a), Some(BASE));
+        // Merging the block of page 3 away clears its page: lookups there go back to page 0's last block.
+        assert_eq!(b.merge_into_previous(BASE + 3 * PAGE), BASE + 1024);
+        assert_eq!(
+            b.containing(BASE + 10 * PAGE).map(|(a, _)| a),
+            Some(BASE + 1024)
+        );
+        let total: u64 = b.iter().map(|(_, block)| block.size).sum();
+        assert_eq!(total, 16 * PAGE);
+        // Slots are reused.
+        b.split(BASE, Block::free(512), live(512));
+        assert_eq!(b.nodes.len(), 4);
+    }
+}
