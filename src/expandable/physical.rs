@@ -92,8 +92,7 @@ impl<D: Driver> Expandable<D> {
         let va = self.segment(slot).page_addr(run.start);
         self.driver.unmap(va, run.len() as u64 * self.page_size)?;
         let before = self.page_counts(slot);
-        let seg = self.segment_mut(slot);
-        out.extend(run.map(|page| seg.pages.unmap(page)));
+        self.segment_mut(slot).pages.unmap_run(run, out);
         self.refresh_page_counts(slot, before);
         Ok(())
     }

@@ -230,14 +230,19 @@ impl Segment {
             return Some(start);
         }
         let end = start + block_size;
-        self.pages.idle_runs_in(pages).into_iter().find_map(|run| {
+        let mut pos = pages.start;
+        while let Some(run) = self.pages.first_idle_run(pos..pages.end) {
             let from = self
                 .page_addr(run.start)
                 .max(start)
                 .next_multiple_of(super::ROUND);
             let fits = from + size <= self.page_addr(run.end).min(end);
-            (fits && self.pages.all_accessible(self.pages_of(from, size))).then_some(from)
-        })
+            if fits && self.pages.all_accessible(self.pages_of(from, size)) {
+                return Some(from);
+            }
+            pos = run.end;
+        }
+        None
     }
 
     /// The pages that bytes `addr .. addr + size` touch.
