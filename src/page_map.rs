@@ -197,7 +197,11 @@ impl PageMap {
                 self.users[page]
             );
         }
-        out.extend(self.handles[pages.clone()].iter_mut().filter_map(Option::take));
+        out.extend(
+            self.handles[pages.clone()]
+                .iter_mut()
+                .filter_map(Option::take),
+        );
         self.mapped.fill(pages.clone(), false);
         self.accessible.fill(pages.clone(), false);
         self.idle_count -= self.idle.count_ones(pages.clone());

@@ -346,29 +346,16 @@ impl Segment {
         let pages = self.pages_of(addr, size);
         self.pages.remove_user(pages);
         self.occupied -= 1;
-        self.insert_free(addr, size);
+        self.insert_free(addr);
     }
 
-    /// Marks `addr .. addr + size` (currently one occupied block) free and merges it with its neighbours.
-    fn insert_free(&mut self, addr: u64, mut size: u64) {
-        if let Some(block) = self.blocks.get_mut(addr) {
-            block.state = BlockState::Free;
+    /// Marks the occupied block at `addr` free and merges it with its free neighbours.
+    fn insert_free(&mut self, addr: u64) {
+        let merged = self.blocks.free_and_merge(addr);
+        for (start, size) in merged.before.into_iter().chain(merged.after) {
+            self.free.remove(&(size, start));
         }
-        let mut start = addr;
-        if let Some((prev, block)) = self.blocks.before(addr)
-            && !block.is_occupied()
-        {
-            self.free.remove(&(block.size, prev));
-            start = self.blocks.merge_into_previous(addr);
-            size += block.size;
-        }
-        if let Some((next, block)) = self.blocks.after(start)
-            && !block.is_occupied()
-        {
-            self.free.remove(&(block.size, next));
-            self.blocks.merge_into_previous(next);
-            size += block.size;
-        }
+        let (start, size) = merged.block;
         self.free.insert((size, start));
     }
 

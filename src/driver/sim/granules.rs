@@ -108,9 +108,7 @@ impl Granules {
             match self.position(number) {
                 Some(at) => {
                     let chunk = &self.chunks[at];
-                    result = slots
-                        .clone()
-                        .try_for_each(|i| f(base + i as u64, chunk[i]));
+                    result = slots.clone().try_for_each(|i| f(base + i as u64, chunk[i]));
                 }
                 None => {
                     result = slots
