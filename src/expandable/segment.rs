@@ -8,9 +8,9 @@
 //! can be neither reused nor unmapped until the allocator releases it.
 
 use super::blocks::Blocks;
+use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
-use std::collections::BTreeSet;
 use std::ops::Range;
 
 /// How many runs of mapped pages inside one free block [`Segment::placement`] considers, and how many idle
@@ -87,7 +87,7 @@ pub(crate) struct Segment {
     pub pool: Pool,
     pub pages: PageMap,
     blocks: Blocks,
-    free: BTreeSet<(u64, u64)>,
+    free: FreeIndex,
     occupied: usize,
 }
 
@@ -97,7 +97,7 @@ impl Segment {
         let page_count = (va.size / page_size) as usize;
         let pages = PageMap::new(page_count, page_size);
         let blocks = Blocks::new(va.start, page_count, page_size, Block::free(va.size));
-        let mut free = BTreeSet::new();
+        let mut free = FreeIndex::default();
         free.insert((va.size, va.start));
         Self {
             va,
@@ -117,7 +117,7 @@ impl Segment {
 
     /// The smallest free block of at least `size` bytes: `(size, address)`.
     pub fn best_fit(&self, size: u64) -> Option<(u64, u64)> {
-        self.free.range((size, 0)..).next().copied()
+        self.free.range_from((size, 0)).next().copied()
     }
 
     /// The placement of `size` bytes that needs the fewest pages mapped, among the `candidates` best-fitting
@@ -133,7 +133,7 @@ impl Segment {
             }
             missing == 0
         };
-        for &(block_size, start) in self.free.range((size, 0)..).take(candidates) {
+        for &(block_size, start) in self.free.range_from((size, 0)).take(candidates) {
             if consider(start, block_size) {
                 return best;
             }
@@ -215,7 +215,7 @@ impl Segment {
     /// the lowest such address in it.
     pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
         self.free
-            .range((size, 0)..)
+            .range_from((size, 0))
             .take(candidates)
             .find_map(|&(block_size, start)| {
                 Some((block_size, self.cached_window(start, block_size, size)?))
@@ -370,7 +370,7 @@ impl Segment {
     }
 
     /// The free index: `(size, address)` of every free block.
-    pub fn free_index(&self) -> &BTreeSet<(u64, u64)> {
+    pub fn free_index(&self) -> &FreeIndex {
         &self.free
     }
 
