@@ -78,8 +78,7 @@ impl Bits {
 
     /// Whether every bit of `range` is set (true for an empty range).
     pub(crate) fn all(&self, range: Range<usize>) -> bool {
-        let len = range.len();
-        self.count_ones(range) == len
+        self.find(range, false).is_none()
     }
 
     /// The first bit in `range` equal to `value`.

@@ -180,6 +180,35 @@ impl PageMap {
         handle
     }
 
+    /// Records that every page of `pages` was unmapped, appending their handles to `out` in page order.
+    ///
+    /// # Panics
+    /// As [`unmap`](Self::unmap), for the first page that is not mapped or that a live block touches.
+    pub fn unmap_run(&mut self, pages: Range<usize>, out: &mut Vec<PhysHandle>) {
+        if pages.end > self.users.len() || !self.mapped.all(pages.clone()) {
+            // Some page was never mapped: unmap one by one, which panics at it.
+            pages.for_each(|page| out.push(self.unmap(page)));
+            return;
+        }
+        if let Some(i) = self.users[pages.clone()].iter().position(|&u| u > 0) {
+            let page = pages.start + i;
+            panic!(
+                "unmapping page {page} that {} live blocks touch",
+                self.users[page]
+            );
+        }
+        out.extend(
+            self.handles[pages.clone()]
+                .iter_mut()
+                .filter_map(Option::take),
+        );
+        self.mapped.fill(pages.clone(), false);
+        self.accessible.fill(pages.clone(), false);
+        self.idle_count -= self.idle.count_ones(pages.clone());
+        self.idle.fill(pages.clone(), false);
+        self.mapped_count -= pages.len();
+    }
+
     /// Records that a live block now touches every page of `pages`.
     ///
     /// A block's pages other than its first and last are touched by no other block, so they are updated
@@ -340,6 +369,13 @@ impl PageMap {
         self.idle.runs(0..self.len(), true, usize::MAX)
     }
 
+    /// The first maximal run of idle pages inside `pages`.
+    pub fn first_idle_run(&self, pages: Range<usize>) -> Option<Range<usize>> {
+        let start = self.idle.find(pages.clone(), true)?;
+        let end = self.idle.find(start..pages.end, false).unwrap_or(pages.end);
+        Some(start..end)
+    }
+
     /// Maximal runs of idle pages inside `pages`, in address order.
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         self.idle.runs(pages, true, usize::MAX)
@@ -396,6 +432,32 @@ mod tests {
         assert_eq!(map.unmapped_runs(125..192), vec![125..127, 130..190]);
         assert_eq!(map.idle_runs_in(128..200), vec![128..130, 190..200]);
         assert_eq!(map.mapped_runs(70..127), Vec::<Range<usize>>::new());
+    }
+
+    #[test]
+    fn unmap_run_takes_the_handles_in_order() {
+        let mut map = PageMap::new(8, 1);
+        for page in 1..6 {
+            map.map(page, PhysHandle(page as u64));
+        }
+        map.add_user(2..3);
+        let mut out = Vec::new();
+        map.unmap_run(3..6, &mut out);
+        assert_eq!(out, [PhysHandle(3), PhysHandle(4), PhysHandle(5)]);
+        assert_eq!((map.mapped_count(), map.idle_count()), (2, 1));
+        assert_eq!(map.idle_runs(), vec![1..2]);
+        assert_eq!(map.unmapped_runs(0..8), vec![0..1, 3..8]);
+    }
+
+    #[test]
+    #[should_panic(expected = "unmapping page 2 that 1 live blocks touch")]
+    fn unmap_run_over_a_used_page_panics() {
+        let mut map = PageMap::new(8, 1);
+        for page in 1..6 {
+            map.map(page, PhysHandle(page as u64));
+        }
+        map.add_user(2..3);
+        map.unmap_run(1..4, &mut Vec::new());
     }
 
     #[test]

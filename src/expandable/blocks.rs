@@ -8,12 +8,23 @@
 
 #![deny(unsafe_code)]
 
-use super::segment::Block;
+use super::segment::{Block, BlockState};
 use crate::bits::Bits;
 use crate::fast_hash::FastMap;
 
 /// No node.
 const NIL: u32 = u32::MAX;
+
+/// What [`Blocks::free_and_merge`] did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Merged {
+    /// The free block before, merged: `(start, size)` before the merge.
+    pub before: Option<(u64, u64)>,
+    /// The free block after, merged: `(start, size)` before the merge.
+    pub after: Option<(u64, u64)>,
+    /// The free block that results: `(start, size)`.
+    pub block: (u64, u64),
+}
 
 #[derive(Debug, Clone, Copy)]
 struct Node {
@@ -88,6 +99,7 @@ impl Blocks {
     }
 
     /// The block before the one that starts at `addr`, with its start.
+    #[cfg(test)]
     pub(crate) fn before(&self, addr: u64) -> Option<(u64, Block)> {
         self.neighbour(addr, |node| node.prev)
     }
@@ -111,20 +123,51 @@ impl Blocks {
 
     /// Merges the block at `addr` into the block before it, which grows by its size. Returns the merged
     /// block's start.
+    #[cfg(test)]
     pub(crate) fn merge_into_previous(&mut self, addr: u64) -> u64 {
-        let n = self.by_start[&addr];
-        let Node {
-            block, prev, next, ..
-        } = self.nodes[n as usize];
-        let previous = &mut self.nodes[prev as usize];
-        previous.block.size += block.size;
-        previous.next = next;
-        let start = previous.addr;
-        if next != NIL {
-            self.nodes[next as usize].prev = prev;
+        let prev = self.nodes[self.by_start[&addr] as usize].prev;
+        self.absorb_next(prev);
+        self.nodes[prev as usize].addr
+    }
+
+    /// Makes the occupied block at `addr` free and merges it with free neighbours, following the links (one
+    /// lookup). Returns the free neighbours merged, as `(start, size)` before the merge, and the merged
+    /// block's `(start, size)`.
+    pub(crate) fn free_and_merge(&mut self, addr: u64) -> Merged {
+        let mut n = self.by_start[&addr];
+        self.nodes[n as usize].block.state = BlockState::Free;
+        let mut merged = Merged::default();
+        let prev = self.nodes[n as usize].prev;
+        if prev != NIL && !self.nodes[prev as usize].block.is_occupied() {
+            let p = self.nodes[prev as usize];
+            merged.before = Some((p.addr, p.block.size));
+            self.absorb_next(prev);
+            n = prev;
         }
-        self.unlink(n);
-        start
+        let next = self.nodes[n as usize].next;
+        if next != NIL && !self.nodes[next as usize].block.is_occupied() {
+            let x = self.nodes[next as usize];
+            merged.after = Some((x.addr, x.block.size));
+            self.absorb_next(n);
+        }
+        let node = self.nodes[n as usize];
+        merged.block = (node.addr, node.block.size);
+        merged
+    }
+
+    /// Merges node `n`'s next block into it.
+    fn absorb_next(&mut self, n: u32) {
+        let next = self.nodes[n as usize].next;
+        let Node {
+            block, next: after, ..
+        } = self.nodes[next as usize];
+        let node = &mut self.nodes[n as usize];
+        node.block.size += block.size;
+        node.next = after;
+        if after != NIL {
+            self.nodes[after as usize].prev = n;
+        }
+        self.unlink(next);
     }
 
     /// All blocks in address order, with their starts.
@@ -202,7 +245,6 @@ impl Blocks {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::expandable::segment::BlockState;
 
     const PAGE: u64 = 4096;
     const BASE: u64 = 1 << 20;
@@ -258,5 +300,24 @@ mod tests {
         // Slots are reused.
         b.split(BASE, Block::free(512), live(512));
         assert_eq!(b.nodes.len(), 4);
+    }
+
+    #[test]
+    fn freeing_merges_with_free_neighbours_only() {
+        let mut b = Blocks::new(BASE, 16, PAGE, Block::free(16 * PAGE));
+        // [free 512][live 512][live 512][free rest]
+        b.split(BASE, Block::free(512), Block::free(16 * PAGE - 512));
+        b.split(BASE + 512, live(512), Block::free(16 * PAGE - 1024));
+        b.split(BASE + 1024, live(512), Block::free(16 * PAGE - 1536));
+        let merged = b.free_and_merge(BASE + 512);
+        assert_eq!(merged.before, Some((BASE, 512)));
+        assert_eq!(merged.after, None);
+        assert_eq!(merged.block, (BASE, 1024));
+        let merged = b.free_and_merge(BASE + 1024);
+        assert_eq!(merged.before, Some((BASE, 1024)));
+        assert_eq!(merged.after, Some((BASE + 1536, 16 * PAGE - 1536)));
+        assert_eq!(merged.block, (BASE, 16 * PAGE));
+        assert_eq!(b.iter().count(), 1);
+        assert_eq!(b.containing(BASE + 5 * PAGE).map(|(a, _)| a), Some(BASE));
     }
 }

@@ -16,6 +16,7 @@
 
 mod alloc;
 mod blocks;
+mod free_index;
 mod invariants;
 mod physical;
 mod segment;

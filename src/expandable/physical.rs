@@ -114,7 +114,7 @@ impl<D: Driver> Expandable<D> {
             stream,
         );
         let seg = self.segment_mut(slot);
-        out.extend(run.map(|page| seg.pages.unmap(page)));
+        seg.pages.unmap_run(run, out);
         let pool = seg.pool;
         self.counters.mapped.sub(pool, pages * self.page_size);
         self.refresh_page_counts(slot, before);

@@ -8,9 +8,9 @@
 //! can be neither reused nor unmapped until the allocator releases it.
 
 use super::blocks::Blocks;
+use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
-use std::collections::BTreeSet;
 use std::ops::Range;
 
 /// How many runs of mapped pages inside one free block [`Segment::placement`] considers, and how many idle
@@ -98,7 +98,7 @@ pub(crate) struct Segment {
     pub pool: Pool,
     pub pages: PageMap,
     blocks: Blocks,
-    free: BTreeSet<(u64, u64)>,
+    free: FreeIndex,
     occupied: usize,
     /// Free blocks with an end that is not on a page boundary: they share a page with an occupied
     /// neighbour (free blocks have no free neighbours), so part of them cannot be given back.
@@ -117,7 +117,7 @@ impl Segment {
             pool,
             pages,
             blocks,
-            free: BTreeSet::new(),
+            free: FreeIndex::default(),
             occupied: 0,
             straddling: 0,
         };
@@ -163,7 +163,7 @@ impl Segment {
 
     /// The smallest free block of at least `size` bytes: `(size, address)`.
     pub fn best_fit(&self, size: u64) -> Option<(u64, u64)> {
-        self.free.range((size, 0)..).next().copied()
+        self.free.range_from((size, 0)).next().copied()
     }
 
     /// The placement of `size` bytes that needs the fewest pages mapped, among the `candidates` best-fitting
@@ -179,7 +179,7 @@ impl Segment {
             }
             missing == 0
         };
-        for &(block_size, start) in self.free.range((size, 0)..).take(candidates) {
+        for &(block_size, start) in self.free.range_from((size, 0)).take(candidates) {
             if consider(start, block_size) {
                 return best;
             }
@@ -261,7 +261,7 @@ impl Segment {
     /// the lowest such address in it.
     pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
         self.free
-            .range((size, 0)..)
+            .range_from((size, 0))
             .take(candidates)
             .find_map(|&(block_size, start)| {
                 Some((block_size, self.cached_window(start, block_size, size)?))
@@ -276,14 +276,19 @@ impl Segment {
             return Some(start);
         }
         let end = start + block_size;
-        self.pages.idle_runs_in(pages).into_iter().find_map(|run| {
+        let mut pos = pages.start;
+        while let Some(run) = self.pages.first_idle_run(pos..pages.end) {
             let from = self
                 .page_addr(run.start)
                 .max(start)
                 .next_multiple_of(super::ROUND);
             let fits = from + size <= self.page_addr(run.end).min(end);
-            (fits && self.pages.all_accessible(self.pages_of(from, size))).then_some(from)
-        })
+            if fits && self.pages.all_accessible(self.pages_of(from, size)) {
+                return Some(from);
+            }
+            pos = run.end;
+        }
+        None
     }
 
     /// The pages that bytes `addr .. addr + size` touch.
@@ -387,29 +392,16 @@ impl Segment {
         let pages = self.pages_of(addr, size);
         self.pages.remove_user(pages);
         self.occupied -= 1;
-        self.insert_free(addr, size);
+        self.insert_free(addr);
     }
 
-    /// Marks `addr .. addr + size` (currently one occupied block) free and merges it with its neighbours.
-    fn insert_free(&mut self, addr: u64, mut size: u64) {
-        if let Some(block) = self.blocks.get_mut(addr) {
-            block.state = BlockState::Free;
+    /// Marks the occupied block at `addr` free and merges it with its free neighbours.
+    fn insert_free(&mut self, addr: u64) {
+        let merged = self.blocks.free_and_merge(addr);
+        for (start, size) in merged.before.into_iter().chain(merged.after) {
+            self.unindex_free(start, size);
         }
-        let mut start = addr;
-        if let Some((prev, block)) = self.blocks.before(addr)
-            && !block.is_occupied()
-        {
-            self.unindex_free(prev, block.size);
-            start = self.blocks.merge_into_previous(addr);
-            size += block.size;
-        }
-        if let Some((next, block)) = self.blocks.after(start)
-            && !block.is_occupied()
-        {
-            self.unindex_free(next, block.size);
-            self.blocks.merge_into_previous(next);
-            size += block.size;
-        }
+        let (start, size) = merged.block;
         self.index_free(start, size);
     }
 
@@ -436,7 +428,7 @@ impl Segment {
     }
 
     /// The free index: `(size, address)` of every free block.
-    pub fn free_index(&self) -> &BTreeSet<(u64, u64)> {
+    pub fn free_index(&self) -> &FreeIndex {
         &self.free
     }
 

@@ -1,9 +1,10 @@
 //! Replay throughput: each trace replayed several times through each allocator on a fresh simulated
 //! device, with medians of the replay loop's speed and of the whole run's wall time (`cuvmm bench`).
 //!
-//! What is timed is [`replay`]'s own loop ([`ReplayResult::replay_seconds`]): every allocation, free and
-//! record_stream of the trace through the allocator and the simulator, with the simulator's rule checks and
-//! counters. The wall time adds building the allocator on its device and dropping it (which unmaps and
+//! What is timed is [`replay`]'s own loop
+//! ([`ReplayResult::replay_seconds`](super::replay::ReplayResult::replay_seconds)): every allocation, free
+//! and record_stream of the trace through the allocator and the simulator, with the simulator's rule checks
+//! and counters. The wall time adds building the allocator on its device and dropping it (which unmaps and
 //! releases everything). Generating or reading the trace is not timed: it is done once and every replay
 //! shares it.
 

@@ -93,6 +93,33 @@ impl Granules {
         });
     }
 
+    /// Calls `f(index, granule)` for each granule of `range` in order, stopping at the first error.
+    pub(super) fn try_for_each<E>(
+        &self,
+        range: Range<u64>,
+        mut f: impl FnMut(u64, Granule) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut result = Ok(());
+        for_chunks(range, |number, slots| {
+            if result.is_err() {
+                return;
+            }
+            let base = number * CHUNK;
+            match self.position(number) {
+                Some(at) => {
+                    let chunk = &self.chunks[at];
+                    result = slots.clone().try_for_each(|i| f(base + i as u64, chunk[i]));
+                }
+                None => {
+                    result = slots
+                        .clone()
+                        .try_for_each(|i| f(base + i as u64, Granule::default()));
+                }
+            }
+        });
+        result
+    }
+
     /// The first granules of the mappings that start at granule indices `start .. end`, in increasing order,
     /// with what they record.
     pub(super) fn mapping_starts(&self, start: u64, end: u64) -> Vec<(u64, Granule)> {

@@ -261,14 +261,16 @@ impl Vmm {
     /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
         let end = self.check_whole_mappings(Op::Unmap, va, size)?;
+        let range = self.granule.index(va)..self.granule.index(end);
+        let mut unmapped = Vec::new();
+        self.granules.update(range, |granule| {
+            if granule.offset == 0 {
+                unmapped.push(granule.handle);
+            }
+            *granule = Granule::default();
+        });
         let mut freed = Vec::new();
-        let mut index = self.granule.index(va);
-        while index < self.granule.index(end) {
-            let handle = self.granules.get(index).handle;
-            let granules = self.granule.index(self.mapping_size(handle));
-            self.granules
-                .fill(index..index + granules, |_| Granule::default());
-            index += granules;
+        for handle in unmapped {
             self.mappings -= 1;
             let Some(h) = self.handle_mut(handle) else {
                 continue;
@@ -441,19 +443,26 @@ impl Vmm {
             let mapping = va - first.offset * g;
             return Err(partial(mapping, self.mapping_size(first.handle)));
         }
-        // From here on each granule at `cursor` starts a mapping or is unmapped: mappings never overlap.
-        let mut cursor = va;
-        while cursor < end {
-            let granule = self.granules.get(self.granule.index(cursor));
-            if !granule.is_mapped() {
-                return Err(DriverError::NotMapped { op, addr: cursor });
-            }
-            let mapping_size = self.mapping_size(granule.handle);
-            if cursor + mapping_size > end {
-                return Err(partial(cursor, mapping_size));
-            }
-            cursor += mapping_size;
-        }
+        // From here on a granule where a mapping is expected starts one or is unmapped: mappings never
+        // overlap. The granules inside a mapping belong to it.
+        let end_index = self.granule.index(end);
+        let mut inside = 0;
+        self.granules
+            .try_for_each(self.granule.index(va)..end_index, |index, granule| {
+                if inside == 0 {
+                    let addr = index * g;
+                    if !granule.is_mapped() {
+                        return Err(DriverError::NotMapped { op, addr });
+                    }
+                    let mapping_size = self.mapping_size(granule.handle);
+                    inside = self.granule.index(mapping_size);
+                    if index + inside > end_index {
+                        return Err(partial(addr, mapping_size));
+                    }
+                }
+                inside -= 1;
+                Ok(())
+            })?;
         Ok(end)
     }
 }
