@@ -103,19 +103,16 @@ impl Bits {
         None
     }
 
-    /// The first `limit` maximal runs of bits equal to `value` in `range`, in order.
-    pub(crate) fn runs(&self, range: Range<usize>, value: bool, limit: usize) -> Vec<Range<usize>> {
-        let mut out = Vec::new();
-        let mut pos = range.start;
-        while out.len() < limit {
-            let Some(start) = self.find(pos..range.end, value) else {
-                break;
-            };
-            let end = self.find(start..range.end, !value).unwrap_or(range.end);
-            out.push(start..end);
-            pos = end;
+    /// The maximal runs of bits equal to `value` in `range`, in order, found as they are iterated (no
+    /// allocation: placement looks at only the first few runs of a block).
+    pub(crate) fn runs(&self, range: Range<usize>, value: bool) -> Runs<'_> {
+        self.check(&range);
+        Runs {
+            bits: self,
+            pos: range.start,
+            end: range.end,
+            value,
         }
-        out
     }
 
     /// The last set bit at or before `at`.
@@ -204,6 +201,28 @@ fn word_masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
     })
 }
 
+/// The runs of equal bits of a range, from [`Bits::runs`].
+pub(crate) struct Runs<'a> {
+    bits: &'a Bits,
+    pos: usize,
+    end: usize,
+    value: bool,
+}
+
+impl Iterator for Runs<'_> {
+    type Item = Range<usize>;
+
+    fn next(&mut self) -> Option<Range<usize>> {
+        let start = self.bits.find(self.pos..self.end, self.value)?;
+        let end = self
+            .bits
+            .find(start..self.end, !self.value)
+            .unwrap_or(self.end);
+        self.pos = end;
+        Some(start..end)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,7 +270,7 @@ mod tests {
                 model[a..c].iter().filter(|&&x| x).count()
             );
             assert_eq!(bits.get(a), model[a]);
-            let runs = bits.runs(a..c, true, usize::MAX);
+            let runs: Vec<_> = bits.runs(a..c, true).collect();
             let mut expected = Vec::new();
             let mut i = a;
             while i < c {

@@ -18,6 +18,9 @@ use std::ops::Range;
 #[derive(Debug, Clone)]
 pub struct PageMap {
     page_size: u64,
+    /// `log2(page_size)` when it is a power of two (always, for real devices): a shift instead of a
+    /// division on every block's page range.
+    page_shift: Option<u32>,
     mapped: Bits,
     accessible: Bits,
     idle: Bits,
@@ -38,6 +41,9 @@ impl PageMap {
         assert!(page_size > 0, "page size must be non-zero");
         Self {
             page_size,
+            page_shift: page_size
+                .is_power_of_two()
+                .then(|| page_size.trailing_zeros()),
             mapped: Bits::new(pages),
             accessible: Bits::new(pages),
             idle: Bits::new(pages),
@@ -71,8 +77,11 @@ impl PageMap {
         if size == 0 {
             return 0..0;
         }
-        let first = offset / self.page_size;
-        let last = (offset + size - 1) / self.page_size;
+        let last_byte = offset + size - 1;
+        let (first, last) = match self.page_shift {
+            Some(shift) => (offset >> shift, last_byte >> shift),
+            None => (offset / self.page_size, last_byte / self.page_size),
+        };
         first as usize..last as usize + 1
     }
 
@@ -144,6 +153,29 @@ impl PageMap {
         self.mapped_count += 1;
         if self.users[page] == 0 {
             self.set_idle(page, true);
+        }
+    }
+
+    /// Records that `handles` were mapped at the pages from `start` on, one each (access not yet set): as
+    /// [`map`](Self::map) on each, with the bits of the run set a word at a time.
+    ///
+    /// # Panics
+    /// If one of the pages is already mapped.
+    pub fn map_run(&mut self, start: usize, handles: &[PhysHandle]) {
+        let pages = start..start + handles.len();
+        if let Some(page) = self.mapped.find(pages.clone(), true) {
+            panic!("page {page} mapped twice");
+        }
+        self.cover(pages.end);
+        self.mapped.fill(pages.clone(), true);
+        for (slot, &handle) in self.handles[pages.clone()].iter_mut().zip(handles) {
+            *slot = Some(handle);
+        }
+        self.mapped_count += handles.len();
+        for page in pages {
+            if self.users[page] == 0 {
+                self.set_idle(page, true);
+            }
         }
     }
 
@@ -309,17 +341,17 @@ impl PageMap {
 
     /// Maximal runs of unmapped pages inside `pages`, in address order.
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        self.mapped.runs(pages, false, usize::MAX)
+        self.mapped.runs(pages, false).collect()
     }
 
     /// Maximal runs of mapped pages inside `pages`, in address order.
     pub fn mapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        self.mapped.runs(pages, true, usize::MAX)
+        self.mapped_runs_lazy(pages).collect()
     }
 
-    /// The first `limit` maximal runs of mapped pages inside `pages`, in address order.
-    pub fn mapped_runs_limited(&self, pages: Range<usize>, limit: usize) -> Vec<Range<usize>> {
-        self.mapped.runs(pages, true, limit)
+    /// Maximal runs of mapped pages inside `pages`, in address order, each found when it is asked for.
+    pub fn mapped_runs_lazy(&self, pages: Range<usize>) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.mapped.runs(pages, true)
     }
 
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
@@ -331,6 +363,11 @@ impl PageMap {
             out.push(run);
         }
         out
+    }
+
+    /// The first page inside `pages` that is mapped.
+    pub fn first_mapped(&self, pages: Range<usize>) -> Option<usize> {
+        self.mapped.find(pages, true)
     }
 
     /// The first page inside `pages` that is not mapped.
@@ -361,12 +398,17 @@ impl PageMap {
 
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.
     pub fn accessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        self.accessible.runs(pages, true, usize::MAX)
+        self.accessible.runs(pages, true).collect()
     }
 
     /// Maximal runs of idle pages, in address order.
     pub fn idle_runs(&self) -> Vec<Range<usize>> {
-        self.idle.runs(0..self.len(), true, usize::MAX)
+        self.idle_runs_lazy().collect()
+    }
+
+    /// Maximal runs of idle pages, in address order, each found when it is asked for.
+    pub fn idle_runs_lazy(&self) -> impl Iterator<Item = Range<usize>> + '_ {
+        self.idle.runs(0..self.len(), true)
     }
 
     /// The first maximal run of idle pages inside `pages`.
@@ -378,7 +420,7 @@ impl PageMap {
 
     /// Maximal runs of idle pages inside `pages`, in address order.
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
-        self.idle.runs(pages, true, usize::MAX)
+        self.idle.runs(pages, true).collect()
     }
 
     /// Idle pages from the highest address down.
@@ -427,7 +469,10 @@ mod tests {
         for page in (60..70).chain(127..130).chain(190..200) {
             map.map(page, PhysHandle(page as u64));
         }
-        assert_eq!(map.mapped_runs_limited(0..200, 2), vec![60..70, 127..130]);
+        assert_eq!(
+            map.mapped_runs_lazy(0..200).take(2).collect::<Vec<_>>(),
+            vec![60..70, 127..130]
+        );
         assert_eq!(map.mapped_runs(65..195), vec![65..70, 127..130, 190..195]);
         assert_eq!(map.unmapped_runs(125..192), vec![125..127, 130..190]);
         assert_eq!(map.idle_runs_in(128..200), vec![128..130, 190..200]);

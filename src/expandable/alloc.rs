@@ -229,7 +229,8 @@ impl<D: Driver> Expandable<D> {
         if need > 0 {
             let handles = self.obtain_handles(need)?;
             let reused = handles.reused.len() as u64;
-            let mut queue = handles.fresh.into_iter().chain(handles.reused);
+            let mut queue = handles.fresh;
+            queue.extend(handles.reused);
             let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
             tracing::debug!(
                 pages = need,
@@ -237,37 +238,43 @@ impl<D: Driver> Expandable<D> {
                 created = need as u64 - reused,
                 "cuvmm: mapping pages"
             );
-            // The run of contiguous pages mapped so far (address, bytes): one `segment_map` event each.
-            let mut run: Option<(u64, u64)> = None;
+            // Each run of missing pages: one `map` call per page, then the page map and the statistics
+            // once for the run, and one `segment_map` event.
+            let mut taken = 0;
             let mut pos = pages.start;
-            while let Some(page) = self.segment(slot).pages.first_unmapped(pos..pages.end) {
-                let handle = queue.next().expect("one handle per missing page");
-                let va = self.segment(slot).page_addr(page);
-                if let Err(err) = self.driver.map(va, self.page_size, handle) {
-                    self.pooled.push(handle);
-                    self.pooled.extend(queue);
-                    if let Some((start, bytes)) = run {
-                        self.record(TraceAction::SegmentMap, start, bytes, stream);
+            while let Some(start) = self.segment(slot).pages.first_unmapped(pos..pages.end) {
+                let end = (self.segment(slot).pages)
+                    .first_mapped(start..pages.end)
+                    .unwrap_or(pages.end);
+                let run = &queue[taken..taken + (end - start)];
+                let va = self.segment(slot).page_addr(start);
+                let mut failure = None;
+                let mut done = 0;
+                for (i, &handle) in run.iter().enumerate() {
+                    if let Err(err) =
+                        self.driver
+                            .map(va + i as u64 * self.page_size, self.page_size, handle)
+                    {
+                        failure = Some(err);
+                        break;
                     }
+                    done += 1;
+                }
+                self.segment_mut(slot).pages.map_run(start, &run[..done]);
+                taken += done;
+                if done > 0 {
+                    let bytes = done as u64 * self.page_size;
+                    self.counters.mapped.add(pool, bytes);
+                    self.record(TraceAction::SegmentMap, va, bytes, stream);
+                }
+                if let Some(err) = failure {
+                    // The handle that failed and those not used yet go back to the pool.
+                    self.pooled.extend_from_slice(&queue[taken..]);
                     return Err(err.into());
                 }
-                self.segment_mut(slot).pages.map(page, handle);
-                self.counters.mapped.add(pool, self.page_size);
-                run = match run {
-                    Some((start, bytes)) if start + bytes == va => {
-                        Some((start, bytes + self.page_size))
-                    }
-                    Some((start, bytes)) => {
-                        self.record(TraceAction::SegmentMap, start, bytes, stream);
-                        Some((va, self.page_size))
-                    }
-                    None => Some((va, self.page_size)),
-                };
-                pos = page + 1;
+                pos = end;
             }
-            if let Some((start, bytes)) = run {
-                self.record(TraceAction::SegmentMap, start, bytes, stream);
-            }
+            debug_assert_eq!(taken, queue.len(), "one handle per missing page");
             self.counters.handles_reused += reused;
         }
         let mut pos = pages.start;

@@ -227,14 +227,14 @@ impl Segment {
         let round = super::ROUND;
         let mut best = at_start;
         let pages = self.pages_of(start, block_size);
-        let runs = if self.pages.idle_count() == 0 {
+        let pages = if self.pages.idle_count() == 0 {
             // Inside a free block only idle pages are mapped, besides its first and last, which live
             // neighbours may share; and a window over the first is the block's start.
-            self.pages.mapped_runs(pages.end - 1..pages.end)
+            pages.end - 1..pages.end
         } else {
-            self.pages.mapped_runs_limited(pages, PLACEMENT_RUNS)
+            pages
         };
-        for run in runs {
+        for run in self.pages.mapped_runs_lazy(pages).take(PLACEMENT_RUNS) {
             let run_start = self.page_addr(run.start).max(start);
             let run_end = self.page_addr(run.end).min(end);
             let from_start = run_start.next_multiple_of(round).min(end - size);
