@@ -71,9 +71,18 @@ impl Bits {
     /// Set bits in `range`.
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
         self.check(&range);
-        word_masks(range)
-            .map(|(w, mask)| (self.words[w] & mask).count_ones() as usize)
-            .sum()
+        if range.is_empty() {
+            return 0;
+        }
+        let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
+        let low = u64::MAX << (range.start % BITS);
+        let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+        if first == last {
+            return (self.words[first] & low & high).count_ones() as usize;
+        }
+        let ends = (self.words[first] & low).count_ones() + (self.words[last] & high).count_ones();
+        let middle: u32 = self.words[first + 1..last].iter().map(|w| w.count_ones()).sum();
+        (ends + middle) as usize
     }
 
     /// Whether every bit of `range` is set (true for an empty range).

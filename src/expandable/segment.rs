@@ -189,9 +189,7 @@ impl Segment {
         }
         // Every best fit by size needs pages: a larger free block may hold mapped pages the request can use
         // where they are. Idle pages lie in free blocks only, so the longest idle runs point at them.
-        let mut runs = self.pages.idle_runs();
-        runs.sort_unstable_by_key(|r| std::cmp::Reverse(r.len()));
-        for run in runs.into_iter().take(PLACEMENT_RUNS) {
+        for run in self.longest_idle_runs() {
             let page_start = self.page_addr(run.start);
             let Some((start, block)) = self.blocks.containing(page_start) else {
                 continue;
@@ -201,6 +199,24 @@ impl Segment {
             }
         }
         best
+    }
+
+    /// The [`PLACEMENT_RUNS`] longest runs of idle pages, longest first, ties to the lower address.
+    fn longest_idle_runs(&self) -> impl Iterator<Item = Range<usize>> {
+        // Kept sorted, longest first: a run enters only if it beats the shortest kept, so the scan over
+        // every idle run allocates nothing.
+        let mut longest: [Range<usize>; PLACEMENT_RUNS] = std::array::from_fn(|_| 0..0);
+        let mut kept = 0;
+        for run in self.pages.idle_runs_lazy() {
+            if kept == PLACEMENT_RUNS && run.len() <= longest[kept - 1].len() {
+                continue;
+            }
+            let at = longest[..kept].partition_point(|r| r.len() >= run.len());
+            kept = (kept + 1).min(PLACEMENT_RUNS);
+            longest[at..kept].rotate_right(1);
+            longest[at] = run;
+        }
+        longest.into_iter().take(kept)
     }
 
     /// How many fewer pages a placement inside a free block must need than one at its start to be worth
