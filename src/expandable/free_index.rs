@@ -1,27 +1,30 @@
-//! The free blocks of a segment ordered by `(size, address)`, for best fit: a sorted sequence kept in chunks of
-//! at most [`CHUNK`] entries.
+//! The free blocks of a segment ordered by `(size, address)`, for best fit: size classes, each a sorted
+//! sequence kept in chunks of at most [`CHUNK`] entries.
 //!
-//! A segment holds a few dozen free blocks (at most 127 on every built-in workload and recorded trace), and
-//! each allocation and free inserts and removes one to three of them. A `BTreeSet` spent a sixth of a replay
-//! on those: its nodes hold 11 keys, so even small sets are several nodes deep. Here a lookup is a binary
-//! search over the chunks' last entries and one inside a chunk, and an insert or a removal moves at most a
-//! chunk's worth of entries; a chunk that overflows splits in two, so a pathological segment with very many
-//! free blocks still costs a search over chunks, not a move of the whole sequence.
+//! A segment holds a few dozen to a few hundred free blocks, and each allocation and free inserts and removes
+//! one to three of them. A `BTreeSet` spent a sixth of a replay on those (its nodes hold 11 keys, so even
+//! small sets are several nodes deep); one sorted sequence still spent a tenth, on a binary search and moving
+//! up to a chunk of entries per change. Entries are split first by size class, four per power of two as in
+//! TLSF, with a bitmap of the classes that hold entries: a change touches one class, which holds a handful of
+//! entries, and a best-fit search starts in the request's class and walks the bitmap to the next ones. Within
+//! a class, a chunk that overflows splits in two, so a pathological segment with very many free blocks of
+//! one size still costs a search over chunks, not a move of the whole sequence.
 
 #![deny(unsafe_code)]
 
 /// Most entries in one chunk before it splits.
 const CHUNK: usize = 128;
 
-/// `(size, address)` of every free block, in increasing order.
+/// One size class's entries: a sorted sequence in chunks of at most [`CHUNK`].
 #[derive(Debug, Clone, Default)]
-pub(crate) struct FreeIndex {
-    /// Sorted, non-empty chunks, each holding entries greater than every entry of the chunks before it.
+struct Chunked {
+    /// Sorted chunks, each holding entries greater than every entry of the chunks before it; non-empty,
+    /// except a single chunk left when the last entry was removed.
     chunks: Vec<Vec<(u64, u64)>>,
     len: usize,
 }
 
-impl FreeIndex {
+impl Chunked {
     /// Number of entries.
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -66,7 +69,9 @@ impl FreeIndex {
             return false;
         };
         chunk.remove(at);
-        if chunk.is_empty() {
+        // The last chunk stays, empty, so that a class emptied and refilled (the common case) does not
+        // free and allocate it again.
+        if chunk.is_empty() && self.chunks.len() > 1 {
             self.chunks.remove(c);
         }
         self.len -= 1;
@@ -97,6 +102,106 @@ impl FreeIndex {
     fn chunk_for(&self, key: &(u64, u64)) -> usize {
         self.chunks
             .partition_point(|chunk| chunk.last().is_some_and(|last| last < key))
+    }
+}
+
+/// Size classes: four per power of two ([`class_of`]), so each holds entries within 25% of each other.
+const CLASSES: usize = 256;
+
+/// The size class of `size`: sizes below 4 are their own class; above, the power of two and the two bits
+/// after the leading one. Non-decreasing in `size`, so classes in order hold entries in order.
+fn class_of(size: u64) -> usize {
+    if size < 4 {
+        return size as usize;
+    }
+    let log = 63 - size.leading_zeros();
+    (log * 4) as usize + ((size >> (log - 2)) & 3) as usize
+}
+
+/// `(size, address)` of every free block, in increasing order, for best fit.
+#[derive(Debug, Clone)]
+pub(crate) struct FreeIndex {
+    classes: Vec<Chunked>,
+    /// Bit `c` is set when class `c` has an entry.
+    nonempty: [u64; CLASSES / 64],
+    len: usize,
+}
+
+impl Default for FreeIndex {
+    fn default() -> Self {
+        Self {
+            classes: vec![Chunked::default(); CLASSES],
+            nonempty: [0; CLASSES / 64],
+            len: 0,
+        }
+    }
+}
+
+impl FreeIndex {
+    /// Number of entries.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether `key` is present.
+    pub(crate) fn contains(&self, key: &(u64, u64)) -> bool {
+        self.classes[class_of(key.0)].contains(key)
+    }
+
+    /// Adds `key`; returns false if it was present.
+    pub(crate) fn insert(&mut self, key: (u64, u64)) -> bool {
+        let c = class_of(key.0);
+        let added = self.classes[c].insert(key);
+        if added {
+            self.len += 1;
+            self.nonempty[c / 64] |= 1 << (c % 64);
+        }
+        added
+    }
+
+    /// Removes `key`; returns false if it was absent.
+    pub(crate) fn remove(&mut self, key: &(u64, u64)) -> bool {
+        let c = class_of(key.0);
+        let removed = self.classes[c].remove(key);
+        if removed {
+            self.len -= 1;
+            if self.classes[c].len() == 0 {
+                self.nonempty[c / 64] &= !(1 << (c % 64));
+            }
+        }
+        removed
+    }
+
+    /// The entries at or after `from`, in increasing order.
+    pub(crate) fn range_from(&self, from: (u64, u64)) -> impl Iterator<Item = &(u64, u64)> + '_ {
+        let c = class_of(from.0);
+        self.classes[c].range_from(from).chain(
+            self.nonempty_classes(c + 1)
+                .flat_map(|class| self.classes[class].iter()),
+        )
+    }
+
+    /// All entries, in increasing order.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &(u64, u64)> + '_ {
+        self.nonempty_classes(0)
+            .flat_map(|class| self.classes[class].iter())
+    }
+
+    /// The classes from `from` on that hold an entry, in order.
+    fn nonempty_classes(&self, from: usize) -> impl Iterator<Item = usize> + '_ {
+        let mut next = from;
+        std::iter::from_fn(move || {
+            while next < CLASSES {
+                let word = self.nonempty[next / 64] & (u64::MAX << (next % 64));
+                if word != 0 {
+                    let class = next / 64 * 64 + word.trailing_zeros() as usize;
+                    next = class + 1;
+                    return Some(class);
+                }
+                next = (next / 64 + 1) * 64;
+            }
+            None
+        })
     }
 }
 
@@ -133,15 +238,15 @@ mod tests {
             assert_eq!(index.contains(&key), model.contains(&key));
         }
         assert!(index.iter().copied().eq(model.iter().copied()));
-        assert!(
-            index.chunks.len() > 10,
-            "chunks split: {}",
-            index.chunks.len()
-        );
+        let chunks: usize = index.classes.iter().map(|c| c.chunks.len()).sum();
+        assert!(chunks > 10, "chunks split: {chunks}");
         for key in model.clone() {
             assert!(index.remove(&key));
         }
-        assert_eq!((index.len(), index.chunks.len()), (0, 0));
+        assert_eq!(index.len(), 0);
+        assert!(index.classes.iter().all(|c| c.chunks.len() <= 1));
+        assert!(index.classes.iter().flat_map(|c| &c.chunks).all(Vec::is_empty));
+        assert_eq!(index.nonempty, [0; CLASSES / 64]);
         assert_eq!(index.range_from((0, 0)).count(), 0);
     }
 }
