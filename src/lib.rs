@@ -11,6 +11,7 @@
 pub mod allocator;
 mod bits;
 pub mod config;
+mod divisor;
 pub mod driver;
 pub mod driver_bench;
 pub mod error;

@@ -11,16 +11,14 @@
 #![deny(unsafe_code)]
 
 use crate::bits::Bits;
+use crate::divisor::Divisor;
 use crate::driver::PhysHandle;
 use std::ops::Range;
 
 /// The state of every page of one reservation.
 #[derive(Debug, Clone)]
 pub struct PageMap {
-    page_size: u64,
-    /// `log2(page_size)` when it is a power of two (always, for real devices): a shift instead of a
-    /// division on every block's page range.
-    page_shift: Option<u32>,
+    page_size: Divisor,
     mapped: Bits,
     accessible: Bits,
     idle: Bits,
@@ -40,10 +38,7 @@ impl PageMap {
     pub fn new(pages: usize, page_size: u64) -> Self {
         assert!(page_size > 0, "page size must be non-zero");
         Self {
-            page_size,
-            page_shift: page_size
-                .is_power_of_two()
-                .then(|| page_size.trailing_zeros()),
+            page_size: Divisor::new(page_size),
             mapped: Bits::new(pages),
             accessible: Bits::new(pages),
             idle: Bits::new(pages),
@@ -68,7 +63,17 @@ impl PageMap {
 
     /// Bytes per page.
     pub fn page_size(&self) -> u64 {
-        self.page_size
+        self.page_size.bytes()
+    }
+
+    /// Whole pages in `bytes` (rounded down).
+    pub fn pages_in(&self, bytes: u64) -> u64 {
+        self.page_size.quotient(bytes)
+    }
+
+    /// Whether `offset` (from the reservation's start) is on a page boundary.
+    pub fn is_page_aligned(&self, offset: u64) -> bool {
+        self.page_size.divides(offset)
     }
 
     /// The pages that bytes `offset .. offset + size` (offsets from the reservation's start) touch.
@@ -77,11 +82,8 @@ impl PageMap {
         if size == 0 {
             return 0..0;
         }
-        let last_byte = offset + size - 1;
-        let (first, last) = match self.page_shift {
-            Some(shift) => (offset >> shift, last_byte >> shift),
-            None => (offset / self.page_size, last_byte / self.page_size),
-        };
+        let first = self.page_size.quotient(offset);
+        let last = self.page_size.quotient(offset + size - 1);
         first as usize..last as usize + 1
     }
 

@@ -10,6 +10,7 @@
 
 use super::segment::{Block, BlockState};
 use crate::bits::Bits;
+use crate::divisor::Divisor;
 use crate::fast_hash::FastMap;
 
 /// No node.
@@ -49,7 +50,7 @@ pub(crate) struct Blocks {
     starts: Bits,
     head: u32,
     base: u64,
-    page_size: u64,
+    page_size: Divisor,
 }
 
 impl Blocks {
@@ -64,7 +65,7 @@ impl Blocks {
             starts: Bits::new(pages.max(1)),
             head: NIL,
             base,
-            page_size,
+            page_size: Divisor::new(page_size),
         };
         blocks.head = blocks.link(base, block, NIL, NIL);
         blocks
@@ -187,7 +188,7 @@ impl Blocks {
     }
 
     fn page(&self, offset: u64) -> Option<usize> {
-        let page = usize::try_from(offset / self.page_size).ok()?;
+        let page = usize::try_from(self.page_size.quotient(offset)).ok()?;
         (page < self.pages).then_some(page)
     }
 
@@ -210,7 +211,7 @@ impl Blocks {
             }
         };
         self.by_start.insert(addr, n);
-        let page = ((addr - self.base) / self.page_size) as usize;
+        let page = self.page_size.quotient(addr - self.base) as usize;
         if page >= self.last_start.len() {
             let len = (page + 1).max(2 * self.last_start.len()).min(self.pages);
             self.last_start.resize(len, NIL);
@@ -227,10 +228,10 @@ impl Blocks {
     fn unlink(&mut self, n: u32) {
         let Node { addr, prev, .. } = self.nodes[n as usize];
         self.by_start.remove(&addr);
-        let page = ((addr - self.base) / self.page_size) as usize;
+        let page = self.page_size.quotient(addr - self.base) as usize;
         if self.last_start[page] == n {
             let same_page = prev != NIL
-                && (self.nodes[prev as usize].addr - self.base) / self.page_size == page as u64;
+                && self.page_size.quotient(self.nodes[prev as usize].addr - self.base) == page as u64;
             if same_page {
                 self.last_start[page] = prev;
             } else {

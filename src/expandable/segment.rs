@@ -127,9 +127,8 @@ impl Segment {
 
     /// Whether the free block `addr .. addr + size` shares a page with a neighbour.
     fn straddles(&self, addr: u64, size: u64) -> bool {
-        let page = self.pages.page_size();
         let offset = addr - self.va.start;
-        offset % page != 0 || (offset + size) % page != 0
+        !self.pages.is_page_aligned(offset) || !self.pages.is_page_aligned(offset + size)
     }
 
     /// Adds a free block to the free index.
@@ -222,7 +221,7 @@ impl Segment {
     /// How many fewer pages a placement inside a free block must need than one at its start to be worth
     /// splitting the block for: an eighth of the request's pages; 0 (never) for requests under 8 pages.
     fn min_saving(&self, size: u64) -> usize {
-        (size / self.pages.page_size()) as usize / INNER_PLACEMENT_DIVISOR
+        self.pages.pages_in(size) as usize / INNER_PLACEMENT_DIVISOR
     }
 
     /// Where in the free block `start .. start + block_size` to put `size` bytes: `(missing pages, address)`.
