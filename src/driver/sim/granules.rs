@@ -66,6 +66,7 @@ impl Default for Granules {
 
 impl Granules {
     /// The granule at `index` (unmapped if nothing was ever mapped near it).
+    #[inline]
     pub(super) fn get(&self, index: u64) -> Granule {
         self.position(index / CHUNK)
             .map_or_else(Granule::default, |at| {
@@ -74,6 +75,7 @@ impl Granules {
     }
 
     /// The granule at `index`, to change it.
+    #[inline]
     pub(super) fn get_mut(&mut self, index: u64) -> &mut Granule {
         let at = self.position_or_insert(index / CHUNK);
         &mut self.chunks[at][(index % CHUNK) as usize]

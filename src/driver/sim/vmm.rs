@@ -29,35 +29,44 @@ pub(super) struct Mapping {
     pub(super) accessible: bool,
 }
 
-/// The allocation granularity, with the shift that divides by it when it is a power of two (always, on a
-/// GPU), since a division is the slowest step of an otherwise short call.
+/// The allocation granularity, with the shift and mask that divide by it when it is a power of two (always,
+/// on a GPU), since a division is the slowest step of an otherwise short call.
 #[derive(Debug, Clone, Copy)]
 struct Granularity {
     bytes: u64,
-    shift: Option<u32>,
+    /// Whether `bytes` is a power of two, so that `shift` and `mask` apply.
+    power_of_two: bool,
+    /// `log2(bytes)`.
+    shift: u32,
+    /// `bytes - 1`.
+    mask: u64,
 }
 
 impl Granularity {
     fn new(bytes: u64) -> Self {
         Self {
             bytes,
-            shift: bytes.is_power_of_two().then(|| bytes.trailing_zeros()),
+            power_of_two: bytes.is_power_of_two(),
+            shift: bytes.trailing_zeros(),
+            mask: bytes.wrapping_sub(1),
         }
     }
 
     /// The granule `addr` lies in (`addr / bytes`).
     fn index(self, addr: u64) -> u64 {
-        match self.shift {
-            Some(shift) => addr >> shift,
-            None => addr / self.bytes,
+        if self.power_of_two {
+            addr >> self.shift
+        } else {
+            addr / self.bytes
         }
     }
 
     /// Whether `value` is a multiple of the granularity.
     fn divides(self, value: u64) -> bool {
-        match self.shift {
-            Some(shift) => value & ((1 << shift) - 1) == 0,
-            None => value % self.bytes == 0,
+        if self.power_of_two {
+            value & self.mask == 0
+        } else {
+            value % self.bytes == 0
         }
     }
 }
@@ -69,7 +78,7 @@ pub(super) struct Vmm {
     granule: Granularity,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
-    /// The reservation `map` found last, `(start, size)`: maps come in runs into one reservation.
+    /// The reservation `map` found last, `(start, end)`: maps come in runs into one reservation.
     last_reservation: Option<(u64, u64)>,
     /// The page table: which handle each granule of address space maps.
     granules: Granules,
@@ -176,20 +185,21 @@ impl Vmm {
             start: va,
             size,
         };
-        if va.checked_add(size).is_none() {
+        let Some(end) = va.checked_add(size) else {
             return Err(outside());
-        }
-        let inside = |(start, len): (u64, u64)| VaRange::new(start, len).contains_range(va, size);
+        };
+        let inside = |(start, r_end): (u64, u64)| va >= start && end <= r_end;
         if !self.last_reservation.is_some_and(inside) {
             let (&r_start, &r_size) = self
                 .reservations
                 .range(..=va)
                 .next_back()
                 .ok_or_else(outside)?;
-            if !inside((r_start, r_size)) {
+            let reservation = (r_start, VaRange::new(r_start, r_size).end());
+            if !inside(reservation) {
                 return Err(outside());
             }
-            self.last_reservation = Some((r_start, r_size));
+            self.last_reservation = Some(reservation);
         }
         let g = self.granularity;
         let (first, count) = (self.granule.index(va), self.granule.index(size));
