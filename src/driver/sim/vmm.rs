@@ -249,12 +249,14 @@ impl Vmm {
         let mut freed = Vec::new();
         let (handles, mappings) = (&mut self.handles, &mut self.mappings);
         // Every granule of the range is mapped (checked above); a mapping's first granule has offset 0.
-        self.granules.update(range, |granule| {
-            if granule.offset == 0 {
+        self.granules.update_slices(range, |granules| {
+            for granule in granules.iter().filter(|granule| granule.offset == 0) {
                 *mappings -= 1;
-                freed.extend(handles.unmapped(granule.handle));
+                if let Some(id) = handles.unmapped(granule.handle) {
+                    freed.push(id);
+                }
             }
-            *granule = Granule::default();
+            granules.fill(Granule::default());
         });
         Ok(freed)
     }
@@ -391,19 +393,22 @@ impl Vmm {
         let end_index = self.granule.index(end);
         let mut next = self.granule.index(va);
         for (indices, granules) in self.granules.pieces(next..end_index) {
-            while next < indices.end {
-                let granule = granules.map_or_else(Granule::default, |granules| {
-                    granules[(next - indices.start) as usize]
-                });
-                let addr = next * g;
-                if !granule.is_mapped() {
-                    return Err(DriverError::NotMapped { op, addr });
+            let Some(granules) = granules else {
+                if next < indices.end {
+                    return Err(DriverError::NotMapped { op, addr: next * g });
                 }
-                let mapping_size = self.mapping_size(granule.handle);
+                continue;
+            };
+            while next < indices.end {
+                let handle = granules[(next - indices.start) as usize].handle;
+                if handle == 0 {
+                    return Err(DriverError::NotMapped { op, addr: next * g });
+                }
+                let mapping_size = self.mapping_size(handle);
                 // At least one granule, so that a broken invariant (a mapped handle unknown) cannot stall.
                 let count = self.granule.index(mapping_size).max(1);
                 if next + count > end_index {
-                    return Err(partial(addr, mapping_size));
+                    return Err(partial(next * g, mapping_size));
                 }
                 next += count;
             }
