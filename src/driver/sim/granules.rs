@@ -187,8 +187,10 @@ impl Granules {
     #[inline(never)]
     fn insert(&mut self, number: u64) -> usize {
         let at = self.chunks.len();
+        // Built on the heap: `Box::new` of the array would build 24 KiB on the stack and copy it.
+        let chunk: Box<[Granule]> = vec![Granule::default(); CHUNK as usize].into_boxed_slice();
         self.chunks
-            .push(Box::new([Granule::default(); CHUNK as usize]));
+            .push(chunk.try_into().expect("a chunk has CHUNK granules"));
         self.index.insert(number, at);
         self.last.set((number, at));
         at
