@@ -64,7 +64,18 @@ impl Faults {
     /// Whether call number `call` of `op` must fail, and how. The random generator draws once for every
     /// call of a selected operation, whether or not a planned fault also hits it, so the random pattern
     /// depends only on the seed and the sequence of calls.
+    #[inline]
     pub(super) fn check(&mut self, op: Op, call: u64) -> Option<FaultKind> {
+        // No faults planned, the usual case: nothing to draw or look up.
+        if self.random.is_none() && self.planned.is_empty() {
+            return None;
+        }
+        self.check_planned(op, call)
+    }
+
+    /// [`check`](Self::check) when some fault is planned.
+    #[inline(never)]
+    fn check_planned(&mut self, op: Op, call: u64) -> Option<FaultKind> {
         let random = match &mut self.random {
             Some(r) if r.ops[op as usize] => r.rng.next_f64() < r.probability,
             _ => false,

@@ -44,6 +44,7 @@
 mod config;
 mod faults;
 mod granules;
+mod handles;
 mod latency;
 mod malloc;
 mod report;

@@ -2,11 +2,13 @@
 //!
 //! Every method checks all of its rules before it changes anything, so a failed call has no effect.
 //!
-//! Handles are numbered from 1 in creation order and kept in a vector indexed by number; mappings live in a
-//! page table of granules ([`Granules`]). Both make a call cost a few array reads instead of ordered-map or
-//! SipHash lookups, which dominated replays.
+//! Handles are numbered from 1 in creation order and kept in a vector indexed by number ([`Handles`]);
+//! mappings live in a page table of granules ([`Granules`]). Both make a call cost a few array reads instead
+//! of ordered-map or SipHash lookups, which dominated replays. Checking that a range is made of whole
+//! mappings steps from one mapping's start to the next, so it costs a few reads per mapping, not per granule.
 
 use super::granules::{Granule, Granules};
+use super::handles::Handles;
 use super::va::VaRegion;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
 use std::collections::BTreeMap;
@@ -15,16 +17,6 @@ use std::collections::BTreeMap;
 const RESERVATION_BASE: u64 = 0x7f00_0000_0000;
 /// The top of the 48-bit virtual address space.
 const VA_TOP: u64 = 1 << 48;
-
-/// A physical allocation from `create`.
-#[derive(Debug, Clone, Copy)]
-struct Handle {
-    size: u64,
-    /// Released by the caller; freed once `maps` reaches 0.
-    released: bool,
-    /// Mappings of this handle.
-    maps: u32,
-}
 
 /// One mapping of a whole handle.
 #[derive(Debug, Clone, Copy)]
@@ -37,35 +29,44 @@ pub(super) struct Mapping {
     pub(super) accessible: bool,
 }
 
-/// The allocation granularity, with the shift that divides by it when it is a power of two (always, on a
-/// GPU), since a division is the slowest step of an otherwise short call.
+/// The allocation granularity, with the shift and mask that divide by it when it is a power of two (always,
+/// on a GPU), since a division is the slowest step of an otherwise short call.
 #[derive(Debug, Clone, Copy)]
 struct Granularity {
     bytes: u64,
-    shift: Option<u32>,
+    /// Whether `bytes` is a power of two, so that `shift` and `mask` apply.
+    power_of_two: bool,
+    /// `log2(bytes)`.
+    shift: u32,
+    /// `bytes - 1`.
+    mask: u64,
 }
 
 impl Granularity {
     fn new(bytes: u64) -> Self {
         Self {
             bytes,
-            shift: bytes.is_power_of_two().then(|| bytes.trailing_zeros()),
+            power_of_two: bytes.is_power_of_two(),
+            shift: bytes.trailing_zeros(),
+            mask: bytes.wrapping_sub(1),
         }
     }
 
     /// The granule `addr` lies in (`addr / bytes`).
     fn index(self, addr: u64) -> u64 {
-        match self.shift {
-            Some(shift) => addr >> shift,
-            None => addr / self.bytes,
+        if self.power_of_two {
+            addr >> self.shift
+        } else {
+            addr / self.bytes
         }
     }
 
     /// Whether `value` is a multiple of the granularity.
     fn divides(self, value: u64) -> bool {
-        match self.shift {
-            Some(shift) => value & ((1 << shift) - 1) == 0,
-            None => value % self.bytes == 0,
+        if self.power_of_two {
+            value & self.mask == 0
+        } else {
+            value % self.bytes == 0
         }
     }
 }
@@ -77,17 +78,14 @@ pub(super) struct Vmm {
     granule: Granularity,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
-    /// The reservation `map` found last, `(start, size)`: maps come in runs into one reservation.
+    /// The reservation `map` found last, `(start, end)`: maps come in runs into one reservation.
     last_reservation: Option<(u64, u64)>,
     /// The page table: which handle each granule of address space maps.
     granules: Granules,
     /// Mappings alive.
     mappings: usize,
-    /// Handle number `n` at index `n - 1`; `None` once its memory is freed.
-    handles: Vec<Option<Handle>>,
-    live_handles: usize,
-    /// Bytes of handles whose memory is not yet freed (released but still mapped ones included).
-    physical: u64,
+    /// Physical allocations whose memory is not freed yet.
+    handles: Handles,
 }
 
 impl Vmm {
@@ -101,9 +99,7 @@ impl Vmm {
             last_reservation: None,
             granules: Granules::default(),
             mappings: 0,
-            handles: Vec::new(),
-            live_handles: 0,
-            physical: 0,
+            handles: Handles::default(),
         }
     }
 
@@ -158,24 +154,12 @@ impl Vmm {
                 free,
             });
         }
-        self.handles.push(Some(Handle {
-            size,
-            released: false,
-            maps: 0,
-        }));
-        let id = self.handles.len() as u64;
-        self.live_handles += 1;
-        self.physical += size;
-        Ok(PhysHandle(id))
+        Ok(self.handles.create(size))
     }
 
     /// `cuMemRelease`. Returns the handle's number if its memory was freed now (it was not mapped).
     pub(super) fn release(&mut self, handle: PhysHandle) -> Result<Option<u64>, DriverError> {
-        let h = self.live_handle(Op::Release, handle)?;
-        h.released = true;
-        let unmapped = h.maps == 0;
-        self.live_handles -= 1;
-        Ok(unmapped.then(|| self.drop_handle(handle.0)))
+        self.handles.release(handle)
     }
 
     /// `cuMemMap` of the whole of `handle` at `va`.
@@ -187,7 +171,8 @@ impl Vmm {
     ) -> Result<(), DriverError> {
         self.check_size(Op::Map, size)?;
         self.check_address(Op::Map, va)?;
-        let handle_size = self.live_handle(Op::Map, handle)?.size;
+        let h = self.handles.live(Op::Map, handle)?;
+        let handle_size = h.size;
         if handle_size != size {
             return Err(DriverError::SizeMismatch {
                 handle,
@@ -200,20 +185,21 @@ impl Vmm {
             start: va,
             size,
         };
-        if va.checked_add(size).is_none() {
+        let Some(end) = va.checked_add(size) else {
             return Err(outside());
-        }
-        let inside = |(start, len): (u64, u64)| VaRange::new(start, len).contains_range(va, size);
+        };
+        let inside = |(start, r_end): (u64, u64)| va >= start && end <= r_end;
         if !self.last_reservation.is_some_and(inside) {
             let (&r_start, &r_size) = self
                 .reservations
                 .range(..=va)
                 .next_back()
                 .ok_or_else(outside)?;
-            if !inside((r_start, r_size)) {
+            let reservation = (r_start, VaRange::new(r_start, r_size).end());
+            if !inside(reservation) {
                 return Err(outside());
             }
-            self.last_reservation = Some((r_start, r_size));
+            self.last_reservation = Some(reservation);
         }
         let g = self.granularity;
         let (first, count) = (self.granule.index(va), self.granule.index(size));
@@ -241,9 +227,7 @@ impl Vmm {
             }
             self.granules.fill(first..first + count, mapped);
         }
-        if let Some(h) = self.handle_mut(handle.0) {
-            h.maps += 1;
-        }
+        h.mapped();
         self.mappings += 1;
         Ok(())
     }
@@ -262,30 +246,24 @@ impl Vmm {
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
         let end = self.check_whole_mappings(Op::Unmap, va, size)?;
         let range = self.granule.index(va)..self.granule.index(end);
-        let mut unmapped = Vec::new();
-        self.granules.update(range, |granule| {
-            if granule.offset == 0 {
-                unmapped.push(granule.handle);
-            }
-            *granule = Granule::default();
-        });
         let mut freed = Vec::new();
-        for handle in unmapped {
-            self.mappings -= 1;
-            let Some(h) = self.handle_mut(handle) else {
-                continue;
-            };
-            h.maps -= 1;
-            if h.released && h.maps == 0 {
-                freed.push(self.drop_handle(handle));
+        let (handles, mappings) = (&mut self.handles, &mut self.mappings);
+        // Every granule of the range is mapped (checked above); a mapping's first granule has offset 0.
+        self.granules.update_slices(range, |granules| {
+            for granule in granules.iter().filter(|granule| granule.offset == 0) {
+                *mappings -= 1;
+                if let Some(id) = handles.unmapped(granule.handle) {
+                    freed.push(id);
+                }
             }
-        }
+            granules.fill(Granule::default());
+        });
         Ok(freed)
     }
 
     /// The size of a handle the device still knows (released but mapped ones included).
     pub(super) fn handle_size(&self, handle: PhysHandle) -> Option<u64> {
-        self.handle(handle.0).map(|h| h.size)
+        self.handles.size(handle.0)
     }
 
     /// The mapping that contains `addr`, with its start.
@@ -305,12 +283,12 @@ impl Vmm {
 
     /// Bytes of physical memory held by handles.
     pub(super) fn physical_bytes(&self) -> u64 {
-        self.physical
+        self.handles.bytes()
     }
 
     /// Handles created and not released.
     pub(super) fn handle_count(&self) -> usize {
-        self.live_handles
+        self.handles.live_count()
     }
 
     /// Live mappings.
@@ -325,10 +303,7 @@ impl Vmm {
 
     /// Handles not released, with their sizes, in creation order.
     pub(super) fn unreleased_handles(&self) -> Vec<(PhysHandle, u64)> {
-        (1..)
-            .zip(&self.handles)
-            .filter_map(|(id, h)| h.filter(|h| !h.released).map(|h| (PhysHandle(id), h.size)))
-            .collect()
+        self.handles.unreleased()
     }
 
     /// Live mappings, in address order.
@@ -357,40 +332,10 @@ impl Vmm {
             .collect()
     }
 
-    /// A handle that is known and not released.
-    fn live_handle(&mut self, op: Op, handle: PhysHandle) -> Result<&mut Handle, DriverError> {
-        self.handle_mut(handle.0)
-            .filter(|h| !h.released)
-            .ok_or(DriverError::UnknownHandle { op, handle })
-    }
-
-    /// Handle number `id`, if its memory is not freed yet.
-    fn handle(&self, id: u64) -> Option<&Handle> {
-        let index = usize::try_from(id).ok()?.checked_sub(1)?;
-        self.handles.get(index)?.as_ref()
-    }
-
-    fn handle_mut(&mut self, id: u64) -> Option<&mut Handle> {
-        let index = usize::try_from(id).ok()?.checked_sub(1)?;
-        self.handles.get_mut(index)?.as_mut()
-    }
-
     /// Bytes mapped by a mapping of handle `id` (0 for a handle the device no longer knows, which a mapped
     /// handle never is).
     fn mapping_size(&self, id: u64) -> u64 {
-        self.handle(id).map_or(0, |h| h.size)
-    }
-
-    /// Frees a released, unmapped handle's memory. Returns its number.
-    fn drop_handle(&mut self, id: u64) -> u64 {
-        let index = usize::try_from(id).ok().and_then(|i| i.checked_sub(1));
-        if let Some(h) = index
-            .and_then(|i| self.handles.get_mut(i))
-            .and_then(Option::take)
-        {
-            self.physical -= h.size;
-        }
-        id
+        self.handles.size(id).unwrap_or(0)
     }
 
     /// Size non-zero and a multiple of the granularity.
@@ -444,25 +389,30 @@ impl Vmm {
             return Err(partial(mapping, self.mapping_size(first.handle)));
         }
         // From here on a granule where a mapping is expected starts one or is unmapped: mappings never
-        // overlap. The granules inside a mapping belong to it.
+        // overlap. The granules inside a mapping belong to it, so the walk steps from start to start.
         let end_index = self.granule.index(end);
-        let mut inside = 0;
-        self.granules
-            .try_for_each(self.granule.index(va)..end_index, |index, granule| {
-                if inside == 0 {
-                    let addr = index * g;
-                    if !granule.is_mapped() {
-                        return Err(DriverError::NotMapped { op, addr });
-                    }
-                    let mapping_size = self.mapping_size(granule.handle);
-                    inside = self.granule.index(mapping_size);
-                    if index + inside > end_index {
-                        return Err(partial(addr, mapping_size));
-                    }
+        let mut next = self.granule.index(va);
+        for (indices, granules) in self.granules.pieces(next..end_index) {
+            let Some(granules) = granules else {
+                if next < indices.end {
+                    return Err(DriverError::NotMapped { op, addr: next * g });
                 }
-                inside -= 1;
-                Ok(())
-            })?;
+                continue;
+            };
+            while next < indices.end {
+                let handle = granules[(next - indices.start) as usize].handle;
+                if handle == 0 {
+                    return Err(DriverError::NotMapped { op, addr: next * g });
+                }
+                let mapping_size = self.mapping_size(handle);
+                // At least one granule, so that a broken invariant (a mapped handle unknown) cannot stall.
+                let count = self.granule.index(mapping_size).max(1);
+                if next + count > end_index {
+                    return Err(partial(next * g, mapping_size));
+                }
+                next += count;
+            }
+        }
         Ok(end)
     }
 }
