@@ -388,30 +388,28 @@ impl Vmm {
             let mapping = va - first.offset * g;
             return Err(partial(mapping, self.mapping_size(first.handle)));
         }
-        // From here on a granule where a mapping is expected starts one or is unmapped: mappings never
-        // overlap. The granules inside a mapping belong to it, so the walk steps from start to start.
+        // Mappings never overlap and cover consecutive granules with offsets 0, 1, ..., so the range is whole
+        // back-to-back mappings exactly when its first granule starts one (checked above), every granule in
+        // it is mapped, and the granule after it does not continue a mapping. A sequential scan of the
+        // granules, with no lookup of each mapping's handle; the first unmapped granule is the first gap a
+        // walk from mapping to mapping would meet, so the error is the same.
         let end_index = self.granule.index(end);
-        let mut next = self.granule.index(va);
-        for (indices, granules) in self.granules.pieces(next..end_index) {
-            let Some(granules) = granules else {
-                if next < indices.end {
-                    return Err(DriverError::NotMapped { op, addr: next * g });
-                }
-                continue;
+        for (indices, granules) in self.granules.pieces(self.granule.index(va)..end_index) {
+            let gap = match granules {
+                None => Some(indices.start),
+                Some(granules) => granules
+                    .iter()
+                    .position(|granule| !granule.is_mapped())
+                    .map(|i| indices.start + i as u64),
             };
-            while next < indices.end {
-                let handle = granules[(next - indices.start) as usize].handle;
-                if handle == 0 {
-                    return Err(DriverError::NotMapped { op, addr: next * g });
-                }
-                let mapping_size = self.mapping_size(handle);
-                // At least one granule, so that a broken invariant (a mapped handle unknown) cannot stall.
-                let count = self.granule.index(mapping_size).max(1);
-                if next + count > end_index {
-                    return Err(partial(next * g, mapping_size));
-                }
-                next += count;
+            if let Some(index) = gap {
+                return Err(DriverError::NotMapped { op, addr: index * g });
             }
+        }
+        let after = self.granules.get(end_index);
+        if after.is_mapped() && after.offset > 0 {
+            let mapping = (end_index - after.offset) * g;
+            return Err(partial(mapping, self.mapping_size(after.handle)));
         }
         Ok(end)
     }
