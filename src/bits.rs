@@ -81,7 +81,10 @@ impl Bits {
             return (self.words[first] & low & high).count_ones() as usize;
         }
         let ends = (self.words[first] & low).count_ones() + (self.words[last] & high).count_ones();
-        let middle: u32 = self.words[first + 1..last].iter().map(|w| w.count_ones()).sum();
+        let middle: u32 = self.words[first + 1..last]
+            .iter()
+            .map(|w| w.count_ones())
+            .sum();
         (ends + middle) as usize
     }
 
@@ -136,6 +139,27 @@ impl Bits {
             w = self.previous_nonempty(w)?;
             word = self.words[w];
         }
+    }
+
+    /// The last clear bit at or before `at`.
+    pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
+        assert!(at < self.len, "bit {at} out of {}", self.len);
+        let mut w = at / BITS;
+        let mut word = !self.words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
+        loop {
+            if word != 0 {
+                return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
+            }
+            w = w.checked_sub(1)?;
+            word = !self.words[w];
+        }
+    }
+
+    /// The last maximal run of set bits that ends at or before `end` (cut at `end`).
+    pub(crate) fn last_run_before(&self, end: usize) -> Option<Range<usize>> {
+        let last = self.find_last_set(end.checked_sub(1)?)?;
+        let start = self.find_last_clear(last).map_or(0, |clear| clear + 1);
+        Some(start..last + 1)
     }
 
     /// The index of the last non-empty word before word `before`.
@@ -270,6 +294,22 @@ mod tests {
             let c = (b + next(9000)).min(len);
             let last = (0..=a).rev().find(|&i| model[i]);
             assert_eq!(bits.find_last_set(a), last, "last set at or before {a}");
+            let last_clear = (0..=a).rev().find(|&i| !model[i]);
+            assert_eq!(
+                bits.find_last_clear(a),
+                last_clear,
+                "last clear at or before {a}"
+            );
+            let run = last.map(|end| {
+                let start = (0..end).rev().find(|&i| !model[i]).map_or(0, |c| c + 1);
+                start..end + 1
+            });
+            assert_eq!(
+                bits.last_run_before(a + 1),
+                run,
+                "last run before {}",
+                a + 1
+            );
             for value in [true, false] {
                 let expected = (a..c).find(|&i| model[i] == value);
                 assert_eq!(bits.find(a..c, value), expected, "find {value} in {a}..{c}");

@@ -420,6 +420,11 @@ impl PageMap {
         Some(start..end)
     }
 
+    /// The last maximal run of idle pages that ends at or before page `end` (cut at `end`).
+    pub fn last_idle_run_before(&self, end: usize) -> Option<Range<usize>> {
+        self.idle.last_run_before(end)
+    }
+
     /// Maximal runs of idle pages inside `pages`, in address order.
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         self.idle.runs(pages, true).collect()

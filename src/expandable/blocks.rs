@@ -231,7 +231,10 @@ impl Blocks {
         let page = self.page_size.quotient(addr - self.base) as usize;
         if self.last_start[page] == n {
             let same_page = prev != NIL
-                && self.page_size.quotient(self.nodes[prev as usize].addr - self.base) == page as u64;
+                && self
+                    .page_size
+                    .quotient(self.nodes[prev as usize].addr - self.base)
+                    == page as u64;
             if same_page {
                 self.last_start[page] = prev;
             } else {

@@ -245,7 +245,13 @@ mod tests {
         }
         assert_eq!(index.len(), 0);
         assert!(index.classes.iter().all(|c| c.chunks.len() <= 1));
-        assert!(index.classes.iter().flat_map(|c| &c.chunks).all(Vec::is_empty));
+        assert!(
+            index
+                .classes
+                .iter()
+                .flat_map(|c| &c.chunks)
+                .all(Vec::is_empty)
+        );
         assert_eq!(index.nonempty, [0; CLASSES / 64]);
         assert_eq!(index.range_from((0, 0)).count(), 0);
     }

@@ -79,15 +79,15 @@ impl<D: Driver> Expandable<D> {
             let Some(seg) = &self.segments[slot] else {
                 continue;
             };
-            if seg.pages.idle_count() == 0 {
-                continue;
-            }
-            for run in seg.pages.idle_runs().into_iter().rev() {
-                let take = run.len().min(target - out.len());
-                if take == 0 {
+            // Idle runs from the highest down, each found when it is needed.
+            let mut end = seg.pages.len();
+            while out.len() < target {
+                let Some(run) = self.segment(slot).pages.last_idle_run_before(end) else {
                     break;
-                }
+                };
+                let take = run.len().min(target - out.len());
                 self.unmap_run(slot, run.end - take..run.end, out)?;
+                end = run.start;
             }
         }
         Ok(())

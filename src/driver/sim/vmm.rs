@@ -403,7 +403,10 @@ impl Vmm {
                     .map(|i| indices.start + i as u64),
             };
             if let Some(index) = gap {
-                return Err(DriverError::NotMapped { op, addr: index * g });
+                return Err(DriverError::NotMapped {
+                    op,
+                    addr: index * g,
+                });
             }
         }
         let after = self.granules.get(end_index);
