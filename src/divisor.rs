@@ -8,8 +8,13 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Divisor {
     bytes: u64,
-    /// `log2(bytes)` when `bytes` is a power of two.
-    shift: Option<u32>,
+    /// Whether `bytes` is a power of two, so that `shift` and `mask` apply (a flag rather than an `Option`,
+    /// so the fast path is one predictable branch).
+    power_of_two: bool,
+    /// `log2(bytes)` when it is a power of two.
+    shift: u32,
+    /// `bytes - 1`.
+    mask: u64,
 }
 
 impl Divisor {
@@ -21,7 +26,9 @@ impl Divisor {
         assert!(bytes > 0, "dividing by zero bytes");
         Self {
             bytes,
-            shift: bytes.is_power_of_two().then(|| bytes.trailing_zeros()),
+            power_of_two: bytes.is_power_of_two(),
+            shift: bytes.trailing_zeros(),
+            mask: bytes - 1,
         }
     }
 
@@ -31,22 +38,27 @@ impl Divisor {
     }
 
     /// `value / bytes`.
+    #[inline]
     pub(crate) fn quotient(self, value: u64) -> u64 {
-        match self.shift {
-            Some(shift) => value >> shift,
-            None => value / self.bytes,
+        if self.power_of_two {
+            value >> self.shift
+        } else {
+            value / self.bytes
         }
     }
 
     /// `value % bytes`.
+    #[inline]
     pub(crate) fn remainder(self, value: u64) -> u64 {
-        match self.shift {
-            Some(_) => value & (self.bytes - 1),
-            None => value % self.bytes,
+        if self.power_of_two {
+            value & self.mask
+        } else {
+            value % self.bytes
         }
     }
 
     /// Whether `value` is a multiple of `bytes`.
+    #[inline]
     pub(crate) fn divides(self, value: u64) -> bool {
         self.remainder(value) == 0
     }

@@ -5,11 +5,12 @@
 //! Handles are numbered from 1 in creation order and kept in a vector indexed by number ([`Handles`]);
 //! mappings live in a page table of granules ([`Granules`]). Both make a call cost a few array reads instead
 //! of ordered-map or SipHash lookups, which dominated replays. Checking that a range is made of whole
-//! mappings steps from one mapping's start to the next, so it costs a few reads per mapping, not per granule.
+//! mappings is a sequential scan of its granules and of the one after it, with no lookup per mapping.
 
 use super::granules::{Granule, Granules};
 use super::handles::Handles;
 use super::va::VaRegion;
+use crate::divisor::Divisor;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
 use std::collections::BTreeMap;
 
@@ -29,53 +30,12 @@ pub(super) struct Mapping {
     pub(super) accessible: bool,
 }
 
-/// The allocation granularity, with the shift and mask that divide by it when it is a power of two (always,
-/// on a GPU), since a division is the slowest step of an otherwise short call.
-#[derive(Debug, Clone, Copy)]
-struct Granularity {
-    bytes: u64,
-    /// Whether `bytes` is a power of two, so that `shift` and `mask` apply.
-    power_of_two: bool,
-    /// `log2(bytes)`.
-    shift: u32,
-    /// `bytes - 1`.
-    mask: u64,
-}
-
-impl Granularity {
-    fn new(bytes: u64) -> Self {
-        Self {
-            bytes,
-            power_of_two: bytes.is_power_of_two(),
-            shift: bytes.trailing_zeros(),
-            mask: bytes.wrapping_sub(1),
-        }
-    }
-
-    /// The granule `addr` lies in (`addr / bytes`).
-    fn index(self, addr: u64) -> u64 {
-        if self.power_of_two {
-            addr >> self.shift
-        } else {
-            addr / self.bytes
-        }
-    }
-
-    /// Whether `value` is a multiple of the granularity.
-    fn divides(self, value: u64) -> bool {
-        if self.power_of_two {
-            value & self.mask == 0
-        } else {
-            value % self.bytes == 0
-        }
-    }
-}
-
 /// Reservations, handles and mappings.
 #[derive(Debug, Clone)]
 pub(super) struct Vmm {
     granularity: u64,
-    granule: Granularity,
+    /// The granularity, to divide by (a shift and a mask when it is a power of two, as on a GPU).
+    granule: Divisor,
     va: VaRegion,
     reservations: BTreeMap<u64, u64>,
     /// The reservation `map` found last, `(start, end)`: maps come in runs into one reservation.
@@ -93,7 +53,7 @@ impl Vmm {
     pub(super) fn new(granularity: u64) -> Self {
         Self {
             granularity,
-            granule: Granularity::new(granularity),
+            granule: Divisor::new(granularity),
             va: VaRegion::new(RESERVATION_BASE, VA_TOP, granularity),
             reservations: BTreeMap::new(),
             last_reservation: None,
@@ -129,8 +89,8 @@ impl Vmm {
         let mapped = self
             .granules
             .mapping_starts(
-                self.granule.index(range.start),
-                self.granule.index(range.end()),
+                self.granule.quotient(range.start),
+                self.granule.quotient(range.end()),
             )
             .len();
         if mapped > 0 {
@@ -202,7 +162,7 @@ impl Vmm {
             self.last_reservation = Some(reservation);
         }
         let g = self.granularity;
-        let (first, count) = (self.granule.index(va), self.granule.index(size));
+        let (first, count) = (self.granule.quotient(va), self.granule.quotient(size));
         let mapped = |offset| Granule {
             handle: handle.0,
             offset,
@@ -235,17 +195,17 @@ impl Vmm {
     /// `cuMemSetAccess` on whole mappings.
     pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         let end = self.check_whole_mappings(Op::SetAccess, va, size)?;
-        self.granules
-            .update(self.granule.index(va)..self.granule.index(end), |granule| {
-                granule.accessible = true
-            });
+        self.granules.update(
+            self.granule.quotient(va)..self.granule.quotient(end),
+            |granule| granule.accessible = true,
+        );
         Ok(())
     }
 
     /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
         let end = self.check_whole_mappings(Op::Unmap, va, size)?;
-        let range = self.granule.index(va)..self.granule.index(end);
+        let range = self.granule.quotient(va)..self.granule.quotient(end);
         let mut freed = Vec::new();
         let (handles, mappings) = (&mut self.handles, &mut self.mappings);
         // Every granule of the range is mapped (checked above); a mapping's first granule has offset 0.
@@ -268,7 +228,7 @@ impl Vmm {
 
     /// The mapping that contains `addr`, with its start.
     pub(super) fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
-        let index = self.granule.index(addr);
+        let index = self.granule.quotient(addr);
         let granule = self.granules.get(index);
         granule.is_mapped().then(|| {
             let start = (index - granule.offset) * self.granularity;
@@ -383,7 +343,7 @@ impl Vmm {
             mapping,
             mapping_size,
         };
-        let first = self.granules.get(self.granule.index(va));
+        let first = self.granules.get(self.granule.quotient(va));
         if first.is_mapped() && first.offset > 0 {
             let mapping = va - first.offset * g;
             return Err(partial(mapping, self.mapping_size(first.handle)));
@@ -393,8 +353,8 @@ impl Vmm {
         // it is mapped, and the granule after it does not continue a mapping. A sequential scan of the
         // granules, with no lookup of each mapping's handle; the first unmapped granule is the first gap a
         // walk from mapping to mapping would meet, so the error is the same.
-        let end_index = self.granule.index(end);
-        for (indices, granules) in self.granules.pieces(self.granule.index(va)..end_index) {
+        let end_index = self.granule.quotient(end);
+        for (indices, granules) in self.granules.pieces(self.granule.quotient(va)..end_index) {
             let gap = match granules {
                 None => Some(indices.start),
                 Some(granules) => granules
