@@ -1,6 +1,7 @@
 //! The allocation path: round, pick a block, carve it, and back its pages with physical memory.
 
 use super::segment::{Pool, Segment};
+use super::streams::StreamUses;
 use super::{Expandable, ROUND};
 use crate::driver::{Driver, MemInfo, PhysHandle, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
@@ -54,7 +55,7 @@ impl<D: Driver> Expandable<D> {
                 self.count_block(pool, rounded, size, true);
                 if borrowed {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
-                    self.stream_uses.insert(addr, vec![stream]);
+                    self.stream_uses.insert(addr, StreamUses::new(stream));
                 }
                 self.record(TraceAction::Alloc, addr, size, stream);
                 Ok(addr)
