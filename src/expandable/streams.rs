@@ -120,11 +120,9 @@ impl<D: Driver> Expandable<D> {
     /// the block's segment, whose reuse is stream-ordered, and for a stream already recorded.
     pub(super) fn record_stream_use(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        match self.segment(slot).check_free(addr) {
-            FreeOutcome::Freed { .. } => {}
-            FreeOutcome::AlreadyFree | FreeOutcome::NotABlockStart => {
-                return Err(Error::UnknownAddress { addr });
-            }
+        // A live block must start at `addr`: found by its start, with no search for the block around it.
+        if !(self.segment(slot).block_at(addr)).is_some_and(|block| block.is_live()) {
+            return Err(Error::UnknownAddress { addr });
         }
         if stream == self.segment(slot).stream {
             return Ok(());
