@@ -182,10 +182,17 @@ impl<D: Driver> Expandable<D> {
 
     /// Polls the pending events, per stream in recording order up to the first incomplete one; destroys the
     /// completed ones and frees the blocks that wait for nothing more. Returns the bytes freed.
+    #[inline]
     pub(super) fn process_events(&mut self) -> Result<u64, Error> {
+        // Checked inline: most allocations find nothing pending.
         if self.pending.is_empty() {
             return Ok(0);
         }
+        self.poll_events()
+    }
+
+    /// [`process_events`](Self::process_events) when something is pending.
+    fn poll_events(&mut self) -> Result<u64, Error> {
         for event in std::mem::take(&mut self.pending.undestroyed) {
             self.destroy_event(event)?;
         }
