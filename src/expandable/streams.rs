@@ -205,15 +205,12 @@ impl<D: Driver> Expandable<D> {
                 }
                 self.driver.destroy_event(event)?;
                 self.pending.events[i].1.pop_front();
-                let parked = self
-                    .pending
-                    .outstanding
-                    .get_mut(&addr)
-                    .expect("a pending event's block is parked");
-                parked.left -= 1;
-                if parked.left == 0 {
-                    let slot = parked.slot;
-                    self.pending.outstanding.remove(&addr);
+                let Entry::Occupied(mut parked) = self.pending.outstanding.entry(addr) else {
+                    unreachable!("a pending event's block is parked");
+                };
+                parked.get_mut().left -= 1;
+                if parked.get().left == 0 {
+                    let Parked { slot, .. } = parked.remove();
                     freed += self.release_parked(slot, addr);
                 }
             }
