@@ -391,6 +391,32 @@ fn a_busy_streams_free_blocks_are_not_borrowed() {
 }
 
 #[test]
+fn a_busy_streams_better_fit_gives_way_to_an_idle_streams_block() {
+    let mut alloc = allocator(32, Config::default().with_cross_stream_reuse(true));
+    // S1's cached block fits 4 pages best but S1 is busy; S0's larger cached block is borrowed instead.
+    let a = alloc.alloc(4 * PAGE, S1).unwrap();
+    let a_guard = alloc.alloc(PAGE, S1).unwrap();
+    let c = alloc.alloc(6 * PAGE, S0).unwrap();
+    let c_guard = alloc.alloc(PAGE, S0).unwrap();
+    alloc
+        .driver_mut()
+        .launch(S1, &[range(a, 4 * PAGE)])
+        .unwrap();
+    alloc.free(a).unwrap();
+    alloc.free(c).unwrap();
+    let events = alloc.driver_counters().get(Op::RecordEvent);
+    let b = alloc.alloc(4 * PAGE, S2).unwrap();
+    assert_eq!((b, segment_stream(&alloc, b)), (c, S0));
+    assert_eq!(
+        alloc.driver_counters().get(Op::RecordEvent) - events,
+        2,
+        "each stream is checked once"
+    );
+    alloc.check_invariants().unwrap();
+    finish(alloc, &[b, a_guard, c_guard]);
+}
+
+#[test]
 fn without_cross_stream_reuse_blocks_stay_in_their_streams_segments() {
     let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(false));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();

@@ -1,6 +1,7 @@
 //! The allocation path: round, pick a block, carve it, and back its pages with physical memory.
 
 use super::segment::{Pool, Segment};
+use super::streams::StreamUses;
 use super::{Expandable, ROUND};
 use crate::driver::{Driver, MemInfo, PhysHandle, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
@@ -54,7 +55,7 @@ impl<D: Driver> Expandable<D> {
                 self.count_block(pool, rounded, size, true);
                 if borrowed {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
-                    self.stream_uses.insert(addr, vec![stream]);
+                    self.stream_uses.insert(addr, StreamUses::new(stream));
                 }
                 self.record(TraceAction::Alloc, addr, size, stream);
                 Ok(addr)
@@ -142,17 +143,18 @@ impl<D: Driver> Expandable<D> {
         stream: StreamId,
         pool: Pool,
     ) -> Result<Option<(usize, u64)>, Error> {
+        // The smallest candidate first, found without collecting them: its stream is usually idle.
+        let Some((_, slot, addr)) = self.borrow_candidates(size, stream, pool).min() else {
+            return Ok(None);
+        };
+        let busy = self.segment(slot).stream;
+        if self.stream_idle(busy)? {
+            return Ok(Some((slot, addr)));
+        }
+        // Its stream is busy: the other streams' candidates by size, each stream checked once.
         let mut candidates: Vec<(u64, usize, u64)> = self
-            .segments
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, seg)| {
-                let seg = seg
-                    .as_ref()
-                    .filter(|s| s.pool == pool && s.stream != stream)?;
-                let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
-                Some((block_size, slot, addr))
-            })
+            .borrow_candidates(size, stream, pool)
+            .filter(|&(_, slot, _)| self.segment(slot).stream != busy)
             .collect();
         candidates.sort_unstable();
         let mut checked: Vec<(StreamId, bool)> = Vec::new();
@@ -171,6 +173,26 @@ impl<D: Driver> Expandable<D> {
             }
         }
         Ok(None)
+    }
+
+    /// For each segment of `pool` of a stream other than `stream` that has a cached fit for `size` bytes,
+    /// `(block size, slot, address)` ([`Segment::cached_fit`]).
+    fn borrow_candidates(
+        &self,
+        size: u64,
+        stream: StreamId,
+        pool: Pool,
+    ) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter_map(move |(slot, seg)| {
+                let seg = seg
+                    .as_ref()
+                    .filter(|s| s.pool == pool && s.stream != stream)?;
+                let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
+                Some((block_size, slot, addr))
+            })
     }
 
     /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An

@@ -63,7 +63,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     } else {
                         t.pending += block.size;
                         t.pending_blocks += 1;
-                        if a.pending.outstanding.get(&addr).is_none_or(|&n| n == 0) {
+                        if a.pending.outstanding.get(&addr).is_none_or(|p| p.left == 0) {
                             return Err(V::PendingFree { addr });
                         }
                     }
@@ -215,7 +215,7 @@ fn check_stream_uses<D: Driver>(
         return Ok(());
     };
     let distinct: HashSet<_> = streams.iter().collect();
-    if streams.is_empty() || distinct.len() != streams.len() || distinct.contains(&own) {
+    if distinct.len() != streams.iter().count() || distinct.contains(&own) {
         return Err(V::StreamUse { addr });
     }
     Ok(())
@@ -235,11 +235,11 @@ fn check_pending_list<D: Driver>(a: &Expandable<D>, pending_blocks: usize) -> Re
         }
     }
     let mut events: HashMap<u64, usize> = HashMap::new();
-    for &(_, addr) in a.pending.events.values().flatten() {
+    for &(_, addr) in a.pending.queued() {
         *events.entry(addr).or_default() += 1;
     }
-    for (&addr, &outstanding) in &a.pending.outstanding {
-        if events.get(&addr) != Some(&outstanding) {
+    for (&addr, parked) in &a.pending.outstanding {
+        if events.get(&addr) != Some(&parked.left) || a.slot_of(addr) != Some(parked.slot) {
             return Err(V::PendingFree { addr });
         }
     }

@@ -35,7 +35,7 @@ use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use segment::{FreeOutcome, Segment};
 use std::collections::BTreeMap;
-use streams::PendingFrees;
+use streams::{PendingFrees, StreamUses};
 
 /// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
 pub const ROUND: u64 = 512;
@@ -83,7 +83,7 @@ pub struct Expandable<D: Driver> {
     by_key: FastMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
-    stream_uses: FastMap<u64, Vec<StreamId>>,
+    stream_uses: FastMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
     /// Pages touched by active blocks, per pool.

@@ -275,6 +275,13 @@ impl Segment {
     /// pages (mapped with access, touched by no live block). `(block size, address)`: the block's start, or
     /// the lowest such address in it.
     pub fn cached_fit(&self, size: u64, candidates: usize) -> Option<(u64, u64)> {
+        // A free block's pages other than its first and last are touched by no other block, so they are
+        // idle if mapped: a block of `size` bytes or more whose pages are all accessible has at least
+        // `size / page_size - 2` idle pages, and `size` bytes on idle pages need `size / page_size`.
+        let idle_bytes = self.pages.idle_count() as u64 * self.pages.page_size();
+        if idle_bytes + 2 * self.pages.page_size() < size {
+            return None;
+        }
         self.free
             .range_from((size, 0))
             .take(candidates)
@@ -289,6 +296,9 @@ impl Segment {
         let pages = self.pages_of(start, block_size);
         if self.pages.all_accessible(pages.clone()) {
             return Some(start);
+        }
+        if (self.pages.idle_count() as u64 * self.pages.page_size()) < size {
+            return None;
         }
         let end = start + block_size;
         let mut pos = pages.start;
