@@ -61,11 +61,26 @@ impl Bits {
         );
     }
 
-    /// Copies bits `range` of `other` (of the same length) into the same bits of `self`.
-    pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) {
+    /// Copies bits `range` of `other` (of the same length) into the same bits of `self`. Returns how many of
+    /// them are set.
+    pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) -> usize {
+        let mut ones = 0;
         self.update(range, |w, word, mask| {
-            (word & !mask) | (other.words[w] & mask)
+            let copied = other.words[w] & mask;
+            ones += copied.count_ones() as usize;
+            (word & !mask) | copied
         });
+        ones
+    }
+
+    /// Clears every bit of `range`. Returns how many were set.
+    pub(crate) fn take_ones(&mut self, range: Range<usize>) -> usize {
+        let mut ones = 0;
+        self.update(range, |_, word, mask| {
+            ones += (word & mask).count_ones() as usize;
+            word & !mask
+        });
+        ones
     }
 
     /// Set bits in `range`.
@@ -336,7 +351,12 @@ mod tests {
             assert_eq!(runs, expected);
         }
         let mut copy = Bits::new(len);
-        copy.copy_from(&bits, 100..5000);
+        let copied = copy.copy_from(&bits, 100..5000);
+        assert_eq!(copied, model[100..5000].iter().filter(|&&x| x).count());
+        let mut taken = bits.clone();
+        assert_eq!(taken.take_ones(100..5000), copied);
+        assert_eq!(taken.count_ones(0..len), bits.count_ones(0..len) - copied);
+        assert!(taken.find(100..5000, true).is_none());
         for (i, &bit) in model.iter().enumerate() {
             assert_eq!(copy.get(i), (100..5000).contains(&i) && bit, "{i}");
         }

@@ -257,13 +257,25 @@ impl PageMap {
             return;
         };
         self.add_user_page(pages.start);
-        if self.users[inner.clone()].iter().all(|&u| u == 0) {
-            self.users[inner.clone()].fill(1);
+        // One pass counts the users up and notes whether any page had one already.
+        let mut had_users = 0;
+        for users in &mut self.users[inner.clone()] {
+            had_users |= *users;
+            *users += 1;
+        }
+        if had_users == 0 {
             self.touched_count += inner.len();
-            self.idle_count -= self.idle.count_ones(inner.clone());
-            self.idle.fill(inner, false);
+            self.idle_count -= self.idle.take_ones(inner);
         } else {
-            inner.for_each(|page| self.add_user_page(page));
+            // Only the pages that just got their first user change state.
+            for page in inner {
+                if self.users[page] == 1 {
+                    self.touched_count += 1;
+                    if self.mapped.get(page) {
+                        self.set_idle(page, false);
+                    }
+                }
+            }
         }
         self.add_user_page(pages.end - 1);
     }
@@ -282,13 +294,21 @@ impl PageMap {
             return;
         };
         self.remove_user_page(pages.start);
-        if self.users[inner.clone()].iter().all(|&u| u == 1) {
-            self.users[inner.clone()].fill(0);
+        // One pass counts the users down and notes whether any page had other than exactly one.
+        let mut not_one = 0;
+        for users in &mut self.users[inner.clone()] {
+            not_one |= *users ^ 1;
+            *users = users.wrapping_sub(1);
+        }
+        if not_one == 0 {
             self.touched_count -= inner.len();
-            // No page had become idle: each had a user. Now exactly the mapped ones are.
-            self.idle_count += self.mapped.count_ones(inner.clone());
-            self.idle.copy_from(&self.mapped, inner);
+            // No page of `inner` was idle: each had a user. Now exactly the mapped ones are.
+            self.idle_count += self.idle.copy_from(&self.mapped, inner);
         } else {
+            // Undo, then page by page (which panics at a page that had no user).
+            self.users[inner.clone()]
+                .iter_mut()
+                .for_each(|users| *users = users.wrapping_add(1));
             inner.for_each(|page| self.remove_user_page(page));
         }
         self.remove_user_page(pages.end - 1);
