@@ -78,24 +78,15 @@ impl Chunked {
         true
     }
 
-    /// The entries at or after `from`, in increasing order.
-    pub(crate) fn range_from(&self, from: (u64, u64)) -> impl Iterator<Item = &(u64, u64)> + '_ {
-        let c = self.chunk_for(&from);
+    /// Where the first entry at or after `from` is: `(chunk, index in it)`, possibly one past the end of a
+    /// chunk or of the chunks.
+    fn position_of(&self, from: &(u64, u64)) -> (usize, usize) {
+        let c = self.chunk_for(from);
         let at = self
             .chunks
             .get(c)
-            .map_or(0, |chunk| chunk.partition_point(|k| *k < from));
-        self.chunks
-            .get(c..)
-            .unwrap_or_default()
-            .iter()
-            .enumerate()
-            .flat_map(move |(i, chunk)| chunk[if i == 0 { at } else { 0 }..].iter())
-    }
-
-    /// All entries, in increasing order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &(u64, u64)> + '_ {
-        self.chunks.iter().flatten()
+            .map_or(0, |chunk| chunk.partition_point(|k| k < from));
+        (c, at)
     }
 
     /// The first chunk whose last entry is at least `key` (`chunks.len()` if none is).
@@ -173,35 +164,65 @@ impl FreeIndex {
     }
 
     /// The entries at or after `from`, in increasing order.
-    pub(crate) fn range_from(&self, from: (u64, u64)) -> impl Iterator<Item = &(u64, u64)> + '_ {
-        let c = class_of(from.0);
-        self.classes[c].range_from(from).chain(
-            self.nonempty_classes(c + 1)
-                .flat_map(|class| self.classes[class].iter()),
-        )
+    pub(crate) fn range_from(&self, from: (u64, u64)) -> RangeFrom<'_> {
+        let class = class_of(from.0);
+        let (chunk, at) = self.classes[class].position_of(&from);
+        RangeFrom {
+            index: self,
+            class,
+            chunk,
+            at,
+        }
     }
 
     /// All entries, in increasing order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &(u64, u64)> + '_ {
-        self.nonempty_classes(0)
-            .flat_map(|class| self.classes[class].iter())
+    pub(crate) fn iter(&self) -> RangeFrom<'_> {
+        self.range_from((0, 0))
     }
 
-    /// The classes from `from` on that hold an entry, in order.
-    fn nonempty_classes(&self, from: usize) -> impl Iterator<Item = usize> + '_ {
+    /// The first class from `from` on that holds an entry.
+    fn next_nonempty_class(&self, from: usize) -> Option<usize> {
         let mut next = from;
-        std::iter::from_fn(move || {
-            while next < CLASSES {
-                let word = self.nonempty[next / 64] & (u64::MAX << (next % 64));
-                if word != 0 {
-                    let class = next / 64 * 64 + word.trailing_zeros() as usize;
-                    next = class + 1;
-                    return Some(class);
-                }
-                next = (next / 64 + 1) * 64;
+        while next < CLASSES {
+            let word = self.nonempty[next / 64] & (u64::MAX << (next % 64));
+            if word != 0 {
+                return Some(next / 64 * 64 + word.trailing_zeros() as usize);
             }
-            None
-        })
+            next = (next / 64 + 1) * 64;
+        }
+        None
+    }
+}
+
+/// The entries of a [`FreeIndex`] from some key on, in increasing order: a position (class, chunk, index)
+/// stepped forward, the bitmap giving the next class that holds entries. Best fit takes the first few, so
+/// this is on every allocation's path.
+pub(crate) struct RangeFrom<'a> {
+    index: &'a FreeIndex,
+    class: usize,
+    chunk: usize,
+    at: usize,
+}
+
+impl<'a> Iterator for RangeFrom<'a> {
+    type Item = &'a (u64, u64);
+
+    fn next(&mut self) -> Option<&'a (u64, u64)> {
+        loop {
+            let chunks = &self.index.classes[self.class].chunks;
+            if let Some(chunk) = chunks.get(self.chunk) {
+                if let Some(entry) = chunk.get(self.at) {
+                    self.at += 1;
+                    return Some(entry);
+                }
+                self.chunk += 1;
+                self.at = 0;
+                continue;
+            }
+            self.class = self.index.next_nonempty_class(self.class + 1)?;
+            self.chunk = 0;
+            self.at = 0;
+        }
     }
 }
 
