@@ -202,20 +202,21 @@ impl Segment {
 
     /// The [`PLACEMENT_RUNS`] longest runs of idle pages, longest first, ties to the lower address.
     fn longest_idle_runs(&self) -> impl Iterator<Item = Range<usize>> {
-        // Kept sorted, longest first: a run enters only if it beats the shortest kept, so the scan over
-        // every idle run allocates nothing.
-        let mut longest: [Range<usize>; PLACEMENT_RUNS] = std::array::from_fn(|_| 0..0);
+        // Kept sorted, longest first, as `(start, end)` (which is `Copy`, so making room is a memmove): a run
+        // enters only if it beats the shortest kept, so the scan over every idle run allocates nothing.
+        let mut longest = [(0, 0); PLACEMENT_RUNS];
         let mut kept = 0;
         for run in self.pages.idle_runs_lazy() {
-            if kept == PLACEMENT_RUNS && run.len() <= longest[kept - 1].len() {
+            let len = run.len();
+            if kept == PLACEMENT_RUNS && len <= longest[kept - 1].1 - longest[kept - 1].0 {
                 continue;
             }
-            let at = longest[..kept].partition_point(|r| r.len() >= run.len());
+            let at = longest[..kept].partition_point(|&(start, end)| end - start >= len);
             kept = (kept + 1).min(PLACEMENT_RUNS);
-            longest[at..kept].rotate_right(1);
-            longest[at] = run;
+            longest.copy_within(at..kept - 1, at + 1);
+            longest[at] = (run.start, run.end);
         }
-        longest.into_iter().take(kept)
+        longest.into_iter().take(kept).map(|(start, end)| start..end)
     }
 
     /// How many fewer pages a placement inside a free block must need than one at its start to be worth
