@@ -216,7 +216,10 @@ impl Segment {
             longest.copy_within(at..kept - 1, at + 1);
             longest[at] = (run.start, run.end);
         }
-        longest.into_iter().take(kept).map(|(start, end)| start..end)
+        longest
+            .into_iter()
+            .take(kept)
+            .map(|(start, end)| start..end)
     }
 
     /// How many fewer pages a placement inside a free block must need than one at its start to be worth
