@@ -35,8 +35,14 @@ fn row(r: &ReplayResult) -> [String; 9] {
 /// numbers right-aligned, each line ending in a newline.
 pub fn render_table(results: &[ReplayResult]) -> String {
     let rows: Vec<[String; 9]> = results.iter().map(row).collect();
-    let mut widths = HEADERS.map(str::len);
-    for cells in &rows {
+    aligned(HEADERS, &rows)
+}
+
+/// `headers` and `rows` as aligned text columns two spaces apart, the first two (names) left-aligned and the
+/// rest (numbers) right-aligned, each line ending in a newline. Shared by every table the CLI prints.
+pub fn aligned<const N: usize>(headers: [&str; N], rows: &[[String; N]]) -> String {
+    let mut widths = headers.map(str::len);
+    for cells in rows {
         for (width, cell) in widths.iter_mut().zip(cells) {
             *width = (*width).max(cell.chars().count());
         }
@@ -56,8 +62,8 @@ pub fn render_table(results: &[ReplayResult]) -> String {
             .collect();
         format!("{}\n", padded.join("  ").trim_end())
     };
-    let mut out = line(&HEADERS.map(String::from));
-    for cells in &rows {
+    let mut out = line(&headers.map(String::from));
+    for cells in rows {
         out.push_str(&line(cells));
     }
     out

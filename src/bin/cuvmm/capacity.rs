@@ -184,30 +184,5 @@ fn render_table(results: &[CapacityResult]) -> String {
             ]
         })
         .collect();
-    let mut widths = HEADERS.map(str::len);
-    for cells in &rows {
-        for (width, cell) in widths.iter_mut().zip(cells) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    let line = |cells: &[String]| {
-        let padded: Vec<String> = cells
-            .iter()
-            .zip(widths)
-            .enumerate()
-            .map(|(i, (cell, w))| {
-                if i < 2 {
-                    format!("{cell:<w$}")
-                } else {
-                    format!("{cell:>w$}")
-                }
-            })
-            .collect();
-        format!("{}\n", padded.join("  ").trim_end())
-    };
-    let mut out = line(&HEADERS.map(String::from));
-    for cells in &rows {
-        out.push_str(&line(cells));
-    }
-    out
+    cuvmm::trace::report::aligned(HEADERS, &rows)
 }
