@@ -43,8 +43,8 @@ impl PageMap {
             accessible: Bits::new(pages),
             idle: Bits::new(pages),
             pages,
-            handles: Vec::new(),
-            users: Vec::new(),
+            handles: Vec::with_capacity(pages),
+            users: Vec::with_capacity(pages),
             mapped_count: 0,
             idle_count: 0,
             touched_count: 0,
@@ -123,6 +123,7 @@ impl PageMap {
     fn cover(&mut self, end: usize) {
         if end > self.users.len() {
             let len = end.max(2 * self.users.len()).min(self.pages);
+            // Within the capacity reserved up front: no copy, only the new pages are written.
             self.users.resize(len, 0);
             self.handles.resize(len, None);
         }

@@ -3,21 +3,13 @@
 use super::segment::{Pool, Segment};
 use super::streams::StreamUses;
 use super::{Expandable, ROUND};
-use crate::driver::{Driver, MemInfo, PhysHandle, StreamId};
+use crate::driver::{Driver, MemInfo, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
 use crate::history::{TraceAction, TraceEntry};
 use crate::size::round_up;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.
 const FIT_CANDIDATES: usize = 8;
-
-/// Where the handles for a request's missing pages came from.
-pub(super) struct Handles {
-    /// Handles that already existed (pooled, or unmapped from idle pages).
-    pub reused: Vec<PhysHandle>,
-    /// Handles created for this request.
-    pub fresh: Vec<PhysHandle>,
-}
 
 impl<D: Driver> Expandable<D> {
     /// Allocates `size` bytes on `stream`.
@@ -249,10 +241,10 @@ impl<D: Driver> Expandable<D> {
         let pages = self.segment(slot).pages_of(addr, size);
         let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {
-            let handles = self.obtain_handles(need)?;
-            let reused = handles.reused.len() as u64;
-            let mut queue = handles.fresh;
-            queue.extend(handles.reused);
+            // The handles, new ones first, in a buffer kept from one request to the next.
+            let mut queue = std::mem::take(&mut self.handle_queue);
+            queue.clear();
+            let reused = self.obtain_handles(need, &mut queue)? as u64;
             let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
             tracing::debug!(
                 pages = need,
@@ -297,6 +289,7 @@ impl<D: Driver> Expandable<D> {
                 pos = end;
             }
             debug_assert_eq!(taken, queue.len(), "one handle per missing page");
+            self.handle_queue = queue;
             self.counters.handles_reused += reused;
         }
         let mut pos = pages.start;

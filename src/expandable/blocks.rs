@@ -16,6 +16,9 @@ use crate::fast_hash::FastMap;
 /// No node.
 const NIL: u32 = u32::MAX;
 
+/// Blocks a segment has room for before its tables grow.
+const INITIAL_BLOCKS: usize = 1024;
+
 /// What [`Blocks::free_and_merge`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Merged {
@@ -56,11 +59,14 @@ pub(crate) struct Blocks {
 impl Blocks {
     /// One block, `block`, covering `pages` pages of `page_size` bytes from `base`.
     pub(crate) fn new(base: u64, pages: usize, page_size: u64, block: Block) -> Self {
+        // Room reserved up front (host address space, touched only as it is used), so a replay does not
+        // copy these each time they double: nodes and starts for the blocks of a busy segment, and
+        // `last_start` for every page.
         let mut blocks = Self {
-            nodes: Vec::new(),
+            nodes: Vec::with_capacity(INITIAL_BLOCKS),
             spare: Vec::new(),
-            by_start: FastMap::default(),
-            last_start: Vec::new(),
+            by_start: FastMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
+            last_start: Vec::with_capacity(pages.max(1)),
             pages: pages.max(1),
             starts: Bits::new(pages.max(1)),
             head: NIL,

@@ -82,6 +82,9 @@ pub struct Expandable<D: Driver> {
     by_addr: BTreeMap<u64, usize>,
     by_key: FastMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
+    /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
+    /// Empty outside `back_with_pages`: a handle is never only here.
+    handle_queue: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
     stream_uses: FastMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
@@ -130,6 +133,7 @@ impl<D: Driver> Expandable<D> {
             by_addr: BTreeMap::new(),
             by_key: FastMap::default(),
             pooled: Vec::new(),
+            handle_queue: Vec::new(),
             stream_uses: FastMap::default(),
             pending: PendingFrees::default(),
             touched_pages: [0; 2],

@@ -5,28 +5,28 @@
 //! the stream that owns its segment, so no queued work can still touch it.
 
 use super::Expandable;
-use super::alloc::Handles;
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::Error;
 use crate::history::TraceAction;
 use std::ops::Range;
 
 impl<D: Driver> Expandable<D> {
-    /// `count` handles for missing pages: pooled ones first, then idle pages unmapped from wherever they are,
-    /// then new ones from the driver. On driver out-of-memory the cache is released and creation retried
-    /// once. On failure every handle obtained so far goes back to the pool.
-    pub(super) fn obtain_handles(&mut self, count: usize) -> Result<Handles, Error> {
+    /// Appends `count` handles for missing pages to `out`: pooled ones first, then idle pages unmapped from
+    /// wherever they are, then new ones from the driver; in `out` the new ones come first. Returns how many
+    /// already existed (pooled or unmapped). On driver out-of-memory the cache is released and creation
+    /// retried once. On failure every handle obtained so far goes back to the pool and `out` is as it was.
+    pub(super) fn obtain_handles(
+        &mut self,
+        count: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<usize, Error> {
+        let base = out.len();
+        out.reserve(count);
         let from_pool = count.min(self.pooled.len());
-        let mut reused = Vec::with_capacity(count);
-        reused.extend(self.pooled.drain(self.pooled.len() - from_pool..));
-        let mut handles = Handles {
-            reused: Vec::new(),
-            fresh: Vec::with_capacity(count - from_pool),
-        };
-        let mut retried = false;
-        if reused.len() < count {
-            let stolen = self.steal_idle(count - reused.len(), &mut reused);
-            let stolen_pages = (reused.len() - from_pool) as u64;
+        out.extend(self.pooled.drain(self.pooled.len() - from_pool..));
+        if from_pool < count {
+            let stolen = self.steal_idle(count - from_pool, out);
+            let stolen_pages = (out.len() - base - from_pool) as u64;
             self.counters.compacted += stolen_pages;
             if stolen_pages > 0 {
                 tracing::debug!(
@@ -36,36 +36,36 @@ impl<D: Driver> Expandable<D> {
                 );
             }
             if let Err(err) = stolen {
-                self.pooled.extend(reused);
+                self.pooled.extend(out.drain(base..));
                 return Err(err);
             }
         }
-        handles.reused = reused;
-        while handles.reused.len() + handles.fresh.len() < count {
+        let reused = out.len() - base;
+        let mut retried = false;
+        while out.len() - base < count {
             match self.create_handle() {
-                Ok(handle) => handles.fresh.push(handle),
+                Ok(handle) => out.push(handle),
                 Err(err) if err.is_out_of_memory() && !retried => {
                     retried = true;
                     self.counters.retries += 1;
                     tracing::info!(
                         pages = count,
-                        created = handles.fresh.len(),
+                        created = out.len() - base - reused,
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
                     if let Err(err) = self.release_cache() {
-                        self.pooled
-                            .extend(handles.reused.drain(..).chain(handles.fresh.drain(..)));
+                        self.pooled.extend(out.drain(base..));
                         return Err(err);
                     }
                 }
                 Err(err) => {
-                    self.pooled
-                        .extend(handles.reused.drain(..).chain(handles.fresh.drain(..)));
+                    self.pooled.extend(out.drain(base..));
                     return Err(err);
                 }
             }
         }
-        Ok(handles)
+        out[base..].rotate_left(reused);
+        Ok(reused)
     }
 
     /// Unmaps up to `count` idle pages, highest addresses of each segment first, and appends their handles

@@ -32,11 +32,19 @@ pub(super) struct IdTable {
 }
 
 impl IdTable {
-    /// A table for a trace of `events` events: ids below `4 * events + 1024` are stored densely.
-    pub(super) fn new(events: usize) -> Self {
+    /// A table for a trace of `events` events whose allocations use `ids`: ids below `4 * events + 1024`
+    /// are stored densely, and the dense part is laid out up front as far as the largest such id, so
+    /// setting an id during the replay never grows (copies and zero-fills) it.
+    pub(super) fn new(events: usize, ids: impl IntoIterator<Item = u64>) -> Self {
+        let limit = (events as u64).saturating_mul(4).saturating_add(1024);
+        let dense_len = ids
+            .into_iter()
+            .filter(|&id| id < limit)
+            .max()
+            .map_or(0, |id| id as usize + 1);
         Self {
-            dense: Vec::new(),
-            limit: (events as u64).saturating_mul(4).saturating_add(1024),
+            dense: vec![Slot::Unknown; dense_len],
+            limit,
             sparse: FastMap::default(),
         }
     }
@@ -76,7 +84,7 @@ mod tests {
 
     #[test]
     fn dense_and_sparse_ids_keep_their_state() {
-        let mut table = IdTable::new(10);
+        let mut table = IdTable::new(10, []);
         let live = Slot::Live { addr: 7, size: 3 };
         for id in [0, 5, 1063, 1064, u64::MAX] {
             assert_eq!(table.get(id), Slot::Unknown);
@@ -89,5 +97,20 @@ mod tests {
         }
         assert!(table.sparse.is_empty());
         assert!(table.dense.len() < 4096);
+    }
+
+    #[test]
+    fn the_dense_part_is_laid_out_to_the_largest_dense_id() {
+        // 5000 is past the dense limit (4 * 10 + 1024) and goes to the hash map when set.
+        let mut table = IdTable::new(10, [3, 9, 5000]);
+        assert_eq!(table.dense.len(), 10);
+        table.set(9, Slot::Failed);
+        table.set(5000, Slot::Failed);
+        assert_eq!(
+            table.dense.len(),
+            10,
+            "setting a laid-out id does not grow the table"
+        );
+        assert_eq!(table.sparse.len(), 1);
     }
 }

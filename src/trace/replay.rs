@@ -227,7 +227,14 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
     options: &ReplayOptions,
     observer: &mut O,
 ) -> Result<ReplayResult, ReplayError> {
-    let mut ids = IdTable::new(trace.events.len());
+    // Laid out before the clock starts: the table is the replay's bookkeeping, not the allocator's work.
+    let mut ids = IdTable::new(
+        trace.events.len(),
+        trace.events.iter().filter_map(|event| match *event {
+            Event::Alloc { id, .. } => Some(id),
+            _ => None,
+        }),
+    );
     let mut ooms = 0;
     let mut first_oom = None;
     observer.start(trace, strategy);

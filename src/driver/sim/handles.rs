@@ -36,6 +36,14 @@ pub(super) struct Handles {
 }
 
 impl Handles {
+    /// No handles, with room for `count` before the table grows.
+    pub(super) fn with_capacity(count: usize) -> Self {
+        Self {
+            slots: Vec::with_capacity(count),
+            ..Self::default()
+        }
+    }
+
     /// A new handle of `size` bytes.
     pub(super) fn create(&mut self, size: u64) -> PhysHandle {
         self.slots.push(Some(Handle {

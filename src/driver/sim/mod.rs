@@ -95,7 +95,7 @@ impl SimDriver {
         Self {
             counters: DriverCounters::default(),
             faults: Faults::default(),
-            vmm: Vmm::new(config.granularity),
+            vmm: Vmm::new(config.granularity, config.capacity),
             mallocs: Mallocs::default(),
             streams: Streams::default(),
             store: config.backing_store.then(ByteStore::default),

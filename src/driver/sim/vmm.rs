@@ -50,7 +50,7 @@ pub(super) struct Vmm {
 
 impl Vmm {
     /// Empty state for a device with this granularity (non-zero).
-    pub(super) fn new(granularity: u64) -> Self {
+    pub(super) fn new(granularity: u64, capacity: u64) -> Self {
         Self {
             granularity,
             granule: Divisor::new(granularity),
@@ -59,7 +59,9 @@ impl Vmm {
             last_reservation: None,
             granules: Granules::default(),
             mappings: 0,
-            handles: Handles::default(),
+            // Room for as many handles as fit on the device at once, up to a million: a replay creates
+            // tens of thousands, and growing the table copied it each time it doubled.
+            handles: Handles::with_capacity((capacity / granularity).min(1 << 20) as usize),
         }
     }
 
