@@ -163,6 +163,22 @@ impl Driver for Device {
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         forward!(self, d => d.map(va, size, handle))
     }
+    fn create_each(
+        &mut self,
+        size: u64,
+        count: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
+        forward!(self, d => d.create_each(size, count, out))
+    }
+    fn map_each(
+        &mut self,
+        va: u64,
+        size: u64,
+        handles: &[PhysHandle],
+    ) -> Result<(), (usize, DriverError)> {
+        forward!(self, d => d.map_each(va, size, handles))
+    }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         forward!(self, d => d.set_access(va, size))
     }

@@ -197,6 +197,12 @@ impl DriverCounters {
         self.time_ns += ns;
     }
 
+    /// Counts `calls` calls of `op` that cost `ns` nanoseconds each.
+    pub fn record_many(&mut self, op: Op, calls: u64, ns: u64) {
+        self.calls[op as usize] += calls;
+        self.time_ns += calls * ns;
+    }
+
     /// Calls of all operations together.
     pub fn total(&self) -> u64 {
         self.calls.iter().sum()
@@ -455,6 +461,37 @@ pub trait Driver {
     /// [`set_access`](Driver::set_access).
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
 
+    /// Creates `count` physical allocations of `size` bytes each and appends them to `out`: `count` calls of
+    /// [`create`](Driver::create), each counted. Stops at the first failure and returns it; the handles
+    /// created before it are in `out`.
+    ///
+    /// The default makes the calls one by one ([`create_each_by_calls`]). A driver may do the same work
+    /// in one pass, as the simulator does, provided every outcome (handles, counters, state, error) is what
+    /// the calls one by one give.
+    fn create_each(
+        &mut self,
+        size: u64,
+        count: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
+        create_each_by_calls(self, size, count, out)
+    }
+
+    /// Maps each of `handles`, whole, at consecutive addresses `size` bytes apart from `va`: one
+    /// [`map`](Driver::map) call per handle, each counted. Stops at the first failure and returns it with
+    /// the number of handles mapped before it, which stay mapped.
+    ///
+    /// The default makes the calls one by one ([`map_each_by_calls`]); the same rule as for
+    /// [`create_each`](Driver::create_each) holds for a driver that does it in one pass.
+    fn map_each(
+        &mut self,
+        va: u64,
+        size: u64,
+        handles: &[PhysHandle],
+    ) -> Result<(), (usize, DriverError)> {
+        map_each_by_calls(self, va, size, handles)
+    }
+
     /// Makes `va .. va + size`, which must consist of whole mappings, readable and writable by the device
     /// (`cuMemSetAccess`).
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError>;
@@ -511,6 +548,35 @@ pub trait Driver {
     }
 }
 
+/// [`Driver::create_each`] as `count` calls of [`Driver::create`].
+pub fn create_each_by_calls<D: Driver + ?Sized>(
+    driver: &mut D,
+    size: u64,
+    count: usize,
+    out: &mut Vec<PhysHandle>,
+) -> Result<(), DriverError> {
+    out.reserve(count);
+    for _ in 0..count {
+        out.push(driver.create(size)?);
+    }
+    Ok(())
+}
+
+/// [`Driver::map_each`] as one call of [`Driver::map`] per handle.
+pub fn map_each_by_calls<D: Driver + ?Sized>(
+    driver: &mut D,
+    va: u64,
+    size: u64,
+    handles: &[PhysHandle],
+) -> Result<(), (usize, DriverError)> {
+    for (i, &handle) in handles.iter().enumerate() {
+        // Saturating: past the top of the address space is no reservation, and the driver says so.
+        let at = va.saturating_add(size.saturating_mul(i as u64));
+        driver.map(at, size, handle).map_err(|err| (i, err))?;
+    }
+    Ok(())
+}
+
 /// A borrowed driver is a driver, so a test can build an allocator on `&mut SimDriver` and inspect the
 /// device after the allocator is dropped (its leak report, its pending work).
 impl<D: Driver + ?Sized> Driver for &mut D {
@@ -531,6 +597,22 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     }
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         (**self).map(va, size, handle)
+    }
+    fn create_each(
+        &mut self,
+        size: u64,
+        count: usize,
+        out: &mut Vec<PhysHandle>,
+    ) -> Result<(), DriverError> {
+        (**self).create_each(size, count, out)
+    }
+    fn map_each(
+        &mut self,
+        va: u64,
+        size: u64,
+        handles: &[PhysHandle],
+    ) -> Result<(), (usize, DriverError)> {
+        (**self).map_each(va, size, handles)
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         (**self).set_access(va, size)

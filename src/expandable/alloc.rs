@@ -262,18 +262,10 @@ impl<D: Driver> Expandable<D> {
                     .unwrap_or(pages.end);
                 let run = &queue[taken..taken + (end - start)];
                 let va = self.segment(slot).page_addr(start);
-                let mut failure = None;
-                let mut done = 0;
-                for (i, &handle) in run.iter().enumerate() {
-                    if let Err(err) =
-                        self.driver
-                            .map(va + i as u64 * self.page_size, self.page_size, handle)
-                    {
-                        failure = Some(err);
-                        break;
-                    }
-                    done += 1;
-                }
+                let (done, failure) = match self.driver.map_each(va, self.page_size, run) {
+                    Ok(()) => (run.len(), None),
+                    Err((done, err)) => (done, Some(err)),
+                };
                 self.segment_mut(slot).pages.map_run(start, &run[..done]);
                 taken += done;
                 if done > 0 {

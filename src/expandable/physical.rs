@@ -43,8 +43,15 @@ impl<D: Driver> Expandable<D> {
         let reused = out.len() - base;
         let mut retried = false;
         while out.len() - base < count {
-            match self.create_handle() {
-                Ok(handle) => out.push(handle),
+            let before = out.len();
+            let created = self
+                .driver
+                .create_each(self.page_size, count - (before - base), out);
+            let fresh = (out.len() - before) as u64;
+            self.counters.created += fresh;
+            self.counters.reserved.add(fresh * self.page_size);
+            match created.map_err(Error::from) {
+                Ok(()) => {}
                 Err(err) if err.is_out_of_memory() && !retried => {
                     retried = true;
                     self.counters.retries += 1;
@@ -126,13 +133,6 @@ impl<D: Driver> Expandable<D> {
         self.driver.synchronize(stream)?;
         self.counters.synchronizations += 1;
         Ok(())
-    }
-
-    fn create_handle(&mut self) -> Result<PhysHandle, Error> {
-        let handle = self.driver.create(self.page_size)?;
-        self.counters.created += 1;
-        self.counters.reserved.add(self.page_size);
-        Ok(handle)
     }
 
     fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {

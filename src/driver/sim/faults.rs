@@ -61,13 +61,19 @@ impl Faults {
         self.random = None;
     }
 
+    /// Whether no fault is planned, random or numbered: no call can fail by injection.
+    #[inline]
+    pub(super) fn none_planned(&self) -> bool {
+        self.random.is_none() && self.planned.is_empty()
+    }
+
     /// Whether call number `call` of `op` must fail, and how. The random generator draws once for every
     /// call of a selected operation, whether or not a planned fault also hits it, so the random pattern
     /// depends only on the seed and the sequence of calls.
     #[inline]
     pub(super) fn check(&mut self, op: Op, call: u64) -> Option<FaultKind> {
         // No faults planned, the usual case: nothing to draw or look up.
-        if self.random.is_none() && self.planned.is_empty() {
+        if self.none_planned() {
             return None;
         }
         self.check_planned(op, call)

@@ -56,6 +56,38 @@ impl Handles {
         PhysHandle(self.slots.len() as u64)
     }
 
+    /// `count` new handles of `size` bytes each, appended to `out` in creation order.
+    pub(super) fn create_many(&mut self, size: u64, count: usize, out: &mut Vec<PhysHandle>) {
+        let first = self.slots.len() as u64 + 1;
+        self.slots.extend((0..count).map(|_| {
+            Some(Handle {
+                size,
+                released: false,
+                maps: 0,
+            })
+        }));
+        out.extend((first..first + count as u64).map(PhysHandle));
+        self.live += count;
+        self.bytes += size * count as u64;
+    }
+
+    /// Whether `handle` is known, not released, and of `size` bytes: what `map` asks of it.
+    pub(super) fn is_live_of_size(&self, handle: PhysHandle, size: u64) -> bool {
+        usize::try_from(handle.0)
+            .ok()
+            .and_then(|id| id.checked_sub(1))
+            .and_then(|index| self.slots.get(index))
+            .and_then(Option::as_ref)
+            .is_some_and(|h| !h.released && h.size == size)
+    }
+
+    /// Counts one more mapping of `handle`, which [`is_live_of_size`](Self::is_live_of_size) found.
+    pub(super) fn mapped(&mut self, handle: PhysHandle) {
+        if let Some(h) = self.get_mut(handle.0) {
+            h.mapped();
+        }
+    }
+
     /// A handle that is known and not released, for a call of `op`.
     pub(super) fn live(&mut self, op: Op, handle: PhysHandle) -> Result<&mut Handle, DriverError> {
         self.get_mut(handle.0)

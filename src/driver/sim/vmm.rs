@@ -133,8 +133,7 @@ impl Vmm {
     ) -> Result<(), DriverError> {
         self.check_size(Op::Map, size)?;
         self.check_address(Op::Map, va)?;
-        let h = self.handles.live(Op::Map, handle)?;
-        let handle_size = h.size;
+        let handle_size = self.handles.live(Op::Map, handle)?.size;
         if handle_size != size {
             return Err(DriverError::SizeMismatch {
                 handle,
@@ -150,18 +149,8 @@ impl Vmm {
         let Some(end) = va.checked_add(size) else {
             return Err(outside());
         };
-        let inside = |(start, r_end): (u64, u64)| va >= start && end <= r_end;
-        if !self.last_reservation.is_some_and(inside) {
-            let (&r_start, &r_size) = self
-                .reservations
-                .range(..=va)
-                .next_back()
-                .ok_or_else(outside)?;
-            let reservation = (r_start, VaRange::new(r_start, r_size).end());
-            if !inside(reservation) {
-                return Err(outside());
-            }
-            self.last_reservation = Some(reservation);
+        if !self.in_one_reservation(va, end) {
+            return Err(outside());
         }
         let g = self.granularity;
         let (first, count) = (self.granule.quotient(va), self.granule.quotient(size));
@@ -189,9 +178,86 @@ impl Vmm {
             }
             self.granules.fill(first..first + count, mapped);
         }
-        h.mapped();
+        self.handles.mapped(handle);
         self.mappings += 1;
         Ok(())
+    }
+
+    /// Whether `va .. end` lies inside one reservation. Remembers the reservation: maps come in runs.
+    fn in_one_reservation(&mut self, va: u64, end: u64) -> bool {
+        let inside = |(start, r_end): (u64, u64)| va >= start && end <= r_end;
+        if self.last_reservation.is_some_and(inside) {
+            return true;
+        }
+        let Some((&r_start, &r_size)) = self.reservations.range(..=va).next_back() else {
+            return false;
+        };
+        let reservation = (r_start, VaRange::new(r_start, r_size).end());
+        if !inside(reservation) {
+            return false;
+        }
+        self.last_reservation = Some(reservation);
+        true
+    }
+
+    /// `count` calls of `create(size, free)` in one pass, if every one of them would succeed: appends the
+    /// handles to `out` and returns `true`. Otherwise changes nothing and returns `false`, and the caller
+    /// makes the calls one by one, so a failure is exactly the failure of that call.
+    pub(super) fn create_all(
+        &mut self,
+        size: u64,
+        count: usize,
+        free: u64,
+        out: &mut Vec<PhysHandle>,
+    ) -> bool {
+        // Each call takes `size` bytes of what is free, so all succeed when their total fits.
+        let fits = (size as u128) * (count as u128) <= free as u128;
+        if self.check_size(Op::Create, size).is_err() || !fits {
+            return false;
+        }
+        self.handles.create_many(size, count, out);
+        true
+    }
+
+    /// One `map` call per handle of `handles`, at consecutive addresses `size` bytes apart from `va`, in one
+    /// pass, if every one of them would succeed: returns `true`. Otherwise changes nothing and returns
+    /// `false` (see [`create_all`](Self::create_all)).
+    pub(super) fn map_all(&mut self, va: u64, size: u64, handles: &[PhysHandle]) -> bool {
+        let Some(end) = size
+            .checked_mul(handles.len() as u64)
+            .and_then(|bytes| va.checked_add(bytes))
+        else {
+            return false;
+        };
+        let valid = self.check_size(Op::Map, size).is_ok()
+            && self.check_address(Op::Map, va).is_ok()
+            && handles
+                .iter()
+                .all(|&handle| self.handles.is_live_of_size(handle, size))
+            && self.in_one_reservation(va, end);
+        let granules = self.granule.quotient(va)..self.granule.quotient(end);
+        // The calls map disjoint granules, so each finds its own unmapped when all of them are.
+        if !valid || self.granules.last_mapped(granules.clone()).is_some() {
+            return false;
+        }
+        let per_handle = self.granule.quotient(size);
+        let (mut index, mut offset) = (0, 0);
+        self.granules.update(granules, |granule| {
+            *granule = Granule {
+                handle: handles[index].0,
+                offset,
+                accessible: false,
+            };
+            offset += 1;
+            if offset == per_handle {
+                (index, offset) = (index + 1, 0);
+            }
+        });
+        for &handle in handles {
+            self.handles.mapped(handle);
+        }
+        self.mappings += handles.len();
+        true
     }
 
     /// `cuMemSetAccess` on whole mappings.
