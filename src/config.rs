@@ -15,8 +15,9 @@ pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
-/// The largest `va_factor`: a segment's page map is dense (about 20 bytes of host memory per page), so a
-/// reservation of 16x an 80 GiB device costs about 13 MB of host memory per segment; more buys nothing.
+/// The largest `va_factor`: a segment's page map is dense (about 24 bytes of host address space per page,
+/// touched as pages are used), so a reservation of 16x an 80 GiB device costs about 16 MB per segment; more
+/// buys nothing.
 pub const MAX_VA_FACTOR: u64 = 16;
 
 /// How request sizes round up, as PyTorch's `roundup_power2_divisions` says.
@@ -84,7 +85,8 @@ pub struct Config {
     /// as PyTorch's caching allocator does, until `empty_cache` or `trim`.
     pub max_idle_bytes: u64,
     /// Virtual bytes reserved for each segment, as a multiple of the device's total memory, from 1 to
-    /// [`MAX_VA_FACTOR`]. Each segment's page map costs about 20 bytes of host memory per page it spans.
+    /// [`MAX_VA_FACTOR`]. Each segment's page map reserves about 24 bytes of host address space per page
+    /// it spans, touched as pages are used.
     pub va_factor: u64,
     /// Whether a request on stream B that finds no free block with all its pages mapped in B's own segments
     /// may take one from another stream A's segment of the same pool, once an event recorded on A at that

@@ -24,7 +24,9 @@ pub struct PageMap {
     idle: Bits,
     pages: usize,
     /// The handle at each page, for the pages up to the highest ever mapped or used (a reservation is much
-    /// larger than what is ever touched, so these grow on demand instead of being filled up front).
+    /// larger than what is ever touched, so these grow on demand instead of being filled up front; their
+    /// room for every page is reserved at creation, as address space the host touches only as they grow,
+    /// so growing never copies them).
     handles: Vec<Option<PhysHandle>>,
     /// The live blocks touching each page, as far as `handles` goes.
     users: Vec<u32>,
