@@ -170,7 +170,7 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
                 "device_traces",
                 V::List(vec![V::List(vec![dict(vec![("addr", V::I64(0x1000))])])]),
             )]),
-            "missing field `action`",
+            "trace entry 0 (?): `action` is missing",
         ),
         // A size that is text.
         (
@@ -179,7 +179,7 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
                 "device_traces",
                 V::List(vec![V::List(vec![entry("alloc", 0x1000, s("big"))])]),
             )]),
-            "invalid type",
+            "trace entry 0 (alloc): `size` is not a non-negative integer",
         ),
         // A negative size.
         (
@@ -188,7 +188,7 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
                 "device_traces",
                 V::List(vec![V::List(vec![entry("alloc", 0x1000, V::I64(-4096))])]),
             )]),
-            "not a PyTorch memory snapshot",
+            "trace entry 0 (alloc): `size` is not a non-negative integer",
         ),
         // A size beyond any device.
         (
@@ -211,6 +211,69 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
     for (name, value, problem) in cases {
         trace_refused(&file(name, pickle(&value)), problem);
     }
+}
+
+/// Every field an entry's action needs is checked: an `alloc` or a free without its address, size or
+/// stream, a segment event without its address or size, exits 2 with one line naming the device, the
+/// entry's index, its action and the field. Fields an action does not need may be missing.
+#[test]
+fn snapshot_entries_lacking_a_field_their_action_needs_exit_2() {
+    let without = |action: &str, field: &str| {
+        let mut e = vec![
+            ("action", s(action)),
+            ("addr", V::I64(0x7f00_0000_0000)),
+            ("size", V::I64(4096)),
+            ("stream", V::I64(0)),
+        ];
+        e.retain(|(k, _)| *k != field);
+        dict(e)
+    };
+    let cases = [
+        ("alloc", "addr"),
+        ("alloc", "size"),
+        ("alloc", "stream"),
+        ("free_requested", "addr"),
+        ("free_completed", "size"),
+        ("free_completed", "stream"),
+        ("segment_alloc", "addr"),
+        ("segment_free", "size"),
+        ("segment_map", "size"),
+        ("segment_unmap", "addr"),
+    ];
+    for (action, field) in cases {
+        // The bad entry comes second, after a good allocation.
+        let value = dict(vec![
+            ("segments", V::List(vec![])),
+            (
+                "device_traces",
+                V::List(vec![V::List(vec![
+                    entry("alloc", 0x7f00_0010_0000, V::I64(512)),
+                    without(action, field),
+                ])]),
+            ),
+        ]);
+        let path = file(&format!("no_{field}_{action}.pickle"), pickle(&value));
+        let needle = format!("device 0 trace entry 1 ({action}): `{field}` is missing");
+        trace_refused(&path, &needle);
+        let p = path.to_str().unwrap();
+        refused(&["fidelity", "--trace", p], &[p, &needle]);
+        refused(&["capacity", "--trace", p], &[p, &needle]);
+    }
+    // An `oom` entry needs none of them, and a stream may be left out of a segment event.
+    let value = dict(vec![
+        ("segments", V::List(vec![])),
+        (
+            "device_traces",
+            V::List(vec![V::List(vec![
+                entry("alloc", 0x7f00_0010_0000, V::I64(512)),
+                dict(vec![("action", s("oom"))]),
+                without("segment_free", "stream"),
+            ])]),
+        ),
+    ]);
+    let path = file("oom_bare.pickle", pickle(&value));
+    let out = cuvmm(&["compare", "--trace", path.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
 #[test]

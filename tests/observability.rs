@@ -157,6 +157,7 @@ fn the_pickle_uses_only_memoryviz_opcodes_and_reads_back() {
         let entries = raw.device_traces[0].as_ref().unwrap();
         assert_eq!(entries.len(), snap.device_traces[0].len(), "{name}");
         for (raw, ours) in entries.iter().zip(&snap.device_traces[0]) {
+            let raw = raw.check().expect("every field as its action needs");
             assert_eq!(raw.action, ours.action.as_str());
             assert_eq!((raw.addr, raw.size), (ours.addr, ours.size));
         }

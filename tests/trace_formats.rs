@@ -278,7 +278,7 @@ fn rmm_each_bad_line_is_a_typed_error_naming_its_line() {
 
 #[test]
 fn text_format_reads_what_the_docs_show() {
-    let file = "\u{feff}# cuvmm-trace v1\r\n# a comment\r\nname moe \\\\ and\\nmore\r\n\r\n  alloc 7 4096 0\r\nalloc 8 1048576 3\nrecord_stream 8 0\nfree 7\n# done";
+    let file = "\u{feff}# cuvmm-trace v1\r\n# a comment\r\nname moe \\\\ and\\nmore\r\n\r\n  alloc 7 4096 0\r\nalloc 8 1048576 3\nrecord_stream 8 0\nfree 7\n empty_cache \n# done";
     let trace = text::parse(Path::new("x.trace"), file.as_bytes()).unwrap();
     assert_eq!(trace.name, "moe \\ and\nmore");
     assert_eq!(
@@ -291,6 +291,7 @@ fn text_format_reads_what_the_docs_show() {
                 stream: StreamId(0)
             },
             Event::Free { id: 7 },
+            Event::EmptyCache,
         ]
     );
     // No name line: the trace is named after the file.
@@ -303,7 +304,7 @@ fn text_format_reads_what_the_docs_show() {
     let written = text::to_string(&trace);
     assert_eq!(
         written,
-        "# cuvmm-trace v1\nname moe \\\\ and\\nmore\nalloc 7 4096 0\nalloc 8 1048576 3\nrecord_stream 8 0\nfree 7\n"
+        "# cuvmm-trace v1\nname moe \\\\ and\\nmore\nalloc 7 4096 0\nalloc 8 1048576 3\nrecord_stream 8 0\nfree 7\nempty_cache\n"
     );
 }
 
@@ -357,6 +358,13 @@ fn text_each_bad_line_is_a_typed_error_naming_its_line() {
         }),
         (format!("{h}alloc 1 2 3\nfree 1 1\n"), 3, |p| {
             matches!(p, LineProblem::Fields { record: "free", .. })
+        }),
+        (format!("{h}empty_cache 0\n"), 2, |p| {
+            *p == LineProblem::Fields {
+                record: "empty_cache",
+                expected: 0,
+                found: 1,
+            }
         }),
         (
             format!("{h}alloc 1 -2 3\n"),
@@ -447,10 +455,10 @@ fn every_builtin_workload_round_trips_through_the_text_format() {
 }
 
 /// Valid traces: allocations under arbitrary ids (unique among live ones), frees and record_streams of
-/// live allocations, any name.
+/// live allocations, cache releases, any name.
 fn valid_trace() -> impl Strategy<Value = Trace> {
     let name = prop_oneof![any::<String>(), "[a-z\\\\\n\r \t#]{0,12}"];
-    let ops = prop::collection::vec((0u8..4, any::<u64>(), 1..=MAX_SIZE, any::<u64>()), 0..60);
+    let ops = prop::collection::vec((0u8..5, any::<u64>(), 1..=MAX_SIZE, any::<u64>()), 0..60);
     (name, ops).prop_map(|(name, ops)| {
         let mut live: Vec<u64> = Vec::new();
         let mut events = Vec::new();
@@ -471,6 +479,7 @@ fn valid_trace() -> impl Strategy<Value = Trace> {
                         stream: StreamId(stream),
                     });
                 }
+                4 => events.push(Event::EmptyCache),
                 _ => {}
             }
         }
@@ -492,6 +501,7 @@ fn any_trace() -> impl Strategy<Value = Trace> {
             id,
             stream: StreamId(s)
         }),
+        Just(Event::EmptyCache),
     ];
     (any::<String>(), prop::collection::vec(event, 0..30))
         .prop_map(|(name, events)| Trace { name, events })

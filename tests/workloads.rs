@@ -16,7 +16,7 @@ fn all(seed: u64) -> Vec<Trace> {
 fn sizes(trace: &Trace) -> impl Iterator<Item = u64> + '_ {
     trace.events.iter().filter_map(|e| match e {
         Event::Alloc { size, .. } => Some(*size),
-        Event::Free { .. } | Event::RecordStream { .. } => None,
+        Event::Free { .. } | Event::RecordStream { .. } | Event::EmptyCache => None,
     })
 }
 
@@ -106,7 +106,7 @@ fn multi_stream_workloads_hand_buffers_across_streams() {
                     );
                     handed += 1;
                 }
-                Event::Free { .. } => {}
+                Event::Free { .. } | Event::EmptyCache => {}
             }
         }
         assert!(handed >= 1_000, "{name}: only {handed} record_streams");
@@ -131,6 +131,7 @@ fn prefetched_weights_are_allocated_on_the_side_stream_and_freed_after_use() {
                     assert_ne!(alloc_stream[&id], user);
                 }
             }
+            Event::EmptyCache => {}
         }
     }
     assert!(used_on.is_empty(), "every prefetched buffer is freed");

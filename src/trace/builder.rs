@@ -38,6 +38,11 @@ impl TraceBuilder {
         self.trace.events.push(Event::RecordStream { id, stream });
     }
 
+    /// Appends a release of the allocator's cached memory ([`Event::EmptyCache`]).
+    pub fn empty_cache(&mut self) {
+        self.trace.events.push(Event::EmptyCache);
+    }
+
     /// Appends frees of all of `ids`, in order.
     pub fn free_all(&mut self, ids: impl IntoIterator<Item = u64>) {
         for id in ids {

@@ -1,4 +1,5 @@
-//! The trace model: a sequence of allocations, frees and cross-stream uses, each allocation named by an id.
+//! The trace model: a sequence of allocations, frees, cross-stream uses and cache releases, each
+//! allocation named by an id.
 
 use crate::driver::StreamId;
 use crate::fast_hash::FastMap;
@@ -32,13 +33,20 @@ pub enum Event {
         /// The other stream that uses it.
         stream: StreamId,
     },
+    /// The program gave the allocator's cached memory back to the device (PyTorch's
+    /// `torch.cuda.empty_cache()`): every allocator's [`Strategy::empty_cache`](crate::strategy::Strategy::empty_cache).
+    /// Device-wide: it names no allocation and no stream.
+    EmptyCache,
 }
 
 impl Event {
-    /// The allocation this event names.
-    pub fn id(&self) -> u64 {
+    /// The allocation this event names; `None` for [`Event::EmptyCache`].
+    pub fn id(&self) -> Option<u64> {
         match *self {
-            Event::Alloc { id, .. } | Event::Free { id } | Event::RecordStream { id, .. } => id,
+            Event::Alloc { id, .. } | Event::Free { id } | Event::RecordStream { id, .. } => {
+                Some(id)
+            }
+            Event::EmptyCache => None,
         }
     }
 }
@@ -107,6 +115,14 @@ impl Trace {
         }
     }
 
+    /// Number of [`Event::EmptyCache`] events.
+    pub fn empty_cache_count(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| matches!(e, Event::EmptyCache))
+            .count()
+    }
+
     /// Number of allocation events.
     pub fn alloc_count(&self) -> usize {
         self.events
@@ -127,7 +143,7 @@ impl Trace {
                     peak = peak.max(current);
                 }
                 Event::Free { id } => current -= live.remove(&id).unwrap_or(0),
-                Event::RecordStream { .. } => {}
+                Event::RecordStream { .. } | Event::EmptyCache => {}
             }
         }
         peak
@@ -158,6 +174,7 @@ impl Trace {
                         return Err(TraceError::RecordStreamNotLive { index, id });
                     }
                 }
+                Event::EmptyCache => {}
             }
         }
         Ok(())
@@ -196,12 +213,16 @@ mod tests {
             alloc(1, 100),
             alloc(2, 50),
             record(2),
+            Event::EmptyCache,
             Event::Free { id: 1 },
             alloc(3, 70),
             alloc(4, 10),
         ]);
         assert_eq!(t.peak_live_bytes(), 150);
         assert_eq!(t.alloc_count(), 4);
+        assert_eq!(t.empty_cache_count(), 1);
+        assert_eq!(t.events[3].id(), None);
+        assert_eq!(t.events[4].id(), Some(1));
         assert_eq!(t.validate(), Ok(()));
     }
 

@@ -194,6 +194,14 @@ pub enum ReplayError {
         /// What the allocator said.
         source: Error,
     },
+    /// Releasing the cache ([`Event::EmptyCache`]) failed.
+    #[error("event {index}: empty_cache failed: {source}")]
+    EmptyCache {
+        /// Position of the event in the trace.
+        index: usize,
+        /// What the allocator said.
+        source: Error,
+    },
     /// The allocator broke an invariant.
     #[error("after event {index}: invariant broken: {source}")]
     Invariant {
@@ -211,6 +219,9 @@ pub enum ReplayError {
 /// A [`Event::RecordStream`] calls [`Strategy::record_stream`]. An allocator that does not track streams
 /// ([`Error::Unsupported`]) replays it as nothing: no kernel runs during a replay, so the only effect of a
 /// cross-stream use is when the memory may be reused, and such an allocator reuses it at once.
+///
+/// An [`Event::EmptyCache`] calls [`Strategy::empty_cache`]: every allocator gives back what it caches,
+/// and pays for growing again afterwards.
 pub fn replay(
     strategy: &mut dyn Strategy,
     trace: &Trace,
@@ -294,6 +305,9 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
                 Slot::Failed => {}
                 Slot::Unknown => return Err(ReplayError::RecordStreamNotLive { index, id }),
             },
+            Event::EmptyCache => strategy
+                .empty_cache()
+                .map_err(|source| ReplayError::EmptyCache { index, source })?,
         }
         let last = index + 1 == trace.events.len();
         let due = |every: usize| last || (every > 0 && (index + 1) % every == 0);

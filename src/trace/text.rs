@@ -8,6 +8,7 @@
 //! alloc 1 1048576 7
 //! record_stream 1 0
 //! free 0
+//! empty_cache
 //! ```
 //!
 //! [`write`] then [`parse`] gives back the same [`Trace`], name included. [`parse`] refuses what no program
@@ -38,6 +39,7 @@ pub fn write(trace: &Trace, out: impl Write) -> std::io::Result<()> {
             Event::Alloc { id, size, stream } => writeln!(out, "alloc {id} {size} {}", stream.0)?,
             Event::Free { id } => writeln!(out, "free {id}")?,
             Event::RecordStream { id, stream } => writeln!(out, "record_stream {id} {}", stream.0)?,
+            Event::EmptyCache => writeln!(out, "empty_cache")?,
         }
     }
     out.flush()
@@ -92,7 +94,7 @@ pub enum LineProblem {
     #[error("not UTF-8 text")]
     NotUtf8,
     /// A line that is no record this format has.
-    #[error("unknown record {word:?} (expected name, alloc, free or record_stream)")]
+    #[error("unknown record {word:?} (expected name, alloc, free, record_stream or empty_cache)")]
     UnknownRecord {
         /// Its first word (cut short).
         word: String,
@@ -232,6 +234,7 @@ fn parse_event(record: &str) -> Result<Event, LineProblem> {
         "alloc" => ("alloc", 3),
         "free" => ("free", 1),
         "record_stream" => ("record_stream", 2),
+        "empty_cache" => ("empty_cache", 0),
         _ => {
             return Err(LineProblem::UnknownRecord {
                 word: excerpt(word),
@@ -244,6 +247,9 @@ fn parse_event(record: &str) -> Result<Event, LineProblem> {
             expected,
             found: fields.len(),
         });
+    }
+    if record == "empty_cache" {
+        return Ok(Event::EmptyCache);
     }
     let id = number("id", fields[0])?;
     Ok(match record {

@@ -7,6 +7,7 @@
 
 pub mod guard;
 mod reconstruct;
+pub mod releases;
 mod requests;
 mod settings;
 pub mod snapshot;

@@ -7,8 +7,9 @@
 //! no alloc names (their recorded size). Everything else in a starting segment was cached, and cached
 //! neighbours always merge, so each gap between live blocks was one free block.
 
-use super::snapshot::{RawEntry, RawSegment, RawSnapshot, SnapshotError};
-use super::{InitialSegment, PytorchTrace, TraceOp};
+use super::releases::{self, Context};
+use super::snapshot::{Entry, RawEntry, RawSegment, RawSnapshot, SnapshotError};
+use super::{InitialSegment, PytorchTrace};
 use crate::config::Config;
 use crate::driver::StreamId;
 use crate::expandable::Pool;
@@ -56,6 +57,31 @@ fn entries(raw: &RawSnapshot, device: usize) -> &[RawEntry] {
         .unwrap_or(&[])
 }
 
+/// The entries of `device` with their fields checked ([`RawEntry::check`]).
+fn checked_entries(
+    path: &Path,
+    raw: &RawSnapshot,
+    device: usize,
+) -> Result<Vec<Entry>, SnapshotError> {
+    entries(raw, device)
+        .iter()
+        .enumerate()
+        .map(|(index, e)| {
+            e.check().map_err(|(field, problem)| SnapshotError::Field {
+                path: path.to_path_buf(),
+                device,
+                index,
+                action: match &e.action {
+                    Some(serde_pickle::Value::String(a)) => super::super::excerpt(a),
+                    _ => "?".to_string(),
+                },
+                field,
+                problem,
+            })
+        })
+        .collect()
+}
+
 /// The replayable trace of `device`.
 pub fn build(
     path: &Path,
@@ -63,7 +89,7 @@ pub fn build(
     device: usize,
     config: Config,
 ) -> Result<PytorchTrace, SnapshotError> {
-    let entries = entries(raw, device);
+    let entries = &checked_entries(path, raw, device)?[..];
     let inconsistent = |what, addr| SnapshotError::Inconsistent {
         path: path.to_path_buf(),
         what,
@@ -154,8 +180,18 @@ pub fn build(
         }
     }
 
-    let (ops, oom_releases) = requests(entries, initial_reserved, peak_reserved);
     let live = live_at_start(entries, &segments, &config, &inconsistent)?;
+    let (ops, oom_releases) = releases::requests(
+        entries,
+        Context {
+            config: &config,
+            expandable,
+            live_at_start: live.keys().copied().collect(),
+            initial_reserved,
+            peak_reserved,
+            free_action: free_action(entries),
+        },
+    );
     let mut initial: BTreeMap<u64, InitialSegment> = start
         .iter()
         .map(|(&addr, &(size, stream, pool))| {
@@ -234,76 +270,17 @@ fn pool_of(s: &RawSegment) -> Pool {
 
 /// The action that marks a block's return to the cache: `free_completed`, or in versions without it
 /// `free_requested` or `free`.
-fn free_action(entries: &[RawEntry]) -> &'static str {
+fn free_action(entries: &[Entry]) -> &'static str {
     ["free_completed", "free_requested", "free"]
         .into_iter()
         .find(|a| entries.iter().any(|e| e.action == *a))
         .unwrap_or("free_completed")
 }
 
-/// The requests in order: allocs, frees, and one `empty_cache` for each run of `segment_free` (or
-/// `segment_unmap`) entries that `torch.cuda.empty_cache()` made rather than an out-of-memory retry. Also
-/// says whether any release came from out-of-memory (a run not made by `empty_cache`, or an `oom` entry).
-///
-/// A run's frames tell when they name `emptyCache`. They rarely can: serde-pickle's
-/// `replace_recursive_structures` turns every string the pickle memo shares into `None`, and frame names
-/// are shared. Otherwise the run is an out-of-memory retry only if it is followed by a new segment that
-/// the device could not have held: the reserved bytes before the run plus that segment's size exceed the
-/// most PyTorch held at any point of the trace (`peak_reserved`), which the device evidently had room for.
-fn requests(
-    entries: &[RawEntry],
-    initial_reserved: u64,
-    peak_reserved: u64,
-) -> (Vec<TraceOp>, bool) {
-    let free = free_action(entries);
-    let mut ops = Vec::new();
-    let mut oom_releases = false;
-    let mut reserved = initial_reserved;
-    let mut i = 0;
-    while i < entries.len() {
-        let e = &entries[i];
-        match e.action.as_str() {
-            "alloc" => ops.push(TraceOp::Alloc {
-                addr: e.addr,
-                size: e.size,
-                stream: StreamId(e.stream),
-            }),
-            a if a == free => ops.push(TraceOp::Free { addr: e.addr }),
-            "segment_alloc" | "segment_map" => reserved = reserved.saturating_add(e.size),
-            "segment_free" | "segment_unmap" => {
-                let run_end = entries[i..]
-                    .iter()
-                    .position(|x| x.action != e.action)
-                    .map_or(entries.len(), |n| i + n);
-                let by_frames = entries[i..run_end]
-                    .iter()
-                    .find_map(RawEntry::from_empty_cache);
-                let impossible_growth = entries.get(run_end).is_some_and(|x| {
-                    (x.action == "segment_alloc" || x.action == "segment_map")
-                        && reserved.saturating_add(x.size) > peak_reserved
-                });
-                reserved =
-                    reserved.saturating_sub(entries[i..run_end].iter().map(|x| x.size).sum());
-                if by_frames.unwrap_or(!impossible_growth) {
-                    ops.push(TraceOp::EmptyCache);
-                } else {
-                    oom_releases = true;
-                }
-                i = run_end;
-                continue;
-            }
-            "oom" => oom_releases = true,
-            _ => {}
-        }
-        i += 1;
-    }
-    (ops, oom_releases)
-}
-
 /// Blocks live when recording began, by address: (size, requested) with the offset left at 0, and
 /// whether the size was inferred from the requested size (rather than recorded).
 fn live_at_start(
-    entries: &[RawEntry],
+    entries: &[Entry],
     segments: &[&RawSegment],
     config: &Config,
     inconsistent: &dyn Fn(&'static str, u64) -> SnapshotError,

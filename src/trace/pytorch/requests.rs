@@ -8,8 +8,9 @@ use std::collections::HashMap;
 impl PytorchTrace {
     /// The requests of this device as a [`Trace`] named `name`: first an allocation for each block that was
     /// live when recording began (its requested bytes, in address order), then the recorded allocations and
-    /// frees in order, each allocation named by a fresh id. `empty_cache` calls are left out (a trace holds
-    /// requests, not cache management), and so is a free of an address no allocation holds.
+    /// frees in order, each allocation named by a fresh id, and an [`Event::EmptyCache`] where the snapshot
+    /// shows `torch.cuda.empty_cache()` (a release that PyTorch's own logic does not explain: see
+    /// `docs/fidelity.md`). A free of an address no allocation holds is left out.
     pub fn to_trace(&self, name: impl Into<String>) -> Trace {
         let mut trace = Trace::new(name);
         let mut live: HashMap<u64, u64> = HashMap::new();
@@ -43,7 +44,11 @@ impl PytorchTrace {
                         trace.events.push(Event::Free { id });
                     }
                 }
-                TraceOp::EmptyCache => {}
+                TraceOp::EmptyCache => {
+                    if trace.events.last() != Some(&Event::EmptyCache) {
+                        trace.events.push(Event::EmptyCache);
+                    }
+                }
             }
         }
         trace

@@ -58,26 +58,84 @@ pub struct RawBlock {
     pub state: String,
 }
 
-/// One trace entry.
+/// One trace entry as pickled: its fields are checked by [`RawEntry::check`], so that a missing or
+/// mistyped one is named with the entry's index.
 #[derive(Debug, Clone, Deserialize)]
 pub struct RawEntry {
     /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, ...
-    pub action: String,
+    #[serde(default)]
+    pub action: Option<Value>,
     /// Address concerned.
     #[serde(default)]
-    pub addr: u64,
+    pub addr: Option<Value>,
     /// Bytes (requested bytes for alloc and free; segment bytes for segment events).
     #[serde(default)]
-    pub size: u64,
+    pub size: Option<Value>,
     /// Stream.
     #[serde(default)]
-    pub stream: u64,
+    pub stream: Option<Value>,
     /// The Python and C++ stack when the entry was recorded.
     #[serde(default)]
     pub frames: Option<Value>,
 }
 
+/// One trace entry with its fields checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, ...
+    pub action: String,
+    /// Address concerned (0 if the action does not need it and the entry lacks it).
+    pub addr: u64,
+    /// Bytes (requested bytes for alloc and free; segment bytes for segment events).
+    pub size: u64,
+    /// Stream.
+    pub stream: u64,
+    /// Whether the recorded stack passes through `empty_cache` ([`RawEntry::from_empty_cache`]).
+    pub from_empty_cache: Option<bool>,
+}
+
+/// The fields each action needs: requests need their address, size and stream; segment events their
+/// address and size. Other actions (`oom`, `snapshot`, ...) need none.
+pub fn required_fields(action: &str) -> &'static [&'static str] {
+    match action {
+        "alloc" | "free_requested" | "free_completed" | "free" => &["addr", "size", "stream"],
+        "segment_alloc" | "segment_free" | "segment_map" | "segment_unmap" => &["addr", "size"],
+        _ => &[],
+    }
+}
+
 impl RawEntry {
+    /// The entry with its fields checked: `action` must be text, and every field the action needs (see
+    /// [`required_fields`]) a non-negative integer below 2^64. Fields the action does not need are read
+    /// when they are such integers and taken as 0 otherwise.
+    ///
+    /// # Errors
+    /// The field that is missing or mistyped, and why.
+    pub fn check(&self) -> Result<Entry, (&'static str, FieldProblem)> {
+        let action = match &self.action {
+            Some(Value::String(a)) => a.clone(),
+            Some(_) => return Err(("action", FieldProblem::NotText)),
+            None => return Err(("action", FieldProblem::Missing)),
+        };
+        let required = required_fields(&action);
+        let field = |name: &'static str, value: &Option<Value>| -> Result<u64, _> {
+            let needed = required.contains(&name);
+            match value.as_ref().map(unsigned) {
+                Some(Some(n)) => Ok(n),
+                Some(None) if needed => Err((name, FieldProblem::NotAnInteger)),
+                None if needed => Err((name, FieldProblem::Missing)),
+                _ => Ok(0),
+            }
+        };
+        Ok(Entry {
+            addr: field("addr", &self.addr)?,
+            size: field("size", &self.size)?,
+            stream: field("stream", &self.stream)?,
+            from_empty_cache: self.from_empty_cache(),
+            action,
+        })
+    }
+
     /// Whether the recorded stack passes through `empty_cache` (PyTorch's `emptyCache`): a
     /// `segment_free` made by `torch.cuda.empty_cache()` rather than by an out-of-memory retry.
     /// `None` when the entry has no frames.
@@ -90,6 +148,28 @@ impl RawEntry {
             found |= s.contains("emptyCache") || s.contains("empty_cache");
         });
         any.then_some(found)
+    }
+}
+
+/// What is wrong with a field of a trace entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FieldProblem {
+    /// The entry lacks it.
+    #[error("is missing")]
+    Missing,
+    /// It is not a non-negative integer below 2^64.
+    #[error("is not a non-negative integer")]
+    NotAnInteger,
+    /// It is not text.
+    #[error("is not text")]
+    NotText,
+}
+
+fn unsigned(v: &Value) -> Option<u64> {
+    match v {
+        Value::I64(n) => u64::try_from(*n).ok(),
+        Value::Int(n) => n.to_string().parse().ok(),
+        _ => None,
     }
 }
 
@@ -151,6 +231,22 @@ pub enum SnapshotError {
         what: &'static str,
         /// The address concerned.
         addr: u64,
+    },
+    /// A trace entry lacks a field its action needs, or holds one of the wrong type.
+    #[error("{path}: device {device} trace entry {index} ({action}): `{field}` {problem}")]
+    Field {
+        /// The file.
+        path: PathBuf,
+        /// The device whose trace holds the entry.
+        device: usize,
+        /// Position of the entry in that device's trace.
+        index: usize,
+        /// The entry's action (`?` when it has none).
+        action: String,
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        problem: FieldProblem,
     },
     /// A setting in `allocator_settings` has a value cuvmm cannot read.
     #[error("{path}: allocator setting `{key}` has an unreadable value")]

@@ -3,6 +3,7 @@
 //! Each generator lives in its own file, whose documentation says what it models. Every trace has between
 //! 10^4 and 10^5 events and a peak of live bytes between roughly 10 and 50 GiB, so it fits an 80 GiB device.
 
+pub mod batched_inference;
 pub mod llm_serving;
 pub mod moe;
 pub mod stream_prefetch_offload;
@@ -21,6 +22,7 @@ pub const BUILTIN: &[&str] = &[
     llm_serving::NAME,
     stream_producer_consumer::NAME,
     stream_prefetch_offload::NAME,
+    batched_inference::NAME,
 ];
 
 /// A built-in workload: its name, what it models, and its generator.
@@ -30,7 +32,7 @@ struct Workload {
     generate: fn(u64) -> Trace,
 }
 
-const WORKLOADS: [Workload; 5] = [
+const WORKLOADS: [Workload; 6] = [
     Workload {
         name: transformer_train::NAME,
         description: transformer_train::DESCRIPTION,
@@ -55,6 +57,11 @@ const WORKLOADS: [Workload; 5] = [
         name: stream_prefetch_offload::NAME,
         description: stream_prefetch_offload::DESCRIPTION,
         generate: stream_prefetch_offload::generate,
+    },
+    Workload {
+        name: batched_inference::NAME,
+        description: batched_inference::DESCRIPTION,
+        generate: batched_inference::generate,
     },
 ];
 
