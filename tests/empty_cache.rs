@@ -132,12 +132,7 @@ fn a_burst_after_frees_is_one_empty_cache() {
     events.push(entry("segment_alloc", A, 40 * MIB));
     events.push(alloc(A, 40 * MIB));
     events.extend(free(A, 40 * MIB));
-    let final_a = segment(
-        A,
-        40 * MIB,
-        false,
-        vec![block(A, 40 * MIB, 0, "inactive")],
-    );
+    let final_a = segment(A, 40 * MIB, false, vec![block(A, 40 * MIB, 0, "inactive")]);
     let path = write(
         "burst.pickle",
         &snapshot(vec![weights(), final_a], events, None),
@@ -172,12 +167,7 @@ fn a_partial_burst_keeps_the_segments_that_hold_live_blocks() {
     events.extend(free(B, 30 * MIB));
     events.push(entry("segment_free", B, 30 * MIB));
     events.extend(free(A, 40 * MIB));
-    let final_a = segment(
-        A,
-        40 * MIB,
-        false,
-        vec![block(A, 40 * MIB, 0, "inactive")],
-    );
+    let final_a = segment(A, 40 * MIB, false, vec![block(A, 40 * MIB, 0, "inactive")]);
     let path = write(
         "partial.pickle",
         &snapshot(vec![weights(), final_a], events, None),
@@ -197,10 +187,7 @@ fn a_partial_burst_keeps_the_segments_that_hold_live_blocks() {
         entry("segment_free", A, 40 * MIB),
     ];
     events.extend(free(A, 40 * MIB));
-    let path = write(
-        "live.pickle",
-        &snapshot(vec![weights()], events, None),
-    );
+    let path = write("live.pickle", &snapshot(vec![weights()], events, None));
     let trace = pytorch::load(&path, None).unwrap();
     assert_eq!(empty_caches(&trace.ops), 0, "{:?}", trace.ops);
 }
@@ -246,42 +233,66 @@ fn releases_pytorch_explains_are_not_empty_cache() {
     let report = fidelity(&path, None).unwrap();
     assert_eq!(report.segment_event_match, 1.0);
 
-    // A 50 MiB request after 40 MiB were released, then 60 MiB more: 20 + 40 + 30 + 50 MiB is within the
-    // 160 MiB PyTorch held later.
+    // A 50 MiB request after the free 40 MiB segment was released (the 30 MiB one is live), then 60 MiB
+    // more: 20 + 40 + 30 + 50 MiB is within the 160 MiB PyTorch held later. `keep_b_free` frees the
+    // 30 MiB block too, which the burst then leaves cached: no `empty_cache` would.
     let c = BASE + 256 * MIB;
     let e = BASE + 384 * MIB;
-    let gc = |settings| {
+    let gc = |settings, keep_b_free: bool| {
         let mut events = vec![
             entry("segment_alloc", A, 40 * MIB),
             alloc(A, 40 * MIB),
             entry("segment_alloc", B, 30 * MIB),
             alloc(B, 30 * MIB),
         ];
-        events.extend(free(B, 30 * MIB));
+        if keep_b_free {
+            events.extend(free(B, 30 * MIB));
+        }
         events.extend(free(A, 40 * MIB));
         events.push(entry("segment_free", A, 40 * MIB));
         events.push(entry("segment_alloc", c, 50 * MIB));
         events.push(alloc(c, 50 * MIB));
         events.push(entry("segment_alloc", e, 60 * MIB));
         events.push(alloc(e, 60 * MIB));
-        let final_b = segment(B, 30 * MIB, false, vec![block(B, 30 * MIB, 0, "inactive")]);
-        let live = |addr, size| segment(addr, size, false, vec![block(addr, size, size, "active_allocated")]);
+        let live = |addr, size| {
+            segment(
+                addr,
+                size,
+                false,
+                vec![block(addr, size, size, "active_allocated")],
+            )
+        };
+        let final_b = if keep_b_free {
+            segment(B, 30 * MIB, false, vec![block(B, 30 * MIB, 0, "inactive")])
+        } else {
+            live(B, 30 * MIB)
+        };
         snapshot(
             vec![weights(), final_b, live(c, 50 * MIB), live(e, 60 * MIB)],
             events,
             settings,
         )
     };
-    let path = write(
-        "gc.pickle",
-        &gc(Some(vec![("garbage_collection_threshold", V::F64(0.6))])),
-    );
-    let trace = pytorch::load(&path, None).unwrap();
-    assert_eq!(empty_caches(&trace.ops), 0, "{:?}", trace.ops);
-    assert!(!trace.oom_releases);
-    let path = write("no_gc.pickle", &gc(None));
+    let threshold = || Some(vec![("garbage_collection_threshold", V::F64(0.6))]);
+    for keep_b_free in [false, true] {
+        let path = write("gc.pickle", &gc(threshold(), keep_b_free));
+        let trace = pytorch::load(&path, None).unwrap();
+        assert_eq!(empty_caches(&trace.ops), 0, "{:?}", trace.ops);
+        assert!(!trace.oom_releases);
+    }
+    // Without the threshold the burst that releases every free segment was `empty_cache`.
+    let path = write("no_gc.pickle", &gc(None, false));
     let trace = pytorch::load(&path, None).unwrap();
     assert_eq!(empty_caches(&trace.ops), 1, "{:?}", trace.ops);
+    assert!(!trace.oom_releases);
+    let report = fidelity(&path, None).unwrap();
+    assert_eq!(report.ground_truth.segment_events, 5);
+    assert_eq!(report.segment_event_match, 1.0);
+    assert_eq!(report.peak_reserved_error, 0.0);
+    // One that leaves a free segment cached is no rule of PyTorch's then.
+    let path = write("no_gc_partial.pickle", &gc(None, true));
+    let trace = pytorch::load(&path, None).unwrap();
+    assert_eq!(empty_caches(&trace.ops), 0, "{:?}", trace.ops);
     assert!(!trace.oom_releases);
 }
 

@@ -187,6 +187,7 @@ pub fn build(
             config: &config,
             expandable,
             live_at_start: live.keys().copied().collect(),
+            segments_at_start: start.iter().map(|(&a, &(size, ..))| (a, size)).collect(),
             initial_reserved,
             peak_reserved,
             free_action: free_action(entries),

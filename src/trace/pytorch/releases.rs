@@ -10,6 +10,10 @@
 //!
 //! - a freed range holds a block that is live at that moment (PyTorch frees only whole free segments and
 //!   unmaps only free pages, so the snapshot is not what it seems: the burst is left unexplained);
+//! - without expandable segments, it leaves a segment that holds no live block (`empty_cache` frees every
+//!   such segment): garbage collection if `garbage_collection_threshold` is set, else, with
+//!   `max_split_size` set and a new segment right after it, `release_available_cached_blocks` before a
+//!   retried `cudaMalloc` (out of memory); otherwise unexplained;
 //! - an `oom` entry follows it: an out-of-memory release;
 //! - it has the shape of `malloc`'s growth path, a new segment right after it whose size is the one the
 //!   next request needs (its `get_allocation_size`; any size with expandable segments), and that request
@@ -32,7 +36,7 @@ use crate::config::Config;
 use crate::driver::StreamId;
 use crate::expandable::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// What a burst of releases was.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +59,8 @@ pub struct Context<'a> {
     pub expandable: bool,
     /// Addresses of the blocks live when recording began.
     pub live_at_start: BTreeSet<u64>,
+    /// The segments held when recording began: address to bytes.
+    pub segments_at_start: BTreeMap<u64, u64>,
     /// Bytes reserved when recording began.
     pub initial_reserved: u64,
     /// The most bytes reserved at once during the trace.
@@ -70,6 +76,7 @@ pub fn requests(entries: &[Entry], cx: Context<'_>) -> (Vec<TraceOp>, bool) {
     let mut ops = Vec::new();
     let mut oom_releases = false;
     let mut live = cx.live_at_start.clone();
+    let mut segments = cx.segments_at_start.clone();
     let mut reserved = cx.initial_reserved;
     let mut i = 0;
     while i < entries.len() {
@@ -87,19 +94,35 @@ pub fn requests(entries: &[Entry], cx: Context<'_>) -> (Vec<TraceOp>, bool) {
                 live.remove(&e.addr);
                 ops.push(TraceOp::Free { addr: e.addr });
             }
-            "segment_alloc" | "segment_map" => reserved = reserved.saturating_add(e.size),
+            "segment_alloc" | "segment_map" => {
+                reserved = reserved.saturating_add(e.size);
+                if e.action == "segment_alloc" {
+                    segments.insert(e.addr, e.size);
+                }
+            }
             "segment_free" | "segment_unmap" => {
                 let end = entries[i..]
                     .iter()
                     .position(|x| !is_release(x))
                     .map_or(entries.len(), |n| i + n);
-                match classify(entries, i, end, &live, reserved, &cx) {
+                let state = State {
+                    live: &live,
+                    segments: &segments,
+                    reserved,
+                };
+                match classify(entries, i, end, &state, &cx) {
                     Release::EmptyCache => ops.push(TraceOp::EmptyCache),
                     Release::OutOfMemory => oom_releases = true,
                     Release::GarbageCollection | Release::Unexplained => {}
                 }
                 reserved =
                     reserved.saturating_sub(entries[i..end].iter().map(|x| x.size).sum::<u64>());
+                for x in entries[i..end]
+                    .iter()
+                    .filter(|x| x.action == "segment_free")
+                {
+                    segments.remove(&x.addr);
+                }
                 i = end;
                 continue;
             }
@@ -115,21 +138,54 @@ fn is_release(e: &Entry) -> bool {
     e.action == "segment_free" || e.action == "segment_unmap"
 }
 
-/// What the burst `entries[start..end]` was; `live` and `reserved` are PyTorch's state just before it.
+/// PyTorch's state just before a burst.
+pub struct State<'a> {
+    /// Addresses of the live blocks.
+    pub live: &'a BTreeSet<u64>,
+    /// The segments (without expandable segments): address to bytes.
+    pub segments: &'a BTreeMap<u64, u64>,
+    /// Bytes reserved.
+    pub reserved: u64,
+}
+
+impl State<'_> {
+    fn holds_live(&self, addr: u64, size: u64) -> bool {
+        self.live
+            .range(addr..addr.saturating_add(size))
+            .next()
+            .is_some()
+    }
+}
+
+/// What the burst `entries[start..end]` was, from PyTorch's state just before it.
 pub fn classify(
     entries: &[Entry],
     start: usize,
     end: usize,
-    live: &BTreeSet<u64>,
-    reserved: u64,
+    state: &State<'_>,
     cx: &Context<'_>,
 ) -> Release {
     let burst = &entries[start..end];
-    let holds_live = burst
-        .iter()
-        .any(|e| live.range(e.addr..e.addr.saturating_add(e.size)).next().is_some());
-    if holds_live {
+    if burst.iter().any(|e| state.holds_live(e.addr, e.size)) {
         return Release::Unexplained;
+    }
+    let next = entries.get(end);
+    let grows = |x: &Entry| x.action == "segment_alloc" || x.action == "segment_map";
+    if !cx.expandable {
+        let freed: HashSet<u64> = burst.iter().map(|e| e.addr).collect();
+        let leaves_free = state
+            .segments
+            .iter()
+            .any(|(&a, &size)| !freed.contains(&a) && !state.holds_live(a, size));
+        if leaves_free {
+            return if cx.config.garbage_collection_threshold.is_some() {
+                Release::GarbageCollection
+            } else if cx.config.max_split_size.is_some() && next.is_some_and(grows) {
+                Release::OutOfMemory
+            } else {
+                Release::Unexplained
+            };
+        }
     }
     if let Some(by_frames) = burst.iter().find_map(|e| e.from_empty_cache) {
         return if by_frames {
@@ -142,20 +198,20 @@ pub fn classify(
             Release::OutOfMemory
         };
     }
-    let Some(next) = entries.get(end) else {
+    let Some(next) = next else {
         return Release::EmptyCache;
     };
     if next.action == "oom" {
         return Release::OutOfMemory;
     }
-    if next.action != "segment_alloc" && next.action != "segment_map" {
+    if !grows(next) {
         // Every release of PyTorch's own is followed by the retried device allocation or an `oom`.
         return Release::EmptyCache;
     }
     // The request the new segment was made for: the first `alloc` after the growth.
     let Some(request) = entries[end..]
         .iter()
-        .find(|x| x.action != "segment_alloc" && x.action != "segment_map")
+        .find(|x| !grows(x))
         .filter(|x| x.action == "alloc")
     else {
         return Release::EmptyCache;
@@ -183,7 +239,7 @@ pub fn classify(
     {
         return Release::GarbageCollection;
     }
-    if reserved.saturating_add(next.size) > cx.peak_reserved {
+    if state.reserved.saturating_add(next.size) > cx.peak_reserved {
         Release::OutOfMemory
     } else {
         Release::EmptyCache
