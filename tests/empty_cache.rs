@@ -373,3 +373,50 @@ fn every_empty_cache_of_a_workload_is_found_in_the_models_snapshot() {
         assert_eq!(report.peak_reserved_error, 0.0, "{allocator}");
     }
 }
+
+/// Every allocator replays `empty_cache` and pays for growing again after it: the same requests make more
+/// driver calls with the cache emptied between them, and still need no more memory.
+#[test]
+fn every_allocator_grows_again_after_empty_cache() {
+    let gib = 1 << 30;
+    let trace = |empty: bool| {
+        let mut t = cuvmm::trace::Trace::new("t");
+        let stream = cuvmm::driver::StreamId::DEFAULT;
+        for (id, size) in [(0, gib), (1, 3 * gib / 2)] {
+            t.events.push(Event::Alloc { id, size, stream });
+            t.events.push(Event::Free { id });
+            if empty {
+                t.events.push(Event::EmptyCache);
+            }
+        }
+        t
+    };
+    for name in allocators::ALLOCATORS {
+        let run = |t: &cuvmm::trace::Trace| {
+            let mut strategy = allocators::build(name, 80 << 30, 2 << 20).unwrap();
+            let options = ReplayOptions {
+                check_invariants_every: Some(1),
+                ..ReplayOptions::default()
+            };
+            let result = replay(strategy.as_mut(), t, &options).unwrap();
+            (result, strategy.stats().reserved_bytes.current)
+        };
+        let (kept, kept_reserved) = run(&trace(false));
+        let (emptied, emptied_reserved) = run(&trace(true));
+        assert!(
+            emptied.driver_calls.total() > kept.driver_calls.total(),
+            "{name}: {:?} vs {:?}",
+            emptied.driver_calls,
+            kept.driver_calls
+        );
+        assert!(
+            emptied.peak_reserved_bytes <= kept.peak_reserved_bytes,
+            "{name}"
+        );
+        assert_eq!(
+            emptied_reserved, 0,
+            "{name}: the last empty_cache gave everything back"
+        );
+        assert!(kept_reserved > 0, "{name}");
+    }
+}
