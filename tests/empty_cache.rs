@@ -300,23 +300,30 @@ fn releases_pytorch_explains_are_not_empty_cache() {
 /// `empty_cache` by the same rule.
 #[test]
 fn an_expandable_segments_burst_of_unmaps_is_one_empty_cache() {
+    // Three blocks mapped in turn; the middle one stays live, so the two free ones are unmapped apart,
+    // smallest first, as PyTorch's `release_cached_blocks` goes through its pool.
     let mut events = vec![
         entry("segment_map", A, 40 * MIB),
         alloc(A, 40 * MIB),
         entry("segment_map", A + 40 * MIB, 20 * MIB),
         alloc(A + 40 * MIB, 20 * MIB),
+        entry("segment_map", A + 60 * MIB, 20 * MIB),
+        alloc(A + 60 * MIB, 20 * MIB),
     ];
     events.extend(free(A, 40 * MIB));
-    events.extend(free(A + 40 * MIB, 20 * MIB));
+    events.extend(free(A + 60 * MIB, 20 * MIB));
+    events.push(entry("segment_unmap", A + 60 * MIB, 20 * MIB));
     events.push(entry("segment_unmap", A, 40 * MIB));
-    events.push(entry("segment_unmap", A + 40 * MIB, 20 * MIB));
     events.push(entry("segment_map", A, 40 * MIB));
     events.push(alloc(A, 40 * MIB));
     let final_a = segment(
         A,
-        40 * MIB,
+        60 * MIB,
         true,
-        vec![block(A, 40 * MIB, 40 * MIB, "active_allocated")],
+        vec![
+            block(A, 40 * MIB, 40 * MIB, "active_allocated"),
+            block(A + 40 * MIB, 20 * MIB, 20 * MIB, "active_allocated"),
+        ],
     );
     let path = write(
         "expandable.pickle",
@@ -331,6 +338,15 @@ fn an_expandable_segments_burst_of_unmaps_is_one_empty_cache() {
     assert_eq!(empty_caches(&trace.ops), 1, "{:?}", trace.ops);
     assert!(!trace.oom_releases);
     assert_eq!(load::load(&path, None).unwrap()[0].empty_cache_count(), 1);
+    let report = fidelity(&path, None).unwrap();
+    assert_eq!(report.mode, "pytorch-expandable");
+    assert_eq!(report.ground_truth.segment_events, 6);
+    assert_eq!(
+        report.segment_event_match, 1.0,
+        "{:?}",
+        report.details.model_events
+    );
+    assert_eq!(report.peak_reserved_error, 0.0);
 }
 
 /// cuvmm's PyTorch models replay `batched-inference` (60 batches, `empty_cache` after each) with their

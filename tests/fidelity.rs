@@ -30,9 +30,12 @@ fn every_pytorch_trace_is_reproduced() {
     }
     for file in files {
         let report = fidelity(&file, None).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let trace = pytorch::load(&file, None).unwrap();
+        let empty_caches = trace.ops.iter().filter(|op| **op == TraceOp::EmptyCache);
         println!(
-            "{}: {} events {} / {}, peak {} / {}, match {:.4}, error {:.4}",
+            "{}: {} empty_cache, {} events {} / {}, peak {} / {}, match {:.4}, error {:.4}",
             file.display(),
+            empty_caches.count(),
             report.mode,
             report.model.segment_events,
             report.ground_truth.segment_events,
