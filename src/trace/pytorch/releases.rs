@@ -47,7 +47,8 @@ pub enum Release {
     OutOfMemory,
     /// PyTorch's garbage collection (`garbage_collection_threshold`).
     GarbageCollection,
-    /// A freed range held a live block: no rule of PyTorch's explains it.
+    /// No rule of PyTorch's explains it: a freed range held a live block, or (without garbage collection
+    /// or `max_split_size`) the burst left a free segment cached.
     Unexplained,
 }
 
