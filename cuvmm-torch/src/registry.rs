@@ -153,14 +153,14 @@ impl Registry {
     /// [`AbiError::DeviceOutOfRange`] for a negative device or one past the last; [`AbiError::Init`] if the
     /// allocator could not be built (now or at the first try).
     pub fn allocator(&self, device: i32) -> Result<&TorchAllocator, AbiError> {
-        let slot = usize::try_from(device)
+        let (ordinal, slot) = usize::try_from(device)
             .ok()
-            .and_then(|index| self.slots.get(index))
+            .and_then(|ordinal| Some((ordinal, self.slots.get(ordinal)?)))
             .ok_or(AbiError::DeviceOutOfRange {
                 device,
                 count: self.slots.len(),
             })?;
-        let built = slot.get_or_init(|| self.build(device.unsigned_abs() as usize));
+        let built = slot.get_or_init(|| self.build(ordinal));
         built.as_ref().map_err(|e| AbiError::Init(e.clone()))
     }
 
