@@ -1,0 +1,174 @@
+//! The exported C functions (declared in `cuvmm_torch.h`): thin shells that turn raw arguments into typed
+//! values, call `ops`, and turn the result back, with the body run under [`std::panic::catch_unwind`] so no
+//! panic crosses into PyTorch. A failure returns null, nonzero or nothing, after being logged and recorded
+//! for `cuvmm_last_error`.
+//!
+//! The only `unsafe` of the crate is here: `#[unsafe(no_mangle)]` on each export (the symbol names are
+//! cuvmm's own, prefixed `cuvmm_`, so they clash with nothing), and reading or taking back the C strings
+//! that the callers of two functions promise are valid.
+#![allow(unsafe_code)]
+
+use crate::error::{self, AbiError};
+use crate::ops;
+use crate::registry::global;
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
+use std::panic::{self, AssertUnwindSafe};
+use std::path::Path;
+use std::ptr;
+
+/// Runs `body` for the exported function `operation`: clears this thread's last error, catches a panic,
+/// records and logs a failure, and returns `on_error` then.
+fn shell<T: Copy>(
+    operation: &'static str,
+    on_error: T,
+    body: impl FnOnce() -> Result<T, AbiError>,
+) -> T {
+    let run = || {
+        error::clear_last_error();
+        let outcome = panic::catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
+            Err(AbiError::Panic {
+                message: panic_message(payload.as_ref()),
+            })
+        });
+        outcome.unwrap_or_else(|e| {
+            error::record(operation, &e);
+            on_error
+        })
+    };
+    // Recording the error formats and logs; a panic there (a host's tracing subscriber, say) stops here too.
+    panic::catch_unwind(AssertUnwindSafe(run)).unwrap_or(on_error)
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic with no message".to_string())
+}
+
+/// A C string handed to the caller, who frees it with [`cuvmm_string_free`].
+fn to_c(text: String) -> Result<*mut c_char, AbiError> {
+    Ok(CString::new(text)?.into_raw())
+}
+
+fn address(ptr: *mut c_void) -> u64 {
+    ptr.expose_provenance() as u64
+}
+
+fn stream_id(stream: *mut c_void) -> u64 {
+    stream.expose_provenance() as u64
+}
+
+/// PyTorch's allocation function: `size` bytes on `device` for `stream`; null on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_malloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    shell("cuvmm_malloc", ptr::null_mut(), || {
+        let addr = ops::malloc(global()?, size, device, stream_id(stream))?;
+        Ok(ptr::with_exposed_provenance_mut(addr as usize))
+    })
+}
+
+/// PyTorch's free function: frees `ptr` on `device` (`size` and `stream` are not needed). Null is ignored.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_free(ptr: *mut c_void, size: isize, device: c_int, stream: *mut c_void) {
+    let _ = (size, stream);
+    shell("cuvmm_free", (), || {
+        ops::free(global()?, address(ptr), device)
+    })
+}
+
+/// Records that work on `stream` uses the live allocation `ptr` of `device`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_record_stream(ptr: *mut c_void, device: c_int, stream: *mut c_void) {
+    shell("cuvmm_record_stream", (), || {
+        ops::record_stream(global()?, address(ptr), device, stream_id(stream))
+    })
+}
+
+/// `device`'s statistics as a JSON object (free it with [`cuvmm_string_free`]); null on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_memory_stats_json(device: c_int) -> *mut c_char {
+    shell("cuvmm_memory_stats_json", ptr::null_mut(), || {
+        to_c(ops::memory_stats_json(global()?, device)?)
+    })
+}
+
+/// `device`'s `memory_summary()` table (free it with [`cuvmm_string_free`]); null on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_memory_summary(device: c_int) -> *mut c_char {
+    shell("cuvmm_memory_summary", ptr::null_mut(), || {
+        to_c(ops::memory_summary(global()?, device)?)
+    })
+}
+
+/// Gives `device`'s cached memory back to the driver.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_empty_cache(device: c_int) {
+    shell("cuvmm_empty_cache", (), || {
+        ops::empty_cache(global()?, device)
+    })
+}
+
+/// Writes `device`'s snapshot pickle to `path`; 0 on success, -1 on failure.
+///
+/// # Safety
+/// `path` is null (an error) or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_dump_snapshot(device: c_int, path: *const c_char) -> c_int {
+    shell("cuvmm_dump_snapshot", -1, || {
+        if path.is_null() {
+            return Err(AbiError::NullArgument { what: "path" });
+        }
+        // SAFETY: `path` is not null, and the caller promises it is a NUL-terminated string valid for
+        // the call; it is only read, and copied into a Path before the call returns.
+        let text = unsafe { CStr::from_ptr(path) };
+        let text = text.to_str().map_err(|_| AbiError::PathNotUtf8)?;
+        ops::dump_snapshot(global()?, device, Path::new(text))?;
+        Ok(0)
+    })
+}
+
+/// Frees a string returned by [`cuvmm_memory_stats_json`] or [`cuvmm_memory_summary`]. Null is ignored.
+///
+/// # Safety
+/// `text` is null or a pointer one of those functions returned, not yet freed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_string_free(text: *mut c_char) {
+    shell("cuvmm_string_free", (), || {
+        if !text.is_null() {
+            // SAFETY: the caller promises `text` came from `CString::into_raw` in `to_c` and is freed once.
+            drop(unsafe { CString::from_raw(text) });
+        }
+        Ok(())
+    })
+}
+
+/// This thread's last error, or null if the last cuvmm call on this thread succeeded. The text stays valid
+/// until the next cuvmm call on this thread; copy it before then.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_last_error() -> *const c_char {
+    panic::catch_unwind(error::last_error_ptr).unwrap_or(ptr::null())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_a_body_returns_the_error_value_and_is_recorded() {
+        let got = shell("test_op", -1, || -> Result<i32, AbiError> {
+            panic!("boom {}", 7)
+        });
+        assert_eq!(got, -1);
+        let error = error::last_error().unwrap();
+        assert!(
+            error.contains("test_op") && error.contains("boom 7"),
+            "{error}"
+        );
+        // The next successful call clears it.
+        assert_eq!(shell("test_op", -1, || Ok(3)), 3);
+        assert!(error::last_error().is_none());
+        assert!(cuvmm_last_error().is_null());
+    }
+}

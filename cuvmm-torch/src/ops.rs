@@ -1,0 +1,88 @@
+//! The operations behind the exported functions, in safe Rust on typed values: addresses and streams are
+//! `u64`, sizes are checked here, and every failure is an [`AbiError`]. `src/ffi.rs` only converts the raw
+//! arguments and results.
+
+use crate::error::AbiError;
+use crate::registry::Registry;
+use cuvmm::StreamId;
+use std::path::Path;
+
+/// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream).
+///
+/// # Errors
+/// [`AbiError::BadSize`] for `size <= 0`; [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the
+/// allocator's refusal ([`AbiError::Allocator`]: out of memory, larger than the device).
+pub fn malloc(registry: &Registry, size: isize, device: i32, stream: u64) -> Result<u64, AbiError> {
+    let bytes = u64::try_from(size)
+        .ok()
+        .filter(|&b| b > 0)
+        .ok_or(AbiError::BadSize { size })?;
+    let allocator = registry.allocator(device)?;
+    Ok(allocator.alloc_raw(bytes, StreamId(stream))?)
+}
+
+/// Frees `ptr` on `device`. A null pointer is nothing to free (as C's `free(NULL)`). The size and stream
+/// PyTorch passes are not needed: cuvmm knows both from the address.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] for an address this
+/// device's allocator never handed out, or a second free.
+pub fn free(registry: &Registry, ptr: u64, device: i32) -> Result<(), AbiError> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    Ok(registry.allocator(device)?.free_raw(ptr)?)
+}
+
+/// Records that work on `stream` uses the live allocation at `ptr` (PyTorch's `Tensor.record_stream`).
+///
+/// # Errors
+/// As [`free`], for an address that is not a live allocation.
+pub fn record_stream(
+    registry: &Registry,
+    ptr: u64,
+    device: i32,
+    stream: u64,
+) -> Result<(), AbiError> {
+    Ok(registry
+        .allocator(device)?
+        .record_stream(ptr, StreamId(stream))?)
+}
+
+/// The statistics of `device` as one JSON object: PyTorch's `memory_stats()` keys and cuvmm's own
+/// (`cuvmm.*`), every value an integer.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn memory_stats_json(registry: &Registry, device: i32) -> Result<String, AbiError> {
+    let stats = registry.allocator(device)?.stats();
+    Ok(serde_json::to_string(&stats.to_pytorch_keys())?)
+}
+
+/// PyTorch's `memory_summary()` table for `device`, with cuvmm's rows.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn memory_summary(registry: &Registry, device: i32) -> Result<String, AbiError> {
+    Ok(registry.allocator(device)?.memory_summary())
+}
+
+/// Gives `device`'s cached memory back to the driver.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; a driver failure ([`AbiError::Allocator`]).
+pub fn empty_cache(registry: &Registry, device: i32) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.empty_cache()?)
+}
+
+/// Writes `device`'s segments and blocks to `path` as the pickle PyTorch's memory viewer reads
+/// (`torch.cuda.memory._dump_snapshot`).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Snapshot`] if the file cannot be
+/// written.
+pub fn dump_snapshot(registry: &Registry, device: i32, path: &Path) -> Result<(), AbiError> {
+    let snapshot = registry.allocator(device)?.snapshot()?;
+    cuvmm::trace::pytorch::writer::write_file(path, &snapshot)?;
+    Ok(())
+}

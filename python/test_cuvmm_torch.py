@@ -1,0 +1,387 @@
+"""Tests of libcuvmm_torch.so through ctypes, on the simulated backend: no GPU, no PyTorch, stdlib only.
+
+Run from the repository root, after ``cargo build --release -p cuvmm-torch`` and ``cargo build --release``
+(the ``cuvmm`` binary writes the workloads and reports what ``compare`` measures)::
+
+    python3 -m unittest discover -s python -v
+
+``CUVMM_TORCH_LIB`` and ``CUVMM_BIN`` name other builds of the library and of the binary.
+"""
+
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import types
+import unittest
+
+import cuvmm_torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADER = os.path.join(ROOT, "cuvmm-torch", "cuvmm_torch.h")
+DEVICES = 8
+
+# Set before the library's first call, which reads them; the capacity is `cuvmm compare`'s default.
+os.environ["CUVMM_BACKEND"] = "sim"
+os.environ["CUVMM_SIM_DEVICES"] = str(DEVICES)
+os.environ["CUVMM_SIM_CAPACITY"] = "80GiB"
+os.environ.pop("CUVMM_ALLOC_CONF", None)
+
+lib = cuvmm_torch.load()
+
+# Devices by test, so that one test's statistics are not moved by another's allocations.
+THREADS_DEVICE, BAD_INPUT_DEVICE, REPORTS_DEVICE = 0, 1, 2
+REPLAY_DEVICES = {"stream-producer-consumer": 3, "transformer-train": 4, "llm-serving": 5}
+
+
+def stream(n):
+    """A stream argument: on the simulated backend any pointer-sized number names a stream."""
+    return ctypes.c_void_p(n) if n else None
+
+
+def cuvmm_binary():
+    for candidate in [os.environ.get("CUVMM_BIN"), os.path.join(ROOT, "target", "release", "cuvmm")]:
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise AssertionError("no cuvmm binary: run `cargo build --release` first, or set CUVMM_BIN")
+
+
+def run_python(code, **env):
+    """Runs `code` in a fresh interpreter (a fresh library: its settings are read once per process)."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")}
+    environment["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__))
+    environment["CUVMM_TORCH_LIB"] = cuvmm_torch.library_path()
+    environment.update(env)
+    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout.strip(), done.stderr
+
+
+class Symbols(unittest.TestCase):
+    def test_every_function_of_the_header_is_exported(self):
+        with open(HEADER) as header:
+            declared = set(re.findall(r"\b(cuvmm_\w+)\(", header.read()))
+        self.assertEqual(
+            declared,
+            {
+                "cuvmm_malloc",
+                "cuvmm_free",
+                "cuvmm_record_stream",
+                "cuvmm_memory_stats_json",
+                "cuvmm_memory_summary",
+                "cuvmm_string_free",
+                "cuvmm_empty_cache",
+                "cuvmm_dump_snapshot",
+                "cuvmm_last_error",
+            },
+        )
+        for name in declared:
+            self.assertTrue(hasattr(lib, name), name)
+
+
+class ThreadsAndStreams(unittest.TestCase):
+    def test_allocations_and_frees_from_several_threads_and_streams(self):
+        device = THREADS_DEVICE
+        results, errors = {}, []
+
+        def work(t):
+            live = []
+            try:
+                for i in range(300):
+                    size = 512 * (1 + (i * 13 + t * 7) % 6000)
+                    ptr = lib.cuvmm_malloc(size, device, stream(t % 3))
+                    if not ptr:
+                        raise AssertionError(cuvmm_torch.last_error())
+                    live.append((ptr, size, t % 3))
+                    if i % 2:
+                        ptr, size, s = live.pop(i % len(live))
+                        lib.cuvmm_free(ptr, size, device, stream(s))
+                        if cuvmm_torch.last_error():
+                            raise AssertionError(cuvmm_torch.last_error())
+            except AssertionError as e:
+                errors.append(e)
+            results[t] = live
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.assertEqual(errors, [])
+        live = sorted(block for blocks in results.values() for block in blocks)
+        for (a, size, _), (b, _, _) in zip(live, live[1:]):
+            self.assertLessEqual(a + size, b, "live allocations overlap")
+        for ptr, _, _ in live:
+            self.assertEqual(ptr % 512, 0)
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual(stats["allocated_bytes.all.current"], sum(size for _, size, _ in live))
+        self.assertEqual(stats["allocation.all.current"], len(live))
+        self.assertGreaterEqual(stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"])
+        for ptr, size, s in live:
+            lib.cuvmm_free(ptr, size, device, stream(s))
+            self.assertIsNone(cuvmm_torch.last_error())
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual(stats["allocated_bytes.all.current"], 0)
+        self.assertEqual(stats["num_ooms"], 0)
+
+
+class Statistics(unittest.TestCase):
+    def test_the_json_has_pytorchs_keys_and_cuvmms_and_follows_the_allocations(self):
+        device = REPORTS_DEVICE
+        before = cuvmm_torch.memory_stats(device)
+        for key in [
+            "allocated_bytes.all.current",
+            "allocated_bytes.all.peak",
+            "allocated_bytes.large_pool.freed",
+            "reserved_bytes.all.current",
+            "reserved_bytes.all.peak",
+            "active_bytes.all.current",
+            "requested_bytes.small_pool.allocated",
+            "inactive_split_bytes.all.current",
+            "segment.all.current",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_device_alloc",
+            "num_device_free",
+            "cuvmm.largest_free_block",
+            "cuvmm.idle_mapped_bytes",
+            "cuvmm.handles_reused",
+            "cuvmm.driver_calls",
+        ]:
+            self.assertIn(key, before)
+        self.assertTrue(all(isinstance(v, int) for v in before.values()))
+        small = lib.cuvmm_malloc(1000, device, None)
+        large = lib.cuvmm_malloc(30 << 20, device, None)
+        self.assertTrue(small and large, cuvmm_torch.last_error())
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual(stats["allocated_bytes.all.current"], before["allocated_bytes.all.current"] + 1024 + (30 << 20))
+        self.assertEqual(stats["requested_bytes.all.current"], before["requested_bytes.all.current"] + 1000 + (30 << 20))
+        self.assertEqual(stats["allocated_bytes.small_pool.current"], before["allocated_bytes.small_pool.current"] + 1024)
+        self.assertGreater(stats["num_device_alloc"], before["num_device_alloc"])
+        summary = cuvmm_torch.memory_summary(device)
+        self.assertIn("Allocated memory", summary)
+        with tempfile.TemporaryDirectory() as scratch:
+            path = os.path.join(scratch, "snapshot.pickle")
+            cuvmm_torch.dump_snapshot(path, device)
+            with open(path, "rb") as f:
+                self.assertEqual(f.read(1), b"\x80")
+        lib.cuvmm_free(small, 1000, device, None)
+        lib.cuvmm_free(large, 30 << 20, device, None)
+        cuvmm_torch.empty_cache(device)
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual(stats["reserved_bytes.all.current"], 0)
+        self.assertEqual(stats["allocated_bytes.all.peak"], before["allocated_bytes.all.peak"] + 1024 + (30 << 20))
+
+
+class BadInput(unittest.TestCase):
+    """Each bad input: null / -1 / nothing, an error for cuvmm_last_error, and the allocator still works."""
+
+    device = BAD_INPUT_DEVICE
+
+    def assertFailed(self, expected):
+        error = cuvmm_torch.last_error()
+        self.assertIsNotNone(error, "no error recorded")
+        self.assertIn(expected, error)
+
+    def assertStillUsable(self):
+        ptr = lib.cuvmm_malloc(4096, self.device, None)
+        self.assertTrue(ptr, cuvmm_torch.last_error())
+        lib.cuvmm_free(ptr, 4096, self.device, None)
+        self.assertIsNone(cuvmm_torch.last_error())
+
+    def test_sizes_zero_negative_and_absurd(self):
+        for size in [0, -1, -(1 << 62)]:
+            self.assertIsNone(lib.cuvmm_malloc(size, self.device, None))
+            self.assertFailed("invalid size")
+        for size in [1 << 62, 81 << 30]:
+            self.assertIsNone(lib.cuvmm_malloc(size, self.device, None))
+            self.assertIsNotNone(cuvmm_torch.last_error())
+        self.assertStillUsable()
+
+    def test_devices_out_of_range(self):
+        for device in [-1, DEVICES, 1 << 30]:
+            self.assertIsNone(lib.cuvmm_malloc(512, device, None))
+            self.assertFailed("out of range")
+            self.assertIsNone(lib.cuvmm_memory_stats_json(device))
+            self.assertFailed("out of range")
+            lib.cuvmm_empty_cache(device)
+            self.assertFailed("out of range")
+            with self.assertRaisesRegex(cuvmm_torch.CuvmmError, "out of range"):
+                cuvmm_torch.memory_summary(device)
+        self.assertStillUsable()
+
+    def test_frees_of_foreign_pointers_and_double_frees(self):
+        ptr = lib.cuvmm_malloc(1 << 20, self.device, None)
+        self.assertTrue(ptr)
+        for foreign in [0x1234_5000, ptr + 512, ctypes.addressof(ctypes.c_int(0))]:
+            lib.cuvmm_free(foreign, 512, self.device, None)
+            self.assertIsNotNone(cuvmm_torch.last_error(), hex(foreign))
+        lib.cuvmm_free(ptr, 1 << 20, self.device, None)
+        self.assertIsNone(cuvmm_torch.last_error())
+        lib.cuvmm_free(ptr, 1 << 20, self.device, None)
+        self.assertIsNotNone(cuvmm_torch.last_error(), "double free")
+        lib.cuvmm_free(None, 0, self.device, None)
+        self.assertIsNone(cuvmm_torch.last_error(), "free(NULL) is nothing")
+        with self.assertRaises(cuvmm_torch.CuvmmError):
+            cuvmm_torch.record_stream(ptr, 5, self.device)
+        self.assertStillUsable()
+
+    def test_null_and_unwritable_snapshot_paths(self):
+        self.assertEqual(lib.cuvmm_dump_snapshot(self.device, None), -1)
+        self.assertFailed("null path")
+        with self.assertRaisesRegex(cuvmm_torch.CuvmmError, "no-such-dir"):
+            cuvmm_torch.dump_snapshot("/no-such-dir/snapshot.pickle", self.device)
+        self.assertStillUsable()
+
+
+class Setup(unittest.TestCase):
+    """Settings the library reads once per process, each tried in a fresh interpreter."""
+
+    PROBE = (
+        "import cuvmm_torch\n"
+        "lib = cuvmm_torch.load()\n"
+        "ptr = lib.cuvmm_malloc(1 << 20, 0, None)\n"
+        "print('ok' if ptr else cuvmm_torch.last_error())\n"
+    )
+
+    def test_cuda_without_a_driver_is_a_clear_error(self):
+        status, out, err = run_python(self.PROBE)
+        self.assertEqual(status, 0, err)
+        if out == "ok":
+            self.skipTest("a CUDA device is present")
+        self.assertIn("CUDA", out)
+
+    def test_bad_settings_name_the_variable(self):
+        for env, expected in [
+            ({"CUVMM_BACKEND": "tpu"}, "CUVMM_BACKEND"),
+            ({"CUVMM_BACKEND": "sim", "CUVMM_SIM_CAPACITY": "lots"}, "CUVMM_SIM_CAPACITY"),
+            ({"CUVMM_BACKEND": "sim", "CUVMM_ALLOC_CONF": "no_such_key:1"}, "no_such_key"),
+        ]:
+            status, out, err = run_python(self.PROBE, **env)
+            self.assertEqual(status, 0, err)
+            self.assertIn(expected, out, env)
+
+    def test_a_small_simulated_device_runs_out_of_memory_and_counts_it(self):
+        code = (
+            "import cuvmm_torch\n"
+            "lib = cuvmm_torch.load()\n"
+            "a = lib.cuvmm_malloc(48 << 20, 0, None)\n"
+            "b = lib.cuvmm_malloc(48 << 20, 0, None)\n"
+            "error = cuvmm_torch.last_error()\n"
+            "lib.cuvmm_free(a, 48 << 20, 0, None)\n"
+            "c = lib.cuvmm_malloc(48 << 20, 0, None)\n"
+            "print(bool(a), bool(b), bool(c), cuvmm_torch.memory_stats(0)['num_ooms'], error)\n"
+        )
+        status, out, err = run_python(code, CUVMM_BACKEND="sim", CUVMM_SIM_CAPACITY="64MiB")
+        self.assertEqual(status, 0, err)
+        self.assertTrue(out.startswith("True False True 1 "), out)
+        self.assertIn("out of memory", out.lower())
+
+
+class Install(unittest.TestCase):
+    def test_install_swaps_pytorchs_allocator_for_the_library(self):
+        calls = []
+
+        def pluggable(path, alloc, free):
+            calls.append(("CUDAPluggableAllocator", path, alloc, free))
+            return "allocator"
+
+        memory = types.SimpleNamespace(
+            CUDAPluggableAllocator=pluggable,
+            change_current_allocator=lambda a: calls.append(("change_current_allocator", a)),
+        )
+        fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory))
+        saved = sys.modules.get("torch")
+        sys.modules["torch"] = fake
+        try:
+            self.assertEqual(cuvmm_torch.install(), "allocator")
+        finally:
+            if saved is None:
+                del sys.modules["torch"]
+            else:
+                sys.modules["torch"] = saved
+        path = cuvmm_torch.library_path()
+        self.assertEqual(
+            calls,
+            [("CUDAPluggableAllocator", path, "cuvmm_malloc", "cuvmm_free"), ("change_current_allocator", "allocator")],
+        )
+
+
+def read_trace(path):
+    """Events of a cuvmm trace (docs/trace-format.md): ("alloc", id, size, stream), ("free", id),
+    ("record_stream", id, stream)."""
+    events = []
+    with open(path) as f:
+        if f.readline().strip() != "# cuvmm-trace v1":
+            raise AssertionError(f"{path}: not a cuvmm trace")
+        for line in f:
+            words = line.split()
+            if not words or words[0].startswith("#") or words[0] == "name":
+                continue
+            events.append((words[0], *map(int, words[1:])))
+    return events
+
+
+class Replay(unittest.TestCase):
+    """A built-in workload replayed event by event through the C functions reaches the same peak reserved as
+    `cuvmm compare` reports for cuvmm: same library, same events, same configuration, same answer."""
+
+    def replay(self, workload):
+        binary = cuvmm_binary()
+        with tempfile.TemporaryDirectory() as scratch:
+            trace = os.path.join(scratch, "trace.txt")
+            subprocess.run([binary, "workload", workload, "-o", trace], check=True, capture_output=True)
+            events = read_trace(trace)
+        compared = subprocess.run(
+            [binary, "compare", "--workload", workload, "--format", "json", "--quiet"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        (expected,) = [r for r in json.loads(compared.stdout)["results"] if r["allocator"] == "cuvmm"]
+        device = REPLAY_DEVICES[workload]
+        live = {}
+        record_streams = 0
+        for event in events:
+            if event[0] == "alloc":
+                _, ident, size, s = event
+                ptr = lib.cuvmm_malloc(size, device, stream(s))
+                self.assertTrue(ptr, f"{workload}: allocation {ident}: {cuvmm_torch.last_error()}")
+                live[ident] = (ptr, size, s)
+            elif event[0] == "free":
+                ptr, size, s = live.pop(event[1])
+                lib.cuvmm_free(ptr, size, device, stream(s))
+                self.assertIsNone(cuvmm_torch.last_error())
+            else:
+                _, ident, s = event
+                lib.cuvmm_record_stream(live[ident][0], device, stream(s))
+                self.assertIsNone(cuvmm_torch.last_error())
+                record_streams += 1
+        stats = cuvmm_torch.memory_stats(device)
+        print(
+            f"\n{workload}: {len(events)} events ({record_streams} record_stream) through the C ABI: peak reserved "
+            f"{stats['reserved_bytes.all.peak']}, cuvmm compare: {expected['peak_reserved_bytes']}",
+            file=sys.stderr,
+        )
+        self.assertEqual(expected["ooms"], 0)
+        self.assertEqual(stats["num_ooms"], 0)
+        self.assertEqual(stats["reserved_bytes.all.peak"], expected["peak_reserved_bytes"])
+        self.assertEqual(stats["allocated_bytes.all.peak"], expected["peak_allocated_bytes"])
+        self.assertEqual(stats["num_sync_all_streams"], expected["synchronizations"])
+        return record_streams
+
+    def test_stream_producer_consumer_with_record_stream(self):
+        self.assertGreater(self.replay("stream-producer-consumer"), 0)
+
+    def test_transformer_train(self):
+        self.replay("transformer-train")
+
+    def test_llm_serving(self):
+        self.replay("llm-serving")
+
+
+if __name__ == "__main__":
+    unittest.main()
