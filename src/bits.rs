@@ -1,131 +1,108 @@
-//! A bit vector that finds set bits fast in sparse stretches: a second level keeps one bit per word of the
-//! first, set when that word has any bit set.
+//! A bit vector that finds set bits fast in sparse stretches: bitvec's `BitVec` holds the bits, and a second
+//! `BitVec` keeps one bit per word of the first, set when that word has any bit set.
 //!
 //! A segment's page map spans its whole reservation (tens of thousands of pages for an 80 GiB device), but
 //! its idle pages, and the mapped pages inside a free block, are few: searching for them a word at a time
 //! still read a thousand words. With the summary a search skips 64 empty words per summary bit. Searching
 //! for clear bits is not summarized: the runs of set bits it ends are short.
+//!
+//! Counting, filling, copying and searching within a word range are bitvec's own (`count_ones`, `fill`,
+//! `copy_from_bitslice`, `first_one`, `last_zero`, ...), which work a whole `u64` at a time on the aligned
+//! middle of a range. This type adds only the summary and keeps it in step: after each write it re-reads
+//! the words the write touched (`as_raw_slice`).
 
 #![deny(unsafe_code)]
 
+use bitvec::prelude::{BitSlice, BitVec, Lsb0};
 use std::ops::Range;
 
 const BITS: usize = u64::BITS as usize;
 
+type Words = BitVec<u64, Lsb0>;
+
 /// A fixed-length bit vector with a summary of its non-empty words.
 #[derive(Debug, Clone)]
 pub(crate) struct Bits {
-    words: Vec<u64>,
-    /// Bit `w` is set when `words[w] != 0`.
-    nonempty: Vec<u64>,
-    len: usize,
+    bits: Words,
+    /// Bit `w` is set when word `w` of `bits` is not zero.
+    nonempty: Words,
 }
 
 impl Bits {
     /// `len` clear bits.
     pub(crate) fn new(len: usize) -> Self {
-        let words = len.div_ceil(BITS);
         Self {
-            words: vec![0; words],
-            nonempty: vec![0; words.div_ceil(BITS)],
-            len,
+            bits: BitVec::repeat(false, len),
+            nonempty: BitVec::repeat(false, len.div_ceil(BITS)),
         }
     }
 
     /// Bit `i`.
     pub(crate) fn get(&self, i: usize) -> bool {
-        assert!(i < self.len, "bit {i} out of {}", self.len);
-        self.words[i / BITS] >> (i % BITS) & 1 == 1
+        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        self.bits[i]
     }
 
     /// Sets bit `i` to `value`.
     pub(crate) fn set(&mut self, i: usize, value: bool) {
-        assert!(i < self.len, "bit {i} out of {}", self.len);
-        let w = i / BITS;
-        let mask = 1 << (i % BITS);
-        if value {
-            self.words[w] |= mask;
-        } else {
-            self.words[w] &= !mask;
-        }
-        self.summarize(w);
+        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        self.bits.set(i, value);
+        self.summarize(i..i + 1);
     }
 
     /// Sets every bit of `range` to `value`.
     pub(crate) fn fill(&mut self, range: Range<usize>, value: bool) {
-        self.update(
-            range,
-            |_, word, mask| {
-                if value { word | mask } else { word & !mask }
-            },
-        );
+        self.slice_mut(&range).fill(value);
+        self.summarize(range);
     }
 
     /// Copies bits `range` of `other` (of the same length) into the same bits of `self`. Returns how many of
     /// them are set.
     pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) -> usize {
-        let mut ones = 0;
-        self.update(range, |w, word, mask| {
-            let copied = other.words[w] & mask;
-            ones += copied.count_ones() as usize;
-            (word & !mask) | copied
-        });
-        ones
+        let source = other.slice(&range);
+        self.slice_mut(&range).copy_from_bitslice(source);
+        self.summarize(range);
+        source.count_ones()
     }
 
     /// Clears every bit of `range`. Returns how many were set.
     pub(crate) fn take_ones(&mut self, range: Range<usize>) -> usize {
-        let mut ones = 0;
-        self.update(range, |_, word, mask| {
-            ones += (word & mask).count_ones() as usize;
-            word & !mask
-        });
+        let slice = self.slice_mut(&range);
+        let ones = slice.count_ones();
+        if ones > 0 {
+            slice.fill(false);
+            self.summarize(range);
+        }
         ones
     }
 
     /// Set bits in `range`.
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
-        self.check(&range);
-        if range.is_empty() {
-            return 0;
-        }
-        let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
-        let low = u64::MAX << (range.start % BITS);
-        let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
-        if first == last {
-            return (self.words[first] & low & high).count_ones() as usize;
-        }
-        let ends = (self.words[first] & low).count_ones() + (self.words[last] & high).count_ones();
-        let middle: u32 = self.words[first + 1..last]
-            .iter()
-            .map(|w| w.count_ones())
-            .sum();
-        (ends + middle) as usize
+        self.slice(&range).count_ones()
     }
 
     /// Whether every bit of `range` is set (true for an empty range).
     pub(crate) fn all(&self, range: Range<usize>) -> bool {
-        self.find(range, false).is_none()
+        self.slice(&range).all()
     }
 
     /// The first bit in `range` equal to `value`.
     pub(crate) fn find(&self, range: Range<usize>, value: bool) -> Option<usize> {
+        if !value {
+            return self
+                .slice(&range)
+                .first_zero()
+                .map(|i| range.start + i);
+        }
         self.check(&range);
         let mut at = range.start;
         while at < range.end {
-            let w = at / BITS;
-            let word = if value { self.words[w] } else { !self.words[w] };
-            let from_bit = word & (u64::MAX << (at % BITS));
-            if from_bit != 0 {
-                let found = w * BITS + from_bit.trailing_zeros() as usize;
-                return (found < range.end).then_some(found);
+            // Within the word that holds `at`, then from the next non-empty word on (the summary).
+            let word_end = ((at / BITS + 1) * BITS).min(range.end);
+            if let Some(i) = self.bits[at..word_end].first_one() {
+                return Some(at + i);
             }
-            at = if value {
-                // The next non-empty word, from the summary.
-                self.next_nonempty(w + 1)? * BITS
-            } else {
-                (w + 1) * BITS
-            };
+            at = self.next_nonempty(word_end.div_ceil(BITS))? * BITS;
         }
         None
     }
@@ -144,30 +121,23 @@ impl Bits {
 
     /// The last set bit at or before `at`.
     pub(crate) fn find_last_set(&self, at: usize) -> Option<usize> {
-        assert!(at < self.len, "bit {at} out of {}", self.len);
-        let mut w = at / BITS;
-        let mut word = self.words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
+        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        let mut end = at + 1;
         loop {
-            if word != 0 {
-                return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
+            let word_start = (end - 1) / BITS * BITS;
+            if let Some(i) = self.bits[word_start..end].last_one() {
+                return Some(word_start + i);
             }
-            w = self.previous_nonempty(w)?;
-            word = self.words[w];
+            // The last non-empty word before this one, from the summary.
+            let word = self.nonempty[..word_start / BITS].last_one()?;
+            end = ((word + 1) * BITS).min(self.bits.len());
         }
     }
 
     /// The last clear bit at or before `at`.
     pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
-        assert!(at < self.len, "bit {at} out of {}", self.len);
-        let mut w = at / BITS;
-        let mut word = !self.words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
-        loop {
-            if word != 0 {
-                return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
-            }
-            w = w.checked_sub(1)?;
-            word = !self.words[w];
-        }
+        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        self.bits[..=at].last_zero()
     }
 
     /// The last maximal run of set bits that ends at or before `end` (cut at `end`).
@@ -177,76 +147,41 @@ impl Bits {
         Some(start..last + 1)
     }
 
-    /// The index of the last non-empty word before word `before`.
-    fn previous_nonempty(&self, before: usize) -> Option<usize> {
-        let before = before.checked_sub(1)?;
-        let mut s = before / BITS;
-        let mut summary = self.nonempty[s] & (u64::MAX >> (BITS - 1 - before % BITS));
-        loop {
-            if summary != 0 {
-                return Some(s * BITS + (BITS - 1 - summary.leading_zeros() as usize));
-            }
-            s = s.checked_sub(1)?;
-            summary = self.nonempty[s];
-        }
-    }
-
     /// The index of the first non-empty word at or after word `from`.
     fn next_nonempty(&self, from: usize) -> Option<usize> {
-        let mut s = from / BITS;
-        let mut summary = *self.nonempty.get(s)? & (u64::MAX << (from % BITS));
-        loop {
-            if summary != 0 {
-                return Some(s * BITS + summary.trailing_zeros() as usize);
-            }
-            s += 1;
-            summary = *self.nonempty.get(s)?;
+        let rest = self.nonempty.get(from..)?;
+        rest.first_one().map(|w| from + w)
+    }
+
+    /// Brings the summary bits of the words that bits `range` touch up to date.
+    fn summarize(&mut self, range: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        let words = range.start / BITS..(range.end - 1) / BITS + 1;
+        let raw = self.bits.as_raw_slice();
+        for w in words {
+            self.nonempty.set(w, raw[w] != 0);
         }
     }
 
-    /// Applies `f(word index, word, mask of the range's bits in it)` to each word `range` touches.
-    fn update(&mut self, range: Range<usize>, mut f: impl FnMut(usize, u64, u64) -> u64) {
-        self.check(&range);
-        for (w, mask) in word_masks(range) {
-            self.words[w] = f(w, self.words[w], mask);
-            self.summarize(w);
-        }
+    fn slice(&self, range: &Range<usize>) -> &BitSlice<u64, Lsb0> {
+        self.check(range);
+        &self.bits[range.clone()]
     }
 
-    fn summarize(&mut self, w: usize) {
-        let mask = 1 << (w % BITS);
-        if self.words[w] != 0 {
-            self.nonempty[w / BITS] |= mask;
-        } else {
-            self.nonempty[w / BITS] &= !mask;
-        }
+    fn slice_mut(&mut self, range: &Range<usize>) -> &mut BitSlice<u64, Lsb0> {
+        self.check(range);
+        &mut self.bits[range.clone()]
     }
 
     fn check(&self, range: &Range<usize>) {
         assert!(
-            range.start <= range.end && range.end <= self.len,
+            range.start <= range.end && range.end <= self.bits.len(),
             "bits {range:?} out of {}",
-            self.len
+            self.bits.len()
         );
     }
-}
-
-/// Each word that bits `range` touch, with the mask of the range's bits in it.
-fn word_masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
-    let (first, last) = if range.is_empty() {
-        (1, 0)
-    } else {
-        (range.start / BITS, (range.end - 1) / BITS)
-    };
-    (first..=last).map(move |w| {
-        let lo = if w == first { range.start % BITS } else { 0 };
-        let hi = if w == last {
-            (range.end - 1) % BITS
-        } else {
-            BITS - 1
-        };
-        (w, (u64::MAX << lo) & (u64::MAX >> (BITS - 1 - hi)))
-    })
 }
 
 /// The runs of equal bits of a range, from [`Bits::runs`].
