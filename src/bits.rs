@@ -6,14 +6,15 @@
 //! still read a thousand words. With the summary a search skips 64 empty words per summary bit. Searching
 //! for clear bits is not summarized: the runs of set bits it ends are short.
 //!
-//! Counting, filling, copying and searching within a word range are bitvec's own (`count_ones`, `fill`,
-//! `copy_from_bitslice`, `first_one`, `last_zero`, ...), which work a whole `u64` at a time on the aligned
-//! middle of a range. This type adds only the summary and keeps it in step: after each write it re-reads
-//! the words the write touched (`as_raw_slice`).
+//! bitvec owns the storage: both levels are `BitVec<u64, Lsb0>`. The operations the allocation path makes on
+//! every request (get, set, count, fill, copy, search) work on bitvec's raw words (`as_raw_slice`,
+//! `as_raw_mut_slice`) rather than through its bit-level API: measured on `llm-serving`, going through
+//! bitvec's `first_one`, `count_ones`, `fill` and `copy_from_bitslice` cost the whole replay 39% more
+//! instructions (`docs/performance.md`, "The page map on bitvec").
 
 #![deny(unsafe_code)]
 
-use bitvec::prelude::{BitSlice, BitVec, Lsb0};
+use bitvec::prelude::{BitVec, Lsb0};
 use std::ops::Range;
 
 const BITS: usize = u64::BITS as usize;
@@ -40,69 +41,98 @@ impl Bits {
     /// Bit `i`.
     pub(crate) fn get(&self, i: usize) -> bool {
         assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
-        self.bits[i]
+        self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
     }
 
     /// Sets bit `i` to `value`.
     pub(crate) fn set(&mut self, i: usize, value: bool) {
         assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
         self.bits.set(i, value);
-        self.summarize(i..i + 1);
+        let w = i / BITS;
+        summarize(
+            self.nonempty.as_raw_mut_slice(),
+            w,
+            self.bits.as_raw_slice()[w],
+        );
     }
 
     /// Sets every bit of `range` to `value`.
     pub(crate) fn fill(&mut self, range: Range<usize>, value: bool) {
-        self.slice_mut(&range).fill(value);
-        self.summarize(range);
+        self.update(
+            range,
+            |_, word, mask| {
+                if value { word | mask } else { word & !mask }
+            },
+        );
     }
 
     /// Copies bits `range` of `other` (of the same length) into the same bits of `self`. Returns how many of
     /// them are set.
     pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) -> usize {
-        let source = other.slice(&range);
-        self.slice_mut(&range).copy_from_bitslice(source);
-        self.summarize(range);
-        source.count_ones()
+        let source = other.bits.as_raw_slice();
+        let mut ones = 0;
+        self.update(range, |w, word, mask| {
+            let copied = source[w] & mask;
+            ones += copied.count_ones() as usize;
+            (word & !mask) | copied
+        });
+        ones
     }
 
     /// Clears every bit of `range`. Returns how many were set.
     pub(crate) fn take_ones(&mut self, range: Range<usize>) -> usize {
-        let slice = self.slice_mut(&range);
-        let ones = slice.count_ones();
+        let ones = self.count_ones(range.clone());
         if ones > 0 {
-            slice.fill(false);
-            self.summarize(range);
+            self.fill(range, false);
         }
         ones
     }
 
-    /// Set bits in `range`.
+    /// Set bits in `range`. On the raw words: bitvec's `count_ones` costs about 4x as many instructions on
+    /// the short ranges the page map counts (`docs/performance.md`).
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
-        self.slice(&range).count_ones()
+        self.check(&range);
+        if range.is_empty() {
+            return 0;
+        }
+        let words = self.bits.as_raw_slice();
+        let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
+        let low = u64::MAX << (range.start % BITS);
+        let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+        if first == last {
+            return (words[first] & low & high).count_ones() as usize;
+        }
+        let ends = (words[first] & low).count_ones() + (words[last] & high).count_ones();
+        let middle: u32 = words[first + 1..last].iter().map(|w| w.count_ones()).sum();
+        (ends + middle) as usize
     }
 
     /// Whether every bit of `range` is set (true for an empty range).
     pub(crate) fn all(&self, range: Range<usize>) -> bool {
-        self.slice(&range).all()
+        self.find(range, false).is_none()
     }
 
-    /// The first bit in `range` equal to `value`.
+    /// The first bit in `range` equal to `value`. On the raw words, skipping empty words through the summary
+    /// when looking for a set bit: bitvec's `first_one` / `first_zero` go through its bit iterators and
+    /// cost several times as many instructions here (`docs/performance.md`).
     pub(crate) fn find(&self, range: Range<usize>, value: bool) -> Option<usize> {
-        if !value {
-            return self
-                .slice(&range)
-                .first_zero()
-                .map(|i| range.start + i);
-        }
         self.check(&range);
+        let words = self.bits.as_raw_slice();
+        let summary = self.nonempty.as_raw_slice();
         let mut at = range.start;
         while at < range.end {
-            // Within the word that holds `at`, then from the next non-empty word on (the summary).
-            let word_end = ((at / BITS + 1) * BITS).min(range.end);
-            if let Some(i) = self.bits[at..word_end].first_one() {
-                return Some(at + i);
+            let w = at / BITS;
+            let word = if value { words[w] } else { !words[w] };
+            let from_bit = word & (u64::MAX << (at % BITS));
+            if from_bit != 0 {
+                let found = w * BITS + from_bit.trailing_zeros() as usize;
+                return (found < range.end).then_some(found);
             }
-            at = self.next_nonempty(word_end.div_ceil(BITS))? * BITS;
+            at = if value {
+                next_nonempty(summary, w + 1)? * BITS
+            } else {
+                (w + 1) * BITS
+            };
         }
         None
     }
@@ -119,25 +149,34 @@ impl Bits {
         }
     }
 
-    /// The last set bit at or before `at`.
+    /// The last set bit at or before `at` (raw words and the summary, as [`Bits::find`]).
     pub(crate) fn find_last_set(&self, at: usize) -> Option<usize> {
         assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
-        let mut end = at + 1;
+        let words = self.bits.as_raw_slice();
+        let mut w = at / BITS;
+        let mut word = words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
         loop {
-            let word_start = (end - 1) / BITS * BITS;
-            if let Some(i) = self.bits[word_start..end].last_one() {
-                return Some(word_start + i);
+            if word != 0 {
+                return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
             }
-            // The last non-empty word before this one, from the summary.
-            let word = self.nonempty[..word_start / BITS].last_one()?;
-            end = ((word + 1) * BITS).min(self.bits.len());
+            w = self.previous_nonempty(w)?;
+            word = words[w];
         }
     }
 
     /// The last clear bit at or before `at`.
     pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
         assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
-        self.bits[..=at].last_zero()
+        let words = self.bits.as_raw_slice();
+        let mut w = at / BITS;
+        let mut word = !words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
+        loop {
+            if word != 0 {
+                return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
+            }
+            w = w.checked_sub(1)?;
+            word = !words[w];
+        }
     }
 
     /// The last maximal run of set bits that ends at or before `end` (cut at `end`).
@@ -147,32 +186,32 @@ impl Bits {
         Some(start..last + 1)
     }
 
-    /// The index of the first non-empty word at or after word `from`.
-    fn next_nonempty(&self, from: usize) -> Option<usize> {
-        let rest = self.nonempty.get(from..)?;
-        rest.first_one().map(|w| from + w)
-    }
-
-    /// Brings the summary bits of the words that bits `range` touch up to date.
-    fn summarize(&mut self, range: Range<usize>) {
-        if range.is_empty() {
-            return;
-        }
-        let words = range.start / BITS..(range.end - 1) / BITS + 1;
-        let raw = self.bits.as_raw_slice();
-        for w in words {
-            self.nonempty.set(w, raw[w] != 0);
+    /// The index of the last non-empty word before word `before`.
+    fn previous_nonempty(&self, before: usize) -> Option<usize> {
+        let summary = self.nonempty.as_raw_slice();
+        let before = before.checked_sub(1)?;
+        let mut s = before / BITS;
+        let mut bits = summary[s] & (u64::MAX >> (BITS - 1 - before % BITS));
+        loop {
+            if bits != 0 {
+                return Some(s * BITS + (BITS - 1 - bits.leading_zeros() as usize));
+            }
+            s = s.checked_sub(1)?;
+            bits = summary[s];
         }
     }
 
-    fn slice(&self, range: &Range<usize>) -> &BitSlice<u64, Lsb0> {
-        self.check(range);
-        &self.bits[range.clone()]
-    }
-
-    fn slice_mut(&mut self, range: &Range<usize>) -> &mut BitSlice<u64, Lsb0> {
-        self.check(range);
-        &mut self.bits[range.clone()]
+    /// Applies `f(word index, word, mask of the range's bits in it)` to each raw word that bits `range`
+    /// touch, and brings their summary bits up to date. bitvec's `fill` and `copy_from_bitslice` over the
+    /// same ranges cost about 4x the instructions (`docs/performance.md`).
+    fn update(&mut self, range: Range<usize>, mut f: impl FnMut(usize, u64, u64) -> u64) {
+        self.check(&range);
+        let words = self.bits.as_raw_mut_slice();
+        let summary = self.nonempty.as_raw_mut_slice();
+        for (w, mask) in word_masks(range) {
+            words[w] = f(w, words[w], mask);
+            summarize(summary, w, words[w]);
+        }
     }
 
     fn check(&self, range: &Range<usize>) {
@@ -182,6 +221,49 @@ impl Bits {
             self.bits.len()
         );
     }
+}
+
+/// The index of the first non-empty word at or after word `from`, from the summary's words.
+#[inline]
+fn next_nonempty(summary: &[u64], from: usize) -> Option<usize> {
+    let mut s = from / BITS;
+    let mut bits = *summary.get(s)? & (u64::MAX << (from % BITS));
+    loop {
+        if bits != 0 {
+            return Some(s * BITS + bits.trailing_zeros() as usize);
+        }
+        s += 1;
+        bits = *summary.get(s)?;
+    }
+}
+
+/// Sets summary bit `w` when `word` (word `w` of the bits) is not zero, and clears it when it is.
+#[inline]
+fn summarize(summary: &mut [u64], w: usize, word: u64) {
+    let mask = 1 << (w % BITS);
+    if word != 0 {
+        summary[w / BITS] |= mask;
+    } else {
+        summary[w / BITS] &= !mask;
+    }
+}
+
+/// Each word that bits `range` touch, with the mask of the range's bits in it.
+fn word_masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
+    let (first, last) = if range.is_empty() {
+        (1, 0)
+    } else {
+        (range.start / BITS, (range.end - 1) / BITS)
+    };
+    (first..=last).map(move |w| {
+        let lo = if w == first { range.start % BITS } else { 0 };
+        let hi = if w == last {
+            (range.end - 1) % BITS
+        } else {
+            BITS - 1
+        };
+        (w, (u64::MAX << lo) & (u64::MAX >> (BITS - 1 - hi)))
+    })
 }
 
 /// The runs of equal bits of a range, from [`Bits::runs`].
