@@ -1,54 +1,59 @@
-//! A bit vector that finds set bits fast in sparse stretches: a second level keeps one bit per word of the
-//! first, set when that word has any bit set.
+//! A bit vector that finds set bits fast in sparse stretches: bitvec's `BitVec` holds the bits, and a second
+//! `BitVec` keeps one bit per word of the first, set when that word has any bit set.
 //!
 //! A segment's page map spans its whole reservation (tens of thousands of pages for an 80 GiB device), but
 //! its idle pages, and the mapped pages inside a free block, are few: searching for them a word at a time
 //! still read a thousand words. With the summary a search skips 64 empty words per summary bit. Searching
 //! for clear bits is not summarized: the runs of set bits it ends are short.
+//!
+//! bitvec owns the storage: both levels are `BitVec<u64, Lsb0>`. The operations the allocation path makes on
+//! every request (get, set, count, fill, copy, search) work on bitvec's raw words (`as_raw_slice`,
+//! `as_raw_mut_slice`) rather than through its bit-level API: measured on `llm-serving`, going through
+//! bitvec's `first_one`, `count_ones`, `fill` and `copy_from_bitslice` cost the whole replay 39% more
+//! instructions (`docs/performance.md`, "The page map on bitvec").
 
 #![deny(unsafe_code)]
 
+use bitvec::prelude::{BitVec, Lsb0};
 use std::ops::Range;
 
 const BITS: usize = u64::BITS as usize;
 
+type Words = BitVec<u64, Lsb0>;
+
 /// A fixed-length bit vector with a summary of its non-empty words.
 #[derive(Debug, Clone)]
 pub(crate) struct Bits {
-    words: Vec<u64>,
-    /// Bit `w` is set when `words[w] != 0`.
-    nonempty: Vec<u64>,
-    len: usize,
+    bits: Words,
+    /// Bit `w` is set when word `w` of `bits` is not zero.
+    nonempty: Words,
 }
 
 impl Bits {
     /// `len` clear bits.
     pub(crate) fn new(len: usize) -> Self {
-        let words = len.div_ceil(BITS);
         Self {
-            words: vec![0; words],
-            nonempty: vec![0; words.div_ceil(BITS)],
-            len,
+            bits: BitVec::repeat(false, len),
+            nonempty: BitVec::repeat(false, len.div_ceil(BITS)),
         }
     }
 
     /// Bit `i`.
     pub(crate) fn get(&self, i: usize) -> bool {
-        assert!(i < self.len, "bit {i} out of {}", self.len);
-        self.words[i / BITS] >> (i % BITS) & 1 == 1
+        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
     }
 
     /// Sets bit `i` to `value`.
     pub(crate) fn set(&mut self, i: usize, value: bool) {
-        assert!(i < self.len, "bit {i} out of {}", self.len);
+        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        self.bits.set(i, value);
         let w = i / BITS;
-        let mask = 1 << (i % BITS);
-        if value {
-            self.words[w] |= mask;
-        } else {
-            self.words[w] &= !mask;
-        }
-        self.summarize(w);
+        summarize(
+            self.nonempty.as_raw_mut_slice(),
+            w,
+            self.bits.as_raw_slice()[w],
+        );
     }
 
     /// Sets every bit of `range` to `value`.
@@ -64,9 +69,10 @@ impl Bits {
     /// Copies bits `range` of `other` (of the same length) into the same bits of `self`. Returns how many of
     /// them are set.
     pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) -> usize {
+        let source = other.bits.as_raw_slice();
         let mut ones = 0;
         self.update(range, |w, word, mask| {
-            let copied = other.words[w] & mask;
+            let copied = source[w] & mask;
             ones += copied.count_ones() as usize;
             (word & !mask) | copied
         });
@@ -75,31 +81,29 @@ impl Bits {
 
     /// Clears every bit of `range`. Returns how many were set.
     pub(crate) fn take_ones(&mut self, range: Range<usize>) -> usize {
-        let mut ones = 0;
-        self.update(range, |_, word, mask| {
-            ones += (word & mask).count_ones() as usize;
-            word & !mask
-        });
+        let ones = self.count_ones(range.clone());
+        if ones > 0 {
+            self.fill(range, false);
+        }
         ones
     }
 
-    /// Set bits in `range`.
+    /// Set bits in `range`. On the raw words: bitvec's `count_ones` costs about 4x as many instructions on
+    /// the short ranges the page map counts (`docs/performance.md`).
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
         self.check(&range);
         if range.is_empty() {
             return 0;
         }
+        let words = self.bits.as_raw_slice();
         let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
         let low = u64::MAX << (range.start % BITS);
         let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
         if first == last {
-            return (self.words[first] & low & high).count_ones() as usize;
+            return (words[first] & low & high).count_ones() as usize;
         }
-        let ends = (self.words[first] & low).count_ones() + (self.words[last] & high).count_ones();
-        let middle: u32 = self.words[first + 1..last]
-            .iter()
-            .map(|w| w.count_ones())
-            .sum();
+        let ends = (words[first] & low).count_ones() + (words[last] & high).count_ones();
+        let middle: u32 = words[first + 1..last].iter().map(|w| w.count_ones()).sum();
         (ends + middle) as usize
     }
 
@@ -108,21 +112,24 @@ impl Bits {
         self.find(range, false).is_none()
     }
 
-    /// The first bit in `range` equal to `value`.
+    /// The first bit in `range` equal to `value`. On the raw words, skipping empty words through the summary
+    /// when looking for a set bit: bitvec's `first_one` / `first_zero` go through its bit iterators and
+    /// cost several times as many instructions here (`docs/performance.md`).
     pub(crate) fn find(&self, range: Range<usize>, value: bool) -> Option<usize> {
         self.check(&range);
+        let words = self.bits.as_raw_slice();
+        let summary = self.nonempty.as_raw_slice();
         let mut at = range.start;
         while at < range.end {
             let w = at / BITS;
-            let word = if value { self.words[w] } else { !self.words[w] };
+            let word = if value { words[w] } else { !words[w] };
             let from_bit = word & (u64::MAX << (at % BITS));
             if from_bit != 0 {
                 let found = w * BITS + from_bit.trailing_zeros() as usize;
                 return (found < range.end).then_some(found);
             }
             at = if value {
-                // The next non-empty word, from the summary.
-                self.next_nonempty(w + 1)? * BITS
+                next_nonempty(summary, w + 1)? * BITS
             } else {
                 (w + 1) * BITS
             };
@@ -142,31 +149,33 @@ impl Bits {
         }
     }
 
-    /// The last set bit at or before `at`.
+    /// The last set bit at or before `at` (raw words and the summary, as [`Bits::find`]).
     pub(crate) fn find_last_set(&self, at: usize) -> Option<usize> {
-        assert!(at < self.len, "bit {at} out of {}", self.len);
+        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
-        let mut word = self.words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
+        let mut word = words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
         loop {
             if word != 0 {
                 return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
             }
             w = self.previous_nonempty(w)?;
-            word = self.words[w];
+            word = words[w];
         }
     }
 
     /// The last clear bit at or before `at`.
     pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
-        assert!(at < self.len, "bit {at} out of {}", self.len);
+        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
-        let mut word = !self.words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
+        let mut word = !words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
         loop {
             if word != 0 {
                 return Some(w * BITS + (BITS - 1 - word.leading_zeros() as usize));
             }
             w = w.checked_sub(1)?;
-            word = !self.words[w];
+            word = !words[w];
         }
     }
 
@@ -179,55 +188,63 @@ impl Bits {
 
     /// The index of the last non-empty word before word `before`.
     fn previous_nonempty(&self, before: usize) -> Option<usize> {
+        let summary = self.nonempty.as_raw_slice();
         let before = before.checked_sub(1)?;
         let mut s = before / BITS;
-        let mut summary = self.nonempty[s] & (u64::MAX >> (BITS - 1 - before % BITS));
+        let mut bits = summary[s] & (u64::MAX >> (BITS - 1 - before % BITS));
         loop {
-            if summary != 0 {
-                return Some(s * BITS + (BITS - 1 - summary.leading_zeros() as usize));
+            if bits != 0 {
+                return Some(s * BITS + (BITS - 1 - bits.leading_zeros() as usize));
             }
             s = s.checked_sub(1)?;
-            summary = self.nonempty[s];
+            bits = summary[s];
         }
     }
 
-    /// The index of the first non-empty word at or after word `from`.
-    fn next_nonempty(&self, from: usize) -> Option<usize> {
-        let mut s = from / BITS;
-        let mut summary = *self.nonempty.get(s)? & (u64::MAX << (from % BITS));
-        loop {
-            if summary != 0 {
-                return Some(s * BITS + summary.trailing_zeros() as usize);
-            }
-            s += 1;
-            summary = *self.nonempty.get(s)?;
-        }
-    }
-
-    /// Applies `f(word index, word, mask of the range's bits in it)` to each word `range` touches.
+    /// Applies `f(word index, word, mask of the range's bits in it)` to each raw word that bits `range`
+    /// touch, and brings their summary bits up to date. bitvec's `fill` and `copy_from_bitslice` over the
+    /// same ranges cost about 4x the instructions (`docs/performance.md`).
     fn update(&mut self, range: Range<usize>, mut f: impl FnMut(usize, u64, u64) -> u64) {
         self.check(&range);
+        let words = self.bits.as_raw_mut_slice();
+        let summary = self.nonempty.as_raw_mut_slice();
         for (w, mask) in word_masks(range) {
-            self.words[w] = f(w, self.words[w], mask);
-            self.summarize(w);
-        }
-    }
-
-    fn summarize(&mut self, w: usize) {
-        let mask = 1 << (w % BITS);
-        if self.words[w] != 0 {
-            self.nonempty[w / BITS] |= mask;
-        } else {
-            self.nonempty[w / BITS] &= !mask;
+            words[w] = f(w, words[w], mask);
+            summarize(summary, w, words[w]);
         }
     }
 
     fn check(&self, range: &Range<usize>) {
         assert!(
-            range.start <= range.end && range.end <= self.len,
+            range.start <= range.end && range.end <= self.bits.len(),
             "bits {range:?} out of {}",
-            self.len
+            self.bits.len()
         );
+    }
+}
+
+/// The index of the first non-empty word at or after word `from`, from the summary's words.
+#[inline]
+fn next_nonempty(summary: &[u64], from: usize) -> Option<usize> {
+    let mut s = from / BITS;
+    let mut bits = *summary.get(s)? & (u64::MAX << (from % BITS));
+    loop {
+        if bits != 0 {
+            return Some(s * BITS + bits.trailing_zeros() as usize);
+        }
+        s += 1;
+        bits = *summary.get(s)?;
+    }
+}
+
+/// Sets summary bit `w` when `word` (word `w` of the bits) is not zero, and clears it when it is.
+#[inline]
+fn summarize(summary: &mut [u64], w: usize, word: u64) {
+    let mask = 1 << (w % BITS);
+    if word != 0 {
+        summary[w / BITS] |= mask;
+    } else {
+        summary[w / BITS] &= !mask;
     }
 }
 

@@ -1,5 +1,5 @@
-//! A progress bar on stderr for long runs: drawn only when stderr is a terminal and `--quiet` is not
-//! given, only once a run has taken a second, and redrawn at most ten times a second. Never on stdout.
+//! A progress bar on stderr for long runs, drawn by indicatif: only when stderr is a terminal and `--quiet`
+//! is not given, only once a run has taken a second, and redrawn at most ten times a second. Never on stdout.
 //!
 //! The observers here are told about every event of every replay; they look at the clock only every
 //! [`CHECK_EVERY`] events, so the replay loop pays a decrement and a branch per event.
@@ -9,25 +9,28 @@ use cuvmm::size::format_size;
 use cuvmm::trace::Trace;
 use cuvmm::trace::capacity::{Bracket, CapacityObserver};
 use cuvmm::trace::observe::ReplayObserver;
-use std::io::{IsTerminal, Write};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
 /// Events between two looks at the clock (a replay runs a few million events a second).
 const CHECK_EVERY: u32 = 4096;
 /// No bar for runs shorter than this.
 const DELAY: Duration = Duration::from_secs(1);
-/// The shortest time between two redraws.
+/// The shortest time between two updates (indicatif draws at most this often too).
 const INTERVAL: Duration = Duration::from_millis(100);
-/// Characters of the whole line: fits an 80-column terminal.
-const LINE: usize = 79;
-const BAR: usize = 20;
+/// Steps of the bar: a fraction is shown to a tenth of a percent.
+const STEPS: u64 = 1000;
+/// `[=====>      ]  42%   3s  label`; indicatif cuts the label to the terminal's width.
+const TEMPLATE: &str = "[{bar:20}] {percent:>3}% {elapsed:>4}  {wide_msg}";
 
-/// The bar itself: where it is, and when it was last drawn.
+/// The bar itself: whether it may draw, when the run started, and indicatif's bar once it is shown.
 #[derive(Debug)]
 pub struct Progress {
     enabled: bool,
     start: Instant,
-    last_draw: Option<Instant>,
+    last_update: Option<Instant>,
+    bar: Option<ProgressBar>,
 }
 
 impl Progress {
@@ -36,37 +39,38 @@ impl Progress {
         Self {
             enabled: !quiet && std::io::stderr().is_terminal(),
             start: Instant::now(),
-            last_draw: None,
+            last_update: None,
+            bar: None,
         }
     }
 
-    /// Redraws the bar at `fraction` (0 to 1) with `label`, if it is enabled, the run has taken a second,
-    /// and the last redraw is a tenth of a second old.
+    /// Moves the bar to `fraction` (0 to 1) with `label`, if it is enabled, the run has taken a second,
+    /// and the last update is a tenth of a second old.
     pub fn update(&mut self, fraction: f64, label: impl FnOnce() -> String) {
         if !self.enabled {
             return;
         }
         let now = Instant::now();
-        if now.duration_since(self.start) < DELAY
+        let elapsed = now.duration_since(self.start);
+        if elapsed < DELAY
             || self
-                .last_draw
+                .last_update
                 .is_some_and(|last| now.duration_since(last) < INTERVAL)
         {
             return;
         }
-        self.last_draw = Some(now);
-        let line = render(fraction, now.duration_since(self.start), &label());
-        let mut stderr = std::io::stderr().lock();
-        // A progress bar that cannot be drawn is not worth failing the run for.
-        let _ = write!(stderr, "\r{line}\x1b[K").and_then(|()| stderr.flush());
+        self.last_update = Some(now);
+        let bar = self.bar.get_or_insert_with(|| new_bar(elapsed));
+        bar.set_position(position(fraction));
+        bar.set_message(label());
     }
 
     /// Erases the bar, if it was drawn, so what follows starts on a clean line.
     pub fn finish(&mut self) {
-        if self.last_draw.take().is_some() {
-            let mut stderr = std::io::stderr().lock();
-            let _ = write!(stderr, "\r\x1b[K").and_then(|()| stderr.flush());
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
         }
+        self.last_update = None;
     }
 }
 
@@ -76,27 +80,24 @@ impl Drop for Progress {
     }
 }
 
-/// One line: `[=====>      ]  42%   3.1s  label`, the label cut to fit [`LINE`] characters.
-fn render(fraction: f64, elapsed: Duration, label: &str) -> String {
+/// indicatif's bar on stderr, its clock starting `elapsed` ago (when the run did).
+fn new_bar(elapsed: Duration) -> ProgressBar {
+    let style = ProgressStyle::with_template(TEMPLATE)
+        .expect("the template is valid")
+        .progress_chars("=> ");
+    ProgressBar::with_draw_target(Some(STEPS), ProgressDrawTarget::stderr_with_hz(10))
+        .with_style(style)
+        .with_elapsed(elapsed)
+}
+
+/// The bar's position for `fraction`, clamped to the bar (a fraction that is not a number shows 0).
+fn position(fraction: f64) -> u64 {
     let fraction = if fraction.is_finite() {
         fraction.clamp(0.0, 1.0)
     } else {
         0.0
     };
-    let filled = (fraction * BAR as f64).round() as usize;
-    let bar = match filled {
-        0 => " ".repeat(BAR),
-        n if n >= BAR => "=".repeat(BAR),
-        n => format!("{}>{}", "=".repeat(n - 1), " ".repeat(BAR - n)),
-    };
-    let head = format!(
-        "[{bar}] {:>3.0}% {:>5.1}s  ",
-        fraction * 100.0,
-        elapsed.as_secs_f64()
-    );
-    let room = LINE.saturating_sub(head.chars().count());
-    let label: String = label.chars().take(room).collect();
-    head + &label
+    (fraction * STEPS as f64).round() as u64
 }
 
 /// The bar of `cuvmm compare`: one step per replay, split by events within it.
@@ -255,18 +256,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_line_fits_80_columns_and_shows_the_fraction() {
-        let line = render(0.5, Duration::from_millis(3_200), &"x".repeat(200));
-        assert!(line.chars().count() <= LINE, "{line}");
-        assert!(line.contains(" 50%") && line.contains("3.2s"), "{line}");
-        assert!(
-            line.starts_with(&format!("[{}>", "=".repeat(BAR / 2 - 1))),
-            "{line}"
-        );
-        let full = render(1.5, Duration::ZERO, "done");
-        assert!(full.starts_with(&format!("[{}]", "=".repeat(BAR))) && full.ends_with("done"));
-        let empty = render(f64::NAN, Duration::ZERO, "");
-        assert!(empty.starts_with(&format!("[{}]", " ".repeat(BAR))) && empty.contains(" 0%"));
+    fn fractions_map_onto_the_bar() {
+        assert_eq!(position(0.5), STEPS / 2);
+        assert_eq!(position(1.5), STEPS);
+        assert_eq!(position(-1.0), 0);
+        assert_eq!(position(f64::NAN), 0);
+        assert!(ProgressStyle::with_template(TEMPLATE).is_ok());
     }
 
     #[test]
@@ -274,6 +269,25 @@ mod tests {
         let mut bar = Progress::new(true);
         bar.start -= DELAY * 2;
         bar.update(0.5, || unreachable!("a quiet bar builds no label"));
-        assert!(bar.last_draw.is_none());
+        assert!(bar.bar.is_none() && bar.last_update.is_none());
+    }
+
+    #[test]
+    fn an_enabled_bar_waits_a_second_then_follows_the_fraction() {
+        let mut bar = Progress {
+            enabled: true,
+            start: Instant::now(),
+            last_update: None,
+            bar: None,
+        };
+        bar.update(0.1, || unreachable!("no bar in the first second"));
+        assert!(bar.bar.is_none());
+        bar.start -= DELAY * 2;
+        bar.update(0.25, || "label".to_string());
+        let shown = bar.bar.as_ref().expect("shown after a second");
+        assert_eq!(shown.position(), STEPS / 4);
+        assert_eq!(shown.message(), "label");
+        bar.finish();
+        assert!(bar.bar.is_none());
     }
 }
