@@ -19,6 +19,7 @@
 //!
 //! `CUVMM_FAULT_SWEEP_SEEDS=N` runs N seeds per allocator instead of the default (for the figures in
 //! `docs/reliability.md`); each test prints what it injected to stderr.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::Op;
