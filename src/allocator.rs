@@ -103,7 +103,7 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
-    /// (PyTorch's `torch.cuda.memory._snapshot()`); `trace::pytorch::writer` pickles it for PyTorch's
+    /// (PyTorch's `torch.cuda.memory._snapshot()`); `snapshot::pickle` pickles it for PyTorch's
     /// memory viewer.
     pub fn snapshot(&self) -> Result<crate::snapshot::MemorySnapshot, Error> {
         self.shared.strategy.lock().snapshot()

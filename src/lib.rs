@@ -4,15 +4,19 @@
 //! so free space is never stranded by splitting, and idle physical pages are unmapped and reused wherever the
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
-//! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategies
-//! ([`expandable`], and [`split`], the model of PyTorch's caching allocator it is measured against), the facade
-//! ([`Allocator`]), and the tools ([`trace`], [`driver_bench`]). See `docs/DESIGN.md`.
+//! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategy [`expandable`], and
+//! the facade ([`Allocator`]). The laboratory around them is behind the `lab` feature (on by default, and
+//! needed by the `cli` feature): `split`, the model of PyTorch's caching allocator cuvmm is measured against,
+//! and the tools, `trace` (formats, replay, comparison, workloads) and `driver_bench`. A program that only
+//! allocates turns default features off and compiles the allocator's own dependencies alone. See
+//! `docs/DESIGN.md`.
 
 pub mod allocator;
 mod bits;
 pub mod config;
 mod divisor;
 pub mod driver;
+#[cfg(feature = "lab")]
 pub mod driver_bench;
 pub mod error;
 pub mod expandable;
@@ -22,11 +26,13 @@ pub mod oom;
 pub mod page_map;
 pub mod size;
 pub mod snapshot;
+#[cfg(feature = "lab")]
 pub mod split;
 pub mod stats;
 pub mod strategy;
 pub mod summary;
 mod sync;
+#[cfg(feature = "lab")]
 pub mod trace;
 
 pub use allocator::{Allocator, DeviceBuffer};
@@ -36,7 +42,7 @@ pub use error::{Error, InvariantViolation, OutOfMemory};
 pub use stats::{Stat, Stats};
 pub use strategy::Strategy;
 
-/// The README's examples, compiled and run as doctests so they stay true.
-#[cfg(doctest)]
+/// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
+#[cfg(all(doctest, feature = "lab"))]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

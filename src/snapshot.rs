@@ -3,7 +3,9 @@
 //!
 //! A segment here is what PyTorch reports: one `cudaMalloc`'d segment, or one contiguous run of mapped
 //! memory of an expandable reservation (for cuvmm, a run of mapped pages; a free block that runs past the
-//! mapped pages is cut at the run's end). `trace::pytorch::writer` pickles it for PyTorch's memory viewer.
+//! mapped pages is cut at the run's end). [`pickle`] writes it as the pickle PyTorch's memory viewer reads.
+
+pub mod pickle;
 
 use crate::driver::StreamId;
 use crate::expandable::Pool;

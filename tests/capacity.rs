@@ -2,6 +2,7 @@
 //! both independently of the search (with the invariants checked along the way); cuvmm fits every
 //! built-in workload and every PyTorch snapshot in `../shared/traces` within 2% of the peak of live bytes
 //! rounded up to a page; PyTorch's segment sizes show in the classic model's answer.
+#![cfg(feature = "lab")]
 
 use cuvmm::StreamId;
 use cuvmm::size::MIB;

@@ -1,5 +1,6 @@
 //! The classic split model against PyTorch's rules, one test per rule, with PyTorch's numbers.
 //! `check_invariants()` runs after every step.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};

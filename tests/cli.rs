@@ -1,4 +1,5 @@
 //! The `cuvmm` binary: exit statuses, messages on stderr, results on stdout.
+#![cfg(feature = "cli")]
 
 use cuvmm::trace::allocators::ALLOCATORS;
 use cuvmm::trace::workload::BUILTIN;

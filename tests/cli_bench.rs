@@ -1,4 +1,5 @@
 //! `cuvmm bench`: medians per trace and allocator, the ratio to classic, and bad input exiting 2.
+#![cfg(feature = "cli")]
 
 mod common;
 

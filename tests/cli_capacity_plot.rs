@@ -1,5 +1,6 @@
 //! `cuvmm capacity` and `cuvmm compare --plot` from the outside: results on stdout, nothing on stderr when
 //! it is not a terminal (no progress bar), bad input is status 2 with one line naming it.
+#![cfg(feature = "cli")]
 
 mod common;
 

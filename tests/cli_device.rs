@@ -4,6 +4,7 @@
 //! (status 2, one line saying to rebuild with `--features cuda`); with it, on a machine without a CUDA
 //! driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine those
 //! two tests have nothing to check and say so.
+#![cfg(feature = "cli")]
 
 mod common;
 

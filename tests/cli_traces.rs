@@ -4,6 +4,7 @@
 //! missing file, a device the snapshot lacks, an unknown flag) exits with status 2 and exactly one line on
 //! stderr naming the file or flag and the problem, nothing on stdout, never a panic. Good files replay
 //! through every allocator, and the JSON results name the trace.
+#![cfg(feature = "cli")]
 
 mod common;
 

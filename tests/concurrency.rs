@@ -10,6 +10,7 @@
 //! cache emptied nothing is reserved, no event is left and the device reports no leak.
 //!
 //! Each test prints threads x operations to stderr (figures for `docs/reliability.md`).
+#![cfg(feature = "lab")]
 
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Op, StreamId, VaRange};

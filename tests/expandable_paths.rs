@@ -218,7 +218,9 @@ fn a_free_that_happened_is_ok_even_if_releasing_idle_memory_fails() {
     let mut alloc = cuvmm::expandable::Expandable::new(sim, config).unwrap();
     let a = alloc.alloc(4 * PAGE, S).unwrap();
     let b = alloc.alloc(PAGE, S).unwrap();
+    // The unmap fails, and so does the second try that settles it (`src/expandable/settle.rs`).
     alloc.driver_mut().fail_nth(Op::Unmap, 1, FaultKind::Error);
+    alloc.driver_mut().fail_nth(Op::Unmap, 2, FaultKind::Error);
     alloc
         .free(a)
         .expect("the block is free even though trimming the excess failed");

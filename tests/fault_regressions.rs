@@ -2,6 +2,7 @@
 //! found: each failed before its fix. A driver call that fails must leave the allocator consistent
 //! (`check_invariants()`, `reserved_bytes` equal to what the device holds), and what it could not give
 //! back must be given back by a later `empty_cache`, so the device ends with nothing leaked.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::Op;

@@ -6,7 +6,11 @@
 //! driver calls of each kind it makes. Then, for each kind of call (reserve, create, map, set_access,
 //! unmap, release, and the other calls each allocator makes) and each call index `n` the sequence reached,
 //! the sequence runs again on a fresh allocator whose `n`th call of that kind fails (`SimDriver::fail_nth`;
-//! `create` and `malloc` also fail once as out-of-memory, the failure the allocators retry). Checked:
+//! `create` and `malloc` also fail once as out-of-memory, the failure the allocators retry). The sweep
+//! runs a second time with failures *after the effect* (`AfterEffect`: the call does its work, then
+//! returns an error, as a real driver's call can) for cuvmm. (The models of PyTorch's allocator do not
+//! survive that sweep, as PyTorch's allocator would not: after a `cudaFree` or `cuMemAddressFree` that
+//! worked but reported an error they keep the segment and fail when freeing it again.) Checked:
 //! - the fault fires, and the operation it fires in either succeeds (recovered: a documented retry, or
 //!   memory kept idle when giving it back failed) or fails with a typed driver or out-of-memory error;
 //!   an out-of-memory `create` or `malloc` inside a successful allocation was retried
@@ -19,9 +23,11 @@
 //!
 //! `CUVMM_FAULT_SWEEP_SEEDS=N` runs N seeds per allocator instead of the default (for the figures in
 //! `docs/reliability.md`); each test prints what it injected to stderr.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::Op;
+use cuvmm::driver::after_effect::AfterEffect;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::split::Split;
@@ -88,22 +94,25 @@ impl Kind {
     }
 }
 
+/// The driver under every allocator: the simulator, wrapped to fail chosen calls after their effect.
+type Device = AfterEffect<SimDriver>;
+
 /// The allocator under test, reachable as a `Strategy` and through its simulated device.
 enum Subject {
-    Cuvmm(Box<Expandable<SimDriver>>),
-    Split(Box<Split<SimDriver>>),
+    Cuvmm(Box<Expandable<Device>>),
+    Split(Box<Split<Device>>),
 }
 
 impl Subject {
     /// A fresh allocator of `kind`; `seed` picks cuvmm's idle limit (0, so frees give memory back, or
     /// unlimited).
     fn new(kind: Kind, seed: u64) -> Self {
-        let sim = SimDriver::new(
+        let sim = AfterEffect::new(SimDriver::new(
             SimConfig::default()
                 .with_capacity(kind.capacity())
                 .with_granularity(kind.granularity())
                 .with_backing_store(true),
-        );
+        ));
         match kind {
             Kind::Cuvmm => {
                 let idle = if seed % 2 == 0 { 0 } else { u64::MAX };
@@ -135,18 +144,36 @@ impl Subject {
         }
     }
 
-    fn sim(&self) -> &SimDriver {
-        match self {
-            Subject::Cuvmm(a) => a.driver(),
-            Subject::Split(a) => a.driver(),
-        }
-    }
-
-    fn sim_mut(&mut self) -> &mut SimDriver {
+    fn device_mut(&mut self) -> &mut Device {
         match self {
             Subject::Cuvmm(a) => a.driver_mut(),
             Subject::Split(a) => a.driver_mut(),
         }
+    }
+
+    fn sim(&self) -> &SimDriver {
+        match self {
+            Subject::Cuvmm(a) => a.driver().inner(),
+            Subject::Split(a) => a.driver().inner(),
+        }
+    }
+
+    fn sim_mut(&mut self) -> &mut SimDriver {
+        self.device_mut().inner_mut()
+    }
+
+    /// Plans `fault`.
+    fn plan(&mut self, fault: Fault) {
+        match fault.kind {
+            Failure::Before(kind) => self.sim_mut().fail_nth(fault.op, fault.n, kind),
+            Failure::AfterEffect => self.device_mut().fail_nth_after_effect(fault.op, fault.n),
+        }
+    }
+
+    /// Removes every planned fault.
+    fn clear_faults(&mut self) {
+        self.device_mut().clear();
+        self.sim_mut().clear_faults();
     }
 }
 
@@ -222,12 +249,21 @@ fn sequence(kind: Kind, seed: u64) -> Vec<Step> {
     steps
 }
 
-/// A fault planned for one run: the `n`th call of `op` fails with `kind`.
+/// How a planned call fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Failure {
+    /// Before it has any effect (`SimDriver::fail_nth`), as an error or as out-of-memory.
+    Before(FaultKind),
+    /// After it took effect (`AfterEffect::fail_nth_after_effect`).
+    AfterEffect,
+}
+
+/// A fault planned for one run: the `n`th call of `op` fails as `kind` says.
 #[derive(Clone, Copy, Debug)]
 struct Fault {
     op: Op,
     n: u64,
-    kind: FaultKind,
+    kind: Failure,
 }
 
 /// What one run saw.
@@ -248,7 +284,7 @@ type Live = BTreeMap<u64, (u64, u64)>;
 fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Outcome, String> {
     let mut subject = Subject::new(kind, seed);
     if let Some(f) = fault {
-        subject.sim_mut().fail_nth(f.op, f.n, f.kind);
+        subject.plan(f);
     }
     let start = subject.sim().counters();
     let target = fault.map(|f| start.get(f.op) + f.n);
@@ -279,7 +315,7 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
             Ok(()) if fired_now && matches!(step, Step::Alloc { .. }) => {
                 let f = fault.expect("a fault fired");
                 let retried = subject.strategy().stats().num_alloc_retries > retries;
-                if f.kind == FaultKind::OutOfMemory && !retried {
+                if f.kind == Failure::Before(FaultKind::OutOfMemory) && !retried {
                     return Err(format!(
                         "step {i} {step:?}: {} ran out of memory and the allocation succeeded \
                          without a retry",
@@ -414,7 +450,7 @@ fn finish(
     next_id: &mut u64,
     kind: Kind,
 ) -> Result<(), String> {
-    subject.sim_mut().clear_faults();
+    subject.clear_faults();
     let page = kind.granularity();
     for (size, stream) in [(100, 0), (3 * page + 512, 1), (page, 2)] {
         apply(subject, live, next_id, kind, Step::Alloc { size, stream })
@@ -460,8 +496,9 @@ struct Tally {
     halfway_maps: u64,
 }
 
-/// Sweeps `seeds` sequences of `kind`: one run per fault. Panics naming the first failing run.
-fn sweep(kind: Kind, seeds: u64) -> Tally {
+/// Sweeps `seeds` sequences of `kind`: one run per fault, each failing before its effect or, with
+/// `after_effect`, after it. Panics naming the first failing run.
+fn sweep(kind: Kind, seeds: u64, after_effect: bool) -> Tally {
     let mut tally = Tally::default();
     for seed in 0..seeds {
         let steps = sequence(kind, seed);
@@ -469,9 +506,13 @@ fn sweep(kind: Kind, seeds: u64) -> Tally {
             .unwrap_or_else(|e| panic!("{kind:?} seed {seed} without faults: {e}\n{steps:#?}"));
         tally.sequences += 1;
         for (&op, &count) in &baseline.calls {
-            let kinds: &[FaultKind] = match op {
-                Op::Create | Op::Malloc => &[FaultKind::Error, FaultKind::OutOfMemory],
-                _ => &[FaultKind::Error],
+            let kinds: &[Failure] = match op {
+                _ if after_effect => &[Failure::AfterEffect],
+                Op::Create | Op::Malloc => &[
+                    Failure::Before(FaultKind::Error),
+                    Failure::Before(FaultKind::OutOfMemory),
+                ],
+                _ => &[Failure::Before(FaultKind::Error)],
             };
             for n in 1..=count {
                 for &fault_kind in kinds {
@@ -511,8 +552,9 @@ fn sweep(kind: Kind, seeds: u64) -> Tally {
             tally.halfway_maps
         ),
     };
+    let when = if after_effect { " after effect" } else { "" };
     eprintln!(
-        "fault sweep {kind:?}: {} sequences of {OPS} operations, {} faults injected ({}); {} surfaced \
+        "fault sweep{when} {kind:?}: {} sequences of {OPS} operations, {} faults injected ({}); {} surfaced \
          as typed errors, {} recovered{halfway}",
         tally.sequences,
         tally.runs,
@@ -545,7 +587,7 @@ fn assert_covers(tally: &Tally, ops: &[Op]) {
 
 #[test]
 fn every_driver_call_of_cuvmm_fails_in_turn() {
-    let tally = sweep(Kind::Cuvmm, seeds());
+    let tally = sweep(Kind::Cuvmm, seeds(), false);
     assert_covers(
         &tally,
         &[
@@ -563,13 +605,13 @@ fn every_driver_call_of_cuvmm_fails_in_turn() {
 
 #[test]
 fn every_driver_call_of_the_classic_model_fails_in_turn() {
-    let tally = sweep(Kind::Classic, seeds());
+    let tally = sweep(Kind::Classic, seeds(), false);
     assert_covers(&tally, &[Op::Malloc, Op::Free]);
 }
 
 #[test]
 fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
-    let tally = sweep(Kind::PytorchExpandable, seeds());
+    let tally = sweep(Kind::PytorchExpandable, seeds(), false);
     assert_covers(
         &tally,
         &[
@@ -579,6 +621,27 @@ fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
             Op::SetAccess,
             Op::Unmap,
             Op::Release,
+        ],
+    );
+    assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
+}
+
+#[test]
+fn every_driver_call_of_cuvmm_fails_after_its_effect_in_turn() {
+    let tally = sweep(Kind::Cuvmm, seeds(), true);
+    assert_covers(
+        &tally,
+        &[
+            Op::Reserve,
+            Op::Create,
+            Op::Map,
+            Op::SetAccess,
+            Op::Unmap,
+            Op::Release,
+            Op::FreeReservation,
+            Op::RecordEvent,
+            Op::QueryEvent,
+            Op::DestroyEvent,
         ],
     );
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");

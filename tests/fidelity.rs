@@ -1,6 +1,7 @@
 //! Fidelity against real PyTorch: every snapshot in `../shared/traces` replays through the matching model
 //! with segment_event_match >= 0.99 and peak_reserved_error <= 0.01; synthetic snapshots check the
 //! reconstruction of the starting state; malformed files are typed errors.
+#![cfg(feature = "lab")]
 
 use cuvmm::trace::fidelity::{FidelityError, fidelity};
 use cuvmm::trace::pytorch::{self, SnapshotError, TraceOp};

@@ -11,6 +11,7 @@
 //!
 //! The `pytorch_snapshot` and `rmm_csv` seeds are written by `fuzz/seeds/trace_readers.py` (seed_* files
 //! must be read, bad_* refused).
+#![cfg(feature = "lab")]
 
 #[path = "harness/config_parse.rs"]
 mod config_parse;

@@ -1,5 +1,6 @@
 //! The PyTorch profiler trace in `../shared/traces` (ResNet-50 on a V100, `profile_memory=True`) loads as a
 //! valid trace whose counts match what the traces' README says of the file, and replays through cuvmm.
+#![cfg(feature = "lab")]
 
 use cuvmm::trace::allocators;
 use cuvmm::trace::load::{self, LoadError};

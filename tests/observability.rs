@@ -1,5 +1,6 @@
 //! Observability: snapshots (tiling, history, the pickle read back by cuvmm's reader, by Python, and made of
 //! MemoryViz.js's opcodes only), the state at a replay's peak, and out-of-memory diagnoses.
+#![cfg(feature = "lab")]
 
 use cuvmm::driver::StreamId;
 use cuvmm::driver::sim::{SimConfig, SimDriver};

@@ -1,5 +1,6 @@
 //! The observability commands from the outside: `summary`, `snapshot`, `-v` logging, and the first
 //! out-of-memory diagnosis of a replay on stderr.
+#![cfg(feature = "cli")]
 
 mod common;
 

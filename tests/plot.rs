@@ -1,6 +1,7 @@
 //! `compare --plot`: the replay hook tells an observer every event; the sampler keeps every new peak; the
 //! SVG is well-formed XML with one panel per trace, one path per allocator and statistic, labelled axes,
 //! and every point inside its plot area at the height its value gives on the GiB axis.
+#![cfg(feature = "lab")]
 
 use cuvmm::size::GIB;
 use cuvmm::trace::allocators::{self, ALLOCATORS};

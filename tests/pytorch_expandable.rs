@@ -1,4 +1,5 @@
 //! The model of PyTorch's `expandable_segments:True`, rule by rule.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};

@@ -1,5 +1,6 @@
 //! The replay engine against a tiny mock strategy: OOM counting, skipped frees, errors with event indices,
 //! invariant checks, the stable JSON field names, and `touch` finding overlapping allocations.
+#![cfg(feature = "lab")]
 
 use cuvmm::driver::{DriverCounters, DriverError, Op, StreamId};
 use cuvmm::error::{Error, InvariantViolation, OutOfMemory};

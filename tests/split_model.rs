@@ -11,6 +11,7 @@
 //!   request's;
 //! - at the end, after freeing everything and `empty_cache()`: nothing reserved and the simulated driver
 //!   reports no leak.
+#![cfg(feature = "lab")]
 
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};

@@ -1,5 +1,6 @@
 //! The classic and pytorch-expandable models replay every built-in workload with their invariants
 //! checked along the way, and give everything back to the device afterwards.
+#![cfg(feature = "lab")]
 
 use cuvmm::Strategy;
 use cuvmm::config::Config;

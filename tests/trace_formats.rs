@@ -4,6 +4,7 @@
 //! Properties checked: every trace a reader returns passes `Trace::validate`; `text::write` then
 //! `text::parse` gives back exactly the trace written, for any valid trace, and for any other trace either
 //! that or a typed error; every bad line is a typed error naming the file, the line and the problem.
+#![cfg(feature = "lab")]
 
 use cuvmm::StreamId;
 use cuvmm::trace::event::MAX_SIZE;

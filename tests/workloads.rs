@@ -1,4 +1,5 @@
 //! Properties of the built-in workloads: deterministic, valid, of the intended scale and size mix.
+#![cfg(feature = "lab")]
 
 use cuvmm::driver::StreamId;
 use cuvmm::size::{GIB, KIB};

@@ -4,6 +4,7 @@
 //!
 //! The streams issue's goal too: every built-in multi-stream workload (a name with "stream" in it) does so
 //! with cross-stream reuse on and off.
+#![cfg(feature = "lab")]
 
 use cuvmm::Config;
 use cuvmm::size::{MIB, round_up};

@@ -68,7 +68,7 @@ pub enum AbiError {
     Allocator(#[from] cuvmm::Error),
     /// The snapshot could not be written.
     #[error(transparent)]
-    Snapshot(#[from] cuvmm::trace::pytorch::writer::WriteError),
+    Snapshot(#[from] cuvmm::snapshot::pickle::WriteError),
     /// The statistics could not be serialized.
     #[error("cannot serialize the statistics: {0}")]
     Json(#[from] serde_json::Error),

@@ -83,6 +83,6 @@ pub fn empty_cache(registry: &Registry, device: i32) -> Result<(), AbiError> {
 /// written.
 pub fn dump_snapshot(registry: &Registry, device: i32, path: &Path) -> Result<(), AbiError> {
     let snapshot = registry.allocator(device)?.snapshot()?;
-    cuvmm::trace::pytorch::writer::write_file(path, &snapshot)?;
+    cuvmm::snapshot::pickle::write_file(path, &snapshot)?;
     Ok(())
 }

@@ -9,6 +9,7 @@
 //! fails a test instead. The real CUDA backend, `cuda::CudaDriver`, lives in `driver/cuda/` behind the
 //! `cuda` feature; [`device`] picks one of them from a `--backend sim|cuda[:N]` string.
 
+pub mod after_effect;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
@@ -437,7 +438,15 @@ impl DriverError {
 ///   [`synchronize`](Driver::synchronize) and [`event_complete`](Driver::event_complete)).
 ///
 /// # What implementors must guarantee
-/// - A failed call has no effect: on `Err`, the device is in the state it was in before the call.
+/// - A failed call has no effect, or reports the resource gone. A call that makes a resource (`reserve`,
+///   `create`, `malloc`, `record_event`) and fails leaves nothing behind: if it made the resource before
+///   finding the error, it gives it back before returning. A call on a resource the caller names
+///   (`free_reservation`, `release`, `free`, `destroy_event`, `unmap`, `map`, `set_access`) may have
+///   taken effect before it failed (CUDA reports earlier asynchronous errors from any call); then the same
+///   call made again reports the resource gone ([`DriverError::UnknownReservation`],
+///   [`DriverError::UnknownHandle`], [`DriverError::UnknownPointer`], [`DriverError::UnknownEvent`],
+///   [`DriverError::NotMapped`]), and after a `map` that failed, unmapping its range succeeds.
+///   [`after_effect::AfterEffect`] injects such failures; `docs/reliability.md` says how cuvmm settles them.
 /// - Out-of-memory is reported as [`DriverError::OutOfMemory`] and nothing else, so callers can reclaim and retry.
 /// - [`counters`](Driver::counters) counts every call, failed ones included.
 pub trait Driver {

@@ -274,7 +274,9 @@ impl<D: Driver> Expandable<D> {
                     self.record(TraceAction::SegmentMap, va, bytes, stream);
                 }
                 if let Some(err) = failure {
-                    // The handle that failed and those not used yet go back to the pool.
+                    // The failed map may have mapped its page anyway (`settle.rs`): undone. The handle
+                    // that failed and those not used yet go back to the pool.
+                    self.undo_failed_map(va + done as u64 * self.page_size);
                     self.pooled.extend_from_slice(&queue[taken..]);
                     return Err(err.into());
                 }

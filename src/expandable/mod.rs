@@ -20,6 +20,7 @@ mod free_index;
 mod invariants;
 mod physical;
 mod segment;
+mod settle;
 mod snapshot;
 mod streams;
 

@@ -110,7 +110,7 @@ impl<D: Driver> Expandable<D> {
         let stream = self.segment(slot).stream;
         self.synchronize(stream)?;
         let va = self.segment(slot).page_addr(run.start);
-        self.driver.unmap(va, run.len() as u64 * self.page_size)?;
+        self.unmap_settled(va, run.len() as u64 * self.page_size)?;
         let before = self.page_counts(slot);
         let pages = run.len() as u64;
         tracing::debug!(va, pages, stream = stream.0, "cuvmm: unmapped idle pages");
@@ -136,7 +136,7 @@ impl<D: Driver> Expandable<D> {
     }
 
     fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {
-        self.driver.release(handle)?;
+        self.release_settled(handle)?;
         self.counters.released += 1;
         self.counters.reserved.sub(self.page_size);
         Ok(())
@@ -194,7 +194,7 @@ impl<D: Driver> Expandable<D> {
                 continue;
             }
             let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
-            self.driver.free_reservation(va)?;
+            self.free_reservation_settled(va)?;
             self.segments[slot] = None;
             self.by_addr.remove(&va.start);
             if let Some(slots) = self.by_key.get_mut(&key) {
@@ -223,7 +223,7 @@ impl<D: Driver> Expandable<D> {
                 note(self.driver.synchronize(seg.stream).map_err(Error::from));
                 for run in seg.pages.mapped_runs(0..seg.pages.len()) {
                     let va = seg.page_addr(run.start);
-                    match self.driver.unmap(va, run.len() as u64 * self.page_size) {
+                    match self.unmap_settled(va, run.len() as u64 * self.page_size) {
                         Ok(()) => self
                             .pooled
                             .extend(run.filter_map(|page| seg.pages.handle(page))),
@@ -231,7 +231,7 @@ impl<D: Driver> Expandable<D> {
                     }
                 }
             }
-            note(self.driver.free_reservation(seg.va).map_err(Error::from));
+            note(self.free_reservation_settled(seg.va).map_err(Error::from));
         }
         self.by_addr.clear();
         self.by_key.clear();

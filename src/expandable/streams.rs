@@ -74,7 +74,7 @@ pub(super) struct PendingFrees {
     /// Per parked block (by address), its segment and outstanding events.
     pub outstanding: FastMap<u64, Parked>,
     /// Events the allocator no longer waits for whose `destroy_event` failed: destroyed again at the next
-    /// poll, so none is left behind.
+    /// poll, so none is left behind (and never queried again: the failed call may have destroyed one).
     pub undestroyed: Vec<EventId>,
 }
 
@@ -193,8 +193,8 @@ impl<D: Driver> Expandable<D> {
 
     /// [`process_events`](Self::process_events) when something is pending.
     fn poll_events(&mut self) -> Result<u64, Error> {
-        for event in std::mem::take(&mut self.pending.undestroyed) {
-            self.destroy_event(event)?;
+        if !self.pending.undestroyed.is_empty() {
+            self.destroy_undestroyed()?;
         }
         let mut freed = 0;
         // By index: freeing a block changes no queue, and no queue is added or removed here.
@@ -203,7 +203,8 @@ impl<D: Driver> Expandable<D> {
                 if !self.driver.event_complete(event)? {
                     break;
                 }
-                self.driver.destroy_event(event)?;
+                // Done with once it completed: out of the queue before it is destroyed, so an event whose
+                // destroy failed (and may have worked) is never queried again, only destroyed again.
                 self.pending.events[i].1.pop_front();
                 let Entry::Occupied(mut parked) = self.pending.outstanding.entry(addr) else {
                     unreachable!("a pending event's block is parked");
@@ -213,6 +214,7 @@ impl<D: Driver> Expandable<D> {
                     let Parked { slot, .. } = parked.remove();
                     freed += self.release_parked(slot, addr);
                 }
+                self.destroy_event(event)?;
             }
         }
         Ok(freed)
@@ -259,19 +261,20 @@ impl<D: Driver> Expandable<D> {
             .flat_map(|(_, queue)| queue)
             .map(|(event, _)| event)
             .collect();
-        for event in events
-            .into_iter()
-            .chain(std::mem::take(&mut self.pending.undestroyed))
-        {
-            if let Err(err) = self.driver.destroy_event(event) {
+        for event in events {
+            if let Err(err) = self.destroy_event_settled(event) {
                 first_err.get_or_insert(err.into());
             }
+        }
+        if let Err(err) = self.destroy_undestroyed() {
+            first_err.get_or_insert(err.into());
         }
         first_err.map_or(Ok(()), Err)
     }
 
     /// Destroys `event`, which the allocator no longer needs. If the driver refuses, the event is kept and
-    /// destroyed again at the next poll, and the error is returned.
+    /// destroyed again at the next poll ([`destroy_undestroyed`](Self::destroy_undestroyed), where
+    /// `UnknownEvent` means this call had destroyed it after all), and the error is returned.
     pub(super) fn destroy_event(&mut self, event: EventId) -> Result<(), Error> {
         self.driver.destroy_event(event).map_err(|err| {
             self.pending.undestroyed.push(event);

@@ -11,7 +11,8 @@ pub mod releases;
 mod requests;
 mod settings;
 pub mod snapshot;
-pub mod writer;
+/// The snapshot pickle writer, at its old path: it lives with the facade's snapshot (`crate::snapshot::pickle`).
+pub use crate::snapshot::pickle as writer;
 
 pub use snapshot::SnapshotError;
 
