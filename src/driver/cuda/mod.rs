@@ -7,7 +7,10 @@
 //!   documentation;
 //! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s), so that each safety
 //!   condition is checked before an `unsafe` call, and so that drop can give everything back;
-//! - `driver.rs`: [`CudaDriver`], the safe type, which also measures every call.
+//! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
+//!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
+//! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
+//! - `driver.rs`: [`CudaDriver`], the safe type.
 //!
 //! cudarc is built with `dynamic-loading`: libcuda is opened at run time, and any `sys` call panics if it
 //! cannot be. [`CudaDriver::new`] therefore checks `sys::is_culib_present()` and every entry point it
@@ -16,8 +19,10 @@
 
 #![allow(unsafe_code)]
 
+mod calls;
 mod driver;
 mod ledger;
 mod result;
+mod streams;
 
 pub use driver::CudaDriver;
