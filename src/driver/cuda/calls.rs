@@ -22,6 +22,10 @@ pub(super) struct Calls {
     /// Errors found where no call could return them: recorded by cudarc in the context (a stand-in stream
     /// dropped), or from giving the calling thread its context back.
     pub(super) deferred: Vec<DriverError>,
+    /// Whether to collect the errors cudarc records in `ctx`: only while this driver owns cudarc objects
+    /// that record there (stand-in streams). Otherwise they belong to the program's own cudarc objects,
+    /// which may share the context, and cudarc returns them at the program's next call.
+    pub(super) harvests: bool,
 }
 
 /// The context the calling thread had before [`Calls::enter`], to give back in [`Calls::leave`]. `None`
@@ -35,6 +39,7 @@ impl Calls {
             counters: DriverCounters::default(),
             spent_ns: 0,
             deferred: Vec::new(),
+            harvests: false,
         }
     }
 
@@ -75,6 +80,9 @@ impl Calls {
     /// Moves an error cudarc recorded in the context into `deferred`, logging it. cudarc records errors
     /// only from its `Drop` implementations: here, a stand-in stream's.
     pub(super) fn harvest(&mut self, during: &str) {
+        if !self.harvests {
+            return;
+        }
         if let Err(e) = self.ctx.check_err() {
             let (code, name) = result::code_and_name(&e);
             tracing::error!(code, %name, "cuvmm: CUDA error recorded by cudarc {during}");

@@ -160,6 +160,7 @@ impl CudaDriver {
     /// stream numbers are names from another process; a program that queues its own work uses the caller's
     /// streams (the default).
     pub fn with_stand_in_streams(mut self) -> Self {
+        self.calls.harvests = true;
         self.streams = Streams::StandIn {
             ctx: self.calls.ctx.clone(),
             created: Default::default(),
