@@ -36,6 +36,7 @@ pub struct Options {
     seed: u64,
 }
 
+/// The options from the command line's arguments (without the program name).
 pub fn parse(args: impl Iterator<Item = String>) -> Result<Options, String> {
     let mut opts = Options {
         cuda: None,
