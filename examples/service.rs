@@ -25,7 +25,8 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::thread;
 
-const USAGE: &str = "usage: service [--backend sim|cuda[:N]] [--workers N] [--requests N] [--seed N]";
+const USAGE: &str =
+    "usage: service [--backend sim|cuda[:N]] [--workers N] [--requests N] [--seed N]";
 
 /// What the command line asked for (public for `tests/service_example.rs`, which runs the example).
 #[derive(Clone, Copy, Debug)]
@@ -47,7 +48,11 @@ pub fn parse(args: impl Iterator<Item = String>) -> Result<Options, String> {
     let mut args = args.peekable();
     while let Some(flag) = args.next() {
         let value = args.next().ok_or(format!("{flag} needs a value"))?;
-        let number = || value.parse::<u64>().map_err(|_| format!("{flag}: not a number: {value}"));
+        let number = || {
+            value
+                .parse::<u64>()
+                .map_err(|_| format!("{flag}: not a number: {value}"))
+        };
         match flag.as_str() {
             "--backend" => {
                 opts.cuda = match value.as_str() {
@@ -55,7 +60,11 @@ pub fn parse(args: impl Iterator<Item = String>) -> Result<Options, String> {
                     "cuda" => Some(0),
                     other => match other.strip_prefix("cuda:").map(str::parse) {
                         Some(Ok(n)) => Some(n),
-                        _ => return Err(format!("--backend: expected sim, cuda or cuda:N, got {value}")),
+                        _ => {
+                            return Err(format!(
+                                "--backend: expected sim, cuda or cuda:N, got {value}"
+                            ));
+                        }
                     },
                 }
             }
@@ -229,7 +238,9 @@ fn report<S: Strategy>(
     let handed: u64 = tallies.iter().map(|t| t.handed_over).sum();
     let adopted: u64 = tallies.iter().map(|t| t.adopted).sum();
     if handed != adopted {
-        return Err(format!("{handed} buffers handed over but {adopted} adopted"));
+        return Err(format!(
+            "{handed} buffers handed over but {adopted} adopted"
+        ));
     }
     let stats = allocator.stats();
     let calls = allocator.with_strategy(|s| s.driver_counters());
@@ -255,13 +266,19 @@ fn report<S: Strategy>(
     line(allocator.memory_summary());
     let deferred = allocator.take_deferred_errors();
     if let Some(err) = deferred.first() {
-        return Err(format!("{} error(s) while freeing; the first: {err}", deferred.len()));
+        return Err(format!(
+            "{} error(s) while freeing; the first: {err}",
+            deferred.len()
+        ));
     }
     allocator
         .check_invariants()
         .map_err(|e| format!("broken invariant: {e}"))?;
     if stats.allocated_bytes.current != 0 {
-        return Err(format!("{} bytes still allocated", stats.allocated_bytes.current));
+        return Err(format!(
+            "{} bytes still allocated",
+            stats.allocated_bytes.current
+        ));
     }
     allocator.empty_cache().map_err(|e| e.to_string())?;
     line(format!(
@@ -327,8 +344,8 @@ fn run_sim(opts: Options) -> Result<String, String> {
         opts.workers,
         opts.requests
     );
-    let allocator =
-        Allocator::expandable(SimDriver::new(config), Config::default()).map_err(|e| e.to_string())?;
+    let allocator = Allocator::expandable(SimDriver::new(config), Config::default())
+        .map_err(|e| e.to_string())?;
     let lanes = (0..opts.workers)
         .map(|i| SimLane {
             allocator: allocator.clone(),
@@ -344,9 +361,11 @@ fn run_sim(opts: Options) -> Result<String, String> {
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(_ordinal: usize, _opts: Options) -> Result<String, String> {
-    Err("no CUDA driver found: this example was built without CUDA support; \
+    Err(
+        "no CUDA driver found: this example was built without CUDA support; \
          run it with `--features cuda -- --backend cuda`"
-        .to_string())
+            .to_string(),
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -357,7 +376,7 @@ fn run_cuda(ordinal: usize, opts: Options) -> Result<String, String> {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::{Lane, Options, report, serve};
-    use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, DevicePtrMut};
+    use cudarc::driver::{CudaFunction, CudaStream, DevicePtrMut, LaunchConfig, PushKernelArg};
     use cudarc::nvrtc::Ptx;
     use cuvmm::driver::DriverError;
     use cuvmm::driver::cuda::CudaDriver;
@@ -488,7 +507,8 @@ DONE:
         let fill = module
             .load_function("fill_u32")
             .map_err(|e| format!("fill_u32: {e:?}"))?;
-        let allocator = Allocator::expandable(driver, Config::default()).map_err(|e| e.to_string())?;
+        let allocator =
+            Allocator::expandable(driver, Config::default()).map_err(|e| e.to_string())?;
         // The workers' streams outlive the allocator's last wait on them (they are dropped after it).
         let streams = (0..opts.workers)
             .map(|_| ctx.new_stream())

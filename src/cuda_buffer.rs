@@ -26,9 +26,12 @@
 
 use crate::allocator::{Allocator, DeviceBuffer};
 use crate::driver::StreamId;
+use crate::driver::cuda::keeping_current_context;
 use crate::error::Error;
 use crate::strategy::Strategy;
-use cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop, sys};
+use cudarc::driver::{
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop, sys,
+};
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
@@ -184,16 +187,23 @@ fn elements<T>(bytes: u64) -> usize {
 
 impl<S: Strategy> Drop for CudaBuffer<S> {
     /// Makes the buffer's own stream wait for the uses cudarc recorded on other streams, so the
-    /// allocator's stream-ordered reuse comes after them; then the memory is freed.
+    /// allocator's stream-ordered reuse comes after them, and destroys those events; the memory is freed
+    /// next (the `DeviceBuffer` field's drop). The calling thread keeps its current context.
     fn drop(&mut self) {
-        for event in [self.read.get(), self.write.get()]
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            let ctx = self.stream.context();
-            ctx.record_err(self.stream.wait(event));
+        let (read, write) = (
+            std::mem::take(&mut self.read),
+            std::mem::take(&mut self.write),
+        );
+        if read.get().is_none() && write.get().is_none() {
+            return;
         }
+        keeping_current_context(|| {
+            for event in [read.get(), write.get()].into_iter().flatten().flatten() {
+                let ctx = self.stream.context();
+                ctx.record_err(self.stream.wait(event));
+            }
+            drop((read, write));
+        });
     }
 }
 

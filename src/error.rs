@@ -46,7 +46,9 @@ pub enum Error {
         allocator: &'static str,
     },
     /// A stream of one device was given to an allocator of another (`Allocator::alloc_on_stream`).
-    #[error("a stream of CUDA device {stream_device} was given to the allocator of device {device}")]
+    #[error(
+        "a stream of CUDA device {stream_device} was given to the allocator of device {device}"
+    )]
     WrongDevice {
         /// The stream's device.
         stream_device: usize,

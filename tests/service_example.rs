@@ -15,18 +15,33 @@ fn run(args: &[&str]) -> Result<String, String> {
 
 /// The number after `label` in `text`.
 fn number_after(text: &str, label: &str) -> u64 {
-    let at = text.find(label).unwrap_or_else(|| panic!("no `{label}` in:\n{text}")) + label.len();
-    let digits: String = text[at..].chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().unwrap_or_else(|_| panic!("no number after `{label}` in:\n{text}"))
+    let at = text
+        .find(label)
+        .unwrap_or_else(|| panic!("no `{label}` in:\n{text}"))
+        + label.len();
+    let digits: String = text[at..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("no number after `{label}` in:\n{text}"))
 }
 
 #[test]
 fn the_simulated_service_serves_every_request_and_gives_everything_back() {
-    let text = run(&["--workers", "3", "--requests", "120", "--seed", "7"]).expect("the service ran");
-    assert!(text.starts_with("service on the simulated device"), "{text}");
+    let text =
+        run(&["--workers", "3", "--requests", "120", "--seed", "7"]).expect("the service ran");
+    assert!(
+        text.starts_with("service on the simulated device"),
+        "{text}"
+    );
     assert_eq!(number_after(&text, "requests served: "), 3 * 120);
     // Every fourth request of each worker is handed to the next worker, which takes each over.
-    assert_eq!(number_after(&text, "buffers handed between streams: "), 3 * 30);
+    assert_eq!(
+        number_after(&text, "buffers handed between streams: "),
+        3 * 30
+    );
     let rows: Vec<&str> = text
         .lines()
         .skip_while(|l| !l.starts_with("worker"))
@@ -50,8 +65,16 @@ fn the_simulated_service_serves_every_request_and_gives_everything_back() {
 #[test]
 fn bad_options_are_errors_and_cuda_without_a_driver_is_a_message() {
     assert!(run(&["--workers"]).is_err());
-    assert!(run(&["--backend", "gpu"]).unwrap_err().contains("sim, cuda or cuda:N"));
-    assert!(run(&["--frobnicate", "1"]).unwrap_err().contains("unknown option"));
+    assert!(
+        run(&["--backend", "gpu"])
+            .unwrap_err()
+            .contains("sim, cuda or cuda:N")
+    );
+    assert!(
+        run(&["--frobnicate", "1"])
+            .unwrap_err()
+            .contains("unknown option")
+    );
     // On this machine: either a GPU runs it, or the reason none can is said (never a panic).
     match run(&["--backend", "cuda", "--workers", "2", "--requests", "16"]) {
         Ok(text) => assert!(text.contains("kernel results checked"), "{text}"),

@@ -5,9 +5,9 @@
 use super::ledger::EventCalls;
 use super::result;
 use crate::driver::{DriverCounters, DriverError, Op};
+use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
-use cudarc::driver::CudaContext;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -160,6 +160,27 @@ impl EventCalls for Calls {
             unsafe { result::event_destroy(raw_event(event)) }
         })
     }
+}
+
+/// Runs `f`, then gives the calling thread back the context it had before, whatever `f` left current.
+/// For cuvmm code that calls cudarc's safe API (which makes its context current and leaves it so) on the
+/// program's behalf, as `CudaBuffer`'s drop does. libcuda must be loaded: call it only where a cudarc
+/// object exists.
+pub fn keeping_current_context<T>(f: impl FnOnce() -> T) -> T {
+    let before = result::ctx_get_current();
+    let out = f();
+    if let Ok(before) = before {
+        if result::ctx_get_current().is_ok_and(|now| now != before) {
+            // SAFETY: `before` was this thread's current context when `f` began (or null); cudarc's safe
+            // calls destroy no context that is current on a thread, and the thread's owner keeps its
+            // context alive while it is current (point 1).
+            if let Err(e) = unsafe { result::ctx_set_current(before) } {
+                let (code, name) = result::code_and_name(&e);
+                tracing::error!(code, %name, "cuvmm: could not give the calling thread its CUDA context back");
+            }
+        }
+    }
+    out
 }
 
 /// A `CUevent` kept as an integer in the ledger.

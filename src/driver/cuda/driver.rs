@@ -244,7 +244,9 @@ impl CudaDriver {
             return;
         }
         if !report.is_empty() {
-            tracing::warn!("cuvmm: CudaDriver dropped while still holding device memory:\n{report}");
+            tracing::warn!(
+                "cuvmm: CudaDriver dropped while still holding device memory:\n{report}"
+            );
         }
         if let Err(e) = cudarc::driver::result::ctx::synchronize() {
             log_drop_error(Op::Synchronize, &e);
@@ -316,7 +318,8 @@ impl Driver for CudaDriver {
 
     fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
         self.counted(Op::Reserve, |d| {
-            let start = (d.calls).call(Op::Reserve, size, || result::address_reserve(bytes(size)))?;
+            let start =
+                (d.calls).call(Op::Reserve, size, || result::address_reserve(bytes(size)))?;
             let range = VaRange::new(start, size);
             d.ledger.reserved(range);
             Ok(range)
@@ -339,7 +342,8 @@ impl Driver for CudaDriver {
     fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
         self.counted(Op::Create, |d| {
             let device = d.calls.ctx.cu_device();
-            let handle = (d.calls).call(Op::Create, size, || result::create(device, bytes(size)))?;
+            let handle =
+                (d.calls).call(Op::Create, size, || result::create(device, bytes(size)))?;
             let handle = PhysHandle(handle);
             d.ledger.created(handle, size);
             Ok(handle)
@@ -419,7 +423,9 @@ impl Driver for CudaDriver {
 
     fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
         self.counted(Op::Malloc, |d| {
-            let ptr = d.calls.call(Op::Malloc, size, || result::alloc(bytes(size)))?;
+            let ptr = d
+                .calls
+                .call(Op::Malloc, size, || result::alloc(bytes(size)))?;
             d.ledger.malloced(ptr, size);
             Ok(ptr)
         })

@@ -438,7 +438,10 @@ mod tests {
         assert_eq!(l.event_complete(&mut dev, e), Ok(true));
         dev.fail_destroy = false;
         assert_eq!(l.destroy_event(&mut dev, e), Ok(()));
-        assert!(dev.alive.is_empty(), "the event was destroyed on the device");
+        assert!(
+            dev.alive.is_empty(),
+            "the event was destroyed on the device"
+        );
         assert_eq!(l.events_held(), 0);
         assert_eq!(
             l.event_complete(&mut dev, e),
@@ -468,7 +471,10 @@ mod tests {
         let e = l.record_event(&mut dev, 0).unwrap();
         let mut drained = l.drain().events;
         drained.sort_unstable();
-        assert_eq!(drained, dev.alive, "drop gets every event the device still has");
+        assert_eq!(
+            drained, dev.alive,
+            "drop gets every event the device still has"
+        );
         assert_eq!(l.events_held(), 0);
         assert_eq!(
             l.event_complete(&mut dev, e),

@@ -25,4 +25,5 @@ mod ledger;
 mod result;
 mod streams;
 
+pub use calls::keeping_current_context;
 pub use driver::CudaDriver;

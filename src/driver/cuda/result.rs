@@ -95,7 +95,10 @@ pub(super) fn event_create() -> Result<sys::CUevent, CuError> {
 /// # Safety
 /// 1. `event` was returned by [`event_create`] and has not been destroyed.
 /// 2. `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a stream that is alive.
-pub(super) unsafe fn event_record(event: sys::CUevent, stream: sys::CUstream) -> Result<(), CuError> {
+pub(super) unsafe fn event_record(
+    event: sys::CUevent,
+    stream: sys::CUstream,
+) -> Result<(), CuError> {
     // SAFETY: the event and the stream are alive (points 1-2).
     unsafe { sys::cuEventRecord(event, stream).result() }
 }
