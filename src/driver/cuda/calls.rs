@@ -8,14 +8,16 @@ use crate::driver::{DriverCounters, DriverError, Op};
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 use std::time::Instant;
 
 /// The context, the counters and the errors found outside any call.
 #[derive(Debug)]
 pub(super) struct Calls {
-    /// The device's primary context.
-    pub(super) ctx: Arc<CudaContext>,
+    /// The device's primary context. Dropped by `CudaDriver`'s drop itself ([`Calls::drop_context`]),
+    /// so that the thread's context can be given back after cudarc's drop of it has bound it.
+    pub(super) ctx: ManuallyDrop<Arc<CudaContext>>,
     pub(super) counters: DriverCounters,
     /// Nanoseconds spent in driver calls by the operation being counted.
     pub(super) spent_ns: u64,
@@ -35,7 +37,7 @@ pub(super) struct Entered(Option<sys::CUcontext>);
 impl Calls {
     pub(super) fn new(ctx: Arc<CudaContext>) -> Self {
         Self {
-            ctx,
+            ctx: ManuallyDrop::new(ctx),
             counters: DriverCounters::default(),
             spent_ns: 0,
             deferred: Vec::new(),
@@ -75,6 +77,19 @@ impl Calls {
                 name,
             });
         }
+    }
+
+    /// Drops this driver's reference to the context (the last one releases the primary context, and cudarc
+    /// binds it to the thread first), then gives the thread back the context it had before `entered`.
+    ///
+    /// # Safety
+    /// 1. Called once, from the driver's drop, after every other use of `ctx`: nothing uses it afterwards.
+    pub(super) unsafe fn drop_context(&mut self, entered: Entered) {
+        // SAFETY: the caller guarantees this is the last use of `ctx` (point 1), and `Calls` has no drop of
+        // its own, so the `Arc` is dropped exactly once.
+        unsafe { ManuallyDrop::drop(&mut self.ctx) };
+        // With `Entered(None)` the thread had this context current, and cudarc's drop binds that same one.
+        self.leave(entered);
     }
 
     /// Moves an error cudarc recorded in the context into `deferred`, logging it. cudarc records errors

@@ -162,7 +162,7 @@ impl CudaDriver {
     pub fn with_stand_in_streams(mut self) -> Self {
         self.calls.harvests = true;
         self.streams = Streams::StandIn {
-            ctx: self.calls.ctx.clone(),
+            ctx: Arc::clone(&self.calls.ctx),
             created: Default::default(),
         };
         self
@@ -304,7 +304,10 @@ impl Drop for CudaDriver {
         self.calls.harvest("while destroying the stand-in streams");
         self.give_back();
         self.calls.harvest("while giving device memory back");
-        self.calls.leave(entered);
+        // The stand-ins' reference to the context goes first, so that the driver's is the last one here.
+        self.streams = Streams::Caller;
+        // SAFETY: the driver is being dropped and uses the context no more (point 1).
+        unsafe { self.calls.drop_context(entered) };
         for err in std::mem::take(&mut self.calls.deferred) {
             tracing::error!(%err, "cuvmm: CudaDriver dropped with an error nobody collected");
         }
