@@ -141,7 +141,7 @@ impl Rng {
         self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
-    /// A request size, log-uniform from 1 KiB to 16 MiB, in whole 4-byte elements.
+    /// A request size, roughly log-uniform from 1 KiB to 32 MiB, in whole 4-byte elements.
     fn size(&mut self) -> u64 {
         let shift = 10 + self.next() % 15;
         let size = (1u64 << shift) + self.next() % (1u64 << shift);
@@ -392,18 +392,18 @@ mod gpu {
 .address_size 64
 
 .visible .entry fill_u32(
-    .param .u64 out,
-    .param .u32 n,
-    .param .u32 tag
+    .param .u64 param_out,
+    .param .u32 param_n,
+    .param .u32 param_tag
 )
 {
     .reg .pred %p<2>;
     .reg .b32 %r<8>;
     .reg .b64 %rd<5>;
 
-    ld.param.u64 %rd1, [out];
-    ld.param.u32 %r1, [n];
-    ld.param.u32 %r2, [tag];
+    ld.param.u64 %rd1, [param_out];
+    ld.param.u32 %r1, [param_n];
+    ld.param.u32 %r2, [param_tag];
     mov.u32 %r3, %ctaid.x;
     mov.u32 %r4, %ntid.x;
     mov.u32 %r5, %tid.x;

@@ -29,20 +29,20 @@ const SPIN_PTX: &str = r#"
 .address_size 64
 
 .visible .entry spin_fill(
-    .param .u64 out,
-    .param .u32 n,
-    .param .u32 value,
-    .param .u64 cycles
+    .param .u64 param_out,
+    .param .u32 param_n,
+    .param .u32 param_value,
+    .param .u64 param_cycles
 )
 {
     .reg .pred %p<3>;
     .reg .b32 %r<6>;
     .reg .b64 %rd<10>;
 
-    ld.param.u64 %rd1, [out];
-    ld.param.u32 %r1, [n];
-    ld.param.u32 %r2, [value];
-    ld.param.u64 %rd2, [cycles];
+    ld.param.u64 %rd1, [param_out];
+    ld.param.u32 %r1, [param_n];
+    ld.param.u32 %r2, [param_value];
+    ld.param.u64 %rd2, [param_cycles];
     mov.u64 %rd3, %clock64;
 SPIN:
     mov.u64 %rd4, %clock64;
