@@ -179,6 +179,13 @@ impl<S: Strategy> DeviceBuffer<S> {
         self.allocator.record_stream(self.ptr, stream)
     }
 
+    /// Keeps an error raised where it could not be returned, for
+    /// [`Allocator::take_deferred_errors`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn defer(&self, err: Error) {
+        self.allocator.shared.deferred.lock().push(err);
+    }
+
     /// Frees the buffer now and returns any error, instead of deferring it as `Drop` must.
     pub fn free(mut self) -> Result<(), Error> {
         self.live = false;

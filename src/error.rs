@@ -45,6 +45,16 @@ pub enum Error {
         /// The allocator's name.
         allocator: &'static str,
     },
+    /// A stream of one device was given to an allocator of another (`Allocator::alloc_on_stream`).
+    #[error(
+        "a stream of CUDA device {stream_device} was given to the allocator of device {device}"
+    )]
+    WrongDevice {
+        /// The stream's device.
+        stream_device: usize,
+        /// The allocator's device.
+        device: usize,
+    },
     /// A driver call failed for a reason other than running out of memory.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),

@@ -14,6 +14,8 @@
 pub mod allocator;
 mod bits;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_buffer;
 mod divisor;
 pub mod driver;
 #[cfg(feature = "lab")]
@@ -37,6 +39,8 @@ pub mod trace;
 
 pub use allocator::{Allocator, DeviceBuffer};
 pub use config::{Config, ConfigError};
+#[cfg(feature = "cuda")]
+pub use cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
 pub use driver::{Driver, DriverError, StreamId};
 pub use error::{Error, InvariantViolation, OutOfMemory};
 pub use stats::{Stat, Stats};

@@ -86,7 +86,10 @@ impl DeviceSpec {
         }
     }
 
-    /// Opens the device: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the CUDA device.
+    /// Opens the device: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the CUDA device with
+    /// stand-in streams ([`CudaDriver::with_stand_in_streams`](super::cuda::CudaDriver::with_stand_in_streams)):
+    /// the tools replay recorded traces, whose stream numbers name no stream of this process. A program that
+    /// queues its own work opens `CudaDriver::new` and passes its own streams.
     pub fn open(&self, sim: SimConfig) -> Result<Device, DeviceError> {
         match *self {
             DeviceSpec::Sim => Ok(Device::Sim(SimDriver::new(sim))),
@@ -97,7 +100,9 @@ impl DeviceSpec {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: usize) -> Result<Device, DeviceError> {
-    Ok(Device::Cuda(super::cuda::CudaDriver::new(ordinal)?))
+    // The tools replay recorded traces, whose stream numbers name no stream of this process.
+    let driver = super::cuda::CudaDriver::new(ordinal)?.with_stand_in_streams();
+    Ok(Device::Cuda(driver))
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -59,13 +59,36 @@ impl fmt::Display for PhysHandle {
     }
 }
 
-/// A stream: an ordered queue of device work (`CUstream` as an integer; 0 is the default stream).
+/// A stream: an ordered queue of device work, as an integer; 0 is the default stream.
+///
+/// What the number means is the driver's: on the simulator it is an identity; on the CUDA backend
+/// (`driver::cuda::CudaDriver`) it is the caller's raw `CUstream` value, made with
+/// [`from_cuda`](StreamId::from_cuda) from a cudarc stream or [`from_raw`](StreamId::from_raw) from a
+/// `CUstream` / `cudaStream_t` handed over by C, and cuvmm records its events on that very stream and
+/// synchronizes it. See docs/DESIGN.md, "Streams and contexts".
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct StreamId(pub u64);
 
 impl StreamId {
     /// The default (legacy, null) stream.
     pub const DEFAULT: StreamId = StreamId(0);
+    /// CUDA's `CU_STREAM_LEGACY` handle (`0x1`): the legacy default stream, named explicitly.
+    pub const LEGACY: StreamId = StreamId(1);
+    /// CUDA's `CU_STREAM_PER_THREAD` handle (`0x2`): the per-thread default stream of the thread that
+    /// uses it, so a different stream on every thread. Use it for memory used and freed on one thread.
+    pub const PER_THREAD: StreamId = StreamId(2);
+
+    /// The id of a cudarc stream: its raw `CUstream`.
+    #[cfg(feature = "cuda")]
+    pub fn from_cuda(stream: &cudarc::driver::CudaStream) -> StreamId {
+        Self::from_raw(stream.cu_stream())
+    }
+
+    /// The id of a raw `CUstream` (a `cudaStream_t` from C or C++ is the same pointer).
+    #[cfg(feature = "cuda")]
+    pub fn from_raw(stream: cudarc::driver::sys::CUstream) -> StreamId {
+        StreamId(stream as usize as u64)
+    }
 }
 
 impl fmt::Display for StreamId {

@@ -1,49 +1,60 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
+use super::calls::{Calls, cuda_error, raw_stream};
 use super::ledger::Ledger;
 use super::result::{self, Granularity};
+use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
     Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
 };
+use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
-use cudarc::driver::sys::{CUdevice, CUdevice_attribute};
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream};
-use std::collections::HashMap;
+use cudarc::driver::sys::{self, CUdevice, CUdevice_attribute};
 use std::sync::Arc;
-use std::time::Instant;
 
 /// A CUDA device, driven through the virtual-memory API.
 ///
 /// - **Context.** The device's primary context (`cuDevicePrimaryCtxRetain`, through cudarc's
-///   [`CudaContext`]), the one the CUDA runtime and PyTorch use, so memory from this driver is usable by
-///   them. It is made current on the calling thread before every call, so the driver may move between
-///   threads.
+///   [`CudaContext`]), the one the CUDA runtime, cudarc's `CudaContext::new` and PyTorch use, so memory
+///   from this driver is usable by them. Every call makes it current for its own duration and gives the
+///   calling thread back the context it had (`cuCtxGetCurrent` / `cuCtxSetCurrent`), so a multi-GPU
+///   program's next call still goes to its own device; the driver may move between threads, and memory
+///   allocated on one thread may be freed on another.
+/// - **Streams.** By default a [`StreamId`] is the caller's raw `CUstream` ([`StreamId::from_cuda`],
+///   [`StreamId::from_raw`]; `0`, [`StreamId::LEGACY`] and [`StreamId::PER_THREAD`] are CUDA's default
+///   streams): events are recorded on it and it is synchronized, and the driver never creates a stream for
+///   the caller's work. A stream given must belong to this device's primary context and stay alive while
+///   the allocator may still wait on it (until the memory used on it is freed and its events completed).
+///   Replays of recorded traces, whose stream numbers name no stream of this process, use
+///   [`with_stand_in_streams`](CudaDriver::with_stand_in_streams) instead.
 /// - **Granularity.** [`granularity`](Driver::granularity) is the *minimum* granularity
 ///   (`CU_MEM_ALLOC_GRANULARITY_MINIMUM`): it is the rule the driver enforces on sizes and addresses, which
 ///   is what the trait promises. The recommended one is available from
 ///   [`recommended_granularity`](CudaDriver::recommended_granularity); on current NVIDIA GPUs both are 2 MiB.
 /// - **Access.** [`set_access`](Driver::set_access) grants read-write access to the device itself and to
 ///   the peers given to [`with_peers`](CudaDriver::with_peers) (none by default), in one `cuMemSetAccess`.
-/// - **Streams and events.** `StreamId(0)` is the legacy default stream; any other id names a
-///   non-blocking stream this driver creates on first use (cudarc's [`CudaStream`]); get it with
-///   [`stream`](CudaDriver::stream) to queue work on it. Events are cudarc's [`CudaEvent`]s.
+/// - **Events** are raw `CUevent`s without timing, kept in the ledger: an event is forgotten only once
+///   `cuEventDestroy` succeeded, so a failed destroy has no effect and no event is lost track of.
 /// - **What it checks itself.** A handle is passed to the driver only if this driver created it and did
 ///   not release it ([`DriverError::UnknownHandle`]); a range only if it lies inside one of its own
 ///   reservations ([`DriverError::OutsideReservation`]); a reservation is freed only if nothing is mapped
-///   in it ([`DriverError::ReservationInUse`]); `free` only takes its own `malloc` pointers; `map` maps a
-///   whole handle ([`DriverError::SizeMismatch`], the trait's rule); bytes are touched only through mappings
-///   with access set. Every other rule is CUDA's own, and its violation comes back as
-///   [`DriverError::Cuda`] with the operation and the `CUresult`.
+///   in it ([`DriverError::ReservationInUse`]); `free` only takes its own `malloc` pointers; an event only if
+///   it recorded it and did not destroy it ([`DriverError::UnknownEvent`]); `map` maps a whole handle
+///   ([`DriverError::SizeMismatch`], the trait's rule); bytes are touched only through mappings with access
+///   set. Every other rule is CUDA's own, and its violation comes back as [`DriverError::Cuda`] with the
+///   operation and the `CUresult`.
 /// - **Out of memory.** `CUDA_ERROR_OUT_OF_MEMORY` from `cuMemCreate` or `cuMemAlloc` is
 ///   [`DriverError::OutOfMemory`], so the allocator releases its cache and retries.
 /// - **Counters.** Every call is counted, failed ones included, with its time measured by
-///   [`Instant`] around the driver call(s) it makes (a call rejected before reaching the driver costs 0).
-/// - **Drop.** Whatever is still held is logged with `tracing::warn!` and given back (unmap, release, free);
-///   each failure on the way is logged with `tracing::error!`, never dropped silently.
+///   [`Instant`](std::time::Instant) around the driver call(s) it makes (a call rejected before reaching
+///   the driver costs 0).
+/// - **Drop.** Whatever is still held is logged with `tracing::warn!` and given back (unmap, release, free,
+///   destroy); each failure on the way is logged with `tracing::error!`, never dropped silently. The
+///   calling thread keeps its context.
 #[derive(Debug)]
 pub struct CudaDriver {
-    ctx: Arc<CudaContext>,
+    calls: Calls,
     ordinal: usize,
     name: String,
     granularity: u64,
@@ -52,22 +63,16 @@ pub struct CudaDriver {
     /// The device and its peers, as `CUdevice`s, for `cuMemSetAccess`.
     access: Vec<CUdevice>,
     ledger: Ledger,
-    streams: HashMap<StreamId, Arc<CudaStream>>,
-    events: HashMap<EventId, CudaEvent>,
-    next_event: u64,
-    counters: DriverCounters,
-    /// Nanoseconds spent in driver calls by the operation being counted.
-    spent_ns: u64,
-    /// Errors cudarc recorded in the context outside any call of ours (a stream or event dropped).
-    deferred: Vec<DriverError>,
+    streams: Streams,
 }
 
 impl CudaDriver {
-    /// Opens CUDA device `ordinal` (its primary context).
+    /// Opens CUDA device `ordinal` (its primary context), with the caller's streams.
     ///
     /// Fails with [`DriverError::NoDriver`] when libcuda cannot be loaded, lacks an entry point cuvmm needs,
     /// `cuInit` fails (no device, driver mismatch, ...), there is no device `ordinal`, or the device does
-    /// not support the virtual-memory API; with [`DriverError::CudaSetup`] when a setup call fails.
+    /// not support the virtual-memory API; with [`DriverError::CudaSetup`] when a setup call fails. The
+    /// calling thread's current context is left as it was.
     pub fn new(ordinal: usize) -> Result<Self, DriverError> {
         Self::with_peers(ordinal, &[])
     }
@@ -77,6 +82,20 @@ impl CudaDriver {
     /// cannot access this device's memory.
     pub fn with_peers(ordinal: usize, peers: &[usize]) -> Result<Self, DriverError> {
         load_driver()?;
+        let previous = result::ctx_get_current().map_err(|e| setup("cuCtxGetCurrent", &e))?;
+        // cudarc's `CudaContext::new` makes the context current, and dropping it on a failure binds it
+        // again: the caller's context is given back whatever happens.
+        let opened = Self::open(ordinal, peers);
+        // SAFETY: `previous` was this thread's current context a moment ago (or null), and opening a device
+        // destroys no context, so it is still alive (point 1).
+        let restored = unsafe { result::ctx_set_current(previous) };
+        let driver = opened?;
+        restored.map_err(|e| setup("cuCtxSetCurrent", &e))?;
+        Ok(driver)
+    }
+
+    /// Opens the device; leaves its context current.
+    fn open(ordinal: usize, peers: &[usize]) -> Result<Self, DriverError> {
         let count = cudarc::driver::result::device::get_count()
             .map_err(|e| setup("cuDeviceGetCount", &e))?;
         let count = usize::try_from(count).unwrap_or(0);
@@ -124,7 +143,7 @@ impl CudaDriver {
             }
         }
         Ok(Self {
-            ctx,
+            calls: Calls::new(ctx),
             ordinal,
             name,
             granularity: minimum as u64,
@@ -132,13 +151,21 @@ impl CudaDriver {
             peers: peer_list,
             access,
             ledger: Ledger::default(),
-            streams: HashMap::new(),
-            events: HashMap::new(),
-            next_event: 0,
-            counters: DriverCounters::default(),
-            spent_ns: 0,
-            deferred: Vec::new(),
+            streams: Streams::Caller,
         })
+    }
+
+    /// Makes every non-zero [`StreamId`] name a non-blocking stream that this driver creates on first use
+    /// (and destroys on drop), instead of the caller's `CUstream`. For replaying a recorded trace, whose
+    /// stream numbers are names from another process; a program that queues its own work uses the caller's
+    /// streams (the default).
+    pub fn with_stand_in_streams(mut self) -> Self {
+        self.calls.harvests = true;
+        self.streams = Streams::StandIn {
+            ctx: Arc::clone(&self.calls.ctx),
+            created: Default::default(),
+        };
+        self
     }
 
     /// The device's ordinal.
@@ -161,17 +188,10 @@ impl CudaDriver {
         &self.peers
     }
 
-    /// The primary context this driver runs in.
+    /// The primary context this driver runs in (for creating the streams, modules and buffers that work
+    /// alongside cuvmm's memory: it is the same `CUcontext` as cudarc's `CudaContext::new(ordinal)`).
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
-    /// The CUDA stream behind `id` (created on first use; `StreamId(0)` is the legacy default stream), to
-    /// queue work on the stream the allocator was told about.
-    pub fn stream(&mut self, id: StreamId) -> Result<Arc<CudaStream>, DriverError> {
-        self.bind().map_err(|e| setup("cuCtxSetCurrent", &e))?;
-        self.stream_or_new(id)
-            .map_err(|e| setup("cuStreamCreate", &e))
+        &self.calls.ctx
     }
 
     /// What this driver still holds on the device.
@@ -179,41 +199,17 @@ impl CudaDriver {
         self.ledger.report()
     }
 
-    /// Errors that cudarc recorded in the context outside any call of this driver (an event or stream it
-    /// dropped failed to be destroyed), as [`DriverError::Cuda`] with [`Op::DestroyEvent`]. Each was logged
-    /// with `tracing::error!` when found.
+    /// How many events this driver holds: recorded and not destroyed yet, or kept after a failure to be
+    /// destroyed on drop.
+    pub fn events_held(&self) -> usize {
+        self.ledger.events_held()
+    }
+
+    /// Errors found outside any call that could return them: one cudarc recorded in the context (a
+    /// stand-in stream that failed to be destroyed), or a failure to give the calling thread its context
+    /// back. Each was logged with `tracing::error!` when found.
     pub fn take_deferred_errors(&mut self) -> Vec<DriverError> {
-        std::mem::take(&mut self.deferred)
-    }
-
-    /// Moves any error cudarc recorded in the context into `deferred`, logging it. cudarc records errors
-    /// only from its `Drop` implementations; the driver drops streams only in its own drop, so what is found
-    /// here during operation comes from destroying an event.
-    fn harvest(&mut self, during: &str) {
-        if let Err(e) = self.ctx.check_err() {
-            let (code, name) = result::code_and_name(&e);
-            tracing::error!(code, %name, "cuvmm: CUDA error recorded while {during}");
-            self.deferred.push(cuda_error(Op::DestroyEvent, &e));
-        }
-    }
-
-    /// Makes the context current on this thread, after collecting any error recorded in it.
-    fn bind(&mut self) -> Result<(), CuError> {
-        self.harvest("dropping a stream or an event");
-        self.ctx.bind_to_thread()
-    }
-
-    /// The stream behind `id`, created if new.
-    fn stream_or_new(&mut self, id: StreamId) -> Result<Arc<CudaStream>, CuError> {
-        if id == StreamId::DEFAULT {
-            return Ok(self.ctx.default_stream());
-        }
-        if let Some(stream) = self.streams.get(&id) {
-            return Ok(stream.clone());
-        }
-        let stream = self.ctx.new_stream()?;
-        self.streams.insert(id, stream.clone());
-        Ok(stream)
+        std::mem::take(&mut self.calls.deferred)
     }
 
     /// Runs one operation, counting it once with the driver time its calls took.
@@ -222,59 +218,37 @@ impl CudaDriver {
         op: Op,
         body: impl FnOnce(&mut Self) -> Result<T, DriverError>,
     ) -> Result<T, DriverError> {
-        self.spent_ns = 0;
+        self.calls.spent_ns = 0;
         let outcome = body(self);
-        self.counters.record(op, self.spent_ns);
+        let spent = self.calls.spent_ns;
+        self.calls.counters.record(op, spent);
         outcome
     }
 
-    /// Makes the context current and runs `f` (driver calls), adding their time to the operation's.
-    /// An error becomes [`DriverError::OutOfMemory`] or [`DriverError::Cuda`] for `op`.
-    fn call<T>(
-        &mut self,
-        op: Op,
-        requested: u64,
-        f: impl FnOnce(&mut Self) -> Result<T, CuError>,
-    ) -> Result<T, DriverError> {
-        if let Err(e) = self.bind() {
-            return Err(cuda_error(op, &e));
-        }
-        let start = Instant::now();
-        let outcome = f(self);
-        self.spent_ns = self.spent_ns.saturating_add(elapsed_ns(start));
-        outcome.map_err(|e| self.failure(op, requested, &e))
-    }
-
-    /// The error for a failed call of `op` asking for `requested` bytes.
-    fn failure(&mut self, op: Op, requested: u64, err: &CuError) -> DriverError {
-        if !result::is_out_of_memory(err) {
-            return cuda_error(op, err);
-        }
-        if op == Op::Reserve {
-            return DriverError::VaExhausted { op, requested };
-        }
-        let start = Instant::now();
-        let info = result::mem_get_info();
-        self.counters.record(Op::MemInfo, elapsed_ns(start));
-        DriverError::OutOfMemory {
-            op,
-            requested,
-            free: info.map_or(0, |(free, _)| free as u64),
+    /// The raw stream `id` names, for a call of `op`.
+    fn stream(&mut self, op: Op, id: StreamId) -> Result<u64, DriverError> {
+        if self.streams.creates() {
+            let streams = &mut self.streams;
+            self.calls.call(op, 0, || streams.resolve(id))
+        } else {
+            self.streams.resolve(id).map_err(|e| cuda_error(op, &e))
         }
     }
 
-    /// Gives back everything the ledger still holds, logging each failure. Used on drop.
+    /// Gives back everything the ledger still holds, logging each failure. Used on drop, with the device's
+    /// context current.
     fn give_back(&mut self) {
         let report = self.ledger.report();
-        if report.is_empty() {
+        let events = self.ledger.events_held();
+        if report.is_empty() && events == 0 {
             return;
         }
-        tracing::warn!("cuvmm: CudaDriver dropped while still holding device memory:\n{report}");
-        if let Err(e) = self.ctx.bind_to_thread() {
-            log_drop_error(Op::Synchronize, &e);
-            return;
+        if !report.is_empty() {
+            tracing::warn!(
+                "cuvmm: CudaDriver dropped while still holding device memory:\n{report}"
+            );
         }
-        if let Err(e) = self.ctx.synchronize() {
+        if let Err(e) = cudarc::driver::result::ctx::synchronize() {
             log_drop_error(Op::Synchronize, &e);
         }
         let held = self.ledger.drain();
@@ -307,16 +281,36 @@ impl CudaDriver {
                 log_drop_error(Op::Free, &e);
             }
         }
+        for event in held.events {
+            // SAFETY: the ledger holds only events this driver created and did not destroy (point 1); the
+            // driver is being dropped, so no one uses them again (2).
+            if let Err(e) = unsafe { result::event_destroy(event as usize as sys::CUevent) } {
+                log_drop_error(Op::DestroyEvent, &e);
+            }
+        }
     }
 }
 
 impl Drop for CudaDriver {
     fn drop(&mut self) {
-        self.events.clear();
+        let entered = match self.calls.enter() {
+            Ok(entered) => entered,
+            Err(e) => {
+                log_drop_error(Op::Synchronize, &e);
+                return;
+            }
+        };
         self.streams.clear();
-        self.harvest("dropping the driver's streams and events");
+        self.calls.harvest("while destroying the stand-in streams");
         self.give_back();
-        self.harvest("giving device memory back");
+        self.calls.harvest("while giving device memory back");
+        // The stand-ins' reference to the context goes first, so that the driver's is the last one here.
+        self.streams = Streams::Caller;
+        // SAFETY: the driver is being dropped and uses the context no more (point 1).
+        unsafe { self.calls.drop_context(entered) };
+        for err in std::mem::take(&mut self.calls.deferred) {
+            tracing::error!(%err, "cuvmm: CudaDriver dropped with an error nobody collected");
+        }
     }
 }
 
@@ -327,7 +321,8 @@ impl Driver for CudaDriver {
 
     fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
         self.counted(Op::Reserve, |d| {
-            let start = d.call(Op::Reserve, size, |_| result::address_reserve(bytes(size)))?;
+            let start =
+                (d.calls).call(Op::Reserve, size, || result::address_reserve(bytes(size)))?;
             let range = VaRange::new(start, size);
             d.ledger.reserved(range);
             Ok(range)
@@ -337,7 +332,7 @@ impl Driver for CudaDriver {
     fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
         self.counted(Op::FreeReservation, |d| {
             d.ledger.check_free_reservation(range)?;
-            d.call(Op::FreeReservation, 0, |_| {
+            d.calls.call(Op::FreeReservation, 0, || {
                 // SAFETY: the ledger says the range is exactly one of this driver's reservations (point 1)
                 // with nothing mapped in it (2); the trait's caller gives it up with this call (3).
                 unsafe { result::address_free(range.start, bytes(range.size)) }
@@ -349,8 +344,9 @@ impl Driver for CudaDriver {
 
     fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
         self.counted(Op::Create, |d| {
-            let device = d.ctx.cu_device();
-            let handle = d.call(Op::Create, size, |_| result::create(device, bytes(size)))?;
+            let device = d.calls.ctx.cu_device();
+            let handle =
+                (d.calls).call(Op::Create, size, || result::create(device, bytes(size)))?;
             let handle = PhysHandle(handle);
             d.ledger.created(handle, size);
             Ok(handle)
@@ -360,7 +356,7 @@ impl Driver for CudaDriver {
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
         self.counted(Op::Release, |d| {
             d.ledger.handle_size(Op::Release, handle)?;
-            d.call(Op::Release, 0, |_| {
+            d.calls.call(Op::Release, 0, || {
                 // SAFETY: the ledger says this driver created the handle and has not released it (point 1);
                 // it forgets the handle below, so it is never passed to the driver again (2).
                 unsafe { result::release(handle.0) }
@@ -381,7 +377,7 @@ impl Driver for CudaDriver {
                 });
             }
             d.ledger.check_reserved(Op::Map, va, size)?;
-            d.call(Op::Map, size, |_| {
+            d.calls.call(Op::Map, size, || {
                 // SAFETY: the ledger says the handle is live (point 1) and the range lies inside one of this
                 // driver's reservations (2).
                 unsafe { result::map(va, bytes(size), handle.0) }
@@ -394,9 +390,10 @@ impl Driver for CudaDriver {
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.counted(Op::SetAccess, |d| {
             d.ledger.check_reserved(Op::SetAccess, va, size)?;
-            d.call(Op::SetAccess, size, |d| {
+            let access = &d.access;
+            d.calls.call(Op::SetAccess, size, || {
                 // SAFETY: the ledger says the range lies inside one of this driver's reservations (point 1).
-                unsafe { result::set_access(va, bytes(size), &d.access) }
+                unsafe { result::set_access(va, bytes(size), access) }
             })?;
             d.ledger.access_set(va, size);
             Ok(())
@@ -406,7 +403,7 @@ impl Driver for CudaDriver {
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.counted(Op::Unmap, |d| {
             d.ledger.check_reserved(Op::Unmap, va, size)?;
-            d.call(Op::Unmap, size, |_| {
+            d.calls.call(Op::Unmap, size, || {
                 // SAFETY: the ledger says the range lies inside one of this driver's reservations (point 1).
                 // Point 2 is the trait's contract with its caller (unmap only pages whose streams are done);
                 // a caller that breaks it makes a kernel fault on the device, not host memory unsafe.
@@ -419,7 +416,7 @@ impl Driver for CudaDriver {
 
     fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
         self.counted(Op::MemInfo, |d| {
-            let (free, total) = d.call(Op::MemInfo, 0, |_| result::mem_get_info())?;
+            let (free, total) = d.calls.call(Op::MemInfo, 0, result::mem_get_info)?;
             Ok(MemInfo {
                 free: free as u64,
                 total: total as u64,
@@ -429,7 +426,9 @@ impl Driver for CudaDriver {
 
     fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
         self.counted(Op::Malloc, |d| {
-            let ptr = d.call(Op::Malloc, size, |_| result::alloc(bytes(size)))?;
+            let ptr = d
+                .calls
+                .call(Op::Malloc, size, || result::alloc(bytes(size)))?;
             d.ledger.malloced(ptr, size);
             Ok(ptr)
         })
@@ -438,7 +437,7 @@ impl Driver for CudaDriver {
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
         self.counted(Op::Free, |d| {
             d.ledger.check_malloc(ptr)?;
-            d.call(Op::Free, 0, |_| {
+            d.calls.call(Op::Free, 0, || {
                 // SAFETY: the ledger says `ptr` is a live allocation from `alloc` (point 1); it forgets it
                 // below, and the trait's caller gives the memory up with this call (2).
                 unsafe { result::free(ptr) }
@@ -450,53 +449,36 @@ impl Driver for CudaDriver {
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.counted(Op::RecordEvent, |d| {
-            let event = d.call(Op::RecordEvent, 0, |d| {
-                d.stream_or_new(stream)?.record_event(None)
-            })?;
-            d.next_event += 1;
-            let id = EventId(d.next_event);
-            d.events.insert(id, event);
-            Ok(id)
+            let raw = d.stream(Op::RecordEvent, stream)?;
+            d.ledger.record_event(&mut d.calls, raw)
         })
     }
 
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.counted(Op::QueryEvent, |d| {
-            if !d.events.contains_key(&event) {
-                return Err(DriverError::UnknownEvent { event });
-            }
-            d.call(Op::QueryEvent, 0, |d| match d.events.get(&event) {
-                Some(e) => e.try_is_complete(),
-                None => Ok(true),
-            })
+            d.ledger.event_complete(&mut d.calls, event)
         })
     }
 
     fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
         self.counted(Op::DestroyEvent, |d| {
-            let e = d
-                .events
-                .remove(&event)
-                .ok_or(DriverError::UnknownEvent { event })?;
-            d.call(Op::DestroyEvent, 0, |d| {
-                // cudarc destroys the event on drop and records any error in the context: collect it here,
-                // as this call's error.
-                drop(e);
-                d.ctx.check_err()
-            })
+            d.ledger.destroy_event(&mut d.calls, event)
         })
     }
 
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         self.counted(Op::Synchronize, |d| {
-            d.call(Op::Synchronize, 0, |d| {
-                d.stream_or_new(stream)?.synchronize()
+            let raw = d.stream(Op::Synchronize, stream)?;
+            d.calls.call(Op::Synchronize, 0, || {
+                // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
+                // caller's, whose `StreamId` contract is that it is alive (point 1).
+                unsafe { result::stream_synchronize(raw_stream(raw)) }
             })
         })
     }
 
     fn counters(&self) -> DriverCounters {
-        self.counters
+        self.calls.counters
     }
 
     fn ordinal(&self) -> usize {
@@ -506,12 +488,13 @@ impl Driver for CudaDriver {
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         self.counted(Op::Memset, |d| {
             d.ledger.check_touchable(Op::Memset, va, size)?;
-            d.call(Op::Memset, size, |d| {
+            d.calls.call(Op::Memset, size, || {
                 // SAFETY: the ledger says every byte of the range is this driver's memory with access set
                 // (point 1); the legacy stream is synchronized before returning, so the write is complete
                 // before anything else can touch the range (2).
                 unsafe { result::memset_d8(va, value, bytes(size)) }?;
-                d.ctx.default_stream().synchronize()
+                // SAFETY: the null stream, the legacy default stream, always exists (point 1).
+                unsafe { result::stream_synchronize(std::ptr::null_mut()) }
             })
         })
     }
@@ -520,7 +503,7 @@ impl Driver for CudaDriver {
         let len = out.len() as u64;
         self.counted(Op::CopyToHost, |d| {
             d.ledger.check_touchable(Op::CopyToHost, va, len)?;
-            d.call(Op::CopyToHost, len, |_| {
+            d.calls.call(Op::CopyToHost, len, || {
                 // SAFETY: the ledger says every byte of the range is this driver's memory with access set
                 // (point 1).
                 unsafe { result::memcpy_dtoh(out, va) }
@@ -568,12 +551,6 @@ fn setup(call: &'static str, err: &CuError) -> DriverError {
     DriverError::CudaSetup { call, code, name }
 }
 
-/// A failed call of `op`.
-fn cuda_error(op: Op, err: &CuError) -> DriverError {
-    let (code, name) = result::code_and_name(err);
-    DriverError::Cuda { op, code, name }
-}
-
 /// Logs a call that failed while the driver was being dropped.
 fn log_drop_error(op: Op, err: &CuError) {
     let (code, name) = result::code_and_name(err);
@@ -584,9 +561,4 @@ fn log_drop_error(op: Op, err: &CuError) {
 /// driver rejects them.
 fn bytes(size: u64) -> usize {
     usize::try_from(size).unwrap_or(usize::MAX)
-}
-
-/// Nanoseconds since `start`.
-fn elapsed_ns(start: Instant) -> u64 {
-    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }

@@ -1,15 +1,34 @@
-//! What a `CudaDriver` holds on the device: its reservations, live handles, mappings and `malloc`s.
+//! What a `CudaDriver` holds on the device: its reservations, live handles, mappings, `malloc`s and events.
 //!
 //! The ledger exists so that every `unsafe` call's `# Safety` list can be checked before the call: a handle
 //! is passed to the driver only if this driver created it and has not released it; an address range only
 //! if it lies inside one of this driver's own reservations (or `malloc` allocations); bytes are touched
 //! only through mappings whose access was set. Everything else (alignment, overlapping maps, partial
 //! unmaps, out of memory, ...) is left for the real driver to reject, so that the conformance suite
-//! tests CUDA's rules and not a copy of them. The ledger changes only after a call succeeded.
+//! tests CUDA's rules and not a copy of them. The ledger changes only after a call succeeded: a failed call
+//! leaves everything it held known, so nothing is lost track of and drop can still give it back.
+//!
+//! Events are recorded, queried and destroyed through the ledger itself ([`Ledger::record_event`],
+//! [`Ledger::destroy_event`]), given the raw calls as an [`EventCalls`], so that the order of "call, then
+//! forget" is tested here without a GPU.
 
 use crate::driver::sim::LeakReport;
-use crate::driver::{DriverError, Op, PhysHandle, VaRange};
+use crate::driver::{DriverError, EventId, Op, PhysHandle, VaRange};
 use std::collections::{BTreeMap, HashMap};
+
+/// The raw event calls (`cuEventCreate`, `cuEventRecord`, `cuEventQuery`, `cuEventDestroy`) that the
+/// ledger's event operations make, events and streams as integers: the driver's `Calls` on a GPU, a fake
+/// in tests.
+pub(super) trait EventCalls {
+    /// Creates an event.
+    fn create(&mut self) -> Result<u64, DriverError>;
+    /// Records `event` on `stream`.
+    fn record(&mut self, event: u64, stream: u64) -> Result<(), DriverError>;
+    /// Whether `event` has completed.
+    fn query(&mut self, event: u64) -> Result<bool, DriverError>;
+    /// Destroys `event`.
+    fn destroy(&mut self, event: u64) -> Result<(), DriverError>;
+}
 
 /// One successful `cuMemMap`.
 #[derive(Clone, Copy, Debug)]
@@ -25,9 +44,73 @@ pub(super) struct Ledger {
     handles: HashMap<u64, u64>,
     mappings: BTreeMap<u64, Mapping>,
     mallocs: BTreeMap<u64, u64>,
+    /// Live events: the allocator's id -> the raw `CUevent`.
+    events: HashMap<u64, u64>,
+    /// The last event id handed out.
+    last_event: u64,
+    /// Events created for a record that failed and whose destroy failed too: no one has an id for them,
+    /// and drop destroys them.
+    orphans: Vec<u64>,
 }
 
 impl Ledger {
+    /// Creates an event and records it on `stream`. If recording fails, the new event is destroyed; if
+    /// that fails too it is kept as an orphan for drop, so no event is lost track of.
+    pub(super) fn record_event(
+        &mut self,
+        calls: &mut impl EventCalls,
+        stream: u64,
+    ) -> Result<EventId, DriverError> {
+        let raw = calls.create()?;
+        if let Err(err) = calls.record(raw, stream) {
+            if let Err(destroy_err) = calls.destroy(raw) {
+                tracing::warn!(%destroy_err, "cuvmm: destroying an event whose record failed; destroyed on drop");
+                self.orphans.push(raw);
+            }
+            return Err(err);
+        }
+        self.last_event += 1;
+        self.events.insert(self.last_event, raw);
+        Ok(EventId(self.last_event))
+    }
+
+    /// Whether the work before `event` has completed, or [`DriverError::UnknownEvent`].
+    pub(super) fn event_complete(
+        &self,
+        calls: &mut impl EventCalls,
+        event: EventId,
+    ) -> Result<bool, DriverError> {
+        let raw = self.raw_event(event)?;
+        calls.query(raw)
+    }
+
+    /// Destroys `event`, forgetting it only once the driver has destroyed it: after a failure the event is
+    /// still known (queryable, destroyed again by a later call or on drop), so a failed destroy has no
+    /// effect.
+    pub(super) fn destroy_event(
+        &mut self,
+        calls: &mut impl EventCalls,
+        event: EventId,
+    ) -> Result<(), DriverError> {
+        let raw = self.raw_event(event)?;
+        calls.destroy(raw)?;
+        self.events.remove(&event.0);
+        Ok(())
+    }
+
+    /// The raw event behind `event`, or [`DriverError::UnknownEvent`].
+    fn raw_event(&self, event: EventId) -> Result<u64, DriverError> {
+        self.events
+            .get(&event.0)
+            .copied()
+            .ok_or(DriverError::UnknownEvent { event })
+    }
+
+    /// How many events are live or orphaned.
+    pub(super) fn events_held(&self) -> usize {
+        self.events.len() + self.orphans.len()
+    }
+
     /// The size of a live handle, or [`DriverError::UnknownHandle`].
     pub(super) fn handle_size(&self, op: Op, handle: PhysHandle) -> Result<u64, DriverError> {
         self.handles
@@ -211,6 +294,10 @@ impl Ledger {
                 .map(|(s, size)| VaRange::new(s, size))
                 .collect(),
             mallocs: std::mem::take(&mut self.mallocs).into_keys().collect(),
+            events: std::mem::take(&mut self.events)
+                .into_values()
+                .chain(std::mem::take(&mut self.orphans))
+                .collect(),
         }
     }
 }
@@ -226,6 +313,8 @@ pub(super) struct Drained {
     pub(super) reservations: Vec<VaRange>,
     /// `malloc` pointers.
     pub(super) mallocs: Vec<u64>,
+    /// Raw events, live and orphaned.
+    pub(super) events: Vec<u64>,
 }
 
 #[cfg(test)]
@@ -287,5 +376,109 @@ mod tests {
         let drained = l.drain();
         assert_eq!(drained.mallocs, vec![0x9000]);
         assert!(l.report().is_empty());
+    }
+
+    /// Event calls that fail when told to, and remember which raw events exist on the "device".
+    #[derive(Default)]
+    struct FakeEvents {
+        alive: Vec<u64>,
+        next: u64,
+        fail_record: bool,
+        fail_destroy: bool,
+        done: bool,
+    }
+
+    fn injected(op: Op) -> DriverError {
+        DriverError::Injected { op, call: 1 }
+    }
+
+    impl EventCalls for FakeEvents {
+        fn create(&mut self) -> Result<u64, DriverError> {
+            self.next += 0x100;
+            self.alive.push(self.next);
+            Ok(self.next)
+        }
+        fn record(&mut self, event: u64, _stream: u64) -> Result<(), DriverError> {
+            assert!(self.alive.contains(&event), "record of a dead event");
+            if self.fail_record {
+                return Err(injected(Op::RecordEvent));
+            }
+            Ok(())
+        }
+        fn query(&mut self, event: u64) -> Result<bool, DriverError> {
+            assert!(self.alive.contains(&event), "query of a dead event");
+            Ok(self.done)
+        }
+        fn destroy(&mut self, event: u64) -> Result<(), DriverError> {
+            assert!(self.alive.contains(&event), "destroy of a dead event");
+            if self.fail_destroy {
+                return Err(injected(Op::DestroyEvent));
+            }
+            self.alive.retain(|&e| e != event);
+            Ok(())
+        }
+    }
+
+    /// The regression of issue 15: a failed `destroy_event` removed the event from the ledger before the
+    /// driver had destroyed it, so the allocator's next query found `UnknownEvent` forever, and the event
+    /// leaked. Now a failed destroy has no effect: the event is still known and queryable, and a later
+    /// destroy (or drop) succeeds.
+    #[test]
+    fn a_failed_destroy_keeps_the_event_known_and_queryable() {
+        let mut l = Ledger::default();
+        let mut dev = FakeEvents::default();
+        let e = l.record_event(&mut dev, 7).unwrap();
+        dev.fail_destroy = true;
+        assert_eq!(
+            l.destroy_event(&mut dev, e),
+            Err(injected(Op::DestroyEvent))
+        );
+        assert_eq!(l.events_held(), 1);
+        dev.done = true;
+        assert_eq!(l.event_complete(&mut dev, e), Ok(true));
+        dev.fail_destroy = false;
+        assert_eq!(l.destroy_event(&mut dev, e), Ok(()));
+        assert!(
+            dev.alive.is_empty(),
+            "the event was destroyed on the device"
+        );
+        assert_eq!(l.events_held(), 0);
+        assert_eq!(
+            l.event_complete(&mut dev, e),
+            Err(DriverError::UnknownEvent { event: e })
+        );
+        assert_eq!(
+            l.destroy_event(&mut dev, e),
+            Err(DriverError::UnknownEvent { event: e })
+        );
+    }
+
+    #[test]
+    fn a_failed_record_destroys_its_event_or_keeps_it_for_drop() {
+        let mut l = Ledger::default();
+        let mut dev = FakeEvents {
+            fail_record: true,
+            ..FakeEvents::default()
+        };
+        assert_eq!(l.record_event(&mut dev, 0), Err(injected(Op::RecordEvent)));
+        assert!(dev.alive.is_empty(), "the unrecorded event was destroyed");
+        assert_eq!(l.events_held(), 0);
+        dev.fail_destroy = true;
+        assert_eq!(l.record_event(&mut dev, 0), Err(injected(Op::RecordEvent)));
+        assert_eq!(dev.alive.len(), 1);
+        assert_eq!(l.events_held(), 1, "kept as an orphan");
+        dev.fail_record = false;
+        let e = l.record_event(&mut dev, 0).unwrap();
+        let mut drained = l.drain().events;
+        drained.sort_unstable();
+        assert_eq!(
+            drained, dev.alive,
+            "drop gets every event the device still has"
+        );
+        assert_eq!(l.events_held(), 0);
+        assert_eq!(
+            l.event_complete(&mut dev, e),
+            Err(DriverError::UnknownEvent { event: e })
+        );
     }
 }

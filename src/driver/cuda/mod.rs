@@ -1,13 +1,16 @@
 //! The real CUDA backend: [`CudaDriver`] implements [`Driver`](super::Driver) on a GPU through cudarc.
 //!
 //! This module is the only code in cuvmm that touches `cudarc::driver::sys`, and the only code allowed
-//! `unsafe`. It has three layers, as cudarc itself does:
+//! `unsafe`. It has cudarc's three layers (`result.rs`, the ledger and calls, the safe `driver.rs`):
 //! - `result.rs`: one function per driver call, returning `Result`; a function is `unsafe` when a wrong
 //!   argument could break someone else's memory, with a numbered `# Safety` list and a link to NVIDIA's
 //!   documentation;
-//! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s), so that each safety
-//!   condition is checked before an `unsafe` call, and so that drop can give everything back;
-//! - `driver.rs`: [`CudaDriver`], the safe type, which also measures every call.
+//! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s, events), so that each
+//!   safety condition is checked before an `unsafe` call, and so that drop can give everything back;
+//! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
+//!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
+//! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
+//! - `driver.rs`: [`CudaDriver`], the safe type.
 //!
 //! cudarc is built with `dynamic-loading`: libcuda is opened at run time, and any `sys` call panics if it
 //! cannot be. [`CudaDriver::new`] therefore checks `sys::is_culib_present()` and every entry point it
@@ -16,8 +19,11 @@
 
 #![allow(unsafe_code)]
 
+mod calls;
 mod driver;
 mod ledger;
 mod result;
+mod streams;
 
+pub use calls::keeping_current_context;
 pub use driver::CudaDriver;

@@ -52,6 +52,95 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuEventDestroy_v2",
 ];
 
+/// The calling thread's current context (null when it has none).
+///
+/// See [cuCtxGetCurrent() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html#group__CUDA__CTX_1g8f13165846b73750693640fb3e8380d0)
+pub(super) fn ctx_get_current() -> Result<sys::CUcontext, CuError> {
+    let mut ctx = MaybeUninit::uninit();
+    // SAFETY: `ctx` is valid for the call; the driver writes it (possibly null) before returning success.
+    unsafe {
+        sys::cuCtxGetCurrent(ctx.as_mut_ptr()).result()?;
+        Ok(ctx.assume_init())
+    }
+}
+
+/// Makes `ctx` the calling thread's current context (null: none).
+///
+/// See [cuCtxSetCurrent() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html#group__CUDA__CTX_1gbe562ee6258b4fcc272ca6478ca2a2f7)
+///
+/// # Safety
+/// 1. `ctx` is null or a context that is alive (retained by someone) for as long as it stays current.
+pub(super) unsafe fn ctx_set_current(ctx: sys::CUcontext) -> Result<(), CuError> {
+    // SAFETY: the caller guarantees the context is null or alive (point 1).
+    unsafe { sys::cuCtxSetCurrent(ctx).result() }
+}
+
+/// Creates an event without timing (the cheapest kind to record and query), in the current context.
+///
+/// See [cuEventCreate() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html#group__CUDA__EVENT_1g450687e75f3ff992fe01662a43d9d3db)
+pub(super) fn event_create() -> Result<sys::CUevent, CuError> {
+    let mut event = MaybeUninit::uninit();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: `event` is valid for the call; a new event affects nothing that exists.
+    unsafe {
+        sys::cuEventCreate(event.as_mut_ptr(), flags).result()?;
+        Ok(event.assume_init())
+    }
+}
+
+/// Records `event` at the current end of `stream`'s work.
+///
+/// See [cuEventRecord() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html#group__CUDA__EVENT_1g95424d3be52c4eb95d83861b70fb89d1)
+///
+/// # Safety
+/// 1. `event` was returned by [`event_create`] and has not been destroyed.
+/// 2. `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a stream that is alive.
+pub(super) unsafe fn event_record(
+    event: sys::CUevent,
+    stream: sys::CUstream,
+) -> Result<(), CuError> {
+    // SAFETY: the event and the stream are alive (points 1-2).
+    unsafe { sys::cuEventRecord(event, stream).result() }
+}
+
+/// Whether all work recorded before `event` has completed: `Ok(false)` for `CUDA_ERROR_NOT_READY`.
+///
+/// See [cuEventQuery() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html#group__CUDA__EVENT_1g6f0704d755066b0ee705749ae911deef)
+///
+/// # Safety
+/// 1. `event` was returned by [`event_create`] and has not been destroyed.
+pub(super) unsafe fn event_query(event: sys::CUevent) -> Result<bool, CuError> {
+    // SAFETY: the event is alive (point 1).
+    match unsafe { sys::cuEventQuery(event) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        err => Err(CuError(err)),
+    }
+}
+
+/// Destroys an event from [`event_create`].
+///
+/// See [cuEventDestroy() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html#group__CUDA__EVENT_1g593ec73a8ec5a5fc031311d3e4dca1ef)
+///
+/// # Safety
+/// 1. `event` was returned by [`event_create`] and has not been destroyed.
+/// 2. No one will use `event` afterwards.
+pub(super) unsafe fn event_destroy(event: sys::CUevent) -> Result<(), CuError> {
+    // SAFETY: the event is alive and not used again (points 1-2).
+    unsafe { sys::cuEventDestroy_v2(event).result() }
+}
+
+/// Waits until all work queued on `stream` has completed.
+///
+/// See [cuStreamSynchronize() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g15e49dd91ec15991eb7c0a741beb7dad)
+///
+/// # Safety
+/// 1. `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a stream that is alive.
+pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), CuError> {
+    // SAFETY: the stream is alive (point 1).
+    unsafe { sys::cuStreamSynchronize(stream).result() }
+}
+
 /// Whether the CUDA driver library (libcuda.so / nvcuda.dll) can be loaded.
 ///
 /// See cudarc's `sys::is_culib_present`.
