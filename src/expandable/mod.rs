@@ -25,10 +25,10 @@ mod streams;
 
 pub use segment::Pool;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
-use crate::fast_hash::FastMap;
+use crate::fast_hash::{FastMap, FastSet};
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
@@ -82,6 +82,16 @@ pub struct Expandable<D: Driver> {
     by_addr: BTreeMap<u64, usize>,
     by_key: FastMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
+    /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
+    pooled_chunks: Vec<PhysHandle>,
+    /// Every chunk held (mapped or pooled).
+    chunks: FastSet<PhysHandle>,
+    /// Pages per large-pool handle: `config.large_handle` in pages under `compaction:pressure`, else 1.
+    chunk_pages: usize,
+    /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
+    budget: u64,
+    /// Counts frees, to order segments by when a block of theirs was last freed.
+    free_clock: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
     handle_queue: Vec<PhysHandle>,
@@ -123,7 +133,21 @@ impl<D: Driver> Expandable<D> {
             .into());
         }
         config.validate()?;
-        let device_total = driver.mem_info()?.total;
+        if config.large_handle % page_size != 0 {
+            return Err(ConfigError::BadValue {
+                key: "large_handle_mb".into(),
+                value: config.large_handle.to_string(),
+                expected: "a multiple of the page size",
+            }
+            .into());
+        }
+        let chunk_pages = match config.compaction {
+            Compaction::Pressure => (config.large_handle / page_size) as usize,
+            Compaction::Eager => 1,
+        };
+        let info = driver.mem_info()?;
+        let device_total = info.total;
+        let budget = config.budget_bytes(info.total, info.free);
         Ok(Self {
             driver,
             config,
@@ -133,6 +157,11 @@ impl<D: Driver> Expandable<D> {
             by_addr: BTreeMap::new(),
             by_key: FastMap::default(),
             pooled: Vec::new(),
+            pooled_chunks: Vec::new(),
+            chunks: FastSet::default(),
+            chunk_pages,
+            budget,
+            free_clock: 0,
             handle_queue: Vec::new(),
             stream_uses: FastMap::default(),
             pending: PendingFrees::default(),
@@ -185,7 +214,12 @@ impl<D: Driver> Expandable<D> {
 
     /// Physical bytes held by no live block: idle mapped pages plus pooled handles.
     fn idle_bytes(&self) -> u64 {
-        (self.idle_pages + self.pooled.len()) as u64 * self.page_size
+        (self.idle_pages + self.pooled_pages()) as u64 * self.page_size
+    }
+
+    /// Pages held by pooled handles, single pages and chunks.
+    fn pooled_pages(&self) -> usize {
+        self.pooled.len() + self.pooled_chunks.len() * self.chunk_pages
     }
 
     /// Re-reads the touched and idle page counts and the straddling free blocks of one segment after it
@@ -286,7 +320,11 @@ impl<D: Driver> Expandable<D> {
         }
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
-        self.segment_mut(slot).free_live(addr, size);
+        self.free_clock += 1;
+        let clock = self.free_clock;
+        let seg = self.segment_mut(slot);
+        seg.free_live(addr, size);
+        seg.last_free = clock;
         self.count_block(pool, size, requested, false);
         self.count_inactive(pool, size);
         self.record(TraceAction::FreeRequested, addr, requested, stream);
@@ -387,7 +425,7 @@ impl<D: Driver> Strategy for Expandable<D> {
             num_synchronizations: c.synchronizations,
             largest_free_block: self.largest_free_block(),
             idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
-            idle_handle_bytes: self.pooled.len() as u64 * self.page_size,
+            idle_handle_bytes: self.pooled_pages() as u64 * self.page_size,
             handles_reused: c.handles_reused,
             driver: self.driver.counters(),
             active: c.active_count.all,
