@@ -119,8 +119,8 @@ pub struct Config {
     /// allocator is made. Only [`Compaction::Pressure`] reads it.
     pub reserve_budget: Option<Budget>,
     /// Bytes per physical handle of the large pool under [`Compaction::Pressure`] (`large_handle_mb`;
-    /// default 20 MiB as PyTorch's expandable segments). A multiple of the page size; one page turns
-    /// multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
+    /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
+    /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
     pub large_handle: u64,
 }
 

@@ -133,16 +133,9 @@ impl<D: Driver> Expandable<D> {
             .into());
         }
         config.validate()?;
-        if config.large_handle % page_size != 0 {
-            return Err(ConfigError::BadValue {
-                key: "large_handle_mb".into(),
-                value: config.large_handle.to_string(),
-                expected: "a multiple of the page size",
-            }
-            .into());
-        }
+        // The largest whole number of pages not above `large_handle`, at least one.
         let chunk_pages = match config.compaction {
-            Compaction::Pressure => (config.large_handle / page_size) as usize,
+            Compaction::Pressure => (config.large_handle / page_size).max(1) as usize,
             Compaction::Eager => 1,
         };
         let info = driver.mem_info()?;
