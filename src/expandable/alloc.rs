@@ -264,6 +264,8 @@ impl<D: Driver> Expandable<D> {
         let mut access = pages.clone();
         if self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large {
             access = self.map_chunks(slot, pages.clone())?;
+            // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
+            access = self.widen_to_chunks(slot, access);
         }
         let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {

@@ -5,9 +5,12 @@
 //! no live block touches is *idle*; its handle can be unmapped and mapped wherever a request needs it
 //! (compaction), so physical memory in use follows the pages live blocks touch, not the history of splits.
 //!
-//! Growth order for a request: a free block whose pages are mapped -> pooled handles -> idle pages elsewhere,
-//! unmapped after their stream is synchronized -> `create` -> on out-of-memory, release the cache and retry
-//! once -> [`Error::OutOfMemory`]. See `docs/DESIGN.md` for why.
+//! Growth order for a request under `compaction:pressure` (the default): a free block whose pages are mapped
+//! -> pooled handles -> new handles (20 MiB chunks in the large pool) while reserved memory stays under the
+//! budget -> idle pages whose stream an event query shows done, oldest first -> idle pages after one
+//! synchronization per stream -> `create` -> on out-of-memory, release the cache and retry once ->
+//! [`Error::OutOfMemory`]. `compaction:eager` takes idle pages (synchronizing) before creating any. See
+//! `docs/DESIGN.md` for why.
 //!
 //! A block used on other streams than its own (`record_stream`) is freed only once events recorded on those
 //! streams at the free complete (`streams.rs`); until then it is *pending*: active, not allocated.

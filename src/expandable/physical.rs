@@ -214,7 +214,11 @@ impl<D: Driver> Expandable<D> {
                             self.counters.reserved.add(bytes);
                             handle
                         }
-                        Err(err) if err.is_out_of_memory() => break 'runs,
+                        Err(err) if err.is_out_of_memory() => {
+                            // Retried with single pages, which the cache release can make room for.
+                            self.counters.retries += 1;
+                            break 'runs;
+                        }
                         Err(err) => {
                             result = Err(err.into());
                             break 'runs;
@@ -290,6 +294,20 @@ impl<D: Driver> Expandable<D> {
             _ => run.end,
         };
         start..end.max(start)
+    }
+
+    /// `pages`, widened at each end to the whole chunk that end lies in, if any.
+    pub(super) fn widen_to_chunks(&self, slot: usize, pages: Range<usize>) -> Range<usize> {
+        if pages.is_empty() || self.chunks.is_empty() {
+            return pages;
+        }
+        let start = self
+            .chunk_at(slot, pages.start)
+            .map_or(pages.start, |c| c.start);
+        let end = self
+            .chunk_at(slot, pages.end - 1)
+            .map_or(pages.end, |c| c.end);
+        start..end
     }
 
     /// `page`, moved down to the start of its chunk if it lies in one.

@@ -70,6 +70,10 @@ pub fn aligned<const N: usize>(headers: [&str; N], rows: &[[String; N]]) -> Stri
     out
 }
 
+/// One line on what the estimated driver times are, for tables.
+pub const LATENCY_NOTE: &str = "estimated driver time of the driver calls from the latency model, \
+     per call: each published 2 MiB figure a fixed cost per call; per byte: a cost per 2 MiB; an estimate";
+
 #[derive(Serialize)]
 struct Report<'a> {
     results: &'a [ReplayResult],
