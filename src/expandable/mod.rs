@@ -32,11 +32,11 @@ pub use segment::Pool;
 use crate::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
-use crate::fast_hash::{FastMap, FastSet};
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
+use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
 use std::collections::BTreeMap;
 use streams::{PendingFrees, StreamUses};
@@ -84,12 +84,12 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     segments: Vec<Option<Segment>>,
     by_addr: BTreeMap<u64, usize>,
-    by_key: FastMap<(StreamId, Pool), Vec<usize>>,
+    by_key: FxHashMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
     pooled_chunks: Vec<PhysHandle>,
     /// Every chunk held (mapped or pooled).
-    chunks: FastSet<PhysHandle>,
+    chunks: FxHashSet<PhysHandle>,
     /// Pages per large-pool handle: `config.large_handle` in pages under `compaction:pressure`, else 1.
     chunk_pages: usize,
     /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
@@ -100,7 +100,7 @@ pub struct Expandable<D: Driver> {
     /// Empty outside `back_with_pages`: a handle is never only here.
     handle_queue: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
-    stream_uses: FastMap<u64, StreamUses>,
+    stream_uses: FxHashMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
     /// Pages touched by active blocks, per pool.
@@ -152,15 +152,15 @@ impl<D: Driver> Expandable<D> {
             device_total,
             segments: Vec::new(),
             by_addr: BTreeMap::new(),
-            by_key: FastMap::default(),
+            by_key: FxHashMap::default(),
             pooled: Vec::new(),
             pooled_chunks: Vec::new(),
-            chunks: FastSet::default(),
+            chunks: FxHashSet::default(),
             chunk_pages,
             budget,
             free_clock: 0,
             handle_queue: Vec::new(),
-            stream_uses: FastMap::default(),
+            stream_uses: FxHashMap::default(),
             pending: PendingFrees::default(),
             touched_pages: [0; 2],
             idle_pages: 0,
