@@ -1,6 +1,6 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
-use super::calls::{Calls, cuda_error, raw_stream};
+use super::calls::{Calls, bytes, cuda_error, raw_stream};
 use super::ledger::Ledger;
 use super::result::{self, Granularity};
 use super::streams::Streams;
@@ -331,14 +331,7 @@ impl Driver for CudaDriver {
 
     fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
         self.counted(Op::FreeReservation, |d| {
-            d.ledger.check_free_reservation(range)?;
-            d.calls.call(Op::FreeReservation, 0, || {
-                // SAFETY: the ledger says the range is exactly one of this driver's reservations (point 1)
-                // with nothing mapped in it (2); the trait's caller gives it up with this call (3).
-                unsafe { result::address_free(range.start, bytes(range.size)) }
-            })?;
-            d.ledger.reservation_freed(range);
-            Ok(())
+            d.ledger.free_reservation(&mut d.calls, range)
         })
     }
 
@@ -354,16 +347,7 @@ impl Driver for CudaDriver {
     }
 
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        self.counted(Op::Release, |d| {
-            d.ledger.handle_size(Op::Release, handle)?;
-            d.calls.call(Op::Release, 0, || {
-                // SAFETY: the ledger says this driver created the handle and has not released it (point 1);
-                // it forgets the handle below, so it is never passed to the driver again (2).
-                unsafe { result::release(handle.0) }
-            })?;
-            d.ledger.released(handle);
-            Ok(())
-        })
+        self.counted(Op::Release, |d| d.ledger.release(&mut d.calls, handle))
     }
 
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
@@ -377,13 +361,7 @@ impl Driver for CudaDriver {
                 });
             }
             d.ledger.check_reserved(Op::Map, va, size)?;
-            d.calls.call(Op::Map, size, || {
-                // SAFETY: the ledger says the handle is live (point 1) and the range lies inside one of this
-                // driver's reservations (2).
-                unsafe { result::map(va, bytes(size), handle.0) }
-            })?;
-            d.ledger.mapped(va, size);
-            Ok(())
+            d.ledger.map(&mut d.calls, va, size, handle)
         })
     }
 
@@ -403,14 +381,7 @@ impl Driver for CudaDriver {
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.counted(Op::Unmap, |d| {
             d.ledger.check_reserved(Op::Unmap, va, size)?;
-            d.calls.call(Op::Unmap, size, || {
-                // SAFETY: the ledger says the range lies inside one of this driver's reservations (point 1).
-                // Point 2 is the trait's contract with its caller (unmap only pages whose streams are done);
-                // a caller that breaks it makes a kernel fault on the device, not host memory unsafe.
-                unsafe { result::unmap(va, bytes(size)) }
-            })?;
-            d.ledger.unmapped(va, size);
-            Ok(())
+            d.ledger.unmap(&mut d.calls, va, size)
         })
     }
 
@@ -435,16 +406,7 @@ impl Driver for CudaDriver {
     }
 
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        self.counted(Op::Free, |d| {
-            d.ledger.check_malloc(ptr)?;
-            d.calls.call(Op::Free, 0, || {
-                // SAFETY: the ledger says `ptr` is a live allocation from `alloc` (point 1); it forgets it
-                // below, and the trait's caller gives the memory up with this call (2).
-                unsafe { result::free(ptr) }
-            })?;
-            d.ledger.freed(ptr);
-            Ok(())
-        })
+        self.counted(Op::Free, |d| d.ledger.free(&mut d.calls, ptr))
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
@@ -555,10 +517,4 @@ fn setup(call: &'static str, err: &CuError) -> DriverError {
 fn log_drop_error(op: Op, err: &CuError) {
     let (code, name) = result::code_and_name(err);
     tracing::error!(%op, code, %name, "cuvmm: CUDA call failed while dropping CudaDriver");
-}
-
-/// A byte count as the driver takes it. Sizes beyond `usize` (none on 64-bit hosts) saturate, and the
-/// driver rejects them.
-fn bytes(size: u64) -> usize {
-    usize::try_from(size).unwrap_or(usize::MAX)
 }
