@@ -35,7 +35,13 @@ use std::sync::Arc;
 /// - **Access.** [`set_access`](Driver::set_access) grants read-write access to the device itself and to
 ///   the peers given to [`with_peers`](CudaDriver::with_peers) (none by default), in one `cuMemSetAccess`.
 /// - **Events** are raw `CUevent`s without timing, kept in the ledger: an event is forgotten only once
-///   `cuEventDestroy` succeeded, so a failed destroy has no effect and no event is lost track of.
+///   `cuEventDestroy` succeeded (or answered that the event is gone), so no event is lost track of.
+/// - **Failures** follow the [`Driver`] contract: a failed call had no effect, or the repeat reports the
+///   resource gone. A failure of `release`, `unmap`, `free_reservation`, `free` or `map` is settled in the
+///   ledger from CUDA's error and one side-effect-free query (`give_back.rs`): CUDA answering "invalid"
+///   for a resource the ledger holds, or the query saying it is gone, makes the ledger forget it, and the
+///   repeat is [`DriverError::UnknownHandle`], [`DriverError::NotMapped`],
+///   [`DriverError::UnknownReservation`] or [`DriverError::UnknownPointer`].
 /// - **What it checks itself.** A handle is passed to the driver only if this driver created it and did
 ///   not release it ([`DriverError::UnknownHandle`]); a range only if it lies inside one of its own
 ///   reservations ([`DriverError::OutsideReservation`]); a reservation is freed only if nothing is mapped
