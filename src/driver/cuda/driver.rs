@@ -550,7 +550,11 @@ mod tests {
         assert_eq!(d.calls.mapped(r.start), Ok(false), "reserved, not mapped");
         d.map(r.start, g, h).expect("map");
         assert_eq!(d.calls.mapped(r.start), Ok(true), "mapped");
-        assert_eq!(d.calls.mapped(r.start + g / 2), Ok(true), "inside a mapping");
+        assert_eq!(
+            d.calls.mapped(r.start + g / 2),
+            Ok(true),
+            "inside a mapping"
+        );
         assert_eq!(d.calls.mapped(r.start + g), Ok(false), "the next page");
         d.unmap(r.start, g).expect("unmap");
         assert_eq!(d.calls.mapped(r.start), Ok(false), "unmapped");
