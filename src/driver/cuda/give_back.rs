@@ -10,7 +10,7 @@
 //! | failed call | the driver says "unknown" (`CUDA_ERROR_INVALID_VALUE`, `_INVALID_HANDLE`) | any other error |
 //! |---|---|---|
 //! | `release` | the handle is gone (an earlier release that failed had worked): forgotten, `UnknownHandle` | `cuMemGetAllocationPropertiesFromHandle`: a handle it no longer knows is forgotten; the error is returned |
-//! | `unmap` | each of the ledger's mappings in the range is asked `CU_POINTER_ATTRIBUTE_MAPPED`; those no longer mapped are forgotten; if none is left, `NotMapped` (else a partial unmap, CUDA's own error) | the same query; the error is returned |
+//! | `unmap` | each of the ledger's mappings in the range is asked `CU_POINTER_ATTRIBUTE_MAPPED`; those no longer mapped are forgotten (when a query fails: all of them, if the ledger's mappings tile the range exactly, so the error cannot be about a partial unmap); if none is left, `NotMapped`, else CUDA's own error | the same query; the error is returned |
 //! | `free_reservation` | the reservation is gone: forgotten, `UnknownReservation` | kept (CUDA has no query for a reservation): the repeat's answer decides |
 //! | `free` | the allocation is gone: forgotten, `UnknownPointer` | `CU_POINTER_ATTRIBUTE_MAPPED` on the pointer; an unmapped one is forgotten |
 //! | `map` | rejected, no effect | `CU_POINTER_ATTRIBUTE_MAPPED`: a mapping that is there (or that cannot be told) is recorded, so the caller's undo (`unmap`) reaches it |
@@ -19,8 +19,8 @@
 //! anyone can tell, the caller's repeat makes the call again, and drop gives back whatever is left. A
 //! resource the ledger no longer holds is answered "gone" without a driver call (`UnknownHandle`,
 //! `NotMapped`, `UnknownReservation`, `UnknownPointer`). So the allocator's settle (`src/expandable/
-//! settle.rs`: one repeat, success or "gone" is done) ends after two calls in every case, and its books
-//! follow the device's.
+//! settle.rs`: one repeat, success or "gone" is done) ends after two calls (and their queries) in every
+//! case, and its books follow the device's. Events follow the same rule in `ledger.rs`.
 
 use super::ledger::Ledger;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
