@@ -2,6 +2,7 @@
 //! context for the call and gives the calling thread back the context it had, measures the call, counts the
 //! operation, and turns a `CUresult` into a [`DriverError`].
 
+use super::give_back::GiveBackCalls;
 use super::ledger::EventCalls;
 use super::result;
 use crate::driver::{DriverCounters, DriverError, Op};
@@ -177,6 +178,61 @@ impl EventCalls for Calls {
     }
 }
 
+/// The raw calls that give memory back or map it, each in the device's context. The ledger passes only
+/// what it holds: a handle this driver created and has not seen released, a range inside one of its
+/// reservations, one of its reservations with nothing mapped in it, one of its `malloc` pointers. After a
+/// failure it keeps a resource only while the driver has not said it is gone (`give_back.rs`).
+impl GiveBackCalls for Calls {
+    fn release(&mut self, handle: u64) -> Result<(), DriverError> {
+        self.call(Op::Release, 0, || {
+            // SAFETY: the ledger gives only a handle this driver created and has not seen released (point
+            // 1), and forgets it once the call succeeds or the driver says it is gone (2).
+            unsafe { result::release(handle) }
+        })
+    }
+
+    fn map(&mut self, va: u64, size: u64, handle: u64) -> Result<(), DriverError> {
+        self.call(Op::Map, size, || {
+            // SAFETY: the ledger gives only a live handle (point 1) and a range inside one of this driver's
+            // reservations (2).
+            unsafe { result::map(va, bytes(size), handle) }
+        })
+    }
+
+    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+        self.call(Op::Unmap, size, || {
+            // SAFETY: the ledger gives only a range inside one of this driver's reservations (point 1).
+            // Point 2 is the trait's contract with its caller (unmap only pages whose streams are done); a
+            // caller that breaks it makes a kernel fault on the device, not host memory unsafe.
+            unsafe { result::unmap(va, bytes(size)) }
+        })
+    }
+
+    fn address_free(&mut self, start: u64, size: u64) -> Result<(), DriverError> {
+        self.call(Op::FreeReservation, 0, || {
+            // SAFETY: the ledger gives only a range that is exactly one of this driver's reservations
+            // (point 1) with nothing mapped in it (2); the trait's caller gives it up with this call (3).
+            unsafe { result::address_free(start, bytes(size)) }
+        })
+    }
+
+    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
+        self.call(Op::Free, 0, || {
+            // SAFETY: the ledger gives only a live pointer from `alloc` (point 1); the trait's caller gives
+            // the memory up with this call (2).
+            unsafe { result::free(ptr) }
+        })
+    }
+
+    fn handle_live(&mut self, handle: u64) -> Result<bool, DriverError> {
+        self.call(Op::Release, 0, || result::handle_live(handle))
+    }
+
+    fn mapped(&mut self, va: u64) -> Result<bool, DriverError> {
+        self.call(Op::Unmap, 0, || result::pointer_mapped(va))
+    }
+}
+
 /// Runs `f`, then gives the calling thread back the context it had before, whatever `f` left current.
 /// For cuvmm code that calls cudarc's safe API (which makes its context current and leaves it so) on the
 /// program's behalf, as `CudaBuffer`'s drop does. libcuda must be loaded: call it only where a cudarc
@@ -217,4 +273,10 @@ pub(super) fn cuda_error(op: Op, err: &CuError) -> DriverError {
 /// Nanoseconds since `start`.
 pub(super) fn elapsed_ns(start: Instant) -> u64 {
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// A byte count as the driver takes it. Sizes beyond `usize` (none on 64-bit hosts) saturate, and the
+/// driver rejects them.
+pub(super) fn bytes(size: u64) -> usize {
+    usize::try_from(size).unwrap_or(usize::MAX)
 }

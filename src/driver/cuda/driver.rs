@@ -1,6 +1,6 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
-use super::calls::{Calls, cuda_error, raw_stream};
+use super::calls::{Calls, bytes, cuda_error, raw_stream};
 use super::ledger::Ledger;
 use super::result::{self, Granularity};
 use super::streams::Streams;
@@ -35,7 +35,13 @@ use std::sync::Arc;
 /// - **Access.** [`set_access`](Driver::set_access) grants read-write access to the device itself and to
 ///   the peers given to [`with_peers`](CudaDriver::with_peers) (none by default), in one `cuMemSetAccess`.
 /// - **Events** are raw `CUevent`s without timing, kept in the ledger: an event is forgotten only once
-///   `cuEventDestroy` succeeded, so a failed destroy has no effect and no event is lost track of.
+///   `cuEventDestroy` succeeded (or answered that the event is gone), so no event is lost track of.
+/// - **Failures** follow the [`Driver`] contract: a failed call had no effect, or the repeat reports the
+///   resource gone. A failure of `release`, `unmap`, `free_reservation`, `free` or `map` is settled in the
+///   ledger from CUDA's error and one side-effect-free query (`give_back.rs`): CUDA answering "invalid"
+///   for a resource the ledger holds, or the query saying it is gone, makes the ledger forget it, and the
+///   repeat is [`DriverError::UnknownHandle`], [`DriverError::NotMapped`],
+///   [`DriverError::UnknownReservation`] or [`DriverError::UnknownPointer`].
 /// - **What it checks itself.** A handle is passed to the driver only if this driver created it and did
 ///   not release it ([`DriverError::UnknownHandle`]); a range only if it lies inside one of its own
 ///   reservations ([`DriverError::OutsideReservation`]); a reservation is freed only if nothing is mapped
@@ -331,14 +337,7 @@ impl Driver for CudaDriver {
 
     fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
         self.counted(Op::FreeReservation, |d| {
-            d.ledger.check_free_reservation(range)?;
-            d.calls.call(Op::FreeReservation, 0, || {
-                // SAFETY: the ledger says the range is exactly one of this driver's reservations (point 1)
-                // with nothing mapped in it (2); the trait's caller gives it up with this call (3).
-                unsafe { result::address_free(range.start, bytes(range.size)) }
-            })?;
-            d.ledger.reservation_freed(range);
-            Ok(())
+            d.ledger.free_reservation(&mut d.calls, range)
         })
     }
 
@@ -354,16 +353,7 @@ impl Driver for CudaDriver {
     }
 
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        self.counted(Op::Release, |d| {
-            d.ledger.handle_size(Op::Release, handle)?;
-            d.calls.call(Op::Release, 0, || {
-                // SAFETY: the ledger says this driver created the handle and has not released it (point 1);
-                // it forgets the handle below, so it is never passed to the driver again (2).
-                unsafe { result::release(handle.0) }
-            })?;
-            d.ledger.released(handle);
-            Ok(())
-        })
+        self.counted(Op::Release, |d| d.ledger.release(&mut d.calls, handle))
     }
 
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
@@ -377,13 +367,7 @@ impl Driver for CudaDriver {
                 });
             }
             d.ledger.check_reserved(Op::Map, va, size)?;
-            d.calls.call(Op::Map, size, || {
-                // SAFETY: the ledger says the handle is live (point 1) and the range lies inside one of this
-                // driver's reservations (2).
-                unsafe { result::map(va, bytes(size), handle.0) }
-            })?;
-            d.ledger.mapped(va, size);
-            Ok(())
+            d.ledger.map(&mut d.calls, va, size, handle)
         })
     }
 
@@ -403,14 +387,7 @@ impl Driver for CudaDriver {
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.counted(Op::Unmap, |d| {
             d.ledger.check_reserved(Op::Unmap, va, size)?;
-            d.calls.call(Op::Unmap, size, || {
-                // SAFETY: the ledger says the range lies inside one of this driver's reservations (point 1).
-                // Point 2 is the trait's contract with its caller (unmap only pages whose streams are done);
-                // a caller that breaks it makes a kernel fault on the device, not host memory unsafe.
-                unsafe { result::unmap(va, bytes(size)) }
-            })?;
-            d.ledger.unmapped(va, size);
-            Ok(())
+            d.ledger.unmap(&mut d.calls, va, size)
         })
     }
 
@@ -435,16 +412,7 @@ impl Driver for CudaDriver {
     }
 
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        self.counted(Op::Free, |d| {
-            d.ledger.check_malloc(ptr)?;
-            d.calls.call(Op::Free, 0, || {
-                // SAFETY: the ledger says `ptr` is a live allocation from `alloc` (point 1); it forgets it
-                // below, and the trait's caller gives the memory up with this call (2).
-                unsafe { result::free(ptr) }
-            })?;
-            d.ledger.freed(ptr);
-            Ok(())
-        })
+        self.counted(Op::Free, |d| d.ledger.free(&mut d.calls, ptr))
     }
 
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
@@ -557,8 +525,60 @@ fn log_drop_error(op: Op, err: &CuError) {
     tracing::error!(%op, code, %name, "cuvmm: CUDA call failed while dropping CudaDriver");
 }
 
-/// A byte count as the driver takes it. Sizes beyond `usize` (none on 64-bit hosts) saturate, and the
-/// driver rejects them.
-fn bytes(size: u64) -> usize {
-    usize::try_from(size).unwrap_or(usize::MAX)
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::cuda::give_back::{GiveBackCalls, says_unknown};
+
+    /// What `give_back.rs` reads from CUDA, on a real device: the two queries' answers before and after a
+    /// resource is given back, and the driver's answer to a call repeated on a resource that is gone (which
+    /// must be "invalid", the ledger's sign of "gone"). Skips without a GPU. On the GPU machine:
+    /// `cargo test --features cuda --lib driver::cuda -- --nocapture`.
+    #[test]
+    fn the_answers_give_back_reads_are_cudas() {
+        let mut d = match CudaDriver::new(0) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                return;
+            }
+        };
+        let g = d.granularity;
+        let r = d.reserve(2 * g).expect("reserve");
+        let h = d.create(g).expect("create");
+        assert_eq!(d.calls.handle_live(h.0), Ok(true), "a live handle");
+        assert_eq!(d.calls.mapped(r.start), Ok(false), "reserved, not mapped");
+        d.map(r.start, g, h).expect("map");
+        assert_eq!(d.calls.mapped(r.start), Ok(true), "mapped");
+        assert_eq!(
+            d.calls.mapped(r.start + g / 2),
+            Ok(true),
+            "inside a mapping"
+        );
+        assert_eq!(d.calls.mapped(r.start + g), Ok(false), "the next page");
+        d.unmap(r.start, g).expect("unmap");
+        assert_eq!(d.calls.mapped(r.start), Ok(false), "unmapped");
+        // The driver validates each of these names: a repeat on a resource that is gone is rejected, as a
+        // settle's repeat after a failure that took effect would be (here nothing else could have been given
+        // the same name in between).
+        let again = d.calls.unmap(r.start, g).expect_err("unmap twice");
+        assert!(says_unknown(&again), "unmap twice: {again}");
+        d.release(h).expect("release");
+        assert_eq!(d.calls.handle_live(h.0), Ok(false), "a released handle");
+        let again = d.calls.release(h.0).expect_err("release twice");
+        assert!(says_unknown(&again), "release twice: {again}");
+        d.free_reservation(r).expect("free_reservation");
+        let again = d
+            .calls
+            .address_free(r.start, r.size)
+            .expect_err("free a reservation twice");
+        assert!(says_unknown(&again), "free a reservation twice: {again}");
+        let p = d.malloc(4096).expect("malloc");
+        assert_eq!(d.calls.mapped(p), Ok(true), "a live allocation");
+        d.free(p).expect("free");
+        assert_eq!(d.calls.mapped(p), Ok(false), "a freed allocation");
+        let again = d.calls.free(p).expect_err("free twice");
+        assert!(says_unknown(&again), "free twice: {again}");
+        assert!(d.leak_report().is_empty());
+    }
 }

@@ -10,8 +10,10 @@
 //!
 //! Events are recorded, queried and destroyed through the ledger itself ([`Ledger::record_event`],
 //! [`Ledger::destroy_event`]), given the raw calls as an [`EventCalls`], so that the order of "call, then
-//! forget" is tested here without a GPU.
+//! forget" is tested here without a GPU. Memory is given back the same way (`give_back.rs`), where a
+//! failure is settled: a resource the driver no longer knows is forgotten and reported gone.
 
+use super::give_back::says_unknown;
 use crate::driver::sim::LeakReport;
 use crate::driver::{DriverError, EventId, Op, PhysHandle, VaRange};
 use std::collections::{BTreeMap, HashMap};
@@ -55,7 +57,8 @@ pub(super) struct Ledger {
 
 impl Ledger {
     /// Creates an event and records it on `stream`. If recording fails, the new event is destroyed; if
-    /// that fails too it is kept as an orphan for drop, so no event is lost track of.
+    /// that fails too (other than with the driver saying it has no such event) it is kept as an orphan for
+    /// drop, so a failed record leaves nothing behind and no event is lost track of.
     pub(super) fn record_event(
         &mut self,
         calls: &mut impl EventCalls,
@@ -63,9 +66,14 @@ impl Ledger {
     ) -> Result<EventId, DriverError> {
         let raw = calls.create()?;
         if let Err(err) = calls.record(raw, stream) {
-            if let Err(destroy_err) = calls.destroy(raw) {
-                tracing::warn!(%destroy_err, "cuvmm: destroying an event whose record failed; destroyed on drop");
-                self.orphans.push(raw);
+            match calls.destroy(raw) {
+                Ok(()) => {}
+                // Gone: the destroy had worked before it failed.
+                Err(destroy_err) if says_unknown(&destroy_err) => {}
+                Err(destroy_err) => {
+                    tracing::warn!(%destroy_err, "cuvmm: destroying an event whose record failed; destroyed on drop");
+                    self.orphans.push(raw);
+                }
             }
             return Err(err);
         }
@@ -86,14 +94,23 @@ impl Ledger {
 
     /// Destroys `event`, forgetting it only once the driver has destroyed it: after a failure the event is
     /// still known (queryable, destroyed again by a later call or on drop), so a failed destroy has no
-    /// effect.
+    /// effect. If the driver answers that it has no such event (`CUDA_ERROR_INVALID_HANDLE` or
+    /// `_INVALID_VALUE`) for one the ledger holds, an earlier destroy that failed had destroyed it: it is
+    /// forgotten and reported gone ([`DriverError::UnknownEvent`]).
     pub(super) fn destroy_event(
         &mut self,
         calls: &mut impl EventCalls,
         event: EventId,
     ) -> Result<(), DriverError> {
         let raw = self.raw_event(event)?;
-        calls.destroy(raw)?;
+        match calls.destroy(raw) {
+            Ok(()) => {}
+            Err(err) if says_unknown(&err) => {
+                self.events.remove(&event.0);
+                return Err(DriverError::UnknownEvent { event });
+            }
+            Err(err) => return Err(err),
+        }
         self.events.remove(&event.0);
         Ok(())
     }
@@ -228,6 +245,31 @@ impl Ledger {
         for (_, m) in self.mappings.range_mut(va..va.saturating_add(size)) {
             m.accessible = true;
         }
+    }
+
+    /// The mappings (start, size) that overlap `va .. va + size`, in address order.
+    pub(super) fn mappings_overlapping(&self, va: u64, size: u64) -> Vec<(u64, u64)> {
+        let end = va.saturating_add(size);
+        let before = self
+            .mappings
+            .range(..va)
+            .next_back()
+            .filter(|&(&s, m)| s + m.size > va);
+        before
+            .into_iter()
+            .chain(self.mappings.range(va..end))
+            .map(|(&s, m)| (s, m.size))
+            .collect()
+    }
+
+    /// Whether a mapping starts at `va`.
+    pub(super) fn has_mapping_at(&self, va: u64) -> bool {
+        self.mappings.contains_key(&va)
+    }
+
+    /// Forgets the mapping that starts at `va`.
+    pub(super) fn forget_mapping(&mut self, va: u64) {
+        self.mappings.remove(&va);
     }
 
     /// Forgets the mappings that start inside `va .. va + size`.
@@ -385,11 +427,22 @@ mod tests {
         next: u64,
         fail_record: bool,
         fail_destroy: bool,
+        /// Destroy, then fail (as a call that reports an earlier error).
+        destroy_then_fail: bool,
         done: bool,
     }
 
     fn injected(op: Op) -> DriverError {
         DriverError::Injected { op, call: 1 }
+    }
+
+    /// `CUDA_ERROR_INVALID_HANDLE`: what the driver answers for an event it does not know.
+    fn invalid_handle() -> DriverError {
+        DriverError::Cuda {
+            op: Op::DestroyEvent,
+            code: 400,
+            name: "CUDA_ERROR_INVALID_HANDLE".to_string(),
+        }
     }
 
     impl EventCalls for FakeEvents {
@@ -410,11 +463,16 @@ mod tests {
             Ok(self.done)
         }
         fn destroy(&mut self, event: u64) -> Result<(), DriverError> {
-            assert!(self.alive.contains(&event), "destroy of a dead event");
+            if !self.alive.contains(&event) {
+                return Err(invalid_handle());
+            }
             if self.fail_destroy {
                 return Err(injected(Op::DestroyEvent));
             }
             self.alive.retain(|&e| e != event);
+            if self.destroy_then_fail {
+                return Err(injected(Op::DestroyEvent));
+            }
             Ok(())
         }
     }
@@ -479,6 +537,58 @@ mod tests {
         assert_eq!(
             l.event_complete(&mut dev, e),
             Err(DriverError::UnknownEvent { event: e })
+        );
+    }
+
+    /// A destroy that destroyed the event and then failed keeps it known (the driver's answer cannot tell
+    /// them apart); the repeat, answered "invalid handle" by the driver, reports it gone
+    /// ([`DriverError::UnknownEvent`], which the allocator takes as destroyed) instead of the raw error it
+    /// would retry at every poll.
+    #[test]
+    fn a_destroy_that_took_effect_is_reported_gone_on_the_repeat() {
+        let mut l = Ledger::default();
+        let mut dev = FakeEvents::default();
+        let e = l.record_event(&mut dev, 7).unwrap();
+        dev.destroy_then_fail = true;
+        assert_eq!(
+            l.destroy_event(&mut dev, e),
+            Err(injected(Op::DestroyEvent))
+        );
+        assert!(dev.alive.is_empty());
+        assert_eq!(
+            l.destroy_event(&mut dev, e),
+            Err(DriverError::UnknownEvent { event: e })
+        );
+        assert_eq!(
+            l.events_held(),
+            0,
+            "forgotten, so drop destroys nothing twice"
+        );
+    }
+
+    /// A failed record whose destroy destroyed the event and then failed keeps nothing for drop once
+    /// the driver says the event is gone; otherwise the event is an orphan for drop.
+    #[test]
+    fn a_failed_record_whose_destroy_took_effect_leaves_no_event() {
+        let mut l = Ledger::default();
+        let mut dev = FakeEvents {
+            fail_record: true,
+            destroy_then_fail: true,
+            ..FakeEvents::default()
+        };
+        assert_eq!(l.record_event(&mut dev, 0), Err(injected(Op::RecordEvent)));
+        assert!(dev.alive.is_empty(), "the unrecorded event was destroyed");
+        assert_eq!(
+            l.events_held(),
+            1,
+            "the destroy's answer could not tell: kept for drop"
+        );
+        let drained = l.drain().events;
+        assert_eq!(drained.len(), 1);
+        assert_eq!(
+            dev.destroy(drained[0]),
+            Err(invalid_handle()),
+            "drop's destroy is answered 'invalid', which it logs"
         );
     }
 }

@@ -7,6 +7,8 @@
 //!   documentation;
 //! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s, events), so that each
 //!   safety condition is checked before an `unsafe` call, and so that drop can give everything back;
+//! - `give_back.rs`: how the ledger gives memory back and maps it, and settles a failure: a resource the
+//!   driver no longer knows is forgotten and reported gone, as the `Driver` contract asks;
 //! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
 //!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
 //! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
@@ -21,6 +23,9 @@
 
 mod calls;
 mod driver;
+mod give_back;
+#[cfg(test)]
+mod give_back_tests;
 mod ledger;
 mod result;
 mod streams;

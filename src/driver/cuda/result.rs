@@ -35,6 +35,8 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemAddressFree",
     "cuMemCreate",
     "cuMemRelease",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuPointerGetAttribute",
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
@@ -271,6 +273,44 @@ pub(super) fn create(
 pub(super) unsafe fn release(handle: sys::CUmemGenericAllocationHandle) -> Result<(), CuError> {
     // SAFETY: the caller guarantees the handle is live and not used again (points 1-2).
     unsafe { sys::cuMemRelease(handle).result() }
+}
+
+/// Whether the driver still knows `handle`: `Ok(false)` when `cuMemGetAllocationPropertiesFromHandle`
+/// answers `CUDA_ERROR_INVALID_VALUE` or `_INVALID_HANDLE` (a released handle), an error when the query
+/// failed otherwise. A query only: the handle is read, nothing changes.
+///
+/// See [cuMemGetAllocationPropertiesFromHandle() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+pub(super) fn handle_live(handle: sys::CUmemGenericAllocationHandle) -> Result<bool, CuError> {
+    let mut prop = MaybeUninit::<sys::CUmemAllocationProp>::uninit();
+    // SAFETY: `prop` is valid for the call; the driver validates the handle and only reads it.
+    let outcome = unsafe { sys::cuMemGetAllocationPropertiesFromHandle(prop.as_mut_ptr(), handle) };
+    unknown_is_false(outcome)
+}
+
+/// Whether `ptr` lies in an address range mapped to memory (`CU_POINTER_ATTRIBUTE_MAPPED`: a `cuMemMap`
+/// mapping, or a live `cuMemAlloc` allocation): `Ok(false)` also when the driver knows no such pointer
+/// (`CUDA_ERROR_INVALID_VALUE`), an error when the query failed otherwise. A query only.
+///
+/// See [cuPointerGetAttribute() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__UNIFIED.html)
+pub(super) fn pointer_mapped(ptr: sys::CUdeviceptr) -> Result<bool, CuError> {
+    let mut mapped: u32 = 0;
+    let attribute = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MAPPED;
+    // SAFETY: `mapped` is valid for the call and the attribute is a 4-byte boolean; the address is only
+    // looked up, never dereferenced.
+    let outcome = unsafe { sys::cuPointerGetAttribute((&raw mut mapped).cast(), attribute, ptr) };
+    Ok(unknown_is_false(outcome)? && mapped != 0)
+}
+
+/// A query's `CUresult`: success is `true`, "no such resource" (`CUDA_ERROR_INVALID_VALUE`,
+/// `_INVALID_HANDLE`) is `false`, anything else an error.
+fn unknown_is_false(outcome: sys::CUresult) -> Result<bool, CuError> {
+    match outcome {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_INVALID_VALUE | sys::CUresult::CUDA_ERROR_INVALID_HANDLE => {
+            Ok(false)
+        }
+        err => Err(CuError(err)),
+    }
 }
 
 /// Maps the first `size` bytes of `handle` at `ptr`.
