@@ -15,6 +15,7 @@
 use cudarc::driver::result::ctx;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
+use cuvmm::config::Compaction;
 use cuvmm::driver::cuda::CudaDriver;
 use cuvmm::driver::{Driver, DriverError, Op};
 use cuvmm::expandable::Expandable;
@@ -128,9 +129,12 @@ fn compaction_waits_for_the_callers_stream() {
     let spin = module.load_function("spin_fill").expect("spin_fill");
     let a = cx.new_stream().expect("stream A");
     let b = cx.new_stream().expect("stream B");
-    // No cross-stream reuse of free blocks: B's request must take A's idle pages by compaction (unmap
-    // them from A's segment, map them into B's), the path that must wait for A's work.
-    let config = Config::default().with_cross_stream_reuse(false);
+    // No cross-stream reuse of free blocks, and `compaction:eager` (the default, `pressure`, would create
+    // pages on a device with room to spare): B's request must take A's idle pages by compaction (unmap them
+    // from A's segment, map them into B's), the path that must wait for A's work.
+    let config = Config::default()
+        .with_cross_stream_reuse(false)
+        .with_compaction(Compaction::Eager);
     let allocator: GpuAllocator = Allocator::expandable(driver, config).expect("allocator");
 
     // The other allocation, on B, with a known pattern.
