@@ -14,19 +14,20 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// Options of `capacity`.
+/// What `capacity` and `frontier` replay, and how: the traces, the allocators, the simulated device's page
+/// size and the allocator configuration.
 #[derive(Debug, Args)]
-pub struct CapacityArgs {
-    /// Trace files to search (PyTorch memory snapshots, ...); several may follow one flag.
+pub struct SearchArgs {
+    /// Trace files (PyTorch memory snapshots, ...); several may follow one flag.
     #[arg(long = "trace", value_name = "FILE", num_args = 1.., conflicts_with = "workloads")]
     pub traces: Vec<PathBuf>,
-    /// A built-in workload to search (repeat for several; default, without --trace: all).
+    /// A built-in workload (repeat for several; default, without --trace: all).
     #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
     pub workloads: Vec<String>,
-    /// An allocator to search for (repeat for several; default: all).
+    /// An allocator (repeat for several; default: all).
     #[arg(long = "allocator", value_name = "NAME", value_parser = parse_allocator)]
     pub allocators: Vec<String>,
-    /// Page size, e.g. 2MiB: the simulated device's granularity and the step of the search.
+    /// Page size, e.g. 2MiB: the simulated device's granularity (and the step of the capacity search).
     #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = parse_nonzero_size)]
     pub page_size: u64,
     /// The device of a multi-device snapshot to replay (default: each device that has events).
@@ -42,6 +43,44 @@ pub struct CapacityArgs {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
+}
+
+impl SearchArgs {
+    /// The search options (page size, configuration), the traces and the allocators named; a bad
+    /// configuration or an unreadable trace is one line on stderr and the usage status.
+    pub fn resolve(self) -> Result<(CapacityOptions, Vec<Trace>, Vec<String>), ExitCode> {
+        let options = CapacityOptions {
+            page_size: self.page_size,
+            alloc_conf: self
+                .alloc_conf
+                .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
+                .unwrap_or_default(),
+            ..CapacityOptions::default()
+        };
+        if let Err(e) = capacity::config(&options) {
+            eprintln!("cuvmm: --alloc-conf: {e}");
+            return Err(ExitCode::from(USAGE));
+        }
+        let traces =
+            traces(&self.traces, &self.workloads, self.device, self.seed).map_err(|line| {
+                eprintln!("cuvmm: {line}");
+                ExitCode::from(USAGE)
+            })?;
+        let allocators = if self.allocators.is_empty() {
+            ALLOCATORS.iter().map(|a| a.to_string()).collect()
+        } else {
+            self.allocators
+        };
+        Ok((options, traces, allocators))
+    }
+}
+
+/// Options of `capacity`.
+#[derive(Debug, Args)]
+pub struct CapacityArgs {
+    /// The traces, allocators and device.
+    #[command(flatten)]
+    pub search: SearchArgs,
     /// No progress bar.
     #[arg(long, short)]
     pub quiet: bool,
@@ -49,29 +88,10 @@ pub struct CapacityArgs {
 
 /// `cuvmm capacity`.
 pub fn run_capacity(args: CapacityArgs) -> ExitCode {
-    let options = CapacityOptions {
-        page_size: args.page_size,
-        alloc_conf: args
-            .alloc_conf
-            .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
-            .unwrap_or_default(),
-        ..CapacityOptions::default()
-    };
-    if let Err(e) = capacity::config(&options) {
-        eprintln!("cuvmm: --alloc-conf: {e}");
-        return ExitCode::from(USAGE);
-    }
-    let traces = match traces(&args.traces, &args.workloads, args.device, args.seed) {
-        Ok(traces) => traces,
-        Err(line) => {
-            eprintln!("cuvmm: {line}");
-            return ExitCode::from(USAGE);
-        }
-    };
-    let allocators: Vec<String> = if args.allocators.is_empty() {
-        ALLOCATORS.iter().map(|a| a.to_string()).collect()
-    } else {
-        args.allocators
+    let format = args.search.format;
+    let (options, traces, allocators) = match args.search.resolve() {
+        Ok(resolved) => resolved,
+        Err(code) => return code,
     };
     let mut progress = CapacityProgress::new(
         traces.len() * allocators.len(),
@@ -94,7 +114,7 @@ pub fn run_capacity(args: CapacityArgs) -> ExitCode {
         }
     }
     progress.finish();
-    match args.format {
+    match format {
         Format::Table => emit(&render_table(&results)),
         Format::Json => match serde_json::to_string_pretty(&Report { results: &results }) {
             Ok(json) => emit(&format!("{json}\n")),
