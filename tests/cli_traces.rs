@@ -8,11 +8,11 @@
 
 mod common;
 
+use common::snapshot::{dict, pickle, s};
 use common::{cuvmm, stderr};
 use cuvmm::trace::allocators::ALLOCATORS;
 use cuvmm::trace::{rmm, text, workload};
-use serde_pickle::{HashableValue as K, SerOptions, Value as V};
-use std::collections::BTreeMap;
+use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
 
 fn scratch() -> PathBuf {
@@ -50,19 +50,6 @@ fn trace_refused(path: &Path, problem: &str) {
     refused(&["compare", "--trace", p], &[p, problem]);
 }
 
-fn s(x: &str) -> V {
-    V::String(x.to_string())
-}
-
-fn dict(entries: Vec<(&str, V)>) -> V {
-    V::Dict(
-        entries
-            .into_iter()
-            .map(|(k, v)| (K::String(k.to_string()), v))
-            .collect::<BTreeMap<_, _>>(),
-    )
-}
-
 fn entry(action: &str, addr: i64, size: V) -> V {
     dict(vec![
         ("action", s(action)),
@@ -89,12 +76,6 @@ fn snapshot(sizes: &[i64]) -> V {
         ("segments", V::List(vec![])),
         ("device_traces", V::List(traces)),
     ])
-}
-
-fn pickle(value: &V) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    serde_pickle::value_to_writer(&mut bytes, value, SerOptions::new()).unwrap();
-    bytes
 }
 
 /// Bytes from a seeded SplitMix64: the same every run.

@@ -6,43 +6,31 @@
 //! `segment_unmap` with expandable segments. Snapshots that cuvmm's models write while replaying the
 //! `batched-inference` workload close the loop: the reader finds every `empty_cache` the workload made.
 
+mod common;
+
+use common::snapshot::{block, dict, entry, s};
 use cuvmm::trace::allocators;
 use cuvmm::trace::fidelity::fidelity;
 use cuvmm::trace::pytorch::{self, TraceOp, writer};
 use cuvmm::trace::replay::{ReplayOptions, replay};
 use cuvmm::trace::{Event, load, workload};
-use serde_pickle::{HashableValue as K, SerOptions, Value as V};
-use std::collections::BTreeMap;
+use serde_pickle::Value as V;
 use std::path::PathBuf;
+
+/// A large-pool segment on stream 0.
+fn segment(addr: i64, size: i64, expandable: bool, blocks: Vec<V>) -> V {
+    common::snapshot::segment(addr, size, "large", expandable, blocks)
+}
+
+fn write(name: &str, snapshot: &V) -> PathBuf {
+    common::snapshot::write("empty-cache", name, snapshot)
+}
 
 const MIB: i64 = 1 << 20;
 const BASE: i64 = 0x7f00_4000_0000;
 const W: i64 = BASE;
 const A: i64 = BASE + 64 * MIB;
 const B: i64 = BASE + 128 * MIB;
-
-fn s(x: &str) -> V {
-    V::String(x.to_string())
-}
-
-fn dict(entries: Vec<(&str, V)>) -> V {
-    V::Dict(
-        entries
-            .into_iter()
-            .map(|(k, v)| (K::String(k.to_string()), v))
-            .collect::<BTreeMap<_, _>>(),
-    )
-}
-
-fn entry(action: &str, addr: i64, size: i64) -> V {
-    dict(vec![
-        ("action", s(action)),
-        ("addr", V::I64(addr)),
-        ("size", V::I64(size)),
-        ("stream", V::I64(0)),
-        ("frames", V::List(vec![])),
-    ])
-}
 
 /// `alloc` then, for `freed`, `free_requested` and `free_completed` as PyTorch records them.
 fn alloc(addr: i64, size: i64) -> V {
@@ -54,27 +42,6 @@ fn free(addr: i64, size: i64) -> Vec<V> {
         entry("free_requested", addr, size),
         entry("free_completed", addr, size),
     ]
-}
-
-fn block(addr: i64, size: i64, requested: i64, state: &str) -> V {
-    dict(vec![
-        ("address", V::I64(addr)),
-        ("size", V::I64(size)),
-        ("requested_size", V::I64(requested)),
-        ("state", s(state)),
-    ])
-}
-
-fn segment(addr: i64, size: i64, expandable: bool, blocks: Vec<V>) -> V {
-    dict(vec![
-        ("device", V::I64(0)),
-        ("address", V::I64(addr)),
-        ("total_size", V::I64(size)),
-        ("stream", V::I64(0)),
-        ("segment_type", s("large")),
-        ("is_expandable", V::Bool(expandable)),
-        ("blocks", V::List(blocks)),
-    ])
 }
 
 /// The weights: a 20 MiB segment whose one block was allocated before recording and stays live.
@@ -96,16 +63,6 @@ fn snapshot(segments: Vec<V>, events: Vec<V>, settings: Option<Vec<(&str, V)>>) 
         top.push(("allocator_settings", dict(settings)));
     }
     dict(top)
-}
-
-fn write(name: &str, snapshot: &V) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cuvmm-empty-cache-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    let mut bytes = Vec::new();
-    serde_pickle::value_to_writer(&mut bytes, snapshot, SerOptions::new()).unwrap();
-    std::fs::write(&path, bytes).unwrap();
-    path
 }
 
 fn empty_caches(ops: &[TraceOp]) -> usize {

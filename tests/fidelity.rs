@@ -3,10 +3,12 @@
 //! reconstruction of the starting state; malformed files are typed errors.
 #![cfg(feature = "lab")]
 
+mod common;
+
+use common::snapshot::{block, dict, entry};
 use cuvmm::trace::fidelity::{FidelityError, fidelity};
 use cuvmm::trace::pytorch::{self, SnapshotError, TraceOp};
-use serde_pickle::{HashableValue as K, SerOptions, Value as V};
-use std::collections::BTreeMap;
+use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
 
 fn traces_dir() -> PathBuf {
@@ -53,62 +55,17 @@ fn every_pytorch_trace_is_reproduced() {
     }
 }
 
-const MIB: i64 = 1 << 20;
-const BASE: i64 = 0x7f00_4000_0000;
-
-fn s(x: &str) -> V {
-    V::String(x.to_string())
-}
-
-fn dict(entries: Vec<(&str, V)>) -> V {
-    V::Dict(
-        entries
-            .into_iter()
-            .map(|(k, v)| (K::String(k.to_string()), v))
-            .collect::<BTreeMap<_, _>>(),
-    )
-}
-
-fn entry(action: &str, addr: i64, size: i64) -> V {
-    dict(vec![
-        ("action", s(action)),
-        ("addr", V::I64(addr)),
-        ("size", V::I64(size)),
-        ("stream", V::I64(0)),
-        ("frames", V::List(vec![])),
-    ])
-}
-
-fn block(addr: i64, size: i64, requested: i64, state: &str) -> V {
-    dict(vec![
-        ("address", V::I64(addr)),
-        ("size", V::I64(size)),
-        ("requested_size", V::I64(requested)),
-        ("state", s(state)),
-    ])
-}
-
+/// A segment on stream 0 that is not expandable.
 fn segment(addr: i64, size: i64, kind: &str, blocks: Vec<V>) -> V {
-    dict(vec![
-        ("device", V::I64(0)),
-        ("address", V::I64(addr)),
-        ("total_size", V::I64(size)),
-        ("stream", V::I64(0)),
-        ("segment_type", s(kind)),
-        ("is_expandable", V::Bool(false)),
-        ("blocks", V::List(blocks)),
-    ])
+    common::snapshot::segment(addr, size, kind, false, blocks)
 }
 
 fn write(name: &str, snapshot: &V) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("cuvmm-fidelity-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    let mut bytes = Vec::new();
-    serde_pickle::value_to_writer(&mut bytes, snapshot, SerOptions::new()).unwrap();
-    std::fs::write(&path, bytes).unwrap();
-    path
+    common::snapshot::write("fidelity", name, snapshot)
 }
+
+const MIB: i64 = 1 << 20;
+const BASE: i64 = 0x7f00_4000_0000;
 
 /// A warm start: a 20 MiB segment holding a weight (live throughout) and an activation (freed in the
 /// trace, never allocated in it), a cached 12 MiB segment released by `empty_cache`, then requests that
