@@ -2,6 +2,8 @@
 //! 80 GiB, each allocator's min capacity among them and free of out-of-memory; the table; `--plot`; and
 //! bad input as status 2 with one line.
 
+#![cfg(feature = "cli")]
+
 mod common;
 
 use common::{cuvmm, stderr};

@@ -6,9 +6,11 @@
 //! `segment_unmap` with expandable segments. Snapshots that cuvmm's models write while replaying the
 //! `batched-inference` workload close the loop: the reader finds every `empty_cache` the workload made.
 
+#![cfg(feature = "lab")]
+
 mod common;
 
-use common::snapshot::{block, dict, entry, s};
+use common::snapshot::{block, dict, entry};
 use cuvmm::trace::allocators;
 use cuvmm::trace::fidelity::fidelity;
 use cuvmm::trace::pytorch::{self, TraceOp, writer};
