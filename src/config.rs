@@ -12,6 +12,10 @@ mod tests;
 /// The default of [`Config::cross_stream_reuse`], chosen by the measurements in `docs/DESIGN.md`.
 pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 
+/// The default of [`Config::large_handle`]: PyTorch's expandable segments map 20 MiB handles in the
+/// large pool (`docs/DESIGN.md`, "Handle size").
+pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
+
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
@@ -108,6 +112,38 @@ pub struct Config {
     /// PyTorch's `garbage_collection_threshold`: a fraction of memory in (0, 1) above which cached blocks
     /// are freed before growing. `None` disables it.
     pub garbage_collection_threshold: Option<f64>,
+    /// How hard cuvmm works to keep reserved memory at the live limit (`compaction`).
+    pub compaction: Compaction,
+    /// Reserved memory under which growth creates new handles instead of reclaiming idle pages
+    /// (`reserve_budget_mb` / `reserve_budget_fraction`); `None`: what the device has free when the
+    /// allocator is made. Only [`Compaction::Pressure`] reads it.
+    pub reserve_budget: Option<Budget>,
+    /// Bytes per physical handle of the large pool under [`Compaction::Pressure`] (`large_handle_mb`;
+    /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
+    /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
+    pub large_handle: u64,
+}
+
+/// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compaction {
+    /// Grow with new handles while reserved memory is under the budget; reclaim idle pages only beyond it:
+    /// first those whose last use an event query shows complete, oldest first, then, as the last step before
+    /// out-of-memory, after one synchronization per stream. No synchronization while memory is plentiful.
+    #[default]
+    Pressure,
+    /// Reclaim idle pages before creating any (synchronizing their streams): reserved memory stays at the
+    /// pages live blocks touch, at the cost of remapping and synchronizing on every run.
+    Eager,
+}
+
+/// The reserved-memory budget of [`Compaction::Pressure`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// A number of bytes.
+    Bytes(u64),
+    /// A fraction in (0, 1] of the device's total memory.
+    Fraction(f64),
 }
 
 impl Default for Config {
@@ -123,6 +159,9 @@ impl Default for Config {
             max_non_split_rounding: 20 * MIB,
             roundup_power2_divisions: RoundupDivisions::None,
             garbage_collection_threshold: None,
+            compaction: Compaction::Pressure,
+            reserve_budget: None,
+            large_handle: DEFAULT_LARGE_HANDLE,
         }
     }
 }
@@ -144,6 +183,28 @@ impl Config {
     pub fn with_cross_stream_reuse(mut self, on: bool) -> Self {
         self.cross_stream_reuse = on;
         self
+    }
+
+    /// This configuration with `compaction`.
+    pub fn with_compaction(mut self, compaction: Compaction) -> Self {
+        self.compaction = compaction;
+        self
+    }
+
+    /// The reserved memory under which [`Compaction::Pressure`] grows without reclaiming, on a device of
+    /// `device_total` bytes of which `device_free` are free: the configured budget (or `device_free`),
+    /// lowered to `garbage_collection_threshold` x the device when that is set, as PyTorch starts collecting
+    /// cached blocks above that fraction of the memory it may use.
+    pub fn budget_bytes(&self, device_total: u64, device_free: u64) -> u64 {
+        let budget = match self.reserve_budget {
+            None => device_free,
+            Some(Budget::Bytes(b)) => b,
+            Some(Budget::Fraction(f)) => (device_total as f64 * f) as u64,
+        };
+        match self.garbage_collection_threshold {
+            Some(t) => budget.min((device_total as f64 * t) as u64),
+            None => budget,
+        }
     }
 
     /// Sets the virtual reservation per segment, as a multiple of device memory.
@@ -233,6 +294,19 @@ impl Config {
                 value,
                 parse::EXPECT_AT_LEAST_20,
             );
+        }
+        match self.reserve_budget {
+            Some(Budget::Fraction(f)) if !(f > 0.0 && f <= 1.0) => {
+                return bad(
+                    "reserve_budget_fraction",
+                    f.to_string(),
+                    parse::EXPECT_BUDGET_FRACTION,
+                );
+            }
+            _ => {}
+        }
+        if self.large_handle == 0 {
+            return bad("large_handle_mb", "0 bytes".into(), parse::EXPECT_POSITIVE);
         }
         if let Some(t) = self
             .garbage_collection_threshold

@@ -22,7 +22,6 @@ pub mod driver;
 pub mod driver_bench;
 pub mod error;
 pub mod expandable;
-pub mod fast_hash;
 pub mod history;
 pub mod oom;
 pub mod page_map;

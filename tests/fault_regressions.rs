@@ -158,7 +158,9 @@ fn cuvmm_destroys_an_event_later_when_destroying_it_failed() {
             .with_capacity(64 * PAGE)
             .with_granularity(PAGE),
     );
-    let mut a = Expandable::new(sim, Config::default()).unwrap();
+    // Eager compaction borrows whether or not memory is short.
+    let eager = Config::default().with_compaction(cuvmm::config::Compaction::Eager);
+    let mut a = Expandable::new(sim, eager).unwrap();
     // A cached block of stream 0, all its pages mapped (a live block ends it), that stream 1 may borrow
     // once stream 0 is idle: finding out records an event on stream 0, queries and destroys it.
     let own = a.alloc(4 * PAGE, StreamId(0)).unwrap();

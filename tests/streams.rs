@@ -4,6 +4,7 @@
 
 mod common;
 
+use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{Op, VaRange};
 use cuvmm::expandable::Expandable;
@@ -30,6 +31,11 @@ fn allocator(pages: u64, config: Config) -> Expandable<SimDriver> {
         },
     )
     .unwrap()
+}
+
+/// `compaction:eager`: single-page handles, and cross-stream borrowing whether or not memory is short.
+fn eager() -> Config {
+    Config::default().with_compaction(Compaction::Eager)
 }
 
 fn range(addr: u64, size: u64) -> VaRange {
@@ -167,7 +173,7 @@ fn empty_cache_synchronizes_pending_streams_and_frees_everything() {
 
 #[test]
 fn trim_releases_what_is_idle_now_and_does_not_wait() {
-    let mut alloc = allocator(16, Config::default());
+    let mut alloc = allocator(16, eager());
     let a = alloc.alloc(4 * PAGE, S0).unwrap();
     alloc.driver_mut().launch(S1, &[range(a, PAGE)]).unwrap();
     alloc.record_stream(a, S1).unwrap();
@@ -322,7 +328,7 @@ fn segment_stream(alloc: &Expandable<SimDriver>, addr: u64) -> StreamId {
 
 #[test]
 fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
-    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let mut alloc = allocator(16, eager().with_cross_stream_reuse(true));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
     let guard = alloc.alloc(PAGE, S1).unwrap();
     alloc.free(a).unwrap();
@@ -361,7 +367,7 @@ fn with_cross_stream_reuse_an_idle_streams_free_block_serves_another_stream() {
 
 #[test]
 fn the_unmapped_frontier_of_another_streams_segment_is_not_borrowed() {
-    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let mut alloc = allocator(16, eager().with_cross_stream_reuse(true));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
     // Freed, `a` merges with the rest of S1's reservation: a free block mostly unmapped, whose first four
     // pages are idle. Those may be borrowed, with no driver call; the unmapped rest may not.
@@ -378,7 +384,7 @@ fn the_unmapped_frontier_of_another_streams_segment_is_not_borrowed() {
 
 #[test]
 fn a_busy_streams_free_blocks_are_not_borrowed() {
-    let mut alloc = allocator(16, Config::default().with_cross_stream_reuse(true));
+    let mut alloc = allocator(16, eager().with_cross_stream_reuse(true));
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
     alloc
         .driver_mut()
@@ -392,7 +398,7 @@ fn a_busy_streams_free_blocks_are_not_borrowed() {
 
 #[test]
 fn a_busy_streams_better_fit_gives_way_to_an_idle_streams_block() {
-    let mut alloc = allocator(32, Config::default().with_cross_stream_reuse(true));
+    let mut alloc = allocator(32, eager().with_cross_stream_reuse(true));
     // S1's cached block fits 4 pages best but S1 is busy; S0's larger cached block is borrowed instead.
     let a = alloc.alloc(4 * PAGE, S1).unwrap();
     let a_guard = alloc.alloc(PAGE, S1).unwrap();

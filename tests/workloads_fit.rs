@@ -1,12 +1,13 @@
 //! The foundation's goal, as a test: on every built-in workload, cuvmm serves the whole trace with no
-//! out-of-memory on a device of the workload's peak live bytes plus 5%, with utilization (peak allocated over
-//! peak reserved) of at least 0.97, and every invariant holding along the way.
+//! out-of-memory on a device of the workload's peak live bytes plus 5%, every invariant holding along the
+//! way; with `compaction:eager`, also with utilization (peak allocated over peak reserved) of at least 0.97.
 //!
 //! The streams issue's goal too: every built-in multi-stream workload (a name with "stream" in it) does so
 //! with cross-stream reuse on and off.
 #![cfg(feature = "lab")]
 
 use cuvmm::Config;
+use cuvmm::config::Compaction;
 use cuvmm::size::{MIB, round_up};
 use cuvmm::trace::{ReplayOptions, allocators, replay, workload};
 
@@ -14,6 +15,8 @@ const PAGE: u64 = 2 * MIB;
 
 fn fits_with_five_percent(name: &str, seed: u64) {
     fits_with_five_percent_configured(name, seed, &Config::default());
+    let eager = Config::default().with_compaction(Compaction::Eager);
+    fits_with_five_percent_configured(name, seed, &eager);
 }
 
 fn fits_with_five_percent_configured(name: &str, seed: u64, config: &Config) {
@@ -32,8 +35,10 @@ fn fits_with_five_percent_configured(name: &str, seed: u64, config: &Config) {
         "{name}: {} OOMs at {capacity} bytes",
         result.ooms
     );
+    // Under `compaction:pressure` reserved memory may grow to the device before idle pages are reclaimed,
+    // so only eager compaction promises utilization.
     assert!(
-        result.utilization >= 0.97,
+        config.compaction == Compaction::Pressure || result.utilization >= 0.97,
         "{name}: utilization {:.4}",
         result.utilization
     );

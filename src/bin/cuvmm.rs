@@ -11,6 +11,8 @@ mod bench;
 mod capacity;
 #[path = "cuvmm/commands.rs"]
 mod commands;
+#[path = "cuvmm/frontier.rs"]
+mod frontier;
 #[path = "cuvmm/logging.rs"]
 mod logging;
 #[path = "cuvmm/plot.rs"]
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         Some(Command::Summary(args)) => summary::run_summary(args),
         Some(Command::Snapshot(args)) => snapshot::run_snapshot(args),
         Some(Command::Capacity(args)) => capacity::run_capacity(args),
+        Some(Command::Frontier(args)) => frontier::run_frontier(args),
         Some(Command::Bench(args)) => bench::run_bench(args),
     }
 }

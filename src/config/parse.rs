@@ -5,7 +5,7 @@
 //! for the CUDA ones), with one deliberate difference: numbers must be whole, unsigned and nothing else,
 //! where C++'s `stoull` would take `"-5"` (wrapping it) or the `"64"` of `"64abc"`.
 
-use super::{Config, ConfigError, RoundupDivisions};
+use super::{Budget, Compaction, Config, ConfigError, RoundupDivisions};
 use crate::size::{KIB, MIB};
 
 /// PyTorch's `kLargeBuffer` (20 MiB): the smallest `max_split_size_mb` and `max_non_split_rounding_mb`.
@@ -18,6 +18,8 @@ pub(super) const EXPECT_POSITIVE: &str =
 pub(super) const EXPECT_VA_FACTOR: &str = "a whole number from 1 to 16";
 pub(super) const EXPECT_AT_LEAST_20: &str = "a whole number of MiB >= 20 (PyTorch's kLargeBuffer)";
 pub(super) const EXPECT_FRACTION: &str = "a number strictly between 0 and 1";
+pub(super) const EXPECT_BUDGET_FRACTION: &str = "a number greater than 0 and at most 1";
+const EXPECT_COMPACTION: &str = "`pressure` or `eager`";
 pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,512:2,>:8] whose keys are \
      powers of two (MiB) or `>` and whose values are powers of two or 0";
 const EXPECT_BOOL: &str = "True or False (spelled as PyTorch spells them)";
@@ -130,6 +132,24 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.max_idle_bytes = mib.checked_mul(MIB).ok_or_else(|| bad(EXPECT_IDLE))?;
         }
         "cross_stream_reuse" => config.cross_stream_reuse = boolean(key, value)?,
+        "compaction" => {
+            config.compaction = match value {
+                "pressure" => Compaction::Pressure,
+                "eager" => Compaction::Eager,
+                _ => return Err(bad(EXPECT_COMPACTION)),
+            }
+        }
+        "reserve_budget_mb" => {
+            config.reserve_budget = Some(Budget::Bytes(positive_bytes(key, value, MIB)?));
+        }
+        "reserve_budget_fraction" => {
+            let f: f64 = value.parse().map_err(|_| bad(EXPECT_BUDGET_FRACTION))?;
+            if !(f > 0.0 && f <= 1.0) {
+                return Err(bad(EXPECT_BUDGET_FRACTION));
+            }
+            config.reserve_budget = Some(Budget::Fraction(f));
+        }
+        "large_handle_mb" => config.large_handle = positive_bytes(key, value, MIB)?,
         "va_factor" => {
             config.va_factor = uint(key, value, EXPECT_VA_FACTOR)?;
             if config.va_factor == 0 || config.va_factor > super::MAX_VA_FACTOR {

@@ -405,6 +405,55 @@ fn divisions_pick_the_interval_of_the_size() {
     assert_eq!(RoundupDivisions::Uniform(4).divisions(1), 4);
 }
 
+#[test]
+fn compaction_defaults_to_pressure_and_parses_both_policies() {
+    assert_eq!(Config::default().compaction, Compaction::Pressure);
+    let eager = Config::from_alloc_conf("compaction:eager").unwrap();
+    assert_eq!(eager.compaction, Compaction::Eager);
+    let pressure = Config::from_alloc_conf("compaction:pressure").unwrap();
+    assert_eq!(pressure.compaction, Compaction::Pressure);
+    let err = Config::from_alloc_conf("compaction:lazy").unwrap_err();
+    assert!(
+        matches!(&err, ConfigError::BadValue { key, .. } if key == "compaction"),
+        "{err}"
+    );
+}
+
+#[test]
+fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
+    let mb = Config::from_alloc_conf("reserve_budget_mb:1024").unwrap();
+    assert_eq!(mb.reserve_budget, Some(Budget::Bytes(1024 * MIB)));
+    assert_eq!(mb.budget_bytes(8192 * MIB, 4096 * MIB), 1024 * MIB);
+    let frac = Config::from_alloc_conf("reserve_budget_fraction:0.5").unwrap();
+    assert_eq!(frac.budget_bytes(8192 * MIB, 100), 4096 * MIB);
+    // Unset: what the device has free.
+    assert_eq!(
+        Config::default().budget_bytes(8192 * MIB, 3000 * MIB),
+        3000 * MIB
+    );
+    let gc = Config::from_alloc_conf("garbage_collection_threshold:0.25").unwrap();
+    assert_eq!(gc.budget_bytes(8192 * MIB, 8192 * MIB), 2048 * MIB);
+    for (conf, key) in [
+        ("reserve_budget_fraction:0", "reserve_budget_fraction"),
+        ("reserve_budget_fraction:1.5", "reserve_budget_fraction"),
+        ("reserve_budget_fraction:x", "reserve_budget_fraction"),
+        ("reserve_budget_mb:0", "reserve_budget_mb"),
+        ("large_handle_mb:0", "large_handle_mb"),
+    ] {
+        let err = Config::from_alloc_conf(conf).unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::BadValue { key: k, .. } if k == key),
+            "{conf}: {err}"
+        );
+    }
+    assert_eq!(
+        Config::from_alloc_conf("large_handle_mb:4")
+            .unwrap()
+            .large_handle,
+        4 * MIB
+    );
+}
+
 proptest! {
     /// Property: no input string makes the parser panic, and whatever it accepts passes `validate`.
     #[test]

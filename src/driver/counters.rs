@@ -12,6 +12,10 @@ pub struct DriverCounters {
     pub calls: [u64; Op::ALL.len()],
     /// Driver time spent (or estimated) in all calls, in nanoseconds.
     pub time_ns: u64,
+    /// Per operation, the 2 MiB units its calls covered (each call at least one; see
+    /// `sim::LatencyModel::units`), so the time can be estimated again under another calibration. The
+    /// simulator fills it; other backends leave it 0.
+    pub units: [u64; Op::ALL.len()],
 }
 
 impl DriverCounters {
@@ -30,6 +34,11 @@ impl DriverCounters {
     pub fn record_many(&mut self, op: Op, calls: u64, ns: u64) {
         self.calls[op as usize] += calls;
         self.time_ns += calls * ns;
+    }
+
+    /// Counts `calls` calls of `op` covering `units` 2 MiB units each.
+    pub fn record_units(&mut self, op: Op, calls: u64, units: u64) {
+        self.units[op as usize] += calls * units;
     }
 
     /// Calls of all operations together.

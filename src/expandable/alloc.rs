@@ -3,6 +3,7 @@
 use super::segment::{Pool, Segment};
 use super::streams::StreamUses;
 use super::{Expandable, ROUND};
+use crate::config::Compaction;
 use crate::driver::{Driver, MemInfo, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
 use crate::history::{TraceAction, TraceEntry};
@@ -105,9 +106,29 @@ impl<D: Driver> Expandable<D> {
                 best = Some(((missing, block_size), slot, addr));
             }
         }
-        let own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
+        let mut own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
+        if own_missing > 0
+            && own_missing != usize::MAX
+            && self.config.compaction == Compaction::Pressure
+            && self.under_pressure(own_missing as u64 * self.page_size)
+        {
+            // Growing would pass the budget: every free block is worth comparing by the pages it needs.
+            for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+                if let Some((missing, block_size, addr)) =
+                    self.segment(slot).mapped_fit(size, usize::MAX)
+                    && best.is_none_or(|(key, ..)| (missing, block_size) < key)
+                {
+                    best = Some(((missing, block_size), slot, addr));
+                }
+            }
+            own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
+        }
+        // Borrowing costs event calls, and saves only pages: under `compaction:pressure` it waits until
+        // growing would pass the budget.
+        let need = (own_missing as u64).min(size.div_ceil(self.page_size) + 1);
         if self.config.cross_stream_reuse
             && own_missing > 0
+            && self.under_pressure(need.saturating_mul(self.page_size))
             && let Some((slot, addr)) = self.borrow_block(size, stream, pool)?
         {
             return Ok((slot, addr, true));
@@ -189,7 +210,7 @@ impl<D: Driver> Expandable<D> {
 
     /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An
     /// event that cannot be destroyed is destroyed again at the next poll.
-    fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
+    pub(super) fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
         let event = self.driver.record_event(stream)?;
         let complete = self.driver.event_complete(event);
         let destroyed = self.destroy_event(event);
@@ -239,6 +260,13 @@ impl<D: Driver> Expandable<D> {
     /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
     fn back_with_pages(&mut self, slot: usize, addr: u64, size: u64) -> Result<(), Error> {
         let pages = self.segment(slot).pages_of(addr, size);
+        // Access is set on whole chunks, so the pages of a chunk beyond the block need no call later.
+        let mut access = pages.clone();
+        if self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large {
+            access = self.map_chunks(slot, pages.clone())?;
+            // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
+            access = self.widen_to_chunks(slot, access);
+        }
         let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {
             // The handles, new ones first, in a buffer kept from one request to the next.
@@ -276,7 +304,7 @@ impl<D: Driver> Expandable<D> {
                 if let Some(err) = failure {
                     // The failed map may have mapped its page anyway (`settle.rs`): undone. The handle
                     // that failed and those not used yet go back to the pool.
-                    self.undo_failed_map(va + done as u64 * self.page_size);
+                    self.undo_failed_map(va + done as u64 * self.page_size, self.page_size);
                     self.pooled.extend_from_slice(&queue[taken..]);
                     return Err(err.into());
                 }
@@ -286,11 +314,11 @@ impl<D: Driver> Expandable<D> {
             self.handle_queue = queue;
             self.counters.handles_reused += reused;
         }
-        let mut pos = pages.start;
+        let mut pos = access.start;
         while let Some(run) = self
             .segment(slot)
             .pages
-            .first_inaccessible_run(pos..pages.end)
+            .first_inaccessible_run(pos..access.end)
         {
             let va = self.segment(slot).page_addr(run.start);
             self.driver
@@ -351,7 +379,7 @@ impl<D: Driver> Expandable<D> {
             allocated: c.allocated.current(),
             reserved: c.reserved.current,
             idle: self.idle_bytes(),
-            idle_handles: self.pooled.len() as u64 * self.page_size,
+            idle_handles: self.pooled_pages() as u64 * self.page_size,
             largest_free_block: self.largest_free_block(),
             retried,
             reclaim,

@@ -11,7 +11,7 @@
 use super::segment::{Block, BlockState};
 use crate::bits::Bits;
 use crate::divisor::Divisor;
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 
 /// No node.
 const NIL: u32 = u32::MAX;
@@ -44,7 +44,7 @@ pub(crate) struct Blocks {
     nodes: Vec<Node>,
     /// Unused slots of `nodes`.
     spare: Vec<u32>,
-    by_start: FastMap<u64, u32>,
+    by_start: FxHashMap<u64, u32>,
     /// Per page, the last (highest) block starting in it, or `NIL`; as far as the highest page where a
     /// block ever started (it grows on demand, as most of a reservation never holds a block start).
     last_start: Vec<u32>,
@@ -65,7 +65,7 @@ impl Blocks {
         let mut blocks = Self {
             nodes: Vec::with_capacity(INITIAL_BLOCKS),
             spare: Vec::new(),
-            by_start: FastMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
+            by_start: FxHashMap::with_capacity_and_hasher(INITIAL_BLOCKS, Default::default()),
             last_start: Vec::with_capacity(pages.max(1)),
             pages: pages.max(1),
             starts: Bits::new(pages.max(1)),

@@ -2,7 +2,9 @@
 //!
 //! 1. Live blocks never overlap, lie inside one segment and are 512 B aligned.
 //! 2. Every page a live block touches is mapped with access set; page user counts match the blocks.
-//! 3. A handle is held once (mapped at one page, or pooled); held handles = created - released.
+//! 3. A handle is held once (a page handle mapped at one page, a chunk at every page of one aligned group of
+//!    `chunk_pages` pages, or pooled); chunks are exactly the handles the chunk set holds, and exist only
+//!    when `chunk_pages > 1`; pages held = pages created - pages released = reserved bytes / page size.
 //! 4. Blocks tile each segment exactly; no two free blocks are adjacent; the free index matches.
 //! 5. Statistics equal what the block list says (active = allocated + pending).
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
@@ -32,6 +34,8 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     let mut totals = [PoolTotals::default(), PoolTotals::default()];
     let mut idle = 0;
     let mut held: HashSet<u64> = HashSet::new();
+    let mut held_pages = 0u64;
+    let mut chunks_seen = 0usize;
     for seg in a.live_segments() {
         let t = &mut totals[seg.pool.index()];
         t.segments += 1;
@@ -117,28 +121,58 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     actual,
                 });
             }
-            if let Some(handle) = seg.pages.handle(page)
-                && !held.insert(handle.0)
-            {
+            let Some(handle) = seg.pages.handle(page) else {
+                continue;
+            };
+            held_pages += 1;
+            if a.chunks.contains(&handle) {
+                // A chunk is inserted at the first page of its group, and every page of the group holds it.
+                let k = a.chunk_pages;
+                let group = page - page % k;
+                let whole = group + k <= seg.pages.len()
+                    && (group..group + k).all(|p| seg.pages.handle(p) == Some(handle));
+                if !whole || (page == group && !held.insert(handle.0)) {
+                    return Err(V::HandleHeldTwice { handle: handle.0 });
+                }
+                if page == group {
+                    chunks_seen += 1;
+                }
+            } else if !held.insert(handle.0) {
                 return Err(V::HandleHeldTwice { handle: handle.0 });
             }
         }
         t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();
     }
-    let mapped = held.len() as u64;
+    let mapped = held_pages;
     for handle in &a.pooled {
-        if !held.insert(handle.0) {
+        if a.chunks.contains(handle) || !held.insert(handle.0) {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
+        held_pages += 1;
+    }
+    for handle in &a.pooled_chunks {
+        if !a.chunks.contains(handle) || !held.insert(handle.0) {
+            return Err(V::HandleHeldTwice { handle: handle.0 });
+        }
+        chunks_seen += 1;
+        held_pages += a.chunk_pages as u64;
+    }
+    if chunks_seen != a.chunks.len() || (a.chunk_pages == 1 && !a.chunks.is_empty()) {
+        return Err(V::HandleCount {
+            mapped,
+            pooled: a.pooled_pages() as u64,
+            created: chunks_seen as u64,
+            released: a.chunks.len() as u64,
+        });
     }
     let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
     check_pending_list(a, pending_blocks as usize)?;
     let c = &a.counters;
-    if held.len() as u64 != c.created - c.released {
+    if held_pages != c.created - c.released {
         return Err(V::HandleCount {
             mapped,
-            pooled: a.pooled.len() as u64,
+            pooled: a.pooled_pages() as u64,
             created: c.created,
             released: c.released,
         });
@@ -147,7 +181,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         (
             "reserved_bytes",
             c.reserved.current,
-            held.len() as u64 * a.page_size,
+            held_pages * a.page_size,
         ),
         ("idle_pages", a.idle_pages as u64, idle as u64),
     ])?;

@@ -5,9 +5,12 @@
 //! no live block touches is *idle*; its handle can be unmapped and mapped wherever a request needs it
 //! (compaction), so physical memory in use follows the pages live blocks touch, not the history of splits.
 //!
-//! Growth order for a request: a free block whose pages are mapped -> pooled handles -> idle pages elsewhere,
-//! unmapped after their stream is synchronized -> `create` -> on out-of-memory, release the cache and retry
-//! once -> [`Error::OutOfMemory`]. See `docs/DESIGN.md` for why.
+//! Growth order for a request under `compaction:pressure` (the default): a free block whose pages are mapped
+//! -> pooled handles -> new handles (20 MiB chunks in the large pool) while reserved memory stays under the
+//! budget -> idle pages whose stream an event query shows done, oldest first -> idle pages after one
+//! synchronization per stream -> `create` -> on out-of-memory, release the cache and retry once ->
+//! [`Error::OutOfMemory`]. `compaction:eager` takes idle pages (synchronizing) before creating any. See
+//! `docs/DESIGN.md` for why.
 //!
 //! A block used on other streams than its own (`record_stream`) is freed only once events recorded on those
 //! streams at the free complete (`streams.rs`); until then it is *pending*: active, not allocated.
@@ -26,14 +29,14 @@ mod streams;
 
 pub use segment::Pool;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
 use crate::error::{Error, InvariantViolation};
-use crate::fast_hash::FastMap;
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
+use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
 use std::collections::BTreeMap;
 use streams::{PendingFrees, StreamUses};
@@ -81,13 +84,23 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     segments: Vec<Option<Segment>>,
     by_addr: BTreeMap<u64, usize>,
-    by_key: FastMap<(StreamId, Pool), Vec<usize>>,
+    by_key: FxHashMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
+    /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
+    pooled_chunks: Vec<PhysHandle>,
+    /// Every chunk held (mapped or pooled).
+    chunks: FxHashSet<PhysHandle>,
+    /// Pages per large-pool handle: `config.large_handle` in pages under `compaction:pressure`, else 1.
+    chunk_pages: usize,
+    /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
+    budget: u64,
+    /// Counts frees, to order segments by when a block of theirs was last freed.
+    free_clock: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
     handle_queue: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
-    stream_uses: FastMap<u64, StreamUses>,
+    stream_uses: FxHashMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
     /// Pages touched by active blocks, per pool.
@@ -124,7 +137,14 @@ impl<D: Driver> Expandable<D> {
             .into());
         }
         config.validate()?;
-        let device_total = driver.mem_info()?.total;
+        // The largest whole number of pages not above `large_handle`, at least one.
+        let chunk_pages = match config.compaction {
+            Compaction::Pressure => (config.large_handle / page_size).max(1) as usize,
+            Compaction::Eager => 1,
+        };
+        let info = driver.mem_info()?;
+        let device_total = info.total;
+        let budget = config.budget_bytes(info.total, info.free);
         Ok(Self {
             driver,
             config,
@@ -132,10 +152,15 @@ impl<D: Driver> Expandable<D> {
             device_total,
             segments: Vec::new(),
             by_addr: BTreeMap::new(),
-            by_key: FastMap::default(),
+            by_key: FxHashMap::default(),
             pooled: Vec::new(),
+            pooled_chunks: Vec::new(),
+            chunks: FxHashSet::default(),
+            chunk_pages,
+            budget,
+            free_clock: 0,
             handle_queue: Vec::new(),
-            stream_uses: FastMap::default(),
+            stream_uses: FxHashMap::default(),
             pending: PendingFrees::default(),
             touched_pages: [0; 2],
             idle_pages: 0,
@@ -186,7 +211,12 @@ impl<D: Driver> Expandable<D> {
 
     /// Physical bytes held by no live block: idle mapped pages plus pooled handles.
     fn idle_bytes(&self) -> u64 {
-        (self.idle_pages + self.pooled.len()) as u64 * self.page_size
+        (self.idle_pages + self.pooled_pages()) as u64 * self.page_size
+    }
+
+    /// Pages held by pooled handles, single pages and chunks.
+    fn pooled_pages(&self) -> usize {
+        self.pooled.len() + self.pooled_chunks.len() * self.chunk_pages
     }
 
     /// Re-reads the touched and idle page counts and the straddling free blocks of one segment after it
@@ -287,7 +317,11 @@ impl<D: Driver> Expandable<D> {
         }
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
-        self.segment_mut(slot).free_live(addr, size);
+        self.free_clock += 1;
+        let clock = self.free_clock;
+        let seg = self.segment_mut(slot);
+        seg.free_live(addr, size);
+        seg.last_free = clock;
         self.count_block(pool, size, requested, false);
         self.count_inactive(pool, size);
         self.record(TraceAction::FreeRequested, addr, requested, stream);
@@ -388,7 +422,7 @@ impl<D: Driver> Strategy for Expandable<D> {
             num_synchronizations: c.synchronizations,
             largest_free_block: self.largest_free_block(),
             idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
-            idle_handle_bytes: self.pooled.len() as u64 * self.page_size,
+            idle_handle_bytes: self.pooled_pages() as u64 * self.page_size,
             handles_reused: c.handles_reused,
             driver: self.driver.counters(),
             active: c.active_count.all,

@@ -1,18 +1,47 @@
 //! Physical pages: obtaining handles (pool, compaction of idle pages, create), and giving them back.
 //!
-//! Every handle is one page. A handle is in exactly one of two places: mapped at one page of one segment, or
-//! in the pool (`Expandable::pooled`), unmapped and ready to map. Unmapping an idle page first synchronizes
-//! the stream that owns its segment, so no queued work can still touch it.
+//! A handle is one page, or, in the large pool under `compaction:pressure`, a *chunk* of `chunk_pages`
+//! pages mapped at an aligned group of pages of one segment (PyTorch maps 20 MiB handles there). A handle is
+//! in exactly one place: mapped (a chunk at all pages of its group), or pooled, unmapped (`pooled` for
+//! single pages, `pooled_chunks` for chunks). Unmapping an idle page first makes sure no queued work can
+//! still touch it: its stream is synchronized (at most once per stream per compaction), or, under pressure
+//! before any blocking, an event query shows the stream has finished its queued work.
 
 use super::Expandable;
+use crate::config::Compaction;
 use crate::driver::{Driver, PhysHandle, StreamId};
 use crate::error::Error;
 use crate::history::TraceAction;
 use std::ops::Range;
 
+/// How a compaction learns that an idle page's last use is complete.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Wait {
+    /// Only segments whose stream an event query shows idle; never blocks.
+    Query,
+    /// Synchronize each segment's stream (once per compaction).
+    Block,
+}
+
+/// What one compaction has learnt about streams: those whose queued work is known complete, and those an
+/// event query found busy.
+#[derive(Debug, Default)]
+pub(super) struct Compacting {
+    done: Vec<StreamId>,
+    busy: Vec<StreamId>,
+}
+
 impl<D: Driver> Expandable<D> {
-    /// Appends `count` handles for missing pages to `out`: pooled ones first, then idle pages unmapped from
-    /// wherever they are, then new ones from the driver; in `out` the new ones come first. Returns how many
+    /// Whether reserving `extra` more bytes would take reserved memory past the pressure budget. Always
+    /// true under `compaction:eager`, which reclaims before it creates.
+    pub(super) fn under_pressure(&self, extra: u64) -> bool {
+        self.config.compaction == Compaction::Eager
+            || self.counters.reserved.current.saturating_add(extra) > self.budget
+    }
+
+    /// Appends `count` handles for missing pages to `out`: pooled ones first; then, under
+    /// `compaction:eager` or past the budget, idle pages unmapped from wherever they are (see
+    /// [`Self::reclaim`]); then new ones from the driver; in `out` the new ones come first. Returns how many
     /// already existed (pooled or unmapped). On driver out-of-memory the cache is released and creation
     /// retried once. On failure every handle obtained so far goes back to the pool and `out` is as it was.
     pub(super) fn obtain_handles(
@@ -24,21 +53,11 @@ impl<D: Driver> Expandable<D> {
         out.reserve(count);
         let from_pool = count.min(self.pooled.len());
         out.extend(self.pooled.drain(self.pooled.len() - from_pool..));
-        if from_pool < count {
-            let stolen = self.steal_idle(count - from_pool, out);
-            let stolen_pages = (out.len() - base - from_pool) as u64;
-            self.counters.compacted += stolen_pages;
-            if stolen_pages > 0 {
-                tracing::debug!(
-                    pages = stolen_pages,
-                    pooled = from_pool,
-                    "cuvmm: compaction: idle pages unmapped for reuse"
-                );
-            }
-            if let Err(err) = stolen {
-                self.pooled.extend(out.drain(base..));
-                return Err(err);
-            }
+        if from_pool < count
+            && let Err(err) = self.reclaim(count - from_pool, out)
+        {
+            self.pooled.extend(out.drain(base..));
+            return Err(err);
         }
         let reused = out.len() - base;
         let mut retried = false;
@@ -75,40 +94,241 @@ impl<D: Driver> Expandable<D> {
         Ok(reused)
     }
 
-    /// Unmaps up to `count` idle pages, highest addresses of each segment first, and appends their handles
-    /// to `out`. This is the compaction of idle physical pages.
-    fn steal_idle(&mut self, count: usize, out: &mut Vec<PhysHandle>) -> Result<(), Error> {
-        let target = out.len() + count;
-        for slot in 0..self.segments.len() {
-            if out.len() == target {
+    /// The compaction for `count` missing pages: under `compaction:eager`, idle pages unmapped from every
+    /// segment in order, each stream synchronized once. Under `compaction:pressure`, only while creating
+    /// the pages would pass the budget: idle pages of segments whose stream an event query shows idle,
+    /// those freed longest ago first; then, if that was not enough, after synchronizing each remaining
+    /// stream once. Single-page handles are appended to `out`; chunks are released, which makes room to
+    /// create single pages.
+    fn reclaim(&mut self, count: usize, out: &mut Vec<PhysHandle>) -> Result<(), Error> {
+        let base = out.len();
+        let missing = |out: &Vec<PhysHandle>| count - (out.len() - base);
+        let mut compacting = Compacting::default();
+        let result = (|| {
+            if self.config.compaction == Compaction::Eager {
+                return self.steal_idle(count, out, Wait::Block, &mut compacting);
+            }
+            for wait in [Wait::Query, Wait::Block] {
+                while missing(out) > 0 && self.under_pressure(missing(out) as u64 * self.page_size)
+                {
+                    if self.steal_idle(missing(out), out, wait, &mut compacting)? == 0 {
+                        break;
+                    }
+                }
+            }
+            Ok(0)
+        })();
+        let stolen = (out.len() - base) as u64;
+        self.counters.compacted += stolen;
+        if stolen > 0 {
+            tracing::debug!(
+                pages = stolen,
+                "cuvmm: compaction: idle pages unmapped for reuse"
+            );
+        }
+        result.map(|_| ())
+    }
+
+    /// Unmaps up to `count` pages' worth of idle pages, highest addresses of each segment first, appends
+    /// the single-page handles to `out` and releases the chunks; returns the pages gained. Segments are
+    /// taken in slot order under `compaction:eager`, by when a block of theirs was last freed (oldest first)
+    /// under pressure; `wait` says how a segment's stream is known to be done with them.
+    pub(super) fn steal_idle(
+        &mut self,
+        count: usize,
+        out: &mut Vec<PhysHandle>,
+        wait: Wait,
+        compacting: &mut Compacting,
+    ) -> Result<usize, Error> {
+        let mut order: Vec<usize> = (0..self.segments.len())
+            .filter(|&slot| {
+                self.segments[slot]
+                    .as_ref()
+                    .is_some_and(|seg| seg.pages.idle_count() > 0)
+            })
+            .collect();
+        if self.config.compaction == Compaction::Pressure {
+            order.sort_by_key(|&slot| self.segment(slot).last_free);
+        }
+        let mut gained = 0;
+        for slot in order {
+            if gained >= count {
                 break;
             }
-            let Some(seg) = &self.segments[slot] else {
+            if !self.stream_done(self.segment(slot).stream, wait, compacting)? {
                 continue;
-            };
+            }
             // Idle runs from the highest down, each found when it is needed.
-            let mut end = seg.pages.len();
-            while out.len() < target {
+            let mut end = self.segment(slot).pages.len();
+            while gained < count {
                 let Some(run) = self.segment(slot).pages.last_idle_run_before(end) else {
                     break;
                 };
-                let take = run.len().min(target - out.len());
-                self.unmap_run(slot, run.end - take..run.end, out)?;
                 end = run.start;
+                let run = self.whole_chunks(slot, run);
+                if run.is_empty() {
+                    continue;
+                }
+                let take = self.chunk_floor(slot, run.end - run.len().min(count - gained));
+                gained += self.unmap_run(slot, take.max(run.start)..run.end, out)?;
             }
         }
-        Ok(())
+        Ok(gained)
     }
 
-    /// Unmaps a run of idle pages of one segment in one driver call and appends their handles to `out`.
+    /// Maps a chunk at every aligned group of `chunk_pages` pages that overlaps `pages` and has no page
+    /// mapped, while that keeps reserved memory under the budget (a pooled chunk first, else a new one);
+    /// the other missing pages are left to single pages. Returns `pages` widened to the groups mapped.
+    /// A chunk that cannot be created (out of memory) is not an error: single pages are tried instead.
+    pub(super) fn map_chunks(
+        &mut self,
+        slot: usize,
+        pages: Range<usize>,
+    ) -> Result<Range<usize>, Error> {
+        let k = self.chunk_pages;
+        let bytes = k as u64 * self.page_size;
+        let mut widened = pages.clone();
+        let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
+        if runs.is_empty() {
+            return Ok(widened);
+        }
+        let before = self.page_counts(slot);
+        let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
+        let mut result = Ok(());
+        'runs: for run in runs {
+            let mut group = run.start - run.start % k;
+            while group < run.end {
+                let chunk = group..group + k;
+                group += k;
+                let seg = self.segment(slot);
+                if chunk.end > seg.pages.len() || seg.pages.unmapped_count(chunk.clone()) != k {
+                    continue;
+                }
+                let handle = match self.pooled_chunks.pop() {
+                    Some(handle) => handle,
+                    None if self.under_pressure(bytes) => break 'runs,
+                    None => match self.driver.create(bytes) {
+                        Ok(handle) => {
+                            self.chunks.insert(handle);
+                            self.counters.created += k as u64;
+                            self.counters.reserved.add(bytes);
+                            handle
+                        }
+                        Err(err) if err.is_out_of_memory() => {
+                            // Retried with single pages, which the cache release can make room for.
+                            self.counters.retries += 1;
+                            break 'runs;
+                        }
+                        Err(err) => {
+                            result = Err(err.into());
+                            break 'runs;
+                        }
+                    },
+                };
+                let va = self.segment(slot).page_addr(chunk.start);
+                if let Err(err) = self.driver.map(va, bytes, handle) {
+                    self.undo_failed_map(va, bytes);
+                    self.pooled_chunks.push(handle);
+                    result = Err(err.into());
+                    break 'runs;
+                }
+                self.segment_mut(slot)
+                    .pages
+                    .map_run(chunk.start, &vec![handle; k]);
+                self.counters.mapped.add(pool, bytes);
+                self.record(TraceAction::SegmentMap, va, bytes, stream);
+                widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
+            }
+        }
+        self.refresh_page_counts(slot, before);
+        result.map(|()| widened)
+    }
+
+    /// Whether `stream`'s queued work is known complete for this compaction: synchronized (`Wait::Block`)
+    /// or shown idle by an event query (`Wait::Query`), each stream at most once.
+    fn stream_done(
+        &mut self,
+        stream: StreamId,
+        wait: Wait,
+        compacting: &mut Compacting,
+    ) -> Result<bool, Error> {
+        if compacting.done.contains(&stream) {
+            return Ok(true);
+        }
+        let done = match wait {
+            Wait::Block => {
+                self.synchronize(stream)?;
+                true
+            }
+            Wait::Query if compacting.busy.contains(&stream) => false,
+            Wait::Query => self.stream_idle(stream)?,
+        };
+        if done {
+            compacting.done.push(stream);
+        } else {
+            compacting.busy.push(stream);
+        }
+        Ok(done)
+    }
+
+    /// The pages of chunk `page` lies in, if a chunk is mapped there.
+    fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
+        let handle = self.segment(slot).pages.handle(page)?;
+        if !self.chunks.contains(&handle) {
+            return None;
+        }
+        let start = page - page % self.chunk_pages;
+        Some(start..start + self.chunk_pages)
+    }
+
+    /// `run` of idle pages without the ends of chunks that lie partly outside it (and so are in use).
+    fn whole_chunks(&self, slot: usize, run: Range<usize>) -> Range<usize> {
+        if self.chunks.is_empty() || run.is_empty() {
+            return run;
+        }
+        let start = match self.chunk_at(slot, run.start) {
+            Some(chunk) if chunk.start < run.start => chunk.end,
+            _ => run.start,
+        };
+        let end = match self.chunk_at(slot, run.end - 1) {
+            Some(chunk) if chunk.end > run.end => chunk.start,
+            _ => run.end,
+        };
+        start..end.max(start)
+    }
+
+    /// `pages`, widened at each end to the whole chunk that end lies in, if any.
+    pub(super) fn widen_to_chunks(&self, slot: usize, pages: Range<usize>) -> Range<usize> {
+        if pages.is_empty() || self.chunks.is_empty() {
+            return pages;
+        }
+        let start = self
+            .chunk_at(slot, pages.start)
+            .map_or(pages.start, |c| c.start);
+        let end = self
+            .chunk_at(slot, pages.end - 1)
+            .map_or(pages.end, |c| c.end);
+        start..end
+    }
+
+    /// `page`, moved down to the start of its chunk if it lies in one.
+    fn chunk_floor(&self, slot: usize, page: usize) -> usize {
+        match self.chunks.is_empty() {
+            true => page,
+            false => self.chunk_at(slot, page).map_or(page, |chunk| chunk.start),
+        }
+    }
+
+    /// Unmaps a run of idle pages (whose queued work is known complete) of one segment in one driver call,
+    /// appends their single-page handles to `out` and releases their chunks (a chunk that cannot be released
+    /// is pooled). Returns the pages gained.
     fn unmap_run(
         &mut self,
         slot: usize,
         run: Range<usize>,
         out: &mut Vec<PhysHandle>,
-    ) -> Result<(), Error> {
+    ) -> Result<usize, Error> {
         let stream = self.segment(slot).stream;
-        self.synchronize(stream)?;
         let va = self.segment(slot).page_addr(run.start);
         self.unmap_settled(va, run.len() as u64 * self.page_size)?;
         let before = self.page_counts(slot);
@@ -120,12 +340,50 @@ impl<D: Driver> Expandable<D> {
             pages * self.page_size,
             stream,
         );
+        let from = out.len();
         let seg = self.segment_mut(slot);
         seg.pages.unmap_run(run, out);
         let pool = seg.pool;
         self.counters.mapped.sub(pool, pages * self.page_size);
         self.refresh_page_counts(slot, before);
-        Ok(())
+        if !self.chunks.is_empty() {
+            self.release_unmapped_chunks(out, from)?;
+        }
+        Ok(pages as usize)
+    }
+
+    /// Takes the chunks out of `out[from..]` (each listed once per page, consecutively) and releases them;
+    /// one that cannot be released goes to `pooled_chunks`, as do the chunks after it.
+    fn release_unmapped_chunks(
+        &mut self,
+        out: &mut Vec<PhysHandle>,
+        from: usize,
+    ) -> Result<(), Error> {
+        let mut chunks: Vec<PhysHandle> = Vec::new();
+        let mut keep = from;
+        for i in from..out.len() {
+            let handle = out[i];
+            if self.chunks.contains(&handle) {
+                if chunks.last() != Some(&handle) {
+                    chunks.push(handle);
+                }
+            } else {
+                out[keep] = handle;
+                keep += 1;
+            }
+        }
+        out.truncate(keep);
+        let mut result = Ok(());
+        for handle in chunks {
+            if result.is_ok() {
+                result = self.release_handle(handle);
+                if result.is_ok() {
+                    continue;
+                }
+            }
+            self.pooled_chunks.push(handle);
+        }
+        result
     }
 
     /// Waits for `stream`'s queued work (before one of its pages is unmapped, or pending frees are drained).
@@ -135,10 +393,15 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
+    /// Gives one unmapped handle (a page or a chunk) back to the driver.
     fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {
         self.release_settled(handle)?;
-        self.counters.released += 1;
-        self.counters.reserved.sub(self.page_size);
+        let pages = match self.chunks.remove(&handle) {
+            true => self.chunk_pages as u64,
+            false => 1,
+        };
+        self.counters.released += pages;
+        self.counters.reserved.sub(pages * self.page_size);
         Ok(())
     }
 
@@ -153,14 +416,15 @@ impl<D: Driver> Expandable<D> {
                 .div_ceil(self.page_size)
                 .min(self.idle_pages as u64) as usize;
             let mut handles = Vec::with_capacity(pages);
-            let stolen = self.steal_idle(pages, &mut handles);
-            let got_any = !handles.is_empty();
+            let reserved = self.counters.reserved.current;
+            let stolen =
+                self.steal_idle(pages, &mut handles, Wait::Block, &mut Compacting::default());
+            released += reserved - self.counters.reserved.current;
             self.pooled.extend(handles);
-            stolen?;
-            if !got_any {
+            if stolen? == 0 {
                 break;
             }
-            released += self.release_pooled(bytes - released)?;
+            released += self.release_pooled(bytes.saturating_sub(released))?;
         }
         if released > 0 {
             tracing::debug!(released, "cuvmm: released idle memory to the driver");
@@ -172,6 +436,15 @@ impl<D: Driver> Expandable<D> {
     /// given back. A handle whose release fails stays in the pool.
     fn release_pooled(&mut self, bytes: u64) -> Result<u64, Error> {
         let mut released = 0;
+        while released < bytes
+            && let Some(handle) = self.pooled_chunks.pop()
+        {
+            if let Err(err) = self.release_handle(handle) {
+                self.pooled_chunks.push(handle);
+                return Err(err);
+            }
+            released += self.chunk_pages as u64 * self.page_size;
+        }
         while released < bytes
             && let Some(handle) = self.pooled.pop()
         {
@@ -224,9 +497,13 @@ impl<D: Driver> Expandable<D> {
                 for run in seg.pages.mapped_runs(0..seg.pages.len()) {
                     let va = seg.page_addr(run.start);
                     match self.unmap_settled(va, run.len() as u64 * self.page_size) {
-                        Ok(()) => self
-                            .pooled
-                            .extend(run.filter_map(|page| seg.pages.handle(page))),
+                        Ok(()) => {
+                            // A chunk is listed once per page of it: keep it once.
+                            let mut handles: Vec<PhysHandle> =
+                                run.filter_map(|page| seg.pages.handle(page)).collect();
+                            handles.dedup();
+                            self.pooled.extend(handles);
+                        }
                         Err(err) => note(Err(err.into())),
                     }
                 }
@@ -235,6 +512,8 @@ impl<D: Driver> Expandable<D> {
         }
         self.by_addr.clear();
         self.by_key.clear();
+        let pooled_chunks = std::mem::take(&mut self.pooled_chunks);
+        self.pooled.extend(pooled_chunks);
         while let Some(handle) = self.pooled.pop() {
             note(self.release_handle(handle));
         }

@@ -97,6 +97,9 @@ pub(crate) struct Segment {
     pub stream: StreamId,
     pub pool: Pool,
     pub pages: PageMap,
+    /// When a block of this segment was last freed (the allocator's free clock): reclaiming under pressure
+    /// takes the idle pages of the segments freed longest ago first.
+    pub last_free: u64,
     blocks: Blocks,
     free: FreeIndex,
     occupied: usize,
@@ -116,6 +119,7 @@ impl Segment {
             stream,
             pool,
             pages,
+            last_free: 0,
             blocks,
             free: FreeIndex::default(),
             occupied: 0,

@@ -67,9 +67,9 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// Undoes a `map` of one page at `va` that failed, in case it had mapped the page anyway.
-    pub(super) fn undo_failed_map(&mut self, va: u64) {
-        match self.driver.unmap(va, self.page_size) {
+    /// Undoes a `map` of `size` bytes at `va` (a page, or a chunk) that failed, in case it had mapped them anyway.
+    pub(super) fn undo_failed_map(&mut self, va: u64, size: u64) {
+        match self.driver.unmap(va, size) {
             // The usual case: the failed map had no effect.
             Err(DriverError::NotMapped { .. }) => {}
             Ok(()) => tracing::warn!(va, "cuvmm: a map that failed had mapped its page; unmapped"),

@@ -14,8 +14,8 @@ use super::Expandable;
 use super::segment::FreeOutcome;
 use crate::driver::{Driver, EventId, StreamId};
 use crate::error::Error;
-use crate::fast_hash::FastMap;
 use crate::history::TraceAction;
+use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::collections::hash_map::Entry;
 
@@ -72,7 +72,7 @@ pub(super) struct PendingFrees {
     /// uses few streams; [`PendingFrees::drop_empty_queues`] removes the empty ones.
     events: Vec<(StreamId, VecDeque<(EventId, u64)>)>,
     /// Per parked block (by address), its segment and outstanding events.
-    pub outstanding: FastMap<u64, Parked>,
+    pub outstanding: FxHashMap<u64, Parked>,
     /// Events the allocator no longer waits for whose `destroy_event` failed: destroyed again at the next
     /// poll, so none is left behind (and never queried again: the failed call may have destroyed one).
     pub undestroyed: Vec<EventId>,

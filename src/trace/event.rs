@@ -2,7 +2,7 @@
 //! allocation named by an id.
 
 use crate::driver::StreamId;
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 
 /// The largest request a trace file may hold: 2^50 bytes (1 PiB), beyond any device. The readers refuse
 /// more, so sizes and their sums stay far from overflowing 64 bits.
@@ -133,7 +133,7 @@ impl Trace {
 
     /// The most requested bytes live at once. Frees of unknown ids are ignored.
     pub fn peak_live_bytes(&self) -> u64 {
-        let mut live: FastMap<u64, u64> = FastMap::default();
+        let mut live: FxHashMap<u64, u64> = FxHashMap::default();
         let (mut current, mut peak) = (0u64, 0u64);
         for event in &self.events {
             match *event {
@@ -153,7 +153,7 @@ impl Trace {
     /// free and every record_stream names a live allocation. Returns the first problem found.
     pub fn validate(&self) -> Result<(), TraceError> {
         // Some(true): live; Some(false): freed.
-        let mut state: FastMap<u64, bool> = FastMap::default();
+        let mut state: FxHashMap<u64, bool> = FxHashMap::default();
         for (index, event) in self.events.iter().enumerate() {
             match *event {
                 Event::Alloc { id, size, .. } => {

@@ -4,7 +4,7 @@
 //! index a vector directly; an id too large for that (an RMM pointer used as an id, say) goes to a hash map.
 //! Either way a lookup costs no SipHash, which was a large share of a replay.
 
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 
 /// One id's state.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,7 +28,7 @@ pub(super) enum Slot {
 pub(super) struct IdTable {
     dense: Vec<Slot>,
     limit: u64,
-    sparse: FastMap<u64, Slot>,
+    sparse: FxHashMap<u64, Slot>,
 }
 
 impl IdTable {
@@ -45,7 +45,7 @@ impl IdTable {
         Self {
             dense: vec![Slot::Unknown; dense_len],
             limit,
-            sparse: FastMap::default(),
+            sparse: FxHashMap::default(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod capacity;
 pub mod compare;
 pub mod event;
 pub mod fidelity;
+pub mod frontier;
 mod id_table;
 pub mod kineto;
 pub mod load;

@@ -3,6 +3,7 @@
 use super::event::{Event, Trace};
 use super::id_table::{IdTable, Slot};
 use super::observe::{NoObserver, ReplayObserver};
+use crate::driver::sim::{Calibration, LatencyModel};
 use crate::driver::{DriverCounters, Op};
 use crate::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
@@ -49,6 +50,17 @@ pub struct DriverCalls {
 }
 
 impl DriverCalls {
+    /// The operations counted here: memory management, without events and synchronizations.
+    pub const OPS: [Op; 7] = [
+        Op::Create,
+        Op::Release,
+        Op::Map,
+        Op::Unmap,
+        Op::SetAccess,
+        Op::Malloc,
+        Op::Free,
+    ];
+
     /// The calls counted in `counters`.
     pub fn from_counters(counters: &DriverCounters) -> Self {
         Self {
@@ -71,6 +83,27 @@ impl DriverCalls {
             + self.set_access
             + self.malloc
             + self.free
+    }
+}
+
+/// An estimate under each extreme calibration of the latency model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct ByModel {
+    /// Each figure a fixed cost per call.
+    pub per_call: f64,
+    /// Each figure a cost per 2 MiB covered.
+    pub per_byte: f64,
+}
+
+impl ByModel {
+    /// The estimates for the memory-management calls in `counters`.
+    pub fn of(counters: &DriverCounters) -> Self {
+        let model = LatencyModel::a100();
+        let us = |c| model.estimate_us(counters, &DriverCalls::OPS, c);
+        Self {
+            per_call: us(Calibration::PerCall),
+            per_byte: us(Calibration::PerByte),
+        }
     }
 }
 
@@ -98,6 +131,12 @@ pub struct ReplayResult {
     pub driver_calls: DriverCalls,
     /// Driver time the calls cost (estimated on the simulated device), in microseconds.
     pub estimated_driver_us: f64,
+    /// The estimated time of the calls in `driver_calls` (events and synchronizations left out) under both
+    /// extreme calibrations of the latency model, in microseconds (`sim::LatencyModel`,
+    /// [`crate::driver::sim::LATENCY_SOURCES`]). 0 on a backend that records no units.
+    pub estimated_driver_us_by_model: ByModel,
+    /// Event calls (record, query, destroy): for streams that use other streams' blocks.
+    pub event_calls: u64,
     /// Stream synchronizations the allocator made (before unmapping pages, or to drain pending frees).
     pub synchronizations: u64,
     /// Wall time of the replay loop, in seconds.
@@ -332,6 +371,11 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
         ooms,
         driver_calls: DriverCalls::from_counters(&counters),
         estimated_driver_us: counters.time_us(),
+        estimated_driver_us_by_model: ByModel::of(&counters),
+        event_calls: [Op::RecordEvent, Op::QueryEvent, Op::DestroyEvent]
+            .iter()
+            .map(|&op| counters.get(op))
+            .sum(),
         synchronizations: stats.num_synchronizations,
         replay_seconds,
         first_oom,

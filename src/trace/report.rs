@@ -1,6 +1,7 @@
 //! Rendering replay results: an aligned table for people, JSON for programs.
 
 use super::replay::ReplayResult;
+use crate::driver::sim::LATENCY_SOURCES;
 use crate::size::format_size;
 use serde::Serialize;
 
@@ -69,14 +70,33 @@ pub fn aligned<const N: usize>(headers: [&str; N], rows: &[[String; N]]) -> Stri
     out
 }
 
+/// One line on what the estimated driver times are, for tables.
+pub const LATENCY_NOTE: &str = "estimated driver time of the driver calls from the latency model, \
+     per call: each published 2 MiB figure a fixed cost per call; per byte: a cost per 2 MiB; an estimate";
+
 #[derive(Serialize)]
 struct Report<'a> {
     results: &'a [ReplayResult],
+    /// What `estimated_driver_us_by_model` rests on.
+    latency_model: LatencyNote,
 }
 
-/// The results as pretty-printed JSON: `{"results": [...]}`.
+/// The calibrations of `estimated_driver_us_by_model` and their sources.
+#[derive(Serialize)]
+struct LatencyNote {
+    calibrations: [&'static str; 2],
+    sources: &'static str,
+}
+
+/// The results as pretty-printed JSON: `{"results": [...], "latency_model": {...}}`.
 pub fn render_json(results: &[ReplayResult]) -> serde_json::Result<String> {
-    serde_json::to_string_pretty(&Report { results })
+    serde_json::to_string_pretty(&Report {
+        results,
+        latency_model: LatencyNote {
+            calibrations: ["per_call", "per_byte"],
+            sources: LATENCY_SOURCES,
+        },
+    })
 }
 
 #[cfg(test)]
@@ -101,6 +121,8 @@ mod tests {
                 ..DriverCalls::default()
             },
             estimated_driver_us: 2_500.0,
+            estimated_driver_us_by_model: Default::default(),
+            event_calls: 0,
             synchronizations: 0,
             replay_seconds: 0.25,
         }
@@ -129,5 +151,8 @@ mod tests {
         assert_eq!(results.len(), 1);
         assert_eq!(results[0]["workload"], "moe");
         assert_eq!(results[0]["driver_calls"]["map"], 7);
+        assert!(results[0]["estimated_driver_us_by_model"]["per_call"].is_number());
+        assert!(results[0]["estimated_driver_us_by_model"]["per_byte"].is_number());
+        assert_eq!(value["latency_model"]["sources"], LATENCY_SOURCES);
     }
 }

@@ -43,6 +43,9 @@ pub enum Command {
     /// Find the smallest simulated device on which each allocator replays each trace with no
     /// out-of-memory, to one page, by bisection.
     Capacity(CapacityArgs),
+    /// Replay each trace through each allocator at a handful of device capacities, from the trace's lower
+    /// bound to 80 GiB: out-of-memory, peak reserved, driver calls, synchronizations, est. driver time.
+    Frontier(crate::frontier::FrontierArgs),
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.
     Bench(crate::bench::BenchArgs),

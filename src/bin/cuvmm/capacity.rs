@@ -108,7 +108,7 @@ pub fn run_capacity(args: CapacityArgs) -> ExitCode {
 
 /// The traces to search: the files' (one line naming the file if one cannot be read), else the workloads
 /// named, else every built-in workload.
-fn traces(
+pub(crate) fn traces(
     files: &[PathBuf],
     workloads: &[String],
     device: Option<usize>,

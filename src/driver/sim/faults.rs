@@ -1,7 +1,7 @@
 //! Deterministic fault injection: fail the n-th call of an operation, or each call with a seeded probability.
 
 use crate::driver::Op;
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 
 /// What an injected fault looks like to the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,7 +16,7 @@ pub enum FaultKind {
 #[derive(Debug, Clone, Default)]
 pub(super) struct Faults {
     /// Planned faults by (operation, absolute 1-based call number of that operation).
-    planned: FastMap<(Op, u64), FaultKind>,
+    planned: FxHashMap<(Op, u64), FaultKind>,
     /// Random faults, if any are planned.
     random: Option<RandomFaults>,
 }

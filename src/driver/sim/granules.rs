@@ -12,7 +12,7 @@
 //! looks each chunk up once rather than once per granule. The chunk found last is remembered: calls come in runs on
 //! neighbouring granules, so most lookups are one comparison.
 
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 use std::cell::Cell;
 use std::fmt;
 use std::ops::Range;
@@ -49,7 +49,7 @@ type Chunk = [Granule; CHUNK as usize];
 pub(super) struct Granules {
     chunks: Vec<Box<Chunk>>,
     /// Chunk number (granule index / [`CHUNK`]) to its position in `chunks`.
-    index: FastMap<u64, usize>,
+    index: FxHashMap<u64, usize>,
     /// The chunk found last, `(chunk number, position)`, or [`NO_CHUNK`].
     last: Cell<(u64, usize)>,
 }
@@ -58,7 +58,7 @@ impl Default for Granules {
     fn default() -> Self {
         Self {
             chunks: Vec::new(),
-            index: FastMap::default(),
+            index: FxHashMap::default(),
             last: Cell::new((NO_CHUNK, 0)),
         }
     }

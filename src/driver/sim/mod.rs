@@ -55,7 +55,7 @@ mod vmm;
 
 pub use config::SimConfig;
 pub use faults::FaultKind;
-pub use latency::{LATENCY_UNIT_BYTES, LatencyModel};
+pub use latency::{Calibration, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
 
 use super::{
@@ -256,6 +256,8 @@ impl SimDriver {
     fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
         self.counters
             .record(op, self.config.latency.cost_ns(op, bytes));
+        self.counters
+            .record_units(op, 1, LatencyModel::units(op, bytes));
         let call = self.counters.get(op);
         match self.faults.check(op, call) {
             None => Ok(()),
@@ -372,6 +374,8 @@ impl Driver for SimDriver {
             if self.vmm.create_all(size, count, free, out) {
                 let cost = self.config.latency.cost_ns(Op::Create, size);
                 self.counters.record_many(Op::Create, count as u64, cost);
+                let units = LatencyModel::units(Op::Create, size);
+                self.counters.record_units(Op::Create, count as u64, units);
                 return Ok(());
             }
         }
@@ -389,6 +393,9 @@ impl Driver for SimDriver {
             let cost = self.config.latency.cost_ns(Op::Map, size);
             self.counters
                 .record_many(Op::Map, handles.len() as u64, cost);
+            let units = LatencyModel::units(Op::Map, size);
+            self.counters
+                .record_units(Op::Map, handles.len() as u64, units);
             return Ok(());
         }
         super::map_each_by_calls(self, va, size, handles)

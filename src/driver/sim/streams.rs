@@ -10,7 +10,7 @@
 //! leave with them.
 
 use crate::driver::{DriverError, EventId, StreamId, VaRange};
-use crate::fast_hash::FastMap;
+use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 
 /// One item of a stream's queue.
@@ -34,8 +34,8 @@ struct Event {
 pub(super) struct Streams {
     next_event: u64,
     next_work: u64,
-    events: FastMap<u64, Event>,
-    queues: FastMap<StreamId, VecDeque<Item>>,
+    events: FxHashMap<u64, Event>,
+    queues: FxHashMap<StreamId, VecDeque<Item>>,
 }
 
 impl Streams {

@@ -1,0 +1,104 @@
+//! `compaction:pressure` (the default) against `compaction:eager`: no synchronization and no remapping while
+//! memory is plentiful, large-pool growth in multi-page handles, reclaiming idle pages past the budget by
+//! event query before any synchronization, and a synchronization only as the last step before out-of-memory.
+
+mod common;
+
+use common::expandable_with;
+use cuvmm::config::{Budget, Compaction};
+use cuvmm::driver::{Driver, Op, StreamId, VaRange};
+use cuvmm::{Config, Strategy};
+
+const PAGE: u64 = 2 << 20;
+const S0: StreamId = StreamId(0);
+
+/// Allocates and frees blocks of growing and shrinking sizes so that later requests find idle pages in
+/// the wrong places; checks the invariants after every operation. Returns the blocks still live.
+fn churn(a: &mut dyn Strategy, rounds: u64) -> Vec<u64> {
+    let mut live = Vec::new();
+    for i in 0..rounds {
+        let size = ((i * 7919) % 13 + 1) * 3 * PAGE + (i % 5) * 4096 + 512;
+        live.push(a.alloc(size, S0).unwrap());
+        a.check_invariants().unwrap();
+        if live.len() > 4 {
+            let victim = live.remove(((i * 31) % live.len() as u64) as usize);
+            a.free(victim).unwrap();
+            a.check_invariants().unwrap();
+        }
+    }
+    live
+}
+
+#[test]
+fn plentiful_memory_costs_no_synchronization_no_unmap_and_maps_chunks() {
+    let mut a = expandable_with(PAGE, 4096, Config::default(), false);
+    churn(&mut a, 200);
+    let counters = a.driver().counters();
+    assert_eq!(a.stats().num_synchronizations, 0);
+    assert_eq!(counters.get(Op::Unmap), 0);
+    assert_eq!(counters.get(Op::Synchronize), 0);
+    // Large-pool growth in 20 MiB handles: far fewer creates than pages reserved.
+    let pages = a.stats().reserved_bytes.peak / PAGE;
+    assert!(
+        counters.get(Op::Create) * 5 <= pages,
+        "{} creates for {pages} pages",
+        counters.get(Op::Create)
+    );
+}
+
+#[test]
+fn eager_compaction_synchronizes_and_keeps_reserved_lower() {
+    let eager = Config::default().with_compaction(Compaction::Eager);
+    let mut e = expandable_with(PAGE, 4096, eager, false);
+    churn(&mut e, 200);
+    let mut p = expandable_with(PAGE, 4096, Config::default(), false);
+    churn(&mut p, 200);
+    assert!(e.stats().num_synchronizations > 0);
+    assert!(e.driver().counters().get(Op::Unmap) > 0);
+    assert!(e.stats().reserved_bytes.peak <= p.stats().reserved_bytes.peak);
+}
+
+#[test]
+fn past_the_budget_idle_pages_are_reclaimed_by_event_query_without_blocking() {
+    let config = Config {
+        reserve_budget: Some(Budget::Bytes(64 * PAGE)),
+        ..Config::default()
+    };
+    let mut a = expandable_with(PAGE, 4096, config, false);
+    churn(&mut a, 300);
+    let s = a.stats();
+    // The stream never has queued work, so every event query finds it done: no synchronization.
+    assert_eq!(s.num_synchronizations, 0);
+    assert!(a.driver().counters().get(Op::QueryEvent) > 0);
+    assert!(a.driver().counters().get(Op::Unmap) > 0);
+    // Reserved memory stays below what the same run reserves with no budget on this device.
+    let mut free_run = expandable_with(PAGE, 4096, Config::default(), false);
+    churn(&mut free_run, 300);
+    assert!(s.reserved_bytes.peak < free_run.stats().reserved_bytes.peak);
+}
+
+#[test]
+fn a_busy_stream_is_synchronized_once_only_before_out_of_memory() {
+    // A device of 40 pages, all used once, then freed while the stream still has work queued on them.
+    let mut a = expandable_with(PAGE, 40, Config::default(), false);
+    let blocks: Vec<u64> = (0..4).map(|_| a.alloc(10 * PAGE, S0).unwrap()).collect();
+    for &b in &blocks {
+        a.driver_mut()
+            .launch(
+                S0,
+                &[VaRange {
+                    start: b,
+                    size: PAGE,
+                }],
+            )
+            .unwrap();
+    }
+    // Small-pool and large-pool holes now: a request of another shape must take idle pages.
+    a.free(blocks[1]).unwrap();
+    a.free(blocks[3]).unwrap();
+    let b = a.alloc(15 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().num_synchronizations, 1);
+    a.free(b).unwrap();
+    a.check_invariants().unwrap();
+}
