@@ -1,6 +1,7 @@
 //! What can go wrong in a driver call: [`DriverError`], one kind per CUDA rule.
 
-use super::{EventId, Op, PhysHandle, StreamId};
+use super::Op;
+use super::types::{EventId, PhysHandle, StreamId};
 
 /// What can go wrong in a driver call. Each CUDA rule that [`sim::SimDriver`](super::sim::SimDriver) enforces has its own kind.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -33,7 +33,7 @@ use crate::ops_common::{
 use crate::split_input::{Action, GRANULE, MIB, Setup, decode};
 use cuvmm::config::RoundupDivisions;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
-use cuvmm::expandable::Pool;
+use cuvmm::pool::Pool;
 use cuvmm::split::{Split, rules};
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use std::collections::BTreeSet;
