@@ -49,7 +49,12 @@ impl ExpandableSegment {
     /// mapped: what was created or mapped is given back (PyTorch gives back only the handles of a failed
     /// `cuMemCreate`; its other failures throw), and what cannot be is kept as stranded. Stranded pages are
     /// retried first, since one may still be mapped in the range.
-    pub(super) fn map<D: Driver>(&mut self, driver: &mut D, offset: u64, size: u64) -> Result<u64, Error> {
+    pub(super) fn map<D: Driver>(
+        &mut self,
+        driver: &mut D,
+        offset: u64,
+        size: u64,
+    ) -> Result<u64, Error> {
         self.retry_stranded(driver)?;
         let (begin, end) = self.pages_covering(offset, size);
         let mut created = Vec::with_capacity(end - begin);
