@@ -25,6 +25,7 @@ pub mod expandable;
 pub mod history;
 pub mod oom;
 pub mod page_map;
+pub mod pool;
 pub mod size;
 pub mod snapshot;
 #[cfg(feature = "lab")]

@@ -8,8 +8,8 @@
 pub mod pickle;
 
 use crate::driver::StreamId;
-use crate::expandable::Pool;
 use crate::history::TraceEntry;
+use crate::pool::Pool;
 
 /// What a block of a snapshot segment holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -15,16 +15,22 @@
 
 #[path = "harness/config_parse.rs"]
 mod config_parse;
+#[path = "harness/expandable_input.rs"]
+mod expandable_input;
 #[path = "harness/expandable_ops.rs"]
 mod expandable_ops;
 #[path = "harness/input.rs"]
 mod input;
+#[path = "harness/ops_common.rs"]
+mod ops_common;
 #[path = "harness/page_map.rs"]
 mod page_map;
 #[path = "harness/pytorch_snapshot.rs"]
 mod pytorch_snapshot;
 #[path = "harness/rmm_csv.rs"]
 mod rmm_csv;
+#[path = "harness/split_input.rs"]
+mod split_input;
 #[path = "harness/split_ops.rs"]
 mod split_ops;
 #[path = "harness/trace_replay.rs"]
@@ -32,7 +38,7 @@ mod trace_replay;
 
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::FaultKind;
-use expandable_ops::{Action, PAGE, Setup};
+use expandable_input::{Action, PAGE, Setup};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 
@@ -364,8 +370,8 @@ fn written_seeds_match_their_scenarios() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/expandable_ops");
     let write = std::env::var_os("CUVMM_WRITE_SEEDS").is_some();
     for (name, setup, actions) in scenarios() {
-        let bytes = expandable_ops::encode(&setup, &actions);
-        assert_eq!(expandable_ops::decode(&bytes), (setup, actions), "{name}");
+        let bytes = expandable_input::encode(&setup, &actions);
+        assert_eq!(expandable_input::decode(&bytes), (setup, actions), "{name}");
         let path = dir.join(name);
         if write {
             std::fs::write(&path, &bytes).expect("seed written");
@@ -377,9 +383,9 @@ fn written_seeds_match_their_scenarios() {
 }
 
 /// The hand-written `split_ops` seeds: (file name, setup, operations).
-fn split_scenarios() -> Vec<(&'static str, split_ops::Setup, Vec<split_ops::Action>)> {
-    use split_ops::Action::*;
-    use split_ops::{MIB, Setup};
+fn split_scenarios() -> Vec<(&'static str, split_input::Setup, Vec<split_input::Action>)> {
+    use split_input::Action::*;
+    use split_input::{MIB, Setup};
     let setup = |granules, expandable, max_split_mb, roundup, gc| Setup {
         granules,
         expandable,
@@ -514,8 +520,8 @@ fn written_split_seeds_match_their_scenarios() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/split_ops");
     let write = std::env::var_os("CUVMM_WRITE_SEEDS").is_some();
     for (name, setup, actions) in split_scenarios() {
-        let bytes = split_ops::encode(&setup, &actions);
-        assert_eq!(split_ops::decode(&bytes), (setup, actions), "{name}");
+        let bytes = split_input::encode(&setup, &actions);
+        assert_eq!(split_input::decode(&bytes), (setup, actions), "{name}");
         let path = dir.join(name);
         if write {
             std::fs::create_dir_all(&dir).expect("corpus directory created");

@@ -4,7 +4,7 @@
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
-use cuvmm::expandable::Pool;
+use cuvmm::pool::Pool;
 use cuvmm::size::{GIB, MIB};
 use cuvmm::split::{SegmentAction, Split};
 use cuvmm::{Error, Strategy};

@@ -5,6 +5,10 @@
 
 #[path = "../../tests/harness/input.rs"]
 mod input;
+#[path = "../../tests/harness/ops_common.rs"]
+mod ops_common;
+#[path = "../../tests/harness/split_input.rs"]
+mod split_input;
 #[path = "../../tests/harness/split_ops.rs"]
 mod split_ops;
 

@@ -1,12 +1,13 @@
 //! The allocation path: round, pick a block, carve it, and back its pages with physical memory.
 
-use super::segment::{Pool, Segment};
+use super::segment::Segment;
 use super::streams::StreamUses;
 use super::{Expandable, ROUND};
 use crate::config::Compaction;
 use crate::driver::{Driver, MemInfo, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
 use crate::history::{TraceAction, TraceEntry};
+use crate::pool::Pool;
 use crate::size::round_up;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.

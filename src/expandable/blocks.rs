@@ -8,7 +8,6 @@
 
 #![deny(unsafe_code)]
 
-use super::segment::{Block, BlockState};
 use crate::bits::Bits;
 use crate::divisor::Divisor;
 use rustc_hash::FxHashMap;
@@ -36,6 +35,44 @@ struct Node {
     block: Block,
     prev: u32,
     next: u32,
+}
+
+/// What a block of a segment is used for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    /// Allocatable.
+    Free,
+    /// Handed out, for a request of `requested` bytes.
+    Live { requested: u64 },
+    /// Freed by the program, waiting for events on other streams before it becomes free.
+    Pending,
+}
+
+/// A block of a segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Block {
+    pub size: u64,
+    pub state: BlockState,
+}
+
+impl Block {
+    /// A free block of `size` bytes.
+    pub fn free(size: u64) -> Self {
+        Self {
+            size,
+            state: BlockState::Free,
+        }
+    }
+
+    /// Whether the block is live or pending: not allocatable, and a user of its pages.
+    pub fn is_occupied(&self) -> bool {
+        self.state != BlockState::Free
+    }
+
+    /// Whether the block is handed out.
+    pub fn is_live(&self) -> bool {
+        matches!(self.state, BlockState::Live { .. })
+    }
 }
 
 /// The blocks of one segment.

@@ -10,10 +10,11 @@
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
 //!    recorded stream uses belong to live blocks and never name the block's own segment stream.
 
-use super::segment::{Block, BlockState, Pool};
+use super::blocks::{Block, BlockState};
 use super::{Expandable, ROUND};
 use crate::driver::Driver;
 use crate::error::InvariantViolation as V;
+use crate::pool::Pool;
 use std::collections::{HashMap, HashSet};
 
 /// What the block list says, per pool.

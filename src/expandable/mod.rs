@@ -19,6 +19,7 @@
 
 mod alloc;
 mod blocks;
+mod events;
 mod free_index;
 mod invariants;
 mod physical;
@@ -27,7 +28,9 @@ mod settle;
 mod snapshot;
 mod streams;
 
-pub use segment::Pool;
+pub use segment::ROUND;
+
+use crate::pool::Pool;
 
 use crate::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
@@ -40,9 +43,6 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
 use std::collections::BTreeMap;
 use streams::{PendingFrees, StreamUses};
-
-/// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
-pub const ROUND: u64 = 512;
 
 /// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
 /// Per-pool statistics are [`StatArray`]s, as PyTorch's.

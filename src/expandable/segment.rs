@@ -7,11 +7,15 @@
 //! (`record_stream`). A pending block is not allocatable and still counts as a user of its pages, so they
 //! can be neither reused nor unmapped until the allocator releases it.
 
-use super::blocks::Blocks;
+use super::blocks::{Block, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
+use crate::pool::Pool;
 use std::ops::Range;
+
+/// Every request is rounded up to a multiple of this many bytes, as in PyTorch.
+pub const ROUND: u64 = 512;
 
 /// How many runs of mapped pages inside one free block [`Segment::placement`] considers, and how many idle
 /// runs [`Segment::mapped_fit`] follows to larger free blocks.
@@ -19,65 +23,6 @@ const PLACEMENT_RUNS: usize = 16;
 
 /// A placement inside a free block must save this fraction (1 / n) of a request's pages ([`Segment::min_saving`]).
 const INNER_PLACEMENT_DIVISOR: usize = 8;
-
-/// Which pool a request belongs to: small requests get segments of their own so that tiny long-lived
-/// blocks do not pin pages that large blocks would free.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Pool {
-    /// Requests of at most `Config::small_size` bytes.
-    Small,
-    /// Everything larger.
-    Large,
-}
-
-impl Pool {
-    /// The pool's index in per-pool arrays: 0 small, 1 large.
-    #[inline]
-    pub fn index(self) -> usize {
-        match self {
-            Pool::Small => 0,
-            Pool::Large => 1,
-        }
-    }
-}
-
-/// What a block of a segment is used for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum BlockState {
-    /// Allocatable.
-    Free,
-    /// Handed out, for a request of `requested` bytes.
-    Live { requested: u64 },
-    /// Freed by the program, waiting for events on other streams before it becomes free.
-    Pending,
-}
-
-/// A block of a segment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Block {
-    pub size: u64,
-    pub state: BlockState,
-}
-
-impl Block {
-    /// A free block of `size` bytes.
-    pub fn free(size: u64) -> Self {
-        Self {
-            size,
-            state: BlockState::Free,
-        }
-    }
-
-    /// Whether the block is live or pending: not allocatable, and a user of its pages.
-    pub fn is_occupied(&self) -> bool {
-        self.state != BlockState::Free
-    }
-
-    /// Whether the block is handed out.
-    pub fn is_live(&self) -> bool {
-        matches!(self.state, BlockState::Live { .. })
-    }
-}
 
 /// What a free of an address inside this segment found there.
 #[derive(Debug, PartialEq, Eq)]
@@ -238,7 +183,7 @@ impl Segment {
     /// fewer pages mapped. The placements inside considered are, for each of the first [`PLACEMENT_RUNS`]
     /// runs of mapped pages of the block, the window that starts where the run starts and the one that ends
     /// where it ends (a window with the fewest unmapped pages can always be slid to start or end at a run
-    /// boundary), aligned to [`ROUND`](super::ROUND) inside the block; ties go to the lowest address.
+    /// boundary), aligned to [`ROUND`] inside the block; ties go to the lowest address.
     pub fn placement(&self, start: u64, block_size: u64, size: u64) -> (usize, u64) {
         let missing_at = |addr: u64| self.pages.unmapped_count(self.pages_of(addr, size));
         let at_start = (missing_at(start), start);
@@ -247,7 +192,7 @@ impl Segment {
             return at_start;
         }
         let end = start + block_size;
-        let round = super::ROUND;
+        let round = ROUND;
         let mut best = at_start;
         let pages = self.pages_of(start, block_size);
         let pages = if self.pages.idle_count() == 0 {
@@ -311,10 +256,7 @@ impl Segment {
         let end = start + block_size;
         let mut pos = pages.start;
         while let Some(run) = self.pages.first_idle_run(pos..pages.end) {
-            let from = self
-                .page_addr(run.start)
-                .max(start)
-                .next_multiple_of(super::ROUND);
+            let from = self.page_addr(run.start).max(start).next_multiple_of(ROUND);
             let fits = from + size <= self.page_addr(run.end).min(end);
             if fits && self.pages.all_accessible(self.pages_of(from, size)) {
                 return Some(from);

@@ -2,7 +2,7 @@
 //! by the blocks (or the parts of free blocks) that lie on those pages.
 
 use super::Expandable;
-use super::segment::BlockState as State;
+use super::blocks::BlockState as State;
 use crate::driver::Driver;
 use crate::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
 

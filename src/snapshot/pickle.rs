@@ -214,8 +214,8 @@ pub fn snapshot_value(snapshot: &MemorySnapshot) -> Value {
 
 fn segment_value(seg: &SnapshotSegment) -> Value {
     let kind = match seg.pool {
-        crate::expandable::Pool::Small => "small",
-        crate::expandable::Pool::Large => "large",
+        crate::pool::Pool::Small => "small",
+        crate::pool::Pool::Large => "large",
     };
     Value::Dict(vec![
         ("device".into(), (seg.device as u64).into()),

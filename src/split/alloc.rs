@@ -6,8 +6,8 @@ use super::rules;
 use super::{SegmentAction, Split};
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
-use crate::expandable::Pool;
 use crate::history::TraceAction;
+use crate::pool::Pool;
 use crate::strategy::Strategy;
 
 /// One request, as PyTorch's `AllocParams` carries it.

@@ -10,7 +10,7 @@ use super::Split;
 use super::rules::MIN_BLOCK_SIZE;
 use crate::driver::Driver;
 use crate::error::InvariantViolation as V;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 
 /// What the block list says for one pool.
 #[derive(Default)]

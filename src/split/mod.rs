@@ -22,6 +22,7 @@
 mod alloc;
 mod block;
 mod expandable;
+mod expandable_segment;
 mod free;
 mod invariants;
 mod release;
@@ -34,13 +35,13 @@ pub use seed::{SeedBlock, SeedError, SeedSegment};
 use crate::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
 use crate::error::{Error, InvariantViolation, OutOfMemory};
-use crate::expandable::Pool;
 use crate::history::{self, History, TraceAction, TraceEntry};
+use crate::pool::Pool;
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use block::{BlockPool, Blocks};
-use expandable::ExpandableSegment;
+use expandable_segment::ExpandableSegment;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

@@ -7,7 +7,7 @@ use super::block::SizeKey;
 use super::{SegmentAction, Split};
 use crate::driver::Driver;
 use crate::error::Error;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 
 impl<D: Driver> Split<D> {
     /// PyTorch's `release_block`: `cudaFree`s the cached segment whose only block is at `addr`.

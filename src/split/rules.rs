@@ -4,7 +4,7 @@
 //! `roundup_power2_next_division`, `get_pool`, `get_allocation_size`, `should_split`) and carries its name.
 
 use crate::config::RoundupDivisions;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 use crate::size::MIB;
 
 /// Every block is a multiple of this many bytes (PyTorch's `kMinBlockSize`).

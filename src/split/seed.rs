@@ -6,7 +6,7 @@ use super::block::Block;
 use super::rules::MIN_BLOCK_SIZE;
 use crate::driver::{Driver, StreamId};
 use crate::error::Error;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 
 /// A live block of a [`SeedSegment`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

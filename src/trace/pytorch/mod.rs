@@ -18,7 +18,7 @@ pub use snapshot::SnapshotError;
 
 use crate::config::Config;
 use crate::driver::StreamId;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 use crate::split::{SeedBlock, SeedSegment, SegmentEvent};
 use std::path::Path;
 

@@ -12,7 +12,7 @@ use super::snapshot::{Entry, RawEntry, RawSegment, RawSnapshot, SnapshotError};
 use super::{InitialSegment, PytorchTrace};
 use crate::config::Config;
 use crate::driver::StreamId;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
 use crate::split::{SeedBlock, SegmentAction, SegmentEvent};
 use std::collections::{BTreeMap, HashSet};

@@ -34,7 +34,7 @@ use super::TraceOp;
 use super::snapshot::Entry;
 use crate::config::Config;
 use crate::driver::StreamId;
-use crate::expandable::Pool;
+use crate::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 

@@ -1,0 +1,53 @@
+//! How many times each driver operation was called, and the driver time the calls cost.
+
+use super::Op;
+use serde::Serialize;
+
+/// How many times each driver operation was called, and the driver time they cost.
+///
+/// On [`sim::SimDriver`](super::sim::SimDriver) the time is estimated from its latency model; on a real device it is measured.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct DriverCounters {
+    /// Calls per operation, indexed like [`Op::ALL`].
+    pub calls: [u64; Op::ALL.len()],
+    /// Driver time spent (or estimated) in all calls, in nanoseconds.
+    pub time_ns: u64,
+    /// Per operation, the 2 MiB units its calls covered (each call at least one; see
+    /// `sim::LatencyModel::units`), so the time can be estimated again under another calibration. The
+    /// simulator fills it; other backends leave it 0.
+    pub units: [u64; Op::ALL.len()],
+}
+
+impl DriverCounters {
+    /// Calls of one operation.
+    pub fn get(&self, op: Op) -> u64 {
+        self.calls[op as usize]
+    }
+
+    /// Counts one call of `op` that cost `ns` nanoseconds.
+    pub fn record(&mut self, op: Op, ns: u64) {
+        self.calls[op as usize] += 1;
+        self.time_ns += ns;
+    }
+
+    /// Counts `calls` calls of `op` that cost `ns` nanoseconds each.
+    pub fn record_many(&mut self, op: Op, calls: u64, ns: u64) {
+        self.calls[op as usize] += calls;
+        self.time_ns += calls * ns;
+    }
+
+    /// Counts `calls` calls of `op` covering `units` 2 MiB units each.
+    pub fn record_units(&mut self, op: Op, calls: u64, units: u64) {
+        self.units[op as usize] += calls * units;
+    }
+
+    /// Calls of all operations together.
+    pub fn total(&self) -> u64 {
+        self.calls.iter().sum()
+    }
+
+    /// Driver time in microseconds.
+    pub fn time_us(&self) -> f64 {
+        self.time_ns as f64 / 1_000.0
+    }
+}

@@ -1,0 +1,218 @@
+//! What can go wrong in a driver call: [`DriverError`], one kind per CUDA rule.
+
+use super::Op;
+use super::types::{EventId, PhysHandle, StreamId};
+
+/// What can go wrong in a driver call. Each CUDA rule that [`sim::SimDriver`](super::sim::SimDriver) enforces has its own kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DriverError {
+    /// The device has no physical memory left for the request (`CUDA_ERROR_OUT_OF_MEMORY`).
+    /// Retryable once the caller has given memory back.
+    #[error("{op}: out of device memory ({requested} bytes requested, {free} bytes free)")]
+    OutOfMemory {
+        /// The call that failed.
+        op: Op,
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the device had free.
+        free: u64,
+    },
+    /// A size or address is not a multiple of the allocation granularity.
+    #[error("{op}: {what} {value:#x} is not a multiple of the granularity {granularity:#x}")]
+    NotAligned {
+        /// The call that failed.
+        op: Op,
+        /// Which argument: "size" or "address".
+        what: &'static str,
+        /// The offending value.
+        value: u64,
+        /// The granularity it must be a multiple of.
+        granularity: u64,
+    },
+    /// A size of zero was passed.
+    #[error("{op}: size 0 is not allowed")]
+    ZeroSize {
+        /// The call that failed.
+        op: Op,
+    },
+    /// A mapping would lie (partly) outside every reservation.
+    #[error("{op}: range {start:#x}+{size:#x} is not inside one reservation")]
+    OutsideReservation {
+        /// The call that failed.
+        op: Op,
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+    },
+    /// A mapping would overlap an existing one.
+    #[error("map: range {start:#x}+{size:#x} overlaps the mapping at {existing:#x}")]
+    AlreadyMapped {
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+        /// Start of the mapping it overlaps.
+        existing: u64,
+    },
+    /// A range covers part of a mapping; CUDA only unmaps or sets access on whole mappings.
+    #[error(
+        "{op}: range {start:#x}+{size:#x} covers only part of the mapping at {mapping:#x}+{mapping_size:#x}"
+    )]
+    PartialMapping {
+        /// The call that failed.
+        op: Op,
+        /// Start of the range.
+        start: u64,
+        /// Size of the range.
+        size: u64,
+        /// Start of the mapping cut in two.
+        mapping: u64,
+        /// Size of that mapping.
+        mapping_size: u64,
+    },
+    /// An address that must be mapped is not.
+    #[error("{op}: address {addr:#x} is not mapped")]
+    NotMapped {
+        /// The call that failed.
+        op: Op,
+        /// The first unmapped address found.
+        addr: u64,
+    },
+    /// A handle that was never created, or was already released.
+    #[error("{op}: unknown {handle}")]
+    UnknownHandle {
+        /// The call that failed.
+        op: Op,
+        /// The handle.
+        handle: PhysHandle,
+    },
+    /// A mapping whose size differs from its handle's size.
+    #[error("map: {handle} holds {handle_size:#x} bytes but the mapping is {size:#x} bytes")]
+    SizeMismatch {
+        /// The handle.
+        handle: PhysHandle,
+        /// The handle's size.
+        handle_size: u64,
+        /// The size asked for.
+        size: u64,
+    },
+    /// A range that is not a reservation made by [`Driver::reserve`](super::Driver::reserve).
+    #[error("{op}: {start:#x} is not the start of a reservation of that size")]
+    UnknownReservation {
+        /// The call that failed.
+        op: Op,
+        /// The address given.
+        start: u64,
+    },
+    /// A reservation freed while pages are still mapped in it.
+    #[error("free_reservation: {mapped} mappings are still inside the reservation at {start:#x}")]
+    ReservationInUse {
+        /// Start of the reservation.
+        start: u64,
+        /// Mappings still inside it.
+        mapped: usize,
+    },
+    /// A read or write through a mapping whose access was never set.
+    #[error("access to {addr:#x} before set_access")]
+    AccessDenied {
+        /// The address accessed.
+        addr: u64,
+    },
+    /// `free` of a pointer that `malloc` did not return, or returned and was already freed.
+    #[error("{op}: {addr:#x} is not a live allocation")]
+    UnknownPointer {
+        /// The call that failed.
+        op: Op,
+        /// The pointer.
+        addr: u64,
+    },
+    /// An event that was never recorded, or was destroyed.
+    #[error("unknown event {}", event.0)]
+    UnknownEvent {
+        /// The event.
+        event: EventId,
+    },
+    /// `cuMemUnmap` of a range that work still pending on `stream` reads or writes. A GPU would not refuse
+    /// the call: the kernel would hit an illegal memory access (or, once the page is mapped elsewhere,
+    /// silently corrupt another allocation). [`sim::SimDriver`](super::sim::SimDriver) refuses it, changing nothing, so the bug
+    /// fails a test instead.
+    #[error("unmap: {va:#x} is still used by pending work on {stream}")]
+    UnmapWhileInUse {
+        /// The first address of the range that pending work touches.
+        va: u64,
+        /// A stream whose pending work touches it.
+        stream: StreamId,
+    },
+    /// No virtual address range of that size is left.
+    #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
+    VaExhausted {
+        /// The call that failed.
+        op: Op,
+        /// Bytes asked for.
+        requested: u64,
+    },
+    /// A failure injected on purpose by a test ([`sim::SimDriver`](super::sim::SimDriver)'s fault injection).
+    #[error("{op}: injected fault on call {call}")]
+    Injected {
+        /// The call that failed.
+        op: Op,
+        /// Which call of that operation failed (1-based).
+        call: u64,
+    },
+    /// A byte read or write on a [`sim::SimDriver`](super::sim::SimDriver) built without a backing store
+    /// ([`sim::SimConfig::backing_store`](super::sim::SimConfig::backing_store)). Not a CUDA error: a test asked for bytes the device does not keep.
+    #[error(
+        "read/write of device bytes needs a backing store (SimConfig::with_backing_store(true))"
+    )]
+    NoBackingStore,
+    /// No CUDA driver library or no device was found.
+    #[error("no CUDA driver found: {reason}")]
+    NoDriver {
+        /// What was missing.
+        reason: String,
+    },
+    /// The driver does not offer this operation (a [`Driver`](super::Driver) that keeps the default
+    /// [`memset_d8`](super::Driver::memset_d8) or [`copy_to_host`](super::Driver::copy_to_host)).
+    #[error("{op}: not supported by this driver")]
+    Unsupported {
+        /// The operation asked for.
+        op: Op,
+    },
+    /// A CUDA call made while opening a device (creating its context, querying it) failed.
+    #[error("opening the CUDA device: {call} failed with CUDA error {code} ({name})")]
+    CudaSetup {
+        /// The driver function that failed (`cuDevicePrimaryCtxRetain`, ...).
+        call: &'static str,
+        /// The `CUresult` value.
+        code: u32,
+        /// The `CUresult` name.
+        name: String,
+    },
+    /// A peer device that was asked to get access to this device's memory cannot access it
+    /// (`cuDeviceCanAccessPeer` says no).
+    #[error("CUDA device {peer} cannot access the memory of device {device}")]
+    PeerAccess {
+        /// The device whose memory is mapped.
+        device: usize,
+        /// The peer that cannot reach it.
+        peer: usize,
+    },
+    /// A real driver call failed.
+    #[error("{op}: CUDA error {code} ({name})")]
+    Cuda {
+        /// The call that failed.
+        op: Op,
+        /// The `CUresult` value.
+        code: u32,
+        /// The `CUresult` name.
+        name: String,
+    },
+}
+
+impl DriverError {
+    /// Whether this is the device running out of memory (retryable after reclaiming).
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, DriverError::OutOfMemory { .. })
+    }
+}

@@ -1,0 +1,97 @@
+//! The values the driver calls take and return: address ranges, physical handles, streams, events and the
+//! device's free and total memory.
+
+use serde::Serialize;
+use std::fmt;
+
+/// A range of device virtual addresses: `start .. start + size`, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct VaRange {
+    /// First byte of the range.
+    pub start: u64,
+    /// Length of the range in bytes.
+    pub size: u64,
+}
+
+impl VaRange {
+    /// A range from `start` of `size` bytes.
+    pub const fn new(start: u64, size: u64) -> Self {
+        Self { start, size }
+    }
+
+    /// One past the last byte. Saturates rather than wrapping for ranges at the top of the space.
+    pub const fn end(&self) -> u64 {
+        self.start.saturating_add(self.size)
+    }
+
+    /// Whether `addr` lies inside the range.
+    pub const fn contains(&self, addr: u64) -> bool {
+        addr >= self.start && addr < self.end()
+    }
+
+    /// Whether `start .. start + size` lies entirely inside the range.
+    pub fn contains_range(&self, start: u64, size: u64) -> bool {
+        start >= self.start && start.checked_add(size).is_some_and(|end| end <= self.end())
+    }
+}
+
+/// A physical memory allocation made by [`Driver::create`](super::Driver::create) (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct PhysHandle(pub u64);
+
+impl fmt::Display for PhysHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "handle#{}", self.0)
+    }
+}
+
+/// A stream: an ordered queue of device work, as an integer; 0 is the default stream.
+///
+/// What the number means is the driver's: on the simulator it is an identity; on the CUDA backend
+/// (`driver::cuda::CudaDriver`) it is the caller's raw `CUstream` value, made with
+/// [`from_cuda`](StreamId::from_cuda) from a cudarc stream or [`from_raw`](StreamId::from_raw) from a
+/// `CUstream` / `cudaStream_t` handed over by C, and cuvmm records its events on that very stream and
+/// synchronizes it. See docs/DESIGN.md, "Streams and contexts".
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct StreamId(pub u64);
+
+impl StreamId {
+    /// The default (legacy, null) stream.
+    pub const DEFAULT: StreamId = StreamId(0);
+    /// CUDA's `CU_STREAM_LEGACY` handle (`0x1`): the legacy default stream, named explicitly.
+    pub const LEGACY: StreamId = StreamId(1);
+    /// CUDA's `CU_STREAM_PER_THREAD` handle (`0x2`): the per-thread default stream of the thread that
+    /// uses it, so a different stream on every thread. Use it for memory used and freed on one thread.
+    pub const PER_THREAD: StreamId = StreamId(2);
+
+    /// The id of a cudarc stream: its raw `CUstream`.
+    #[cfg(feature = "cuda")]
+    pub fn from_cuda(stream: &cudarc::driver::CudaStream) -> StreamId {
+        Self::from_raw(stream.cu_stream())
+    }
+
+    /// The id of a raw `CUstream` (a `cudaStream_t` from C or C++ is the same pointer).
+    #[cfg(feature = "cuda")]
+    pub fn from_raw(stream: cudarc::driver::sys::CUstream) -> StreamId {
+        StreamId(stream as usize as u64)
+    }
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream {:#x}", self.0)
+    }
+}
+
+/// A point in a stream's work, recorded by [`Driver::record_event`](super::Driver::record_event) (`CUevent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct EventId(pub u64);
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct MemInfo {
+    /// Bytes the device can still hand out.
+    pub free: u64,
+    /// Bytes of device memory in all.
+    pub total: u64,
+}
