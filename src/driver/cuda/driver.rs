@@ -528,7 +528,8 @@ fn log_drop_error(op: Op, err: &CuError) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::driver::cuda::give_back::{GiveBackCalls, says_unknown};
+    use crate::driver::cuda::give_back::GiveBackCalls;
+    use crate::driver::cuda::result::says_unknown;
 
     /// What `give_back.rs` reads from CUDA, on a real device: the two queries' answers before and after a
     /// resource is given back, and the driver's answer to a call repeated on a resource that is gone (which

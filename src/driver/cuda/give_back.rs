@@ -23,25 +23,8 @@
 //! case, and its books follow the device's. Events follow the same rule in `ledger.rs`.
 
 use super::ledger::Ledger;
+use super::result::says_unknown;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
-
-/// `CUDA_ERROR_INVALID_VALUE`.
-const INVALID_VALUE: u32 = 1;
-/// `CUDA_ERROR_INVALID_HANDLE`.
-const INVALID_HANDLE: u32 = 400;
-
-/// Whether a failed call's error is the driver saying it does not know the resource it was given
-/// (`CUDA_ERROR_INVALID_VALUE` or `CUDA_ERROR_INVALID_HANDLE`). Such an error is a rejection: the call had no
-/// effect.
-pub(super) fn says_unknown(err: &DriverError) -> bool {
-    matches!(
-        err,
-        DriverError::Cuda {
-            code: INVALID_VALUE | INVALID_HANDLE,
-            ..
-        }
-    )
-}
 
 /// Whether `held` (mappings in address order) covers `va .. va + size` exactly, without a gap.
 fn tiles(held: &[(u64, u64)], va: u64, size: u64) -> bool {

@@ -12,6 +12,7 @@
 //! loaded and [`missing_symbols`] found nothing missing: with `dynamic-loading`, cudarc panics on a call it
 //! cannot resolve.
 
+use crate::driver::DriverError;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
 use std::mem::MaybeUninit;
@@ -463,4 +464,22 @@ pub(super) fn is_out_of_memory(err: &CuError) -> bool {
 /// Whether an error is `CUDA_ERROR_NO_DEVICE`.
 pub(super) fn is_no_device(err: &CuError) -> bool {
     err.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE
+}
+
+/// `CUDA_ERROR_INVALID_VALUE`.
+const INVALID_VALUE: u32 = 1;
+/// `CUDA_ERROR_INVALID_HANDLE`.
+const INVALID_HANDLE: u32 = 400;
+
+/// Whether a failed call's error is the driver saying it does not know the resource it was given
+/// (`CUDA_ERROR_INVALID_VALUE` or `CUDA_ERROR_INVALID_HANDLE`). Such an error is a rejection: the call had no
+/// effect.
+pub(super) fn says_unknown(err: &DriverError) -> bool {
+    matches!(
+        err,
+        DriverError::Cuda {
+            code: INVALID_VALUE | INVALID_HANDLE,
+            ..
+        }
+    )
 }
