@@ -13,6 +13,7 @@
 use super::super::builder::TraceBuilder;
 use super::super::event::Trace;
 use super::super::rng::Rng;
+use super::weights::{self, BF16, FFN, HIDDEN, Head, LAYERS};
 use crate::driver::StreamId;
 
 /// The workload's name.
@@ -21,12 +22,7 @@ pub const NAME: &str = "batched-inference";
 pub const DESCRIPTION: &str =
     "7B-encoder scoring service: variable-length batches, empty_cache() after each";
 
-const LAYERS: u64 = 32;
-const HIDDEN: u64 = 4096;
 const HEADS: u64 = 32;
-const FFN: u64 = 11_008;
-const VOCAB: u64 = 32_000;
-const BF16: u64 = 2;
 const FP32: u64 = 4;
 const I64: u64 = 8;
 const MAX_SEQS: u64 = 32;
@@ -38,7 +34,7 @@ const S: StreamId = StreamId::DEFAULT;
 pub fn generate(seed: u64) -> Trace {
     let mut rng = Rng::new(seed);
     let mut t = TraceBuilder::new(NAME);
-    load_weights(&mut t);
+    weights::load(&mut t, Head::Norm, S);
     for _ in 0..BATCHES {
         let len = rng.log_uniform(64, 4096);
         let seqs = rng.range(1..MAX_SEQS + 1).min((TOKEN_BUDGET / len).max(1));
@@ -46,22 +42,6 @@ pub fn generate(seed: u64) -> Trace {
         t.empty_cache();
     }
     t.finish()
-}
-
-fn load_weights(t: &mut TraceBuilder) {
-    t.alloc(VOCAB * HIDDEN * BF16, S);
-    for _ in 0..LAYERS {
-        t.alloc(HIDDEN * BF16, S);
-        for _ in 0..4 {
-            t.alloc(HIDDEN * HIDDEN * BF16, S);
-        }
-        t.alloc(HIDDEN * BF16, S);
-        for _ in 0..3 {
-            t.alloc(HIDDEN * FFN * BF16, S);
-        }
-    }
-    t.alloc(HIDDEN * BF16, S);
-    t.alloc(HIDDEN * BF16, S);
 }
 
 /// One batch of `seqs` sequences padded to `len` tokens.

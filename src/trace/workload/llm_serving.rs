@@ -11,6 +11,7 @@
 use super::super::builder::TraceBuilder;
 use super::super::event::Trace;
 use super::super::rng::Rng;
+use super::weights::{self, BF16, FFN, HIDDEN, Head, LAYERS, VOCAB};
 use crate::driver::StreamId;
 use std::collections::VecDeque;
 
@@ -20,11 +21,6 @@ pub const NAME: &str = "llm-serving";
 pub const DESCRIPTION: &str =
     "7B-model inference serving: requests come and go, each KV cache regrown every 32 tokens";
 
-const LAYERS: u64 = 32;
-const HIDDEN: u64 = 4096;
-const FFN: u64 = 11_008;
-const VOCAB: u64 = 32_000;
-const BF16: u64 = 2;
 const FP32: u64 = 4;
 const KV_PER_TOKEN: u64 = 2 * LAYERS * HIDDEN * BF16;
 const CHUNK: u64 = 32;
@@ -52,7 +48,7 @@ struct Active {
 pub fn generate(seed: u64) -> Trace {
     let mut rng = Rng::new(seed);
     let mut t = TraceBuilder::new(NAME);
-    load_weights(&mut t);
+    weights::load(&mut t, Head::LmHead, S);
     let mut queue: VecDeque<Request> = VecDeque::new();
     let mut active: Vec<Active> = Vec::new();
     let mut reserved = 0u64;
@@ -113,22 +109,6 @@ pub fn generate(seed: u64) -> Trace {
         });
     }
     t.finish()
-}
-
-fn load_weights(t: &mut TraceBuilder) {
-    t.alloc(VOCAB * HIDDEN * BF16, S);
-    for _ in 0..LAYERS {
-        t.alloc(HIDDEN * BF16, S);
-        for _ in 0..4 {
-            t.alloc(HIDDEN * HIDDEN * BF16, S);
-        }
-        t.alloc(HIDDEN * BF16, S);
-        for _ in 0..3 {
-            t.alloc(HIDDEN * FFN * BF16, S);
-        }
-    }
-    t.alloc(HIDDEN * BF16, S);
-    t.alloc(VOCAB * HIDDEN * BF16, S);
 }
 
 /// A forward pass over `tokens` tokens: hidden states, fused qkv, MLP intermediates, last-token logits.

@@ -9,6 +9,7 @@ pub mod moe;
 pub mod stream_prefetch_offload;
 pub mod stream_producer_consumer;
 pub mod transformer_train;
+mod weights;
 
 use super::event::Trace;
 
