@@ -573,6 +573,16 @@ fn seeds() -> u64 {
         .unwrap_or(DEFAULT_SEEDS)
 }
 
+/// The virtual-memory calls every expandable allocator makes, each of which the sweeps must fail.
+const VMM_OPS: [Op; 6] = [
+    Op::Reserve,
+    Op::Create,
+    Op::Map,
+    Op::SetAccess,
+    Op::Unmap,
+    Op::Release,
+];
+
 /// The sweep reached what it is for: the six VMM calls (or malloc and free), and maps that fail half
 /// way through a multi-page growth.
 fn assert_covers(tally: &Tally, ops: &[Op]) {
@@ -588,18 +598,7 @@ fn assert_covers(tally: &Tally, ops: &[Op]) {
 #[test]
 fn every_driver_call_of_cuvmm_fails_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), false);
-    assert_covers(
-        &tally,
-        &[
-            Op::Reserve,
-            Op::Create,
-            Op::Map,
-            Op::SetAccess,
-            Op::Unmap,
-            Op::Release,
-            Op::RecordEvent,
-        ],
-    );
+    assert_covers(&tally, &[&VMM_OPS[..], &[Op::RecordEvent]].concat());
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
 }
 
@@ -612,37 +611,17 @@ fn every_driver_call_of_the_classic_model_fails_in_turn() {
 #[test]
 fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
     let tally = sweep(Kind::PytorchExpandable, seeds(), false);
-    assert_covers(
-        &tally,
-        &[
-            Op::Reserve,
-            Op::Create,
-            Op::Map,
-            Op::SetAccess,
-            Op::Unmap,
-            Op::Release,
-        ],
-    );
+    assert_covers(&tally, &VMM_OPS);
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
 }
 
 #[test]
 fn every_driver_call_of_cuvmm_fails_after_its_effect_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), true);
+    let events = [Op::RecordEvent, Op::QueryEvent, Op::DestroyEvent];
     assert_covers(
         &tally,
-        &[
-            Op::Reserve,
-            Op::Create,
-            Op::Map,
-            Op::SetAccess,
-            Op::Unmap,
-            Op::Release,
-            Op::FreeReservation,
-            Op::RecordEvent,
-            Op::QueryEvent,
-            Op::DestroyEvent,
-        ],
+        &[&VMM_OPS[..], &[Op::FreeReservation], &events[..]].concat(),
     );
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
 }
