@@ -1,9 +1,12 @@
 //! The facade: a thread-safe [`Allocator`] handle around any [`Strategy`], and [`DeviceBuffer`], which frees
 //! its memory when dropped.
 //!
-//! The strategies are plain `&mut self` state machines; this is the only place that locks. One
-//! `parking_lot::Mutex` guards the strategy: every operation holds it for a few microseconds of bookkeeping,
-//! plus driver calls on the cold paths (growth, compaction, release).
+//! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
+//! `parking_lot::Mutex` guards the strategy: every operation on it holds the lock for a few microseconds of
+//! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-stream
+//! caches ([`crate::stream_cache`]) keep freed buffers back for their stream once threads have contended
+//! for that lock, so that steady-state reuse on one stream never waits for another stream's driver calls
+//! (docs/DESIGN.md, "Locking").
 
 use crate::config::Config;
 use crate::driver::{Driver, StreamId};
@@ -11,11 +14,28 @@ use crate::error::{Error, InvariantViolation};
 use crate::expandable::Expandable;
 use crate::stats::Stats;
 use crate::strategy::Strategy;
-use crate::sync::{Arc, Mutex};
+use crate::stream_cache::{Put, StreamCaches};
+use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
+use rustc_hash::FxHashSet;
 use std::fmt;
+use std::ops::DerefMut;
+use std::sync::atomic::Ordering;
+
+/// Bytes each stream cache shard may hold unless configured (`stream_cache_mb`).
+pub const DEFAULT_STREAM_CACHE: u64 = crate::config::DEFAULT_STREAM_CACHE;
 
 struct Shared<S> {
     strategy: Mutex<S>,
+    caches: StreamCaches,
+    /// Live allocations used on other streams ([`Allocator::record_stream`]): never cached, since their
+    /// memory may be reused only once the strategy has seen those streams' work complete.
+    recorded: Mutex<FxHashSet<u64>>,
+    /// `recorded.len()`, readable without its lock, so that a program that never records a stream pays
+    /// one load per free.
+    recorded_len: AtomicUsize,
+    /// Allocations the strategy counted as out of memory that a retry after draining the stream caches
+    /// served: `stats()` reports them as retries, not OOMs.
+    recovered_ooms: AtomicU64,
     /// Errors raised where they could not be returned (freeing in `Drop`), kept for the program to collect.
     deferred: Mutex<Vec<Error>>,
 }
@@ -42,16 +62,30 @@ impl<S> fmt::Debug for Allocator<S> {
 impl<D: Driver> Allocator<Expandable<D>> {
     /// cuvmm's expandable allocator on `driver`.
     pub fn expandable(driver: D, config: Config) -> Result<Self, Error> {
-        Ok(Self::new(Expandable::new(driver, config)?))
+        let stream_cache = config.stream_cache;
+        Ok(Self::with_stream_cache(
+            Expandable::new(driver, config)?,
+            stream_cache,
+        ))
     }
 }
 
 impl<S: Strategy> Allocator<S> {
-    /// Wraps a strategy.
+    /// Wraps a strategy, with stream caches of [`DEFAULT_STREAM_CACHE`] bytes per shard.
     pub fn new(strategy: S) -> Self {
+        Self::with_stream_cache(strategy, DEFAULT_STREAM_CACHE)
+    }
+
+    /// Wraps a strategy, with stream caches of `bytes` per shard; 0 turns them off, so that every free
+    /// goes straight to the strategy.
+    pub fn with_stream_cache(strategy: S, bytes: u64) -> Self {
         Self {
             shared: Arc::new(Shared {
                 strategy: Mutex::new(strategy),
+                caches: StreamCaches::new(bytes),
+                recorded: Mutex::new(FxHashSet::default()),
+                recorded_len: AtomicUsize::new(0),
+                recovered_ooms: AtomicU64::new(0),
                 deferred: Mutex::new(Vec::new()),
             }),
         }
@@ -65,7 +99,7 @@ impl<S: Strategy> Allocator<S> {
     /// Allocates `size` bytes for use on `stream`. The memory may be reused by later work on that stream as
     /// soon as the buffer is dropped.
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
-        let ptr = self.shared.strategy.lock().alloc(size, stream)?;
+        let ptr = self.alloc_raw(size, stream)?;
         Ok(DeviceBuffer {
             allocator: self.clone(),
             ptr,
@@ -77,35 +111,142 @@ impl<S: Strategy> Allocator<S> {
 
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        self.shared.strategy.lock().alloc(size, stream)
+        let shared = &*self.shared;
+        let cacheable = shared.caches.cacheable(size);
+        if cacheable {
+            if let Some(ptr) = shared.caches.take(stream, size) {
+                return Ok(ptr);
+            }
+        }
+        let result = self.strategy_for(stream, cacheable).alloc(size, stream);
+        match result {
+            Err(Error::OutOfMemory(_)) if shared.caches.any_held() => {
+                self.drain_caches()?;
+                let retry = shared.strategy.lock().alloc(size, stream);
+                if retry.is_ok() {
+                    shared.recovered_ooms.fetch_add(1, Ordering::Relaxed);
+                }
+                retry
+            }
+            other => other,
+        }
     }
 
-    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw).
+    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw). It goes straight to the strategy: the
+    /// stream caches keep only buffers whose size and stream the facade knows ([`DeviceBuffer`]s).
     pub fn free_raw(&self, ptr: u64) -> Result<(), Error> {
+        if self.shared.caches.holds(ptr) {
+            return Err(Error::DoubleFree { addr: ptr });
+        }
+        self.forget_recorded(ptr);
         self.shared.strategy.lock().free(ptr)
+    }
+
+    /// Whether `ptr` was used on another stream, forgetting it (it is being freed).
+    fn forget_recorded(&self, ptr: u64) -> bool {
+        let shared = &*self.shared;
+        if shared.recorded_len.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let mut recorded = shared.recorded.lock();
+        let was = recorded.remove(&ptr);
+        shared.recorded_len.store(recorded.len(), Ordering::Release);
+        was
+    }
+
+    /// Frees a buffer whose size and stream are known: into its stream's cache when that is active (or
+    /// the strategy is busy), else to the strategy.
+    fn free_buffer(&self, ptr: u64, size: u64, stream: StreamId) -> Result<(), Error> {
+        let shared = &*self.shared;
+        let recorded = self.forget_recorded(ptr);
+        if !recorded && shared.caches.cacheable(size) {
+            if !shared.caches.is_active(stream) {
+                match shared.strategy.try_lock() {
+                    Some(mut strategy) => return strategy.free(ptr),
+                    None => shared.caches.activate(stream),
+                }
+            }
+            match shared.caches.put(stream, size, ptr) {
+                Put::Kept => return Ok(()),
+                Put::KeptEvicting(old) => return shared.strategy.lock().free(old),
+                Put::Refused => {}
+            }
+        }
+        shared.strategy.lock().free(ptr)
+    }
+
+    /// The strategy, locked. When another thread holds it, the stream's cache turns active (for requests
+    /// that it could serve) before waiting.
+    fn strategy_for(&self, stream: StreamId, cacheable: bool) -> impl DerefMut<Target = S> + '_ {
+        if let Some(strategy) = self.shared.strategy.try_lock() {
+            return strategy;
+        }
+        if cacheable {
+            self.shared.caches.activate(stream);
+        }
+        self.shared.strategy.lock()
+    }
+
+    /// Gives every buffer the stream caches hold back to the strategy, so that its view is exact.
+    fn drain_caches(&self) -> Result<(), Error> {
+        let ptrs = self.shared.caches.drain();
+        if ptrs.is_empty() {
+            return Ok(());
+        }
+        let mut strategy = self.shared.strategy.lock();
+        let mut first_error = None;
+        for ptr in ptrs {
+            if let Err(err) = strategy.free(ptr) {
+                first_error.get_or_insert(err);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// [`drain_caches`](Self::drain_caches) where an error cannot be returned: it is deferred.
+    fn drain_caches_deferring(&self) {
+        if let Err(err) = self.drain_caches() {
+            tracing::error!(%err, "cuvmm: freeing a cached buffer failed");
+            self.shared.deferred.lock().push(err);
+        }
     }
 
     /// Records that the allocation at `ptr` is also used by work queued on `stream`: once freed, its memory
     /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`].
     pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<(), Error> {
-        self.shared.strategy.lock().record_stream(ptr, stream)
+        let shared = &*self.shared;
+        shared.strategy.lock().record_stream(ptr, stream)?;
+        let mut recorded = shared.recorded.lock();
+        recorded.insert(ptr);
+        shared.recorded_len.store(recorded.len(), Ordering::Release);
+        Ok(())
     }
 
-    /// A snapshot of the statistics.
+    /// A snapshot of the statistics. The stream caches are drained first, so current values are exact;
+    /// peaks may include buffers that sat in a stream cache once threads had contended (docs/DESIGN.md,
+    /// "Locking").
     pub fn stats(&self) -> Stats {
-        self.shared.strategy.lock().stats()
+        self.drain_caches_deferring();
+        let mut stats = self.shared.strategy.lock().stats();
+        let recovered = self.shared.recovered_ooms.load(Ordering::Relaxed);
+        stats.num_ooms = stats.num_ooms.saturating_sub(recovered);
+        stats.num_alloc_retries += recovered;
+        stats
     }
 
     /// The statistics as PyTorch's `torch.cuda.memory_summary()` table, plus cuvmm's own rows
     /// ([`summary::memory_summary`](crate::summary::memory_summary)).
     pub fn memory_summary(&self) -> String {
-        crate::summary::summary_of(&*self.shared.strategy.lock())
+        let stats = self.stats();
+        let strategy = self.shared.strategy.lock();
+        crate::summary::memory_summary(&stats, strategy.ordinal(), strategy.name())
     }
 
     /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
     /// (PyTorch's `torch.cuda.memory._snapshot()`); `snapshot::pickle` pickles it for PyTorch's
     /// memory viewer.
     pub fn snapshot(&self) -> Result<crate::snapshot::MemorySnapshot, Error> {
+        self.drain_caches()?;
         self.shared.strategy.lock().snapshot()
     }
 
@@ -117,22 +258,41 @@ impl<S: Strategy> Allocator<S> {
 
     /// Gives all cached memory back to the driver.
     pub fn empty_cache(&self) -> Result<(), Error> {
+        self.drain_caches()?;
         self.shared.strategy.lock().empty_cache()
     }
 
     /// Gives up to `bytes` of cached memory back to the driver; returns the bytes given back.
     pub fn trim(&self, bytes: u64) -> Result<u64, Error> {
+        self.drain_caches()?;
         self.shared.strategy.lock().trim(bytes)
     }
 
-    /// Walks the whole state for broken invariants (for tests).
+    /// Walks the whole state for broken invariants (for tests): the stream caches', then, with them
+    /// drained, the strategy's.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        self.shared.caches.check_invariants()?;
+        self.drain_caches_deferring();
         self.shared.strategy.lock().check_invariants()
     }
 
-    /// Runs `f` with the strategy locked (to reach the driver in tests, say).
+    /// Buffers and bytes the stream caches hold now (kept back from the strategy; see
+    /// [`stats`](Self::stats)).
+    pub fn stream_cached(&self) -> (usize, u64) {
+        self.shared.caches.held()
+    }
+
+    /// Runs `f` with the strategy locked (to reach the driver in tests, say). Buffers of this allocator
+    /// dropped inside `f` go to their stream's cache, as when another thread holds the lock.
     pub fn with_strategy<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
         f(&mut self.shared.strategy.lock())
+    }
+
+    /// Plants a known bug in the stream caches (two requests can be handed the same cached buffer), for
+    /// `tests/loom.rs` to show its model catches it. Exists only in `--cfg loom` builds.
+    #[cfg(loom)]
+    pub fn seed_stream_cache_bug(&self) {
+        self.shared.caches.seed_bug();
     }
 
     /// Errors raised while dropping buffers, oldest first. Each was also reported through `tracing`.
@@ -189,7 +349,11 @@ impl<S: Strategy> DeviceBuffer<S> {
     /// Frees the buffer now and returns any error, instead of deferring it as `Drop` must.
     pub fn free(mut self) -> Result<(), Error> {
         self.live = false;
-        self.allocator.free_raw(self.ptr)
+        self.release()
+    }
+
+    fn release(&self) -> Result<(), Error> {
+        self.allocator.free_buffer(self.ptr, self.size, self.stream)
     }
 }
 
@@ -208,7 +372,7 @@ impl<S: Strategy> Drop for DeviceBuffer<S> {
         if !self.live {
             return;
         }
-        if let Err(err) = self.allocator.free_raw(self.ptr) {
+        if let Err(err) = self.release() {
             tracing::error!(%err, ptr = self.ptr, "cuvmm: freeing a DeviceBuffer failed");
             self.allocator.shared.deferred.lock().push(err);
         }

@@ -16,6 +16,10 @@ pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 /// large pool (`docs/DESIGN.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
 
+/// The default of [`Config::stream_cache`]: bytes of freed small buffers each stream cache shard of the
+/// facade may keep back once threads contend (docs/DESIGN.md, "Locking").
+pub const DEFAULT_STREAM_CACHE: u64 = 8 * MIB;
+
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
@@ -122,6 +126,10 @@ pub struct Config {
     /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
     /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
     pub large_handle: u64,
+    /// Bytes of freed buffers of at most 1 MiB that each of the facade's stream cache shards may keep back
+    /// for reuse on their stream once threads contend for the allocator (`stream_cache_mb`; default 8 MiB,
+    /// 0 turns the caches off). Only [`Allocator`](crate::Allocator) reads it; replays do not.
+    pub stream_cache: u64,
 }
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
@@ -162,6 +170,7 @@ impl Default for Config {
             compaction: Compaction::Pressure,
             reserve_budget: None,
             large_handle: DEFAULT_LARGE_HANDLE,
+            stream_cache: DEFAULT_STREAM_CACHE,
         }
     }
 }

@@ -181,6 +181,12 @@ pub enum InvariantViolation {
         /// Address of the allocation.
         addr: u64,
     },
+    /// A stream cache holds an address twice, or in the shard of another stream.
+    #[error("stream cache entry {addr:#x} is held twice or in the wrong shard")]
+    StreamCache {
+        /// The cached address.
+        addr: u64,
+    },
 }
 
 impl InvariantViolation {

@@ -32,6 +32,7 @@ pub mod snapshot;
 pub mod split;
 pub mod stats;
 pub mod strategy;
+mod stream_cache;
 pub mod summary;
 mod sync;
 #[cfg(feature = "lab")]

@@ -1,14 +1,19 @@
-//! The synchronization primitives of the facade ([`crate::allocator`]) in one place: `parking_lot`'s
-//! `Mutex` and std's `Arc` in every build, loom's under `--cfg loom`, so `tests/loom.rs` can model-check
-//! every interleaving of the facade's locking (see `docs/reliability.md`). Nothing else in the crate locks.
+//! The synchronization primitives of the facade ([`crate::allocator`], [`crate::stream_cache`]) in one
+//! place: `parking_lot`'s `Mutex`, std's `Arc` and atomics in every build, loom's under `--cfg loom`, so
+//! `tests/loom.rs` can model-check every interleaving of the facade's locking (see `docs/reliability.md`).
+//! Nothing else in the crate locks.
 
 #[cfg(not(loom))]
 pub(crate) use parking_lot::Mutex;
 #[cfg(not(loom))]
 pub(crate) use std::sync::Arc;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
 #[cfg(loom)]
 pub(crate) use loom::sync::Arc;
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 #[cfg(loom)]
 pub(crate) use loom_mutex::Mutex;
 
@@ -28,6 +33,15 @@ mod loom_mutex {
             self.0
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
+        }
+
+        /// The guard if the lock is free now, else `None` (a poisoned lock is taken over).
+        pub(crate) fn try_lock(&self) -> Option<loom::sync::MutexGuard<'_, T>> {
+            match self.0.try_lock() {
+                Ok(guard) => Some(guard),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            }
         }
     }
 }

@@ -123,3 +123,46 @@ fn a_recorded_snapshot_is_benched_per_device() {
     assert_eq!(results[0]["trace"], "bert_large_inference.pickle");
     assert!(results[0]["events"].as_u64().unwrap() > 1_000);
 }
+
+#[test]
+fn bench_threads_reports_pairs_per_thread_count_and_cached_allocation_latency() {
+    let out = cuvmm(&[
+        "bench-threads",
+        "--millis",
+        "20",
+        "--repetitions",
+        "1",
+        "--format",
+        "json",
+    ]);
+    let report = json(&out);
+    let threads = report["threads"].as_array().unwrap();
+    let counts: Vec<u64> = threads
+        .iter()
+        .map(|t| t["threads"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counts, [1, 2, 4]);
+    let one = threads[0]["pairs_per_second"].as_f64().unwrap();
+    for t in threads {
+        let rate = t["pairs_per_second"].as_f64().unwrap();
+        assert!(rate > 0.0, "{t}");
+        let speedup = t["speedup"].as_f64().unwrap();
+        assert!((speedup - rate / one).abs() < 1e-9 * speedup, "{t}");
+    }
+    for key in [
+        "cached_alloc_p99_ns_during_growth",
+        "cached_alloc_p99_ns_idle",
+    ] {
+        assert!(report[key].as_u64().unwrap() > 0, "{key}: {report}");
+    }
+    // The growing stream made driver calls (slept) while the latency was measured.
+    assert!(report["growth_steps"].as_u64().unwrap() > 0, "{report}");
+    assert_eq!(report["size_bytes"], 64 * 1024);
+}
+
+#[test]
+fn bench_threads_refuses_a_bad_configuration_with_status_2() {
+    let out = cuvmm(&["bench-threads", "--alloc-conf", "stream_cache_mb:lots"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("stream_cache_mb"), "{}", stderr(&out));
+}

@@ -127,7 +127,9 @@ fn verify<S: OnSim>(alloc: &Allocator<S>, buffer: &DeviceBuffer<S>, id: u64) {
 }
 
 /// One thread's work: `plan.ops` random operations on its own stream (and, with streams, another).
-fn worker<S: OnSim>(alloc: Allocator<S>, thread: u64, plan: Plan) {
+/// Returns the number of allocations it made.
+fn worker<S: OnSim>(alloc: Allocator<S>, thread: u64, plan: Plan) -> u64 {
+    let mut allocations = 0;
     let mut rng = Rng(thread.wrapping_mul(0x2545_F491_4F6C_DD1D) + 1);
     let own = StreamId(thread % STREAMS);
     let mut held: Vec<(DeviceBuffer<S>, u64)> = Vec::new();
@@ -135,13 +137,17 @@ fn worker<S: OnSim>(alloc: Allocator<S>, thread: u64, plan: Plan) {
         let id = thread << 32 | i;
         match rng.below(16) {
             0..=5 if held.len() < 6 => {
+                // A third from four sizes that repeat, as a training step's or a service's do: once the
+                // stream caches are active, those are served from them.
                 let size = match rng.below(3) {
                     0 => 1 + rng.below(4 * KIB),
+                    1 => [512, 3 * KIB, 16 * KIB, 64 * KIB][rng.below(4) as usize],
                     _ => 1 + rng.below(plan.max_size),
                 };
                 let buffer = alloc
                     .alloc_on(size, own)
                     .unwrap_or_else(|e| panic!("thread {thread}: alloc({size}) failed: {e}"));
+                allocations += 1;
                 stamp(&alloc, &buffer, id);
                 held.push((buffer, id));
             }
@@ -193,6 +199,7 @@ fn worker<S: OnSim>(alloc: Allocator<S>, thread: u64, plan: Plan) {
         verify(&alloc, buffer, *id);
     }
     // The rest are freed by dropping them here.
+    allocations
 }
 
 /// Runs [`THREADS`] workers on `alloc` and checks the end state; prints threads x operations.
@@ -203,9 +210,10 @@ fn run<S: OnSim>(name: &str, alloc: Allocator<S>, plan: Plan) {
             std::thread::spawn(move || worker(alloc, t, plan))
         })
         .collect();
-    for thread in threads {
-        thread.join().expect("a worker panicked");
-    }
+    let allocations: u64 = threads
+        .into_iter()
+        .map(|t| t.join().expect("a worker panicked"))
+        .sum();
     alloc.check_invariants().expect("invariants hold");
     let errors = alloc.take_deferred_errors();
     assert!(errors.is_empty(), "frees in drop failed: {errors:?}");
@@ -230,10 +238,10 @@ fn run<S: OnSim>(name: &str, alloc: Allocator<S>, plan: Plan) {
     let calls = |op| stats.driver.get(op);
     eprintln!(
         "concurrency {name}: {THREADS} threads x {} operations = {} operations on {STREAMS} streams; \
-         {} allocations; driver calls: {} map, {} unmap, {} malloc, {} free, {} record_event",
+         {allocations} allocations, {} of them served by the stream caches; driver calls: {} map, {} unmap, {} malloc, {} free, {} record_event",
         plan.ops,
         THREADS * plan.ops,
-        stats.allocation.allocated,
+        allocations - stats.allocation.allocated,
         calls(Op::Map),
         calls(Op::Unmap),
         calls(Op::Malloc),

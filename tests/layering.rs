@@ -50,6 +50,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "facade",
         &[
             "src/allocator.rs",
+            "src/stream_cache.rs",
             "src/cuda_buffer.rs",
             "src/summary.rs",
             "src/summary/",

@@ -1,15 +1,22 @@
-//! A deterministic model check of the facade's synchronization with loom: every interleaving of the
-//! threads below, at every lock acquisition and `Arc` reference count change, is run.
+//! A deterministic model check of the facade's synchronization with loom: every interleaving of the threads
+//! below with at most three preemptions each (`PREEMPTIONS`), at every lock acquisition, atomic access and
+//! `Arc` reference count change, is run.
 //!
-//! The facade (`src/allocator.rs`) has no atomics or lock-free code of its own: an `Arc` shared by every
-//! handle and buffer, one `Mutex` around the strategy, and a second `Mutex` around the errors that
-//! `DeviceBuffer::drop` could not return (taken with `take_deferred_errors`). A drop frees under the first
-//! lock, releases it, then records a failure under the second; no code holds both. What could go wrong is
-//! what these models check in every interleaving: a deadlock (loom reports one), a free lost or applied
-//! twice, a deferred error lost, the strategy dropped while a handle lives or never dropped (loom reports a
-//! leaked `Arc`), invariants broken or statistics seen half-updated.
+//! The facade (`src/allocator.rs`, `src/stream_cache.rs`): an `Arc` shared by every handle and buffer; one
+//! `Mutex` around the strategy; stream cache shards (two in loom builds), each a `Mutex` around its kept-back
+//! buffers plus two relaxed atomics (whether the shard is active, and its length, read without the lock: a
+//! stale value only sends a request or a free the slow way); a `Mutex` and an atomic length for the addresses
+//! used on other streams; and a `Mutex` around the errors that `DeviceBuffer::drop` could not return. No path
+//! holds two of these locks at once, except `with_strategy`, whose closure may free buffers into a shard
+//! while the strategy's lock is held; nothing waits for the strategy's lock while holding another (draining
+//! takes each shard's entries, releases it, then frees under the strategy's lock), so no cycle can form. What
+//! could go wrong is what these models check in every interleaving: a deadlock (loom reports one), a free
+//! lost or applied twice, a cached buffer handed out twice or lost by a drain, a deferred error lost, the
+//! strategy dropped while a handle lives or never dropped (loom reports a leaked `Arc`), invariants broken or
+//! statistics seen half-updated. One model runs with a bug planted in the stream cache
+//! (`Allocator::seed_stream_cache_bug`) and must fail.
 //!
-//! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/sync.rs` swaps in loom's `Mutex` and `Arc`:
+//! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/sync.rs` swaps in loom's `Mutex`, `Arc` and atomics:
 //! `RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom --target-dir target/loom`
 //! (what `.ci/run` runs; without the `cli` feature the binary and clap are not built).
 //! Each model prints how many interleavings it explored.
@@ -35,12 +42,24 @@ fn allocator() -> Alloc {
     Allocator::expandable(sim, Config::default()).expect("valid configuration")
 }
 
-/// Explores every interleaving of `model` (up to loom's default bounds), counting them; prints and
-/// returns the count.
+/// At most this many preemptions per execution (loom's `preemption_bound`, as its documentation suggests
+/// for CI: bugs of practical interest need two or three). Unbounded, the models that drop buffers through
+/// the stream caches' atomics run for many minutes.
+const PREEMPTIONS: usize = 3;
+
+/// A loom model checker with [`PREEMPTIONS`].
+fn checker() -> loom::model::Builder {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(PREEMPTIONS);
+    builder
+}
+
+/// Explores every interleaving of `model` with at most [`PREEMPTIONS`] preemptions, counting them; prints
+/// and returns the count.
 fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) -> usize {
     static RUNS: AtomicUsize = AtomicUsize::new(0);
     let before = RUNS.load(Ordering::SeqCst);
-    loom::model(move || {
+    checker().check(move || {
         RUNS.fetch_add(1, Ordering::SeqCst);
         model();
     });
@@ -105,6 +124,9 @@ fn a_drop_racing_an_explicit_free_of_the_same_buffer_fails_exactly_once() {
         let dropper = thread::spawn(move || drop(buffer));
         let freed = alloc.free_raw(ptr);
         dropper.join().expect("dropper");
+        // A drop that found the lock taken by `free_raw` kept the buffer in its stream's cache; reading the
+        // statistics gives it back to the strategy, which then reports the double free.
+        let _ = alloc.stats();
         let deferred = alloc.take_deferred_errors();
         // One of the two frees the block; the other fails, returned or deferred, never lost or doubled.
         match (&freed, deferred.as_slice()) {
@@ -155,6 +177,81 @@ fn the_allocator_outlives_every_handle_and_buffer_and_is_dropped_once() {
         drop(alloc);
         worker.join().expect("worker");
         // loom fails the model if the shared state (an Arc) was not dropped by now.
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+/// Two cached buffers of stream 0, kept back while the lock was held (as when another thread is in a
+/// driver call); two threads ask for that size on that stream while the main thread empties the cache.
+fn two_takers_and_a_drain(alloc: &Alloc) {
+    let kept: Vec<_> = (0..2)
+        .map(|_| alloc.alloc_on(PAGE, StreamId(0)).expect("room"))
+        .collect();
+    alloc.with_strategy(|_| drop(kept));
+    let takers: Vec<_> = (0..2)
+        .map(|_| {
+            let alloc = alloc.clone();
+            thread::spawn(move || alloc.alloc_on(PAGE, StreamId(0)).expect("room"))
+        })
+        .collect();
+    alloc.empty_cache().expect("empty_cache");
+    let got: Vec<_> = takers
+        .into_iter()
+        .map(|t| t.join().expect("taker"))
+        .collect();
+    assert_ne!(got[0].ptr(), got[1].ptr(), "one buffer handed out twice");
+    alloc.check_invariants().expect("invariants hold");
+    drop(got);
+    assert_drained(alloc);
+    assert!(alloc.take_deferred_errors().is_empty());
+}
+
+#[test]
+fn a_cached_buffer_is_handed_out_once_even_while_the_caches_are_drained() {
+    let runs = explore("stream cache: two takers + drain", || {
+        two_takers_and_a_drain(&allocator());
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn the_model_catches_a_seeded_stream_cache_bug() {
+    // The same model with `take` splitting its lookup and its removal across two lock acquisitions.
+    let caught = std::panic::catch_unwind(|| {
+        checker().check(|| {
+            let alloc = allocator();
+            alloc.seed_stream_cache_bug();
+            two_takers_and_a_drain(&alloc);
+        })
+    });
+    assert!(caught.is_err(), "loom did not catch the seeded bug");
+}
+
+#[test]
+fn frees_on_two_streams_under_contention_are_kept_back_and_given_back_whole() {
+    let runs = explore("stream cache: alloc/free x2 on two streams", || {
+        let alloc = allocator();
+        let workers: Vec<_> = (0..2u64)
+            .map(|t| {
+                let alloc = alloc.clone();
+                thread::spawn(move || {
+                    for _ in 0..2 {
+                        drop(alloc.alloc_on(PAGE, StreamId(t)).expect("room"));
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().expect("worker");
+        }
+        let (kept, _) = alloc.stream_cached();
+        assert!(
+            kept <= 2,
+            "{kept} buffers kept back for two streams of one size"
+        );
+        assert_drained(&alloc);
+        assert_eq!(alloc.stream_cached(), (0, 0));
+        assert!(alloc.take_deferred_errors().is_empty());
     });
     assert!(runs > 1, "loom explored only {runs} interleaving");
 }

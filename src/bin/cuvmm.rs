@@ -7,6 +7,8 @@
 mod args;
 #[path = "cuvmm/bench.rs"]
 mod bench;
+#[path = "cuvmm/bench_threads.rs"]
+mod bench_threads;
 #[path = "cuvmm/capacity.rs"]
 mod capacity;
 #[path = "cuvmm/commands.rs"]
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Some(Command::Capacity(args)) => capacity::run_capacity(args),
         Some(Command::Frontier(args)) => frontier::run_frontier(args),
         Some(Command::Bench(args)) => bench::run_bench(args),
+        Some(Command::BenchThreads(args)) => bench_threads::run_bench_threads(args),
     }
 }
 

@@ -25,6 +25,7 @@ pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,5
 const EXPECT_BOOL: &str = "True or False (spelled as PyTorch spells them)";
 const EXPECT_BACKEND: &str =
     "native (cuvmm does not model PyTorch's cudaMallocAsync backend; leave `backend` out)";
+const EXPECT_STREAM_CACHE: &str = "a whole number of MiB (0 turns the stream caches off)";
 const EXPECT_IDLE: &str =
     "a whole number of MiB that fits in 64 bits once in bytes, or `unlimited`";
 const EXPECT_THREADS: &str = "a power of two <= 128";
@@ -150,6 +151,12 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.reserve_budget = Some(Budget::Fraction(f));
         }
         "large_handle_mb" => config.large_handle = positive_bytes(key, value, MIB)?,
+        "stream_cache_mb" => {
+            let mib = uint(key, value, EXPECT_STREAM_CACHE)?;
+            config.stream_cache = mib
+                .checked_mul(MIB)
+                .ok_or_else(|| bad(EXPECT_STREAM_CACHE))?;
+        }
         "va_factor" => {
             config.va_factor = uint(key, value, EXPECT_VA_FACTOR)?;
             if config.va_factor == 0 || config.va_factor > super::MAX_VA_FACTOR {

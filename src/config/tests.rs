@@ -439,6 +439,8 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
         ("reserve_budget_fraction:x", "reserve_budget_fraction"),
         ("reserve_budget_mb:0", "reserve_budget_mb"),
         ("large_handle_mb:0", "large_handle_mb"),
+        ("stream_cache_mb:-1", "stream_cache_mb"),
+        ("stream_cache_mb:99999999999999999", "stream_cache_mb"),
     ] {
         let err = Config::from_alloc_conf(conf).unwrap_err();
         assert!(
@@ -452,6 +454,14 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
             .large_handle,
         4 * MIB
     );
+    assert_eq!(Config::default().stream_cache, 8 * MIB);
+    for (conf, bytes) in [("stream_cache_mb:0", 0), ("stream_cache_mb:32", 32 * MIB)] {
+        assert_eq!(
+            Config::from_alloc_conf(conf).unwrap().stream_cache,
+            bytes,
+            "{conf}"
+        );
+    }
 }
 
 proptest! {

@@ -49,6 +49,10 @@ pub enum Command {
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.
     Bench(crate::bench::BenchArgs),
+    /// Measure how the allocator scales with threads, each on its own stream: cached alloc+free pairs per
+    /// second with 1, 2 and 4 threads, and the 99th-percentile latency of a cached allocation while
+    /// another stream grows on a device that sleeps each driver call's modelled latency.
+    BenchThreads(crate::bench_threads::BenchThreadsArgs),
 }
 
 /// Which device to run on; shared by every subcommand that uses one, so `--backend` parses the same way

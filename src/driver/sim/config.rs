@@ -17,6 +17,9 @@ pub struct SimConfig {
     /// [`SimDriver::write`](super::SimDriver::write) and [`SimDriver::read`](super::SimDriver::read) fail
     /// with [`DriverError::NoBackingStore`](crate::driver::DriverError::NoBackingStore).
     pub backing_store: bool,
+    /// Whether each call sleeps the calling thread for its modelled latency, so that measurements of
+    /// waiting (`cuvmm bench-threads`) see driver calls take time. Off by default and in replays.
+    pub sleep_latency: bool,
 }
 
 impl Default for SimConfig {
@@ -27,6 +30,7 @@ impl Default for SimConfig {
             granularity: 2 * MIB,
             latency: LatencyModel::a100(),
             backing_store: false,
+            sleep_latency: false,
         }
     }
 }
@@ -40,6 +44,11 @@ impl SimConfig {
     /// Sets the granularity.
     pub fn with_granularity(mut self, bytes: u64) -> Self {
         self.granularity = bytes;
+        self
+    }
+    /// Makes every call sleep its modelled latency, or not.
+    pub fn with_sleep_latency(mut self, on: bool) -> Self {
+        self.sleep_latency = on;
         self
     }
     /// Turns the byte backing store on or off.

@@ -252,10 +252,18 @@ impl SimDriver {
         }
     }
 
+    /// Sleeps `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on.
+    fn sleep(&self, ns: u64) {
+        if self.config.sleep_latency && ns > 0 {
+            std::thread::sleep(std::time::Duration::from_nanos(ns));
+        }
+    }
+
     /// Counts a call of `op` covering `bytes`, and fails it if a fault is planned for it.
     fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
-        self.counters
-            .record(op, self.config.latency.cost_ns(op, bytes));
+        let cost = self.config.latency.cost_ns(op, bytes);
+        self.counters.record(op, cost);
+        self.sleep(cost);
         self.counters
             .record_units(op, 1, LatencyModel::units(op, bytes));
         let call = self.counters.get(op);
@@ -374,6 +382,7 @@ impl Driver for SimDriver {
             if self.vmm.create_all(size, count, free, out) {
                 let cost = self.config.latency.cost_ns(Op::Create, size);
                 self.counters.record_many(Op::Create, count as u64, cost);
+                self.sleep(cost * count as u64);
                 let units = LatencyModel::units(Op::Create, size);
                 self.counters.record_units(Op::Create, count as u64, units);
                 return Ok(());
@@ -393,6 +402,7 @@ impl Driver for SimDriver {
             let cost = self.config.latency.cost_ns(Op::Map, size);
             self.counters
                 .record_many(Op::Map, handles.len() as u64, cost);
+            self.sleep(cost * handles.len() as u64);
             let units = LatencyModel::units(Op::Map, size);
             self.counters
                 .record_units(Op::Map, handles.len() as u64, units);

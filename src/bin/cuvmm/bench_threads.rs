@@ -1,0 +1,295 @@
+//! `cuvmm bench-threads`: how the facade (`Allocator`) scales with threads, each on its own stream, and
+//! how long a cached allocation waits while another stream grows.
+//!
+//! Two measurements on a simulated device, through the facade as a program uses it (`alloc_on` + drop):
+//! - cached alloc+free pairs per second with 1, 2 and 4 threads, each on its own stream (latencies not
+//!   slept: no pair makes a driver call once warm);
+//! - the 99th-percentile latency of a cached allocation on one stream, alone and while another stream
+//!   grows on a device that sleeps each driver call's modelled latency (`SimConfig::sleep_latency`; an
+//!   estimate from published A100 figures, not a measurement). Requests arrive every 10 us, and each one's
+//!   latency counts from when it arrived, not from when the previous one let the thread go on: a closed loop
+//!   would make one sample of a 2 ms wait and a thousand fast ones after it (coordinated omission).
+//!
+//! Each measurement runs `--millis` per repetition; medians over `--repetitions` are reported.
+
+use crate::args::{Format, parse_nonzero_size};
+use crate::commands::{USAGE, emit};
+use clap::Args;
+use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::expandable::Expandable;
+use cuvmm::size::{GIB, MIB};
+use cuvmm::{Allocator, Config, StreamId};
+use serde::Serialize;
+use std::process::ExitCode;
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// Thread counts of the throughput measurement.
+const THREADS: [usize; 3] = [1, 2, 4];
+/// The simulated device: 8 GiB with 2 MiB pages.
+const CAPACITY: u64 = 8 * GIB;
+const PAGE: u64 = 2 * MIB;
+/// What the growing stream allocates at a time, and holds at most before it frees it all and goes on
+/// growing on a new stream (whose growth then reclaims the old stream's idle pages).
+const GROWTH_STEP: u64 = 20 * MIB;
+const GROWTH_HELD: u64 = 4 * GIB;
+/// Pairs each thread runs before it is timed.
+const WARM_UP: usize = 1_000;
+/// The cached allocations of the latency measurement arrive at this interval, as a service's requests do.
+const ARRIVAL: Duration = Duration::from_micros(10);
+
+/// Options of `bench-threads`.
+#[derive(Debug, Args)]
+pub struct BenchThreadsArgs {
+    /// Bytes of each cached request.
+    #[arg(long, value_name = "SIZE", default_value = "64KiB", value_parser = parse_nonzero_size)]
+    pub size: u64,
+    /// Milliseconds each repetition of each measurement runs.
+    #[arg(long, value_name = "MS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    pub millis: u64,
+    /// Repetitions of each measurement; medians are reported.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=1_000))]
+    pub repetitions: u64,
+    /// Allocator configuration in PyTorch's `key:value,...` syntax (e.g. `stream_cache_mb:0`); default:
+    /// the `CUVMM_ALLOC_CONF` environment variable, else the defaults.
+    #[arg(long, value_name = "CONF")]
+    pub alloc_conf: Option<String>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+}
+
+#[derive(Debug, Serialize)]
+struct ThreadsResult {
+    threads: usize,
+    pairs_per_second: f64,
+    /// Pairs per second over one thread's.
+    speedup: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    threads: Vec<ThreadsResult>,
+    cached_alloc_p99_ns_during_growth: u64,
+    cached_alloc_p99_ns_idle: u64,
+    /// Growth steps (20 MiB allocations, each creating and mapping handles) the growing stream made per
+    /// repetition, median.
+    growth_steps: u64,
+    size_bytes: u64,
+    millis: u64,
+    repetitions: u64,
+    latency_model: &'static str,
+}
+
+/// `cuvmm bench-threads`.
+pub fn run_bench_threads(args: BenchThreadsArgs) -> ExitCode {
+    let conf = args
+        .alloc_conf
+        .clone()
+        .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
+        .unwrap_or_default();
+    let config = match Config::from_alloc_conf(&conf) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("cuvmm: bad allocator configuration: {e}");
+            return ExitCode::from(USAGE);
+        }
+    };
+    match measure(&args, &config) {
+        Ok(report) => emit(&match args.format {
+            Format::Json => {
+                serde_json::to_string_pretty(&report).expect("a report serializes") + "\n"
+            }
+            Format::Table => table(&report),
+        }),
+        Err(e) => {
+            eprintln!("cuvmm: bench-threads: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+type Alloc = Allocator<Expandable<SimDriver>>;
+
+fn allocator(config: &Config, sleep: bool) -> Result<Alloc, cuvmm::Error> {
+    let device = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(CAPACITY)
+            .with_granularity(PAGE)
+            .with_sleep_latency(sleep),
+    );
+    Allocator::expandable(device, config.clone())
+}
+
+fn measure(args: &BenchThreadsArgs, config: &Config) -> Result<Report, cuvmm::Error> {
+    let run = Duration::from_millis(args.millis);
+    let mut threads = Vec::new();
+    for n in THREADS {
+        let mut rates = Vec::new();
+        for _ in 0..args.repetitions {
+            rates.push(pairs_per_second(
+                &allocator(config, false)?,
+                n,
+                args.size,
+                run,
+            )?);
+        }
+        let rate = median_f64(rates);
+        let one = threads
+            .first()
+            .map_or(rate, |t: &ThreadsResult| t.pairs_per_second);
+        threads.push(ThreadsResult {
+            threads: n,
+            pairs_per_second: rate,
+            speedup: rate / one,
+        });
+    }
+    let (mut during, mut idle, mut steps) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..args.repetitions {
+        let (p99, grown) = cached_p99(&allocator(config, true)?, args.size, run, true)?;
+        during.push(p99);
+        steps.push(grown);
+        idle.push(cached_p99(&allocator(config, true)?, args.size, run, false)?.0);
+    }
+    Ok(Report {
+        threads,
+        cached_alloc_p99_ns_during_growth: median(during),
+        cached_alloc_p99_ns_idle: median(idle),
+        growth_steps: median(steps),
+        size_bytes: args.size,
+        millis: args.millis,
+        repetitions: args.repetitions,
+        latency_model: "simulated device; the growing stream's driver calls sleep their modelled A100 \
+                        latency (an estimate, not a measurement)",
+    })
+}
+
+/// Cached alloc+free pairs per second of `n` threads, each on its own stream, for `run`.
+fn pairs_per_second(
+    alloc: &Alloc,
+    n: usize,
+    size: u64,
+    run: Duration,
+) -> Result<f64, cuvmm::Error> {
+    let stop = AtomicBool::new(false);
+    let start = Barrier::new(n + 1);
+    let (pairs, elapsed) = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..n)
+            .map(|t| {
+                let (stop, start) = (&stop, &start);
+                scope.spawn(move || -> Result<u64, cuvmm::Error> {
+                    let stream = StreamId(t as u64 + 1);
+                    for _ in 0..WARM_UP {
+                        drop(alloc.alloc_on(size, stream)?);
+                    }
+                    start.wait();
+                    let mut pairs = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        drop(alloc.alloc_on(size, stream)?);
+                        pairs += 1;
+                    }
+                    Ok(pairs)
+                })
+            })
+            .collect();
+        start.wait();
+        let began = Instant::now();
+        std::thread::sleep(run);
+        stop.store(true, Ordering::Relaxed);
+        let pairs: Result<Vec<u64>, _> = workers
+            .into_iter()
+            .map(|w| w.join().expect("a bench thread panicked"))
+            .collect();
+        (pairs, began.elapsed())
+    });
+    Ok(pairs?.iter().sum::<u64>() as f64 / elapsed.as_secs_f64())
+}
+
+/// The 99th-percentile latency of a cached allocation on stream 1 over `run`, and the growth steps of the
+/// other thread, which, when `grow`, keeps allocating 20 MiB buffers (creating and mapping handles, each
+/// call slept) on stream 2; once it holds 4 GiB it frees them and goes on on stream 3, and so on. It never
+/// empties the cache or reads statistics, which give every stream's cached buffers back to the strategy.
+fn cached_p99(
+    alloc: &Alloc,
+    size: u64,
+    run: Duration,
+    grow: bool,
+) -> Result<(u64, u64), cuvmm::Error> {
+    let stop = AtomicBool::new(false);
+    let start = Barrier::new(2);
+    std::thread::scope(|scope| {
+        let grower = scope.spawn(|| -> Result<u64, cuvmm::Error> {
+            start.wait();
+            let (mut steps, mut stream) = (0, 2);
+            let mut held = Vec::new();
+            while grow && !stop.load(Ordering::Relaxed) {
+                held.push(alloc.alloc_on(GROWTH_STEP, StreamId(stream))?);
+                steps += 1;
+                if held.len() as u64 * GROWTH_STEP >= GROWTH_HELD {
+                    held.clear();
+                    stream += 1;
+                }
+            }
+            Ok(steps)
+        });
+        let stream = StreamId(1);
+        for _ in 0..WARM_UP {
+            drop(alloc.alloc_on(size, stream)?);
+        }
+        start.wait();
+        let requests = (run.as_nanos() / ARRIVAL.as_nanos()) as usize;
+        let mut latencies = Vec::with_capacity(requests);
+        let began = Instant::now();
+        for k in 0..requests {
+            let arrival = began + ARRIVAL * k as u32;
+            while Instant::now() < arrival {
+                std::hint::spin_loop();
+            }
+            let buffer = alloc.alloc_on(size, stream)?;
+            latencies.push(arrival.elapsed().as_nanos() as u64);
+            drop(buffer);
+        }
+        stop.store(true, Ordering::Relaxed);
+        let steps = grower.join().expect("the growing thread panicked")?;
+        latencies.sort_unstable();
+        let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
+        Ok((p99, steps))
+    })
+}
+
+fn median(mut values: Vec<u64>) -> u64 {
+    values.sort_unstable();
+    values[values.len() / 2]
+}
+
+fn median_f64(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn table(report: &Report) -> String {
+    let mut out = format!(
+        "cached alloc+free pairs of {} bytes through the facade, each thread on its own stream \
+         (simulated {} GiB device; medians of {} x {} ms)\n\n",
+        report.size_bytes,
+        CAPACITY / GIB,
+        report.repetitions,
+        report.millis
+    );
+    out += &format!("{:>8} {:>16} {:>8}\n", "threads", "pairs/s", "speedup");
+    for t in &report.threads {
+        out += &format!(
+            "{:>8} {:>16.0} {:>7.2}x\n",
+            t.threads, t.pairs_per_second, t.speedup
+        );
+    }
+    out += &format!(
+        "\ncached allocation p99: {} ns idle, {} ns while another stream grows ({} growth steps of 20 MiB \
+         per run; driver calls sleep their modelled latency, an estimate)\n",
+        report.cached_alloc_p99_ns_idle,
+        report.cached_alloc_p99_ns_during_growth,
+        report.growth_steps
+    );
+    out
+}
