@@ -16,6 +16,10 @@ pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 /// large pool (`docs/DESIGN.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
 
+/// The default of [`Config::large_handle_headroom`]: chunks while reserved memory stays under 70% of the
+/// budget (measured in `docs/DESIGN.md`, "Handle size").
+pub const DEFAULT_LARGE_HANDLE_HEADROOM: f64 = 0.3;
+
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
 
@@ -122,6 +126,11 @@ pub struct Config {
     /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
     /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
     pub large_handle: u64,
+    /// The fraction of the budget, in [0, 1], that [`Compaction::Pressure`] keeps free of new large-pool
+    /// chunks (`large_handle_headroom`, default 0.3): past `(1 - headroom) x budget` reserved, growth takes
+    /// single pages, which a job near its limit can move where they are needed; 0 makes chunks up to the
+    /// budget, as PyTorch's expandable segments do.
+    pub large_handle_headroom: f64,
 }
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
@@ -162,6 +171,7 @@ impl Default for Config {
             compaction: Compaction::Pressure,
             reserve_budget: None,
             large_handle: DEFAULT_LARGE_HANDLE,
+            large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
         }
     }
 }
@@ -307,6 +317,10 @@ impl Config {
         }
         if self.large_handle == 0 {
             return bad("large_handle_mb", "0 bytes".into(), parse::EXPECT_POSITIVE);
+        }
+        if !(0.0..=1.0).contains(&self.large_handle_headroom) {
+            let value = self.large_handle_headroom.to_string();
+            return bad("large_handle_headroom", value, parse::EXPECT_HEADROOM);
         }
         if let Some(t) = self
             .garbage_collection_threshold

@@ -439,6 +439,9 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
         ("reserve_budget_fraction:x", "reserve_budget_fraction"),
         ("reserve_budget_mb:0", "reserve_budget_mb"),
         ("large_handle_mb:0", "large_handle_mb"),
+        ("large_handle_headroom:1.5", "large_handle_headroom"),
+        ("large_handle_headroom:-0.1", "large_handle_headroom"),
+        ("large_handle_headroom:x", "large_handle_headroom"),
     ] {
         let err = Config::from_alloc_conf(conf).unwrap_err();
         assert!(
@@ -452,6 +455,10 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
             .large_handle,
         4 * MIB
     );
+    let headroom = |conf: &str| Config::from_alloc_conf(conf).unwrap().large_handle_headroom;
+    assert_eq!(headroom(""), 0.3);
+    assert_eq!(headroom("large_handle_headroom:0"), 0.0);
+    assert_eq!(headroom("large_handle_headroom:1"), 1.0);
 }
 
 proptest! {

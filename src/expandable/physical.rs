@@ -15,11 +15,6 @@ use crate::history::TraceAction;
 use std::ops::Range;
 
 /// How a compaction learns that an idle page's last use is complete.
-/// New chunks are made only while reserved memory stays this many percent of the budget below it; past
-/// that, growth takes single pages (see "Handle size" in `docs/DESIGN.md`). A job that comes near the
-/// budget is the one whose min capacity matters, and single pages strand nothing when it gets there.
-const CHUNK_HEADROOM_PERCENT: u64 = 30;
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Wait {
     /// Only segments whose stream an event query shows idle; never blocks.
@@ -200,9 +195,9 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Maps a chunk at every aligned group of `chunk_pages` pages that overlaps `pages` and has no page
-    /// mapped, while that keeps reserved memory [`CHUNK_HEADROOM_PERCENT`] of the budget under it (a pooled
-    /// chunk first, else a new one);
-    /// the other missing pages are left to single pages. Returns `pages` widened to the groups mapped.
+    /// mapped, while that keeps reserved memory `large_handle_headroom` of the budget under it (a pooled
+    /// chunk first, else a new one: a job that comes near the budget is the one whose min capacity
+    /// matters, and single pages strand nothing when it gets there); the other missing pages are left to single pages. Returns `pages` widened to the groups mapped.
     /// A chunk that cannot be created (out of memory) is not an error: single pages are tried instead.
     pub(super) fn map_chunks(
         &mut self,
@@ -211,6 +206,7 @@ impl<D: Driver> Expandable<D> {
     ) -> Result<Range<usize>, Error> {
         let k = self.chunk_pages;
         let bytes = k as u64 * self.page_size;
+        let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
         let mut widened = pages.clone();
         let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
         if runs.is_empty() {
@@ -230,11 +226,7 @@ impl<D: Driver> Expandable<D> {
                 }
                 let handle = match self.pooled_chunks.pop() {
                     Some(handle) => handle,
-                    None if self
-                        .under_pressure(bytes + self.budget / 100 * CHUNK_HEADROOM_PERCENT) =>
-                    {
-                        break 'runs;
-                    }
+                    None if self.under_pressure(bytes.saturating_add(headroom)) => break 'runs,
                     None => match self.driver.create(bytes) {
                         Ok(handle) => {
                             self.chunks.insert(handle);
