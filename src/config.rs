@@ -19,6 +19,9 @@ pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
 /// The default of [`Config::stream_cache`]: bytes of freed small buffers each stream cache shard of the
 /// facade may keep back once threads contend (docs/DESIGN.md, "Locking").
 pub const DEFAULT_STREAM_CACHE: u64 = 8 * MIB;
+/// The default of [`Config::large_handle_headroom`]: chunks up to the budget, so that a job makes PyTorch's
+/// driver calls on any device it fits in easily (measured in `docs/DESIGN.md`, "Handle size").
+pub const DEFAULT_LARGE_HANDLE_HEADROOM: f64 = 0.0;
 
 /// The environment variable [`Config::from_env`] reads.
 pub const ENV_VAR: &str = "CUVMM_ALLOC_CONF";
@@ -130,6 +133,11 @@ pub struct Config {
     /// for reuse on their stream once threads contend for the allocator (`stream_cache_mb`; default 8 MiB,
     /// 0 turns the caches off). Only [`Allocator`](crate::Allocator) reads it; replays do not.
     pub stream_cache: u64,
+    /// The fraction of the budget, in [0, 1], that [`Compaction::Pressure`] keeps free of new large-pool
+    /// chunks (`large_handle_headroom`, default 0): past `(1 - headroom) x budget` reserved, growth takes
+    /// single pages, which a job near its limit can move where they are needed; 0 makes chunks up to the
+    /// budget, as PyTorch's expandable segments do.
+    pub large_handle_headroom: f64,
 }
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
@@ -171,6 +179,7 @@ impl Default for Config {
             reserve_budget: None,
             large_handle: DEFAULT_LARGE_HANDLE,
             stream_cache: DEFAULT_STREAM_CACHE,
+            large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
         }
     }
 }
@@ -316,6 +325,10 @@ impl Config {
         }
         if self.large_handle == 0 {
             return bad("large_handle_mb", "0 bytes".into(), parse::EXPECT_POSITIVE);
+        }
+        if !(0.0..=1.0).contains(&self.large_handle_headroom) {
+            let value = self.large_handle_headroom.to_string();
+            return bad("large_handle_headroom", value, parse::EXPECT_HEADROOM);
         }
         if let Some(t) = self
             .garbage_collection_threshold

@@ -102,3 +102,67 @@ fn a_busy_stream_is_synchronized_once_only_before_out_of_memory() {
     a.free(b).unwrap();
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn with_a_headroom_growth_past_that_share_of_the_budget_takes_single_pages() {
+    let config = Config {
+        reserve_budget: Some(Budget::Bytes(100 * PAGE)),
+        large_handle_headroom: 0.3,
+        ..Config::default()
+    };
+    let mut a = expandable_with(PAGE, 1000, config, false);
+    // `large_handle_headroom:0.3`. Blocks of one 20 MiB chunk each: a chunk while reserved memory stays at
+    // most 70 pages.
+    for n in 1..=7 {
+        a.alloc(10 * PAGE, S0).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(a.driver().counters().get(Op::Create), n);
+    }
+    // The eighth would take reserved memory to 80 pages: single pages.
+    a.alloc(10 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.driver().counters().get(Op::Create), 7 + 10);
+    assert_eq!(a.stats().reserved_bytes.current, 80 * PAGE);
+    assert_eq!(a.stats().num_synchronizations, 0);
+}
+
+#[test]
+fn idle_pages_that_only_a_touched_chunk_holds_cost_no_synchronization() {
+    let mut a = expandable_with(PAGE, 100, Config::default(), false);
+    // Two blocks in one 20 MiB chunk; the second freed: its pages are idle but cannot be given back.
+    let kept = a.alloc(4 * PAGE, S0).unwrap();
+    let freed = a.alloc(4 * PAGE, S0).unwrap();
+    a.free(freed).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().num_synchronizations, 0);
+    assert_eq!(a.stats().reserved_bytes.current, 10 * PAGE);
+    // A block that also needs a second chunk, freed: empty_cache gives that chunk back after one
+    // synchronization, however many rounds it takes while the first chunk's idle pages stay.
+    let whole = a.alloc(10 * PAGE, S0).unwrap();
+    a.free(whole).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().num_synchronizations, 1);
+    assert_eq!(a.stats().reserved_bytes.current, 10 * PAGE);
+    // Once the last block in it is freed, the first chunk goes too.
+    a.free(kept).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn by_default_growth_takes_chunks_up_to_the_budget() {
+    let config = Config {
+        reserve_budget: Some(Budget::Bytes(100 * PAGE)),
+        ..Config::default()
+    };
+    let mut a = expandable_with(PAGE, 1000, config, false);
+    for n in 1..=10 {
+        a.alloc(10 * PAGE, S0).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(a.driver().counters().get(Op::Create), n);
+    }
+    assert_eq!(a.stats().reserved_bytes.current, 100 * PAGE);
+}

@@ -19,6 +19,7 @@ pub(super) const EXPECT_VA_FACTOR: &str = "a whole number from 1 to 16";
 pub(super) const EXPECT_AT_LEAST_20: &str = "a whole number of MiB >= 20 (PyTorch's kLargeBuffer)";
 pub(super) const EXPECT_FRACTION: &str = "a number strictly between 0 and 1";
 pub(super) const EXPECT_BUDGET_FRACTION: &str = "a number greater than 0 and at most 1";
+pub(super) const EXPECT_HEADROOM: &str = "a number from 0 to 1";
 const EXPECT_COMPACTION: &str = "`pressure` or `eager`";
 pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,512:2,>:8] whose keys are \
      powers of two (MiB) or `>` and whose values are powers of two or 0";
@@ -156,6 +157,13 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.stream_cache = mib
                 .checked_mul(MIB)
                 .ok_or_else(|| bad(EXPECT_STREAM_CACHE))?;
+        }
+        "large_handle_headroom" => {
+            let f: f64 = value.parse().map_err(|_| bad(EXPECT_HEADROOM))?;
+            if !(0.0..=1.0).contains(&f) {
+                return Err(bad(EXPECT_HEADROOM));
+            }
+            config.large_handle_headroom = f;
         }
         "va_factor" => {
             config.va_factor = uint(key, value, EXPECT_VA_FACTOR)?;

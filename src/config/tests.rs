@@ -441,6 +441,9 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
         ("large_handle_mb:0", "large_handle_mb"),
         ("stream_cache_mb:-1", "stream_cache_mb"),
         ("stream_cache_mb:99999999999999999", "stream_cache_mb"),
+        ("large_handle_headroom:1.5", "large_handle_headroom"),
+        ("large_handle_headroom:-0.1", "large_handle_headroom"),
+        ("large_handle_headroom:x", "large_handle_headroom"),
     ] {
         let err = Config::from_alloc_conf(conf).unwrap_err();
         assert!(
@@ -462,6 +465,11 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
             "{conf}"
         );
     }
+    let headroom = |conf: &str| Config::from_alloc_conf(conf).unwrap().large_handle_headroom;
+    assert_eq!(headroom(""), 0.0);
+    assert_eq!(headroom("large_handle_headroom:0.3"), 0.3);
+    assert_eq!(headroom("large_handle_headroom:0"), 0.0);
+    assert_eq!(headroom("large_handle_headroom:1"), 1.0);
 }
 
 proptest! {

@@ -155,7 +155,11 @@ impl<D: Driver> Expandable<D> {
             if gained >= count {
                 break;
             }
-            if !self.stream_done(self.segment(slot).stream, wait, compacting)? {
+            // Idle pages that lie only in chunks a live block still touches cannot be unmapped: no wait
+            // for them.
+            if !self.has_reclaimable(slot)
+                || !self.stream_done(self.segment(slot).stream, wait, compacting)?
+            {
                 continue;
             }
             // Idle runs from the highest down, each found when it is needed.
@@ -176,9 +180,24 @@ impl<D: Driver> Expandable<D> {
         Ok(gained)
     }
 
+    /// Whether segment `slot` has an idle page that can be unmapped: one not in a chunk that a live block
+    /// still touches.
+    fn has_reclaimable(&self, slot: usize) -> bool {
+        let pages = &self.segment(slot).pages;
+        let mut end = pages.len();
+        while let Some(run) = pages.last_idle_run_before(end) {
+            if !self.whole_chunks(slot, run.clone()).is_empty() {
+                return true;
+            }
+            end = run.start;
+        }
+        false
+    }
+
     /// Maps a chunk at every aligned group of `chunk_pages` pages that overlaps `pages` and has no page
-    /// mapped, while that keeps reserved memory under the budget (a pooled chunk first, else a new one);
-    /// the other missing pages are left to single pages. Returns `pages` widened to the groups mapped.
+    /// mapped, while that keeps reserved memory `large_handle_headroom` of the budget under it (a pooled
+    /// chunk first, else a new one: a job that comes near the budget is the one whose min capacity
+    /// matters, and single pages strand nothing when it gets there); the other missing pages are left to single pages. Returns `pages` widened to the groups mapped.
     /// A chunk that cannot be created (out of memory) is not an error: single pages are tried instead.
     pub(super) fn map_chunks(
         &mut self,
@@ -187,6 +206,7 @@ impl<D: Driver> Expandable<D> {
     ) -> Result<Range<usize>, Error> {
         let k = self.chunk_pages;
         let bytes = k as u64 * self.page_size;
+        let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
         let mut widened = pages.clone();
         let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
         if runs.is_empty() {
@@ -206,7 +226,7 @@ impl<D: Driver> Expandable<D> {
                 }
                 let handle = match self.pooled_chunks.pop() {
                     Some(handle) => handle,
-                    None if self.under_pressure(bytes) => break 'runs,
+                    None if self.under_pressure(bytes.saturating_add(headroom)) => break 'runs,
                     None => match self.driver.create(bytes) {
                         Ok(handle) => {
                             self.chunks.insert(handle);
@@ -411,14 +431,15 @@ impl<D: Driver> Expandable<D> {
     pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
         let _span = tracing::debug_span!("cuvmm::release_idle", bytes).entered();
         let mut released = self.release_pooled(bytes)?;
+        // Each stream is synchronized at most once, however many rounds it takes.
+        let mut compacting = Compacting::default();
         while released < bytes && self.idle_pages > 0 {
             let pages = (bytes - released)
                 .div_ceil(self.page_size)
                 .min(self.idle_pages as u64) as usize;
             let mut handles = Vec::with_capacity(pages);
             let reserved = self.counters.reserved.current;
-            let stolen =
-                self.steal_idle(pages, &mut handles, Wait::Block, &mut Compacting::default());
+            let stolen = self.steal_idle(pages, &mut handles, Wait::Block, &mut compacting);
             released += reserved - self.counters.reserved.current;
             self.pooled.extend(handles);
             if stolen? == 0 {
