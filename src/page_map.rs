@@ -344,8 +344,7 @@ impl PageMap {
     }
 
     fn set_idle(&mut self, page: usize, idle: bool) {
-        if self.idle.get(page) != idle {
-            self.idle.set(page, idle);
+        if self.idle.replace(page, idle) != idle {
             if idle {
                 self.idle_count += 1;
             } else {
