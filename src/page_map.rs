@@ -326,9 +326,8 @@ impl PageMap {
         self.users[page] += 1;
         if self.users[page] == 1 {
             self.touched_count += 1;
-            if self.mapped.get(page) {
-                self.set_idle(page, false);
-            }
+            // An unmapped page is not idle: clearing its bit changes nothing.
+            self.set_idle(page, false);
         }
     }
 
@@ -344,8 +343,7 @@ impl PageMap {
     }
 
     fn set_idle(&mut self, page: usize, idle: bool) {
-        if self.idle.get(page) != idle {
-            self.idle.set(page, idle);
+        if self.idle.replace(page, idle) != idle {
             if idle {
                 self.idle_count += 1;
             } else {
@@ -402,23 +400,7 @@ impl PageMap {
 
     /// The first maximal run of mapped pages without access inside `pages`.
     pub fn first_inaccessible_run(&self, pages: Range<usize>) -> Option<Range<usize>> {
-        let mut pos = pages.start;
-        // Access is set only on mapped pages: look for a page without access that is mapped.
-        let start = loop {
-            let candidate = self.accessible.find(pos..pages.end, false)?;
-            if self.mapped.get(candidate) {
-                break candidate;
-            }
-            pos = self.mapped.find(candidate..pages.end, true)?;
-        };
-        let accessible = self.accessible.find(start..pages.end, true);
-        let unmapped = self.mapped.find(start..pages.end, false);
-        let end = [accessible, unmapped]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(pages.end);
-        Some(start..end)
+        self.mapped.first_run_without(&self.accessible, pages)
     }
 
     /// Maximal runs of mapped pages with access set inside `pages`, in address order.

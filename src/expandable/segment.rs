@@ -21,6 +21,10 @@ pub const ROUND: u64 = 512;
 /// runs [`Segment::mapped_fit`] follows to larger free blocks.
 const PLACEMENT_RUNS: usize = 16;
 
+/// How many free blocks larger than the best fits [`Segment::mapped_fit`] lists, to find the idle runs that
+/// lie in one without looking each run's block up; with more it looks them up.
+const LARGER_BLOCKS: usize = 32;
+
 /// A placement inside a free block must save this fraction (1 / n) of a request's pages ([`Segment::min_saving`]).
 const INNER_PLACEMENT_DIVISOR: usize = 8;
 
@@ -127,7 +131,8 @@ impl Segment {
             }
             missing == 0
         };
-        for &(block_size, start) in self.free.range_from((size, 0)).take(candidates) {
+        let mut fits = self.free.range_from((size, 0));
+        for &(block_size, start) in fits.by_ref().take(candidates) {
             if consider(start, block_size) {
                 return best;
             }
@@ -135,14 +140,40 @@ impl Segment {
         if self.min_saving(size) == 0 || self.pages.idle_count() == 0 {
             return best;
         }
+        // The free blocks large enough that were not compared yet: a run of idle pages elsewhere leads to a
+        // block too small, or to one compared already, which would not change `best` (nor stop the search).
+        let mut larger = [(0, 0); LARGER_BLOCKS];
+        let mut found = 0;
+        for &(block_size, start) in fits.by_ref().take(LARGER_BLOCKS) {
+            larger[found] = (start, block_size);
+            found += 1;
+        }
+        if found == 0 {
+            return best;
+        }
+        let all_found = fits.next().is_none();
         // Every best fit by size needs pages: a larger free block may hold mapped pages the request can use
         // where they are. Idle pages lie in free blocks only, so the longest idle runs point at them.
         for run in self.longest_idle_runs() {
             let page_start = self.page_addr(run.start);
-            let Some((start, block)) = self.blocks.containing(page_start) else {
-                continue;
+            let (start, block_size) = if all_found {
+                // A run lies inside one free block (an idle page is touched by no occupied block).
+                match larger[..found]
+                    .iter()
+                    .find(|&&(start, block_size)| (start..start + block_size).contains(&page_start))
+                {
+                    Some(&block) => block,
+                    None => continue,
+                }
+            } else {
+                match self.blocks.containing(page_start) {
+                    Some((start, block)) if !block.is_occupied() && block.size >= size => {
+                        (start, block.size)
+                    }
+                    _ => continue,
+                }
             };
-            if !block.is_occupied() && block.size >= size && consider(start, block.size) {
+            if consider(start, block_size) {
                 break;
             }
         }
