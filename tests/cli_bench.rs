@@ -159,6 +159,10 @@ fn bench_threads_reports_pairs_per_thread_count_and_cached_allocation_latency() 
         // Each request's latency from its arrival includes its call's duration.
         assert!(call > 0 && from_arrival >= call, "{when}: {report}");
     }
+    assert!(
+        report["arrival_p99_ns_floor"].as_u64().is_some(),
+        "{report}"
+    );
     // The growing stream made driver calls (slept) while the latency was measured.
     assert!(report["growth_steps"].as_u64().unwrap() > 0, "{report}");
     assert_eq!(report["size_bytes"], 64 * 1024);

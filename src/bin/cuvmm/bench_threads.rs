@@ -12,7 +12,8 @@
 //!   arrived while the thread was held up (by an earlier request waiting for the lock, or by the host: on a
 //!   virtual machine that preempts it this has a floor of tens of microseconds even alone), and as the
 //!   allocation call's own duration (`cached_alloc_call_p99_ns_*`), which misses those. The first 50 ms,
-//!   with the other stream already growing, are not timed.
+//!   with the other stream already growing, are not timed. `arrival_p99_ns_floor` is the same paced loop
+//!   making no request: the machine's own share.
 //!
 //! Each measurement runs `--millis` per repetition; medians over `--repetitions` are reported.
 
@@ -85,6 +86,9 @@ struct Report {
     /// The allocation call's own duration.
     cached_alloc_call_p99_ns_during_growth: u64,
     cached_alloc_call_p99_ns_idle: u64,
+    /// The same paced loop from arrival with no request at all: what the machine alone adds (a host that
+    /// preempts the thread).
+    arrival_p99_ns_floor: u64,
     /// Growth steps (20 MiB allocations, each creating and mapping handles) the growing stream made per
     /// repetition, median.
     growth_steps: u64,
@@ -157,8 +161,9 @@ fn measure(args: &BenchThreadsArgs, config: &Config) -> Result<Report, cuvmm::Er
             speedup: rate / one,
         });
     }
-    let (mut during, mut idle) = (Vec::new(), Vec::new());
+    let (mut during, mut idle, mut floor) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..args.repetitions {
+        floor.push(arrival_floor(run));
         during.push(cached_p99(&allocator(config, true)?, args.size, run, true)?);
         idle.push(cached_p99(
             &allocator(config, true)?,
@@ -174,6 +179,7 @@ fn measure(args: &BenchThreadsArgs, config: &Config) -> Result<Report, cuvmm::Er
         cached_alloc_p99_ns_idle: of(&idle, |l| l.p99_from_arrival),
         cached_alloc_call_p99_ns_during_growth: of(&during, |l| l.p99),
         cached_alloc_call_p99_ns_idle: of(&idle, |l| l.p99),
+        arrival_p99_ns_floor: median(floor),
         growth_steps: of(&during, |l| l.growth_steps),
         size_bytes: args.size,
         millis: args.millis,
@@ -292,6 +298,22 @@ fn cached_p99(
     })
 }
 
+/// The 99th percentile, from arrival, of requests that do nothing, paced as in [`cached_p99`].
+fn arrival_floor(run: Duration) -> u64 {
+    let requests = (run.as_nanos() / ARRIVAL.as_nanos()) as usize;
+    let mut from_arrival = Vec::with_capacity(requests);
+    let began = Instant::now();
+    for k in 0..requests {
+        let arrival = began + ARRIVAL * k as u32;
+        while Instant::now() < arrival {
+            std::hint::spin_loop();
+        }
+        std::hint::black_box(k);
+        from_arrival.push(arrival.elapsed().as_nanos() as u64);
+    }
+    p99(from_arrival)
+}
+
 /// The 99th percentile.
 fn p99(mut values: Vec<u64>) -> u64 {
     values.sort_unstable();
@@ -326,11 +348,13 @@ fn table(report: &Report) -> String {
     }
     out += &format!(
         "\ncached allocation p99 from arrival (a request every {} us): {} ns idle, {} ns while another stream \
-         grows; the call alone: {} ns idle, {} ns while another stream grows\n({} growth steps of 20 MiB per \
-         run; driver calls sleep their modelled latency, an estimate)\n",
+         grows (this machine's floor, requests that do nothing: {} ns); the call alone: {} ns idle, {} ns while \
+         another stream grows\n({} growth steps of 20 MiB per run; driver calls sleep their modelled latency, \
+         an estimate)\n",
         ARRIVAL.as_micros(),
         report.cached_alloc_p99_ns_idle,
         report.cached_alloc_p99_ns_during_growth,
+        report.arrival_p99_ns_floor,
         report.cached_alloc_call_p99_ns_idle,
         report.cached_alloc_call_p99_ns_during_growth,
         report.growth_steps
