@@ -37,7 +37,7 @@ fn entry(action: &str, addr: u64, size: u64) -> V {
 
 /// A PyTorch snapshot of one device: a 1.5 MiB and a 3 MiB allocation live together, then the first is
 /// freed and a 4 MiB one made. Peak live 7 MiB, so the lower bound is 8 MiB with 2 MiB pages.
-fn tiny_snapshot() -> PathBuf {
+fn tiny_snapshot(test: &str) -> PathBuf {
     let base = 0x7f00_0000_0000u64;
     let events = vec![
         entry("alloc", base, 3 * MIB / 2),
@@ -50,7 +50,11 @@ fn tiny_snapshot() -> PathBuf {
         ("segments", V::List(vec![])),
         ("device_traces", V::List(vec![V::List(events)])),
     ]);
-    let path = scratch("tiny.pickle");
+    // A directory per test: the tests run in parallel, and rewriting one file while another's run reads it
+    // made that run read an empty file.
+    let dir = scratch(test);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.pickle");
     let mut bytes = Vec::new();
     serde_pickle::value_to_writer(&mut bytes, &snapshot, SerOptions::new()).unwrap();
     std::fs::write(&path, bytes).unwrap();
@@ -59,7 +63,7 @@ fn tiny_snapshot() -> PathBuf {
 
 #[test]
 fn capacity_prints_json_per_trace_and_allocator() {
-    let trace = tiny_snapshot();
+    let trace = tiny_snapshot("capacity_prints_json_per_trace_and_allocator");
     let out = cuvmm(&[
         "capacity",
         "--trace",
@@ -92,7 +96,7 @@ fn capacity_prints_json_per_trace_and_allocator() {
 
 #[test]
 fn capacity_table_has_a_row_per_allocator_asked_for() {
-    let trace = tiny_snapshot();
+    let trace = tiny_snapshot("capacity_table_has_a_row_per_allocator_asked_for");
     let out = cuvmm(&[
         "capacity",
         "--trace",
@@ -118,7 +122,7 @@ fn capacity_bad_input_exits_2_with_one_line_naming_it() {
     let missing = scratch("no-such-trace.pickle");
     let not_a_trace = scratch("hello.txt");
     std::fs::write(&not_a_trace, "hello").unwrap();
-    let trace = tiny_snapshot();
+    let trace = tiny_snapshot("capacity_bad_input_exits_2_with_one_line_naming_it");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["--trace", missing.to_str().unwrap()],

@@ -15,8 +15,10 @@ fn scratch(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-/// A small trace in cuvmm's format whose frees leave holes: 60 MiB live at the peak.
-fn trace() -> PathBuf {
+/// A small trace in cuvmm's format whose frees leave holes: 60 MiB live at the peak. Each test writes its
+/// own copy (`test`): the tests run in parallel, and rewriting one file while another's run reads it
+/// made that run read an empty file.
+fn trace(test: &str) -> PathBuf {
     let mut text = String::from("# cuvmm-trace v1\nname holes\n");
     let mib = 1 << 20;
     for i in 0..6 {
@@ -26,14 +28,14 @@ fn trace() -> PathBuf {
         text.push_str(&format!("free {i}\n"));
     }
     text.push_str(&format!("alloc 10 {} 0\nfree 10\n", 22 * mib));
-    let path = scratch("holes.trace");
+    let path = scratch(&format!("holes-{test}.trace"));
     std::fs::write(&path, text).unwrap();
     path
 }
 
 #[test]
 fn json_has_every_allocator_from_the_lower_bound_to_80_gib() {
-    let path = trace();
+    let path = trace("json_has_every_allocator_from_the_lower_bound_to_80_gib");
     let out = cuvmm(&[
         "frontier",
         "--trace",
@@ -92,7 +94,7 @@ fn json_has_every_allocator_from_the_lower_bound_to_80_gib() {
 
 #[test]
 fn table_and_plot() {
-    let path = trace();
+    let path = trace("table_and_plot");
     let svg = scratch("frontier.svg");
     let out = cuvmm(&[
         "frontier",
@@ -121,7 +123,7 @@ fn bad_input_is_status_2_with_one_line() {
     let out = cuvmm(&["frontier", "--trace", "/nonexistent/x.trace"]);
     assert_eq!(out.status.code(), Some(2));
     assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
-    let path = trace();
+    let path = trace("bad_input_is_status_2_with_one_line");
     let out = cuvmm(&[
         "frontier",
         "--trace",

@@ -272,22 +272,16 @@ fn cached_p99(
         while settling.elapsed() < SETTLE {
             drop(alloc.alloc_on(size, stream)?);
         }
-        let requests = (run.as_nanos() / ARRIVAL.as_nanos()) as usize;
-        let mut service = Vec::with_capacity(requests);
-        let mut from_arrival = Vec::with_capacity(requests);
-        let began = Instant::now();
-        for k in 0..requests {
-            let arrival = began + ARRIVAL * k as u32;
-            while Instant::now() < arrival {
-                std::hint::spin_loop();
-            }
+        let (mut service, mut from_arrival) = (Vec::new(), Vec::new());
+        paced(run, |arrival| {
             let called = Instant::now();
             let buffer = alloc.alloc_on(size, stream)?;
             let done = Instant::now();
             service.push((done - called).as_nanos() as u64);
             from_arrival.push((done - arrival).as_nanos() as u64);
             drop(buffer);
-        }
+            Ok::<(), cuvmm::Error>(())
+        })?;
         stop.store(true, Ordering::Relaxed);
         let steps = grower.join().expect("the growing thread panicked")?;
         Ok(Latency {
@@ -300,18 +294,27 @@ fn cached_p99(
 
 /// The 99th percentile, from arrival, of requests that do nothing, paced as in [`cached_p99`].
 fn arrival_floor(run: Duration) -> u64 {
-    let requests = (run.as_nanos() / ARRIVAL.as_nanos()) as usize;
-    let mut from_arrival = Vec::with_capacity(requests);
+    let mut from_arrival = Vec::new();
+    paced(run, |arrival| {
+        from_arrival.push(arrival.elapsed().as_nanos() as u64);
+        Ok::<(), std::convert::Infallible>(())
+    })
+    .unwrap_or_else(|never| match never {});
+    p99(from_arrival)
+}
+
+/// Runs `request` once per [`ARRIVAL`] for `run`, each call given its arrival time; a request that comes late
+/// (the previous one, or the host, held the thread up) runs at once.
+fn paced<E>(run: Duration, mut request: impl FnMut(Instant) -> Result<(), E>) -> Result<(), E> {
     let began = Instant::now();
-    for k in 0..requests {
-        let arrival = began + ARRIVAL * k as u32;
+    for k in 0..(run.as_nanos() / ARRIVAL.as_nanos()) as u32 {
+        let arrival = began + ARRIVAL * k;
         while Instant::now() < arrival {
             std::hint::spin_loop();
         }
-        std::hint::black_box(k);
-        from_arrival.push(arrival.elapsed().as_nanos() as u64);
+        request(arrival)?;
     }
-    p99(from_arrival)
+    Ok(())
 }
 
 /// The 99th percentile.
