@@ -98,8 +98,12 @@ impl<D: Driver> Expandable<D> {
         stream: StreamId,
         pool: Pool,
     ) -> Result<(usize, u64, bool), Error> {
+        let whole_pages = self.whole_pages(size, pool);
         let mut best: Option<((usize, u64), usize, u64)> = None;
         for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+            if self.segment(slot).whole_pages != whole_pages {
+                continue;
+            }
             if let Some((missing, block_size, addr)) =
                 self.segment(slot).mapped_fit(size, FIT_CANDIDATES)
                 && best.is_none_or(|(key, ..)| (missing, block_size) < key)
@@ -137,7 +141,7 @@ impl<D: Driver> Expandable<D> {
         if let Some((_, slot, addr)) = best {
             return Ok((slot, addr, false));
         }
-        let slot = self.reserve_segment(stream, pool, size)?;
+        let slot = self.reserve_segment(stream, pool, whole_pages, size)?;
         let (_, addr) = self
             .segment(slot)
             .best_fit(size)
@@ -197,16 +201,25 @@ impl<D: Driver> Expandable<D> {
         stream: StreamId,
         pool: Pool,
     ) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
+        let whole_pages = self.whole_pages(size, pool);
         self.segments
             .iter()
             .enumerate()
             .filter_map(move |(slot, seg)| {
-                let seg = seg
-                    .as_ref()
-                    .filter(|s| s.pool == pool && s.stream != stream)?;
+                let seg = seg.as_ref().filter(|s| {
+                    s.pool == pool && s.stream != stream && s.whole_pages == whole_pages
+                })?;
                 let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
                 Some((block_size, slot, addr))
             })
+    }
+
+    /// Whether a request of `size` bytes (rounded) in `pool` goes to segments of whole-page requests:
+    /// under `compaction:eager`, large-pool requests that are a multiple of the page size.
+    fn whole_pages(&self, size: u64, pool: Pool) -> bool {
+        self.config.compaction == Compaction::Eager
+            && pool == Pool::Large
+            && size.is_multiple_of(self.page_size)
     }
 
     /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An
@@ -225,6 +238,7 @@ impl<D: Driver> Expandable<D> {
         &mut self,
         stream: StreamId,
         pool: Pool,
+        whole_pages: bool,
         min_size: u64,
     ) -> Result<usize, Error> {
         let wanted = self
@@ -250,7 +264,7 @@ impl<D: Driver> Expandable<D> {
                 self.segments.len() - 1
             }
         };
-        self.segments[slot] = Some(Segment::new(va, stream, pool, self.page_size));
+        self.segments[slot] = Some(Segment::new(va, stream, pool, whole_pages, self.page_size));
         self.by_addr.insert(va.start, slot);
         self.by_key.entry((stream, pool)).or_default().push(slot);
         self.counters.segment.add(pool, 1);

@@ -45,6 +45,8 @@ pub(crate) struct Segment {
     pub va: VaRange,
     pub stream: StreamId,
     pub pool: Pool,
+    /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
+    pub whole_pages: bool,
     pub pages: PageMap,
     /// When a block of this segment was last freed (the allocator's free clock): reclaiming under pressure
     /// takes the idle pages of the segments freed longest ago first.
@@ -59,7 +61,13 @@ pub(crate) struct Segment {
 
 impl Segment {
     /// A segment over `va`, one free block covering all of it.
-    pub fn new(va: VaRange, stream: StreamId, pool: Pool, page_size: u64) -> Self {
+    pub fn new(
+        va: VaRange,
+        stream: StreamId,
+        pool: Pool,
+        whole_pages: bool,
+        page_size: u64,
+    ) -> Self {
         let page_count = (va.size / page_size) as usize;
         let pages = PageMap::new(page_count, page_size);
         let blocks = Blocks::new(va.start, page_count, page_size, Block::free(va.size));
@@ -67,6 +75,7 @@ impl Segment {
             va,
             stream,
             pool,
+            whole_pages,
             pages,
             last_free: 0,
             blocks,
