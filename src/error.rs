@@ -89,7 +89,7 @@ pub enum InvariantViolation {
         /// Where it starts.
         found: u64,
     },
-    /// A block is not aligned to the allocator's rounding.
+    /// A block is not aligned to the allocator's rounding (to a page in a segment of whole-page requests).
     #[error("block at {addr:#x} is not {align}-byte aligned")]
     Misaligned {
         /// Address of the block.

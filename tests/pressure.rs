@@ -166,3 +166,42 @@ fn by_default_growth_takes_chunks_up_to_the_budget() {
     }
     assert_eq!(a.stats().reserved_bytes.current, 100 * PAGE);
 }
+
+/// Under `compaction:eager`, a request of whole pages is placed among whole-page blocks only, so it starts
+/// on a page boundary and shares no page: a temporary freed next to a block that outlives it leaves no page
+/// half used. Packed behind a block of 1.5 pages instead (the placement before), the kept block kept a
+/// page of the freed temporary's: 10 pages reserved where 9 serve these blocks.
+#[test]
+fn eager_places_whole_page_requests_on_pages_of_their_own() {
+    let eager = Config::default().with_compaction(Compaction::Eager);
+    let mut a = expandable_with(PAGE, 1000, eager, false);
+    let step = |a: &mut dyn Strategy, size: u64| {
+        let addr = a.alloc(size, S0).unwrap();
+        a.check_invariants().unwrap();
+        addr
+    };
+    step(&mut a, 3 * PAGE / 2);
+    let temporary = step(&mut a, 2 * PAGE);
+    let kept = step(&mut a, 2 * PAGE);
+    a.free(temporary).unwrap();
+    a.check_invariants().unwrap();
+    // Needs new pages: takes the temporary's idle ones first, then creates the rest.
+    let grown = step(&mut a, 5 * PAGE);
+    // 2 pages for 1.5, 2 for 2 and 5 for 5: nothing else stays mapped.
+    assert_eq!(a.stats().reserved_bytes.current, 9 * PAGE);
+    assert_eq!(a.stats().reserved_bytes.peak, 9 * PAGE);
+    for addr in [temporary, kept, grown] {
+        assert_eq!(addr % PAGE, 0, "{addr:#x}");
+    }
+}
+
+/// Under `compaction:pressure` (the default) the classes are not kept apart: whole-page requests pack
+/// behind the others, as before.
+#[test]
+fn under_pressure_whole_page_requests_share_segments_with_the_others() {
+    let mut a = expandable_with(PAGE, 1000, Config::default(), false);
+    let first = a.alloc(3 * PAGE / 2, S0).unwrap();
+    let whole = a.alloc(2 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(whole, first + 3 * PAGE / 2);
+}

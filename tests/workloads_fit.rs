@@ -2,14 +2,19 @@
 //! out-of-memory on a device of the workload's peak live bytes plus 5%, every invariant holding along the
 //! way; with `compaction:eager`, also with utilization (peak allocated over peak reserved) of at least 0.97.
 //!
+//! Issue 16's goal for `compaction:eager`: at 80 GiB, utilization of at least 0.99 on every built-in
+//! workload and every trace in `../shared/traces` with at least 1 GiB live.
+//!
 //! The streams issue's goal too: every built-in multi-stream workload (a name with "stream" in it) does so
 //! with cross-stream reuse on and off.
 #![cfg(feature = "lab")]
 
 use cuvmm::Config;
 use cuvmm::config::Compaction;
+use cuvmm::size::GIB;
 use cuvmm::size::{MIB, round_up};
-use cuvmm::trace::{ReplayOptions, allocators, replay, workload};
+use cuvmm::trace::{ReplayOptions, Trace, allocators, load, replay, workload};
+use std::path::Path;
 
 const PAGE: u64 = 2 * MIB;
 
@@ -76,4 +81,57 @@ fn every_multi_stream_workload_fits_with_and_without_cross_stream_reuse() {
             }
         }
     }
+}
+
+/// `trace`'s utilization at 80 GiB with `compaction:eager`, if it has at least 1 GiB live.
+fn eager_utilization_at_80_gib(trace: &Trace) -> Option<f64> {
+    if trace.peak_live_bytes() < GIB {
+        return None;
+    }
+    let eager = Config::default().with_compaction(Compaction::Eager);
+    let mut strategy =
+        allocators::build_with("cuvmm", 80 * GIB, PAGE, &eager).expect("cuvmm builds");
+    let result = replay(strategy.as_mut(), trace, &ReplayOptions::default()).expect("replay");
+    assert_eq!(result.ooms, 0, "{}", trace.name);
+    Some(result.utilization)
+}
+
+#[test]
+fn with_eager_compaction_utilization_at_80_gib_is_at_least_0_99() {
+    let mut traces: Vec<Trace> = workload::BUILTIN
+        .iter()
+        .map(|name| workload::generate(name, workload::DEFAULT_SEED).expect("built-in workload"))
+        .collect();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
+    match std::fs::read_dir(&dir) {
+        Ok(read) => {
+            let mut files: Vec<_> = read
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.to_string_lossy().ends_with(".pickle") || p.to_string_lossy().ends_with(".gz")
+                })
+                .collect();
+            files.sort();
+            for file in files {
+                traces.extend(load::load(&file, None).unwrap_or_else(|e| panic!("{e}")));
+            }
+        }
+        Err(_) => println!("shared traces skipped: {} is absent", dir.display()),
+    }
+    let mut measured = 0;
+    for trace in &traces {
+        if let Some(utilization) = eager_utilization_at_80_gib(trace) {
+            println!("{}: {utilization:.4}", trace.name);
+            assert!(
+                utilization >= 0.99,
+                "{}: utilization {utilization:.4}",
+                trace.name
+            );
+            measured += 1;
+        }
+    }
+    assert!(
+        measured >= workload::BUILTIN.len() - 1,
+        "{measured} traces with 1 GiB live"
+    );
 }

@@ -89,7 +89,7 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
-    /// `(stream, pool)`, unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
+    /// `(stream, pool)` of the request's class ([`Self::whole_pages`]), unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
     /// stream's segment; a new segment when none fits. Returns the segment's slot, the block's address, and
     /// whether the block is borrowed from another stream's segment.
     fn find_block(
@@ -214,8 +214,10 @@ impl<D: Driver> Expandable<D> {
             })
     }
 
-    /// Whether a request of `size` bytes (rounded) in `pool` goes to segments of whole-page requests:
-    /// under `compaction:eager`, large-pool requests that are a multiple of the page size.
+    /// Whether a request of `size` bytes (rounded) in `pool` goes to the segments of whole-page requests
+    /// rather than to the others: under `compaction:eager`, large-pool requests of a multiple of the page
+    /// size. Placed among their own kind only, such blocks start and end on page boundaries, so none of
+    /// them keeps a page that another block freed (see "Compaction" in `docs/DESIGN.md`).
     fn whole_pages(&self, size: u64, pool: Pool) -> bool {
         self.config.compaction == Compaction::Eager
             && pool == Pool::Large

@@ -53,8 +53,10 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     found: addr,
                 });
             }
-            if addr % ROUND != 0 || block.size % ROUND != 0 || block.size == 0 {
-                return Err(V::Misaligned { addr, align: ROUND });
+            // A segment of whole-page requests is tiled by whole pages: no block shares a page.
+            let align = if seg.whole_pages { a.page_size } else { ROUND };
+            if addr % align != 0 || block.size % align != 0 || block.size == 0 {
+                return Err(V::Misaligned { addr, align });
             }
             expected = addr + block.size;
             match block.state {
