@@ -217,11 +217,11 @@ impl<D: Driver> Expandable<D> {
     /// Whether a request of `size` bytes (rounded) in `pool` goes to the segments of whole-page requests
     /// rather than to the others: under `compaction:eager`, large-pool requests of a multiple of the page
     /// size. Placed among their own kind only, such blocks start and end on page boundaries, so none of
-    /// them keeps a page that another block freed (see "Compaction" in `docs/DESIGN.md`).
+    /// them keeps a page that another block freed (`docs/DESIGN.md`, "Whole pages apart").
     fn whole_pages(&self, size: u64, pool: Pool) -> bool {
         self.config.compaction == Compaction::Eager
             && pool == Pool::Large
-            && size.is_multiple_of(self.page_size)
+            && size % self.page_size == 0
     }
 
     /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An
