@@ -1,7 +1,8 @@
 //! Model-based property test of the expandable allocator (sharded-slab style).
 //!
 //! Weighted random sequences of alloc / free / empty_cache / trim over three streams and two
-//! granularities are applied to the allocator and to a `BTreeMap` model of live allocations.
+//! granularities are applied to the allocator and to a `BTreeMap` model of live allocations, under
+//! `compaction:pressure` (the default) and `compaction:eager` (whole-page requests in segments apart).
 //! Properties checked after every step:
 //! - live allocations never overlap and are 512 B aligned;
 //! - `allocated_bytes`, `requested_bytes` and `allocation` equal the model's sums;
@@ -13,7 +14,8 @@
 
 mod common;
 
-use cuvmm::{Error, Strategy as _, StreamId};
+use cuvmm::config::Compaction;
+use cuvmm::{Config, Error, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
@@ -40,9 +42,13 @@ fn action(max_size: u64) -> impl Strategy<Value = Action> {
     ]
 }
 
-fn run(granularity: u64, pages: u64, actions: Vec<Action>) {
-    let small = 16 * ROUND;
-    let mut alloc = common::expandable(granularity, pages, small, false);
+fn run(granularity: u64, pages: u64, actions: Vec<Action>, compaction: Compaction) {
+    let config = Config {
+        small_size: 16 * ROUND,
+        ..Config::default()
+    }
+    .with_compaction(compaction);
+    let mut alloc = common::expandable_with(granularity, pages, config, false);
     let capacity = granularity * pages;
     let mut model: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
     for action in actions {
@@ -133,11 +139,21 @@ proptest! {
 
     #[test]
     fn small_pages(actions in prop::collection::vec(action(24 * 4096), 1..250)) {
-        run(4096, 64, actions);
+        run(4096, 64, actions, Compaction::Pressure);
+    }
+
+    #[test]
+    fn small_pages_eager(actions in prop::collection::vec(action(24 * 4096), 1..250)) {
+        run(4096, 64, actions, Compaction::Eager);
     }
 
     #[test]
     fn large_pages(actions in prop::collection::vec(action(20 << 16), 1..250)) {
-        run(1 << 16, 48, actions);
+        run(1 << 16, 48, actions, Compaction::Pressure);
+    }
+
+    #[test]
+    fn large_pages_eager(actions in prop::collection::vec(action(20 << 16), 1..250)) {
+        run(1 << 16, 48, actions, Compaction::Eager);
     }
 }
