@@ -205,3 +205,24 @@ fn under_pressure_whole_page_requests_share_segments_with_the_others() {
     a.check_invariants().unwrap();
     assert_eq!(whole, first + 3 * PAGE / 2);
 }
+
+/// Under `compaction:eager`, a whole-page request that would need pages among its own kind takes idle whole
+/// pages of another block's hole where they are: no unmap, no map, and still on pages of its own.
+#[test]
+fn eager_serves_whole_pages_in_place_from_the_holes_of_other_blocks() {
+    let eager = Config::default().with_compaction(Compaction::Eager);
+    let mut a = expandable_with(PAGE, 1000, eager, false);
+    let first = a.alloc(3 * PAGE / 2, S0).unwrap();
+    let freed = a.alloc(9 * PAGE / 2, S0).unwrap();
+    a.alloc(3 * PAGE / 2, S0).unwrap();
+    a.free(freed).unwrap();
+    a.check_invariants().unwrap();
+    // The hole runs from 1.5 pages to 6: pages 2 to 5 are idle.
+    let maps = a.driver().counters().get(Op::Map);
+    let whole = a.alloc(4 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(whole, first + 2 * PAGE);
+    assert_eq!(a.driver().counters().get(Op::Map), maps);
+    assert_eq!(a.driver().counters().get(Op::Unmap), 0);
+    assert_eq!(a.stats().num_synchronizations, 0);
+}

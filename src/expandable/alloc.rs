@@ -89,7 +89,8 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
-    /// `(stream, pool)` of the request's class ([`Self::whole_pages`]), unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
+    /// `(stream, pool)` of the request's class ([`Self::whole_pages`]; a whole-page request that would need
+    /// pages there takes mapped whole pages of the other segments if they have some), unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another
     /// stream's segment; a new segment when none fits. Returns the segment's slot, the block's address, and
     /// whether the block is borrowed from another stream's segment.
     fn find_block(
@@ -105,10 +106,27 @@ impl<D: Driver> Expandable<D> {
                 continue;
             }
             if let Some((missing, block_size, addr)) =
-                self.segment(slot).mapped_fit(size, FIT_CANDIDATES)
+                self.segment(slot).mapped_fit(size, FIT_CANDIDATES, false)
                 && best.is_none_or(|(key, ..)| (missing, block_size) < key)
             {
                 best = Some(((missing, block_size), slot, addr));
+            }
+        }
+        if whole_pages && best.is_none_or(|((missing, _), ..)| missing > 0) {
+            // Pages mapped in the other segments serve it where they are, on whole pages of a free block
+            // (so it still shares no page), rather than be unmapped and mapped again.
+            let mut in_place: Option<(u64, usize, u64)> = None;
+            for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+                if !self.segment(slot).whole_pages
+                    && let Some((0, block_size, addr)) =
+                        self.segment(slot).mapped_fit(size, FIT_CANDIDATES, true)
+                    && in_place.is_none_or(|(smallest, ..)| block_size < smallest)
+                {
+                    in_place = Some((block_size, slot, addr));
+                }
+            }
+            if let Some((block_size, slot, addr)) = in_place {
+                best = Some(((0, block_size), slot, addr));
             }
         }
         let mut own_missing = best.map_or(usize::MAX, |((missing, _), ..)| missing);
@@ -120,7 +138,7 @@ impl<D: Driver> Expandable<D> {
             // Growing would pass the budget: every free block is worth comparing by the pages it needs.
             for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
                 if let Some((missing, block_size, addr)) =
-                    self.segment(slot).mapped_fit(size, usize::MAX)
+                    self.segment(slot).mapped_fit(size, usize::MAX, false)
                     && best.is_none_or(|(key, ..)| (missing, block_size) < key)
                 {
                     best = Some(((missing, block_size), slot, addr));
@@ -216,8 +234,9 @@ impl<D: Driver> Expandable<D> {
 
     /// Whether a request of `size` bytes (rounded) in `pool` goes to the segments of whole-page requests
     /// rather than to the others: under `compaction:eager`, large-pool requests of a multiple of the page
-    /// size. Placed among their own kind only, such blocks start and end on page boundaries, so none of
-    /// them keeps a page that another block freed (`docs/DESIGN.md`, "Whole pages apart").
+    /// size. Placed among their own kind, or on whole pages of the others' free blocks, such blocks start
+    /// and end on page boundaries, so none of them keeps a page that another block freed (`docs/DESIGN.md`,
+    /// "Whole pages apart").
     fn whole_pages(&self, size: u64, pool: Pool) -> bool {
         self.config.compaction == Compaction::Eager
             && pool == Pool::Large

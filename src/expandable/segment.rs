@@ -130,11 +130,25 @@ impl Segment {
     /// The placement of `size` bytes that needs the fewest pages mapped, among the `candidates` best-fitting
     /// free blocks and, if each of those needs pages, the free blocks around the [`PLACEMENT_RUNS`] longest
     /// idle runs: `(missing pages, block size, address)`, ties to the smaller block. The address may lie
-    /// inside the block ([`Segment::placement`]). Stops at the first placement that needs no page.
-    pub fn mapped_fit(&self, size: u64, candidates: usize) -> Option<(usize, u64, u64)> {
+    /// inside the block ([`Segment::placement`]). Stops at the first placement that needs no page. With
+    /// `whole_pages`, only the whole pages of each free block are used (for a request of whole pages, which
+    /// then shares no page).
+    pub fn mapped_fit(
+        &self,
+        size: u64,
+        candidates: usize,
+        whole_pages: bool,
+    ) -> Option<(usize, u64, u64)> {
         let mut best: Option<(usize, u64, u64)> = None;
         let mut consider = |start: u64, block_size: u64| {
-            let (missing, addr) = self.placement(start, block_size, size);
+            let (inner, inner_size) = match whole_pages {
+                true => match self.whole_pages_of(start, block_size) {
+                    Some((inner, inner_size)) if inner_size >= size => (inner, inner_size),
+                    _ => return false,
+                },
+                false => (start, block_size),
+            };
+            let (missing, addr) = self.placement(inner, inner_size, size);
             if best.is_none_or(|b| (missing, block_size) < (b.0, b.1)) {
                 best = Some((missing, block_size, addr));
             }
@@ -187,6 +201,14 @@ impl Segment {
             }
         }
         best
+    }
+
+    /// The whole pages of the free block `start .. start + block_size`: `(address, size)`, if it holds one.
+    fn whole_pages_of(&self, start: u64, block_size: u64) -> Option<(u64, u64)> {
+        let page = self.pages.page_size();
+        let lo = self.va.start + (start - self.va.start).next_multiple_of(page);
+        let hi = self.va.start + (start + block_size - self.va.start) / page * page;
+        (hi > lo).then(|| (lo, hi - lo))
     }
 
     /// The [`PLACEMENT_RUNS`] longest runs of idle pages, longest first, ties to the lower address.

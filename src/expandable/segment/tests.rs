@@ -32,10 +32,33 @@ fn a_request_goes_where_the_mapped_pages_of_a_free_block_are() {
     let seg = segment(64, 20..36);
     // At the block's start all 16 pages would be missing; at page 20, none.
     assert_eq!(seg.placement(BASE, 64 * PAGE, 16 * PAGE), (0, page(20)));
-    assert_eq!(seg.mapped_fit(16 * PAGE, 8), Some((0, 64 * PAGE, page(20))));
+    assert_eq!(
+        seg.mapped_fit(16 * PAGE, 8, false),
+        Some((0, 64 * PAGE, page(20)))
+    );
     // Longer than the run: the window ends where the run ends or starts where it starts, and the lowest
     // address wins the tie.
     assert_eq!(seg.placement(BASE, 64 * PAGE, 24 * PAGE), (8, page(12)));
+}
+
+#[test]
+fn on_whole_pages_a_request_skips_the_partial_pages_of_its_free_block() {
+    // A live block of half a page at the start: the free block after it begins mid-page 0.
+    let mut seg = segment(16, 0..4);
+    seg.carve(BASE, PAGE / 2, PAGE / 2);
+    // Packed, 2 pages go at the free block's start and touch pages 0..3, 3 of them mapped (page 0 shared).
+    assert_eq!(
+        seg.mapped_fit(2 * PAGE, 8, false),
+        Some((0, 15 * PAGE + PAGE / 2, page(0) + PAGE / 2))
+    );
+    // On whole pages they start at page 1 and touch pages 1 and 2 only.
+    assert_eq!(
+        seg.mapped_fit(2 * PAGE, 8, true),
+        Some((0, 15 * PAGE + PAGE / 2, page(1)))
+    );
+    // A free block with no whole page in it fits nothing on whole pages.
+    seg.carve(page(1), 15 * PAGE, 15 * PAGE);
+    assert_eq!(seg.mapped_fit(PAGE / 4, 8, true), None);
 }
 
 #[test]
@@ -54,7 +77,7 @@ fn small_requests_and_small_savings_stay_at_the_block_start() {
 #[test]
 fn carving_inside_a_free_block_leaves_free_blocks_on_both_sides() {
     let mut seg = segment(64, 20..36);
-    let (_, _, addr) = seg.mapped_fit(16 * PAGE, 8).unwrap();
+    let (_, _, addr) = seg.mapped_fit(16 * PAGE, 8, false).unwrap();
     seg.carve(addr, 16 * PAGE, 16 * PAGE - 100);
     let blocks: Vec<(u64, u64, bool)> = seg
         .blocks()
@@ -89,7 +112,7 @@ fn a_larger_block_with_idle_pages_beats_the_best_fits_that_need_pages() {
     }
     // The 8 best fits by size are unmapped 16-page blocks; the idle run points at the larger block.
     assert_eq!(
-        seg.mapped_fit(16 * PAGE, 8),
+        seg.mapped_fit(16 * PAGE, 8, false),
         Some((0, 67 * PAGE, page(180)))
     );
 }
