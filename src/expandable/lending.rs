@@ -39,14 +39,7 @@ impl<D: Driver> Expandable<D> {
         if self.chunks.is_empty() || !self.lending {
             return Ok(0);
         }
-        let mut order: Vec<usize> = (0..self.segments.len())
-            .filter(|&slot| {
-                self.segments[slot]
-                    .as_ref()
-                    .is_some_and(|seg| seg.pages.idle_count() > 0)
-            })
-            .collect();
-        order.sort_by_key(|&slot| self.segment(slot).last_free);
+        let order = self.segments_with_idle_pages();
         let mut lent = 0;
         for slot in order {
             if lent >= count {

@@ -152,16 +152,7 @@ impl<D: Driver> Expandable<D> {
         wait: Wait,
         compacting: &mut Compacting,
     ) -> Result<usize, Error> {
-        let mut order: Vec<usize> = (0..self.segments.len())
-            .filter(|&slot| {
-                self.segments[slot]
-                    .as_ref()
-                    .is_some_and(|seg| seg.pages.idle_count() > 0)
-            })
-            .collect();
-        if self.config.compaction == Compaction::Pressure {
-            order.sort_by_key(|&slot| self.segment(slot).last_free);
-        }
+        let order = self.segments_with_idle_pages();
         let mut gained = 0;
         for slot in order {
             if gained >= count {
@@ -190,6 +181,22 @@ impl<D: Driver> Expandable<D> {
             }
         }
         Ok(gained)
+    }
+
+    /// The segments with idle pages, in the order compaction takes them: by slot under `compaction:eager`,
+    /// by when a block of theirs was last freed (oldest first) under pressure.
+    pub(super) fn segments_with_idle_pages(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.segments.len())
+            .filter(|&slot| {
+                self.segments[slot]
+                    .as_ref()
+                    .is_some_and(|seg| seg.pages.idle_count() > 0)
+            })
+            .collect();
+        if self.config.compaction == Compaction::Pressure {
+            order.sort_by_key(|&slot| self.segment(slot).last_free);
+        }
+        order
     }
 
     /// Whether segment `slot` has an idle page that can be unmapped: one not in a chunk that a live block
