@@ -138,6 +138,11 @@ pub struct Config {
     /// single pages, which a job near its limit can move where they are needed; 0 makes chunks up to the
     /// budget, as PyTorch's expandable segments do.
     pub large_handle_headroom: f64,
+    /// Whether [`Compaction::Pressure`] may lend the idle pages of a chunk that a live block still touches
+    /// (`lend_chunk_pages`, default true): map them a second time, from their offset in the chunk, where a
+    /// request needs pages, instead of running out of memory with them stranded. Needs a driver that maps
+    /// part of a handle (`cuMemMap` with an offset, CUDA 12); one that cannot turns it off by itself.
+    pub lend_chunk_pages: bool,
 }
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
@@ -180,6 +185,7 @@ impl Default for Config {
             large_handle: DEFAULT_LARGE_HANDLE,
             stream_cache: DEFAULT_STREAM_CACHE,
             large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
+            lend_chunk_pages: true,
         }
     }
 }
@@ -241,7 +247,8 @@ impl Config {
     /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
     /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
-    /// `cross_stream_reuse` (`True`/`False`).
+    /// `cross_stream_reuse` and `lend_chunk_pages` (`True`/`False`), `compaction`, `reserve_budget_mb`,
+    /// `reserve_budget_fraction`, `large_handle_mb`, `large_handle_headroom`, `stream_cache_mb`.
     ///
     /// # Errors
     /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key

@@ -168,6 +168,13 @@ pub enum InvariantViolation {
         /// Address of the block.
         addr: u64,
     },
+    /// A lent page and the lending tables disagree: a lent block not at a page of a chunk's home group, a
+    /// second mapping whose chunk does not lend that page, or counts that do not match.
+    #[error("lent page at {addr:#x}: the lent blocks, second mappings and lenders disagree")]
+    LentPage {
+        /// Address of the lent block, second mapping or chunk group.
+        addr: u64,
+    },
     /// Streams are recorded as users of an address that is not the start of a live block, or the list
     /// names the block's own segment stream or a stream twice.
     #[error("stream uses recorded for {addr:#x} are not those of a live block")]

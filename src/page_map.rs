@@ -166,17 +166,23 @@ impl PageMap {
     ///
     /// # Panics
     /// If one of the pages is already mapped.
-    pub fn map_run(&mut self, start: usize, handles: &[PhysHandle]) {
-        let pages = start..start + handles.len();
+    pub fn map_run<I>(&mut self, start: usize, handles: I)
+    where
+        I: IntoIterator<Item = PhysHandle>,
+        I::IntoIter: ExactSizeIterator,
+    {
+        let handles = handles.into_iter();
+        let count = handles.len();
+        let pages = start..start + count;
         if let Some(page) = self.mapped.find(pages.clone(), true) {
             panic!("page {page} mapped twice");
         }
         self.cover(pages.end);
         self.mapped.fill(pages.clone(), true);
-        for (slot, &handle) in self.handles[pages.clone()].iter_mut().zip(handles) {
+        for (slot, handle) in self.handles[pages.clone()].iter_mut().zip(handles) {
             *slot = Some(handle);
         }
-        self.mapped_count += handles.len();
+        self.mapped_count += count;
         for page in pages {
             if self.users[page] == 0 {
                 self.set_idle(page, true);

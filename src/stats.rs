@@ -171,6 +171,9 @@ pub struct Stats {
     pub idle_handle_bytes: u64,
     /// Pages mapped with a handle that already existed instead of a new `cuMemCreate`.
     pub handles_reused: u64,
+    /// Physical bytes of chunks in use that are lent: mapped a second time where a request needed them,
+    /// under memory pressure (counted once, at home, in `reserved_bytes`).
+    pub lent_bytes: u64,
     /// Driver calls and their (estimated) time.
     pub driver: DriverCounters,
     /// Number of live and pending allocations (PyTorch `active`).
@@ -227,6 +230,7 @@ impl Stats {
             ("cuvmm.idle_mapped_bytes", self.idle_mapped_bytes),
             ("cuvmm.idle_handle_bytes", self.idle_handle_bytes),
             ("cuvmm.handles_reused", self.handles_reused),
+            ("cuvmm.lent_bytes", self.lent_bytes),
             ("cuvmm.driver_calls", self.driver.total()),
             ("cuvmm.driver_time_ns", self.driver.time_ns),
         ] {

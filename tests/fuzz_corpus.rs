@@ -257,7 +257,23 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
         pages,
         max_idle_bytes,
         small_size: 1024,
+        chunk_pages: 1,
     };
+    // Eight 4-page chunks fill the device, each kept in use by its last page only.
+    let mut stranded = Vec::new();
+    for _ in 0..8 {
+        stranded.extend([
+            Alloc {
+                size: 3 * PAGE,
+                stream: 0,
+            },
+            Alloc {
+                size: PAGE,
+                stream: 0,
+            },
+        ]);
+    }
+    stranded.extend((0..8).map(|pick| Free { pick }));
     let alloc = |size, stream| Alloc { size, stream };
     let fault = |op, n, kind| Fault { op, n, kind };
     let (err, oom) = (FaultKind::Error, FaultKind::OutOfMemory);
@@ -360,6 +376,34 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
                 fault(Op::MemInfo, 1, err),
                 alloc(12 * PAGE, 0),
             ],
+        ),
+        (
+            // Chunks whose idle pages a live page strands: lent to other streams (a `map` failing on
+            // the way), returned by `empty_cache` and `trim`, lent again.
+            "seed_lending",
+            Setup {
+                chunk_pages: 4,
+                ..setup(32, u64::MAX)
+            },
+            [
+                stranded,
+                vec![
+                    alloc(12 * PAGE, 1),
+                    fault(Op::Map, 3, err),
+                    alloc(8 * PAGE, 2),
+                    alloc(6 * PAGE, 2),
+                    Free { pick: 8 },
+                    Trim { pages: 3 },
+                    alloc(5 * PAGE, 0),
+                    Free { pick: 0 },
+                    Free { pick: 0 },
+                    EmptyCache,
+                    alloc(9 * PAGE, 2),
+                    fault(Op::Unmap, 1, err),
+                    EmptyCache,
+                ],
+            ]
+            .concat(),
         ),
     ]
 }

@@ -7,7 +7,7 @@
 
 use cuvmm::driver::sim::{FaultKind, LeakReport, SimConfig, SimDriver};
 use cuvmm::driver::{
-    Driver, DriverCounters, DriverError, Op, PhysHandle, VaRange, create_each_by_calls,
+    Driver, DriverCounters, DriverError, Op, PhysHandle, PhysPage, VaRange, create_each_by_calls,
     map_each_by_calls,
 };
 use cuvmm::size::KIB;
@@ -29,13 +29,14 @@ enum Step {
     MapOne { at: u64, pick: usize },
     /// `create_each` of `count` handles of `granules` granules.
     CreateEach { granules: u64, count: usize },
-    /// `map_each` at granule `at` (plus `skew` bytes) of `granules`-granule slots, of the handles picked
-    /// (a pick past the known handles is a handle the device never made).
+    /// `map_each` at granule `at` (plus `skew` bytes) of `granules`-granule slots, of the handles picked,
+    /// each from an offset of some granules (a pick past the known handles is a handle the device never
+    /// made; an offset past a handle's end is refused).
     MapEach {
         at: u64,
         skew: u64,
         granules: u64,
-        picks: Vec<usize>,
+        picks: Vec<(usize, u64)>,
     },
     /// The `n`-th next call of `create` or `map` fails.
     FailNth { map: bool, n: u64, oom: bool },
@@ -53,7 +54,7 @@ fn step() -> impl Strategy<Value = Step> {
             0..RESERVED + 2,
             prop_oneof![6 => Just(0u64), 1 => Just(4 * KIB)],
             1..3u64,
-            prop::collection::vec(0..14usize, 0..8),
+            prop::collection::vec((0..14usize, prop_oneof![4 => Just(0u64), 1 => 1..3u64]), 0..8),
         )
             .prop_map(|(at, skew, granules, picks)| Step::MapEach {
                 at,
@@ -142,11 +143,17 @@ impl Twin {
                 picks,
             } => {
                 let va = self.reserved.start + at * G + skew;
-                let handles: Vec<PhysHandle> = picks.iter().map(|&p| self.handle(p)).collect();
+                let pages: Vec<PhysPage> = picks
+                    .iter()
+                    .map(|&(p, offset)| PhysPage {
+                        handle: self.handle(p),
+                        offset: offset * G,
+                    })
+                    .collect();
                 if batched {
-                    self.device.map_each(va, granules * G, &handles)
+                    self.device.map_each(va, granules * G, &pages)
                 } else {
-                    map_each_by_calls(&mut self.device, va, granules * G, &handles)
+                    map_each_by_calls(&mut self.device, va, granules * G, &pages)
                 }
             }
             Step::FailNth { map, n, oom } => {
@@ -211,7 +218,8 @@ fn a_run_is_counted_call_by_call() {
         .expect("five granules fit");
     assert_eq!(handles.len(), 5);
     let va = twin.reserved.start + 3 * G;
-    twin.device.map_each(va, G, &handles).expect("maps");
+    let pages: Vec<PhysPage> = handles.iter().copied().map(PhysPage::from).collect();
+    twin.device.map_each(va, G, &pages).expect("maps");
     let counters = twin.device.counters();
     assert_eq!(counters.get(Op::Create), 5);
     assert_eq!(counters.get(Op::Map), 5);
@@ -238,9 +246,10 @@ fn a_failure_part_way_keeps_what_was_done() {
     let va = twin.reserved.start;
     // The third handle goes where the first already is: granule 0 again.
     twin.device.map(va + 2 * G, G, handles[0]).expect("maps");
+    let pages: Vec<PhysPage> = handles.iter().copied().map(PhysPage::from).collect();
     let err = twin
         .device
-        .map_each(va, G, &handles)
+        .map_each(va, G, &pages)
         .expect_err("the third map overlaps");
     assert!(
         matches!(err, (2, DriverError::AlreadyMapped { .. })),

@@ -134,6 +134,7 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.max_idle_bytes = mib.checked_mul(MIB).ok_or_else(|| bad(EXPECT_IDLE))?;
         }
         "cross_stream_reuse" => config.cross_stream_reuse = boolean(key, value)?,
+        "lend_chunk_pages" => config.lend_chunk_pages = boolean(key, value)?,
         "compaction" => {
             config.compaction = match value {
                 "pressure" => Compaction::Pressure,

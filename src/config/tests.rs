@@ -266,6 +266,8 @@ fn cuvmm_keys() {
     assert_eq!(parse("max_idle_mb:0").max_idle_bytes, 0);
     assert!(parse("cross_stream_reuse:True").cross_stream_reuse);
     assert!(!parse("cross_stream_reuse:False").cross_stream_reuse);
+    assert!(parse("").lend_chunk_pages);
+    assert!(!parse("lend_chunk_pages:False").lend_chunk_pages);
     assert_eq!(
         parse("max_idle_mb:7,max_idle_mb:unlimited").max_idle_bytes,
         u64::MAX

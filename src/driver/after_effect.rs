@@ -18,8 +18,8 @@
 //! and `map_each` are made call by call while a failure is planned, so each call can fail.
 
 use super::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
-    create_each_by_calls, map_each_by_calls,
+    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId,
+    VaRange, create_each_by_calls, map_each_by_calls,
 };
 
 /// A [`Driver`] that passes every call to `D` and fails the planned ones after they took effect.
@@ -126,6 +126,16 @@ impl<D: Driver> Driver for AfterEffect<D> {
         let result = self.inner.map(va, size, handle);
         self.after(Op::Map, result)
     }
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        let result = self.inner.map_from(va, size, handle, offset);
+        self.after(Op::Map, result)
+    }
     fn create_each(
         &mut self,
         size: u64,
@@ -141,12 +151,12 @@ impl<D: Driver> Driver for AfterEffect<D> {
         &mut self,
         va: u64,
         size: u64,
-        handles: &[PhysHandle],
+        pages: &[PhysPage],
     ) -> Result<(), (usize, DriverError)> {
         if self.planned.is_empty() {
-            return self.inner.map_each(va, size, handles);
+            return self.inner.map_each(va, size, pages);
         }
-        map_each_by_calls(self, va, size, handles)
+        map_each_by_calls(self, va, size, pages)
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         let result = self.inner.set_access(va, size);
@@ -291,7 +301,8 @@ mod tests {
         let mut handles = Vec::new();
         d.create_each(PAGE, 3, &mut handles).unwrap();
         d.fail_nth_after_effect(Op::Map, 2);
-        let (done, err) = d.map_each(va.start, PAGE, &handles).unwrap_err();
+        let pages: Vec<PhysPage> = handles.into_iter().map(PhysPage::from).collect();
+        let (done, err) = d.map_each(va.start, PAGE, &pages).unwrap_err();
         assert_eq!(done, 1);
         assert!(matches!(err, DriverError::Injected { op: Op::Map, .. }));
         assert_eq!(d.inner().mapping_count(), 2, "the failing map took effect");

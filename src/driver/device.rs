@@ -7,7 +7,9 @@
 //! [`DriverError::NoDriver`], never a panic.
 
 use super::sim::{SimConfig, SimDriver};
-use super::{Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, StreamId, VaRange};
+use super::{
+    Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange,
+};
 use std::fmt;
 use std::str::FromStr;
 
@@ -168,6 +170,15 @@ impl Driver for Device {
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         forward!(self, d => d.map(va, size, handle))
     }
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        forward!(self, d => d.map_from(va, size, handle, offset))
+    }
     fn create_each(
         &mut self,
         size: u64,
@@ -180,9 +191,9 @@ impl Driver for Device {
         &mut self,
         va: u64,
         size: u64,
-        handles: &[PhysHandle],
+        pages: &[PhysPage],
     ) -> Result<(), (usize, DriverError)> {
-        forward!(self, d => d.map_each(va, size, handles))
+        forward!(self, d => d.map_each(va, size, pages))
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         forward!(self, d => d.set_access(va, size))

@@ -97,6 +97,20 @@ pub enum DriverError {
         /// The size asked for.
         size: u64,
     },
+    /// A mapping of part of a handle that reaches past the handle's end.
+    #[error(
+        "map: {size:#x} bytes from offset {offset:#x} of {handle}, which holds {handle_size:#x} bytes"
+    )]
+    OutsideHandle {
+        /// The handle.
+        handle: PhysHandle,
+        /// The handle's size.
+        handle_size: u64,
+        /// Where the mapping was to start in the handle.
+        offset: u64,
+        /// The size asked for.
+        size: u64,
+    },
     /// A range that is not a reservation made by [`Driver::reserve`](super::Driver::reserve).
     #[error("{op}: {start:#x} is not the start of a reservation of that size")]
     UnknownReservation {

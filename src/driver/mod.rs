@@ -22,7 +22,7 @@ mod types;
 pub use counters::DriverCounters;
 pub use error::DriverError;
 pub use op::Op;
-pub use types::{EventId, MemInfo, PhysHandle, StreamId, VaRange};
+pub use types::{EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange};
 
 /// A device as cuvmm's strategies see it.
 ///
@@ -65,6 +65,28 @@ pub trait Driver {
     /// [`set_access`](Driver::set_access).
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
 
+    /// Maps `size` bytes of `handle` from byte `offset` at `va` (`cuMemMap` with an offset: `va`, `size` and
+    /// `offset` multiples of the granularity, `offset + size` at most the handle's size, as CUDA 12's
+    /// documentation says; older CUDA and HIP require offset 0). One handle may be mapped at several places
+    /// at once; its memory is freed once it is released and every mapping of it is gone. Counted as a
+    /// [`map`](Driver::map) call.
+    ///
+    /// The default maps the whole handle when `offset` is 0 (a mapping of the handle's size) and returns
+    /// [`DriverError::Unsupported`] otherwise, so a driver without partial mappings need not implement it;
+    /// cuvmm then never maps part of a handle.
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        if offset == 0 {
+            return self.map(va, size, handle);
+        }
+        Err(DriverError::Unsupported { op: Op::Map })
+    }
+
     /// Creates `count` physical allocations of `size` bytes each and appends them to `out`: `count` calls of
     /// [`create`](Driver::create), each counted. Stops at the first failure and returns it; the handles
     /// created before it are in `out`.
@@ -81,9 +103,9 @@ pub trait Driver {
         create_each_by_calls(self, size, count, out)
     }
 
-    /// Maps each of `handles`, whole, at consecutive addresses `size` bytes apart from `va`: one
-    /// [`map`](Driver::map) call per handle, each counted. Stops at the first failure and returns it with
-    /// the number of handles mapped before it, which stay mapped.
+    /// Maps each of `pages` (`size` bytes of its handle from its offset) at consecutive addresses `size`
+    /// bytes apart from `va`: one [`map_from`](Driver::map_from) call per page, each counted. Stops at the
+    /// first failure and returns it with the number of pages mapped before it, which stay mapped.
     ///
     /// The default makes the calls one by one ([`map_each_by_calls`]); the same rule as for
     /// [`create_each`](Driver::create_each) holds for a driver that does it in one pass.
@@ -91,9 +113,9 @@ pub trait Driver {
         &mut self,
         va: u64,
         size: u64,
-        handles: &[PhysHandle],
+        pages: &[PhysPage],
     ) -> Result<(), (usize, DriverError)> {
-        map_each_by_calls(self, va, size, handles)
+        map_each_by_calls(self, va, size, pages)
     }
 
     /// Makes `va .. va + size`, which must consist of whole mappings, readable and writable by the device
@@ -166,17 +188,17 @@ pub fn create_each_by_calls<D: Driver + ?Sized>(
     Ok(())
 }
 
-/// [`Driver::map_each`] as one call of [`Driver::map`] per handle.
+/// [`Driver::map_each`] as one call of [`Driver::map_from`] per page.
 pub fn map_each_by_calls<D: Driver + ?Sized>(
     driver: &mut D,
     va: u64,
     size: u64,
-    handles: &[PhysHandle],
+    pages: &[PhysPage],
 ) -> Result<(), (usize, DriverError)> {
-    for (i, &handle) in handles.iter().enumerate() {
+    for (i, page) in pages.iter().enumerate() {
         // Saturating: past the top of the address space is no reservation, and the driver says so.
         let at = va.saturating_add(size.saturating_mul(i as u64));
-        driver.map(at, size, handle).map_err(|err| (i, err))?;
+        (driver.map_from(at, size, page.handle, page.offset)).map_err(|err| (i, err))?;
     }
     Ok(())
 }
@@ -202,6 +224,15 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         (**self).map(va, size, handle)
     }
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        (**self).map_from(va, size, handle, offset)
+    }
     fn create_each(
         &mut self,
         size: u64,
@@ -214,9 +245,9 @@ impl<D: Driver + ?Sized> Driver for &mut D {
         &mut self,
         va: u64,
         size: u64,
-        handles: &[PhysHandle],
+        pages: &[PhysPage],
     ) -> Result<(), (usize, DriverError)> {
-        (**self).map_each(va, size, handles)
+        (**self).map_each(va, size, pages)
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         (**self).set_access(va, size)

@@ -45,6 +45,23 @@ impl fmt::Display for PhysHandle {
     }
 }
 
+/// A piece of a physical allocation, as one mapping maps it: `handle`'s bytes from byte `offset`
+/// (`cuMemMap`'s handle and offset). Offset 0 with the handle's size is the whole handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysPage {
+    /// The allocation.
+    pub handle: PhysHandle,
+    /// Bytes from the allocation's start, a multiple of the granularity.
+    pub offset: u64,
+}
+
+impl From<PhysHandle> for PhysPage {
+    /// The piece of `handle` from its start.
+    fn from(handle: PhysHandle) -> Self {
+        Self { handle, offset: 0 }
+    }
+}
+
 /// A stream: an ordered queue of device work, as an integer; 0 is the default stream.
 ///
 /// What the number means is the driver's: on the simulator it is an identity; on the CUDA backend

@@ -4,11 +4,12 @@ use super::segment::Segment;
 use super::streams::StreamUses;
 use super::{Expandable, ROUND};
 use crate::config::Compaction;
-use crate::driver::{Driver, MemInfo, StreamId};
+use crate::driver::{Driver, DriverError, MemInfo, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
 use crate::history::{TraceAction, TraceEntry};
 use crate::pool::Pool;
 use crate::size::round_up;
+use std::ops::Range;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.
 const FIT_CANDIDATES: usize = 8;
@@ -303,6 +304,32 @@ impl<D: Driver> Expandable<D> {
             // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
             access = self.widen_to_chunks(slot, access);
         }
+        let lending = self.lending;
+        let mut mapped = self.map_missing(slot, pages.clone());
+        if mapped.is_err() && lending && !self.lending {
+            // The driver cannot map part of a handle: the lent pages went home; mapped without them.
+            mapped = self.map_missing(slot, pages);
+        }
+        mapped?;
+        let mut pos = access.start;
+        while let Some(run) = self
+            .segment(slot)
+            .pages
+            .first_inaccessible_run(pos..access.end)
+        {
+            let va = self.segment(slot).page_addr(run.start);
+            self.driver
+                .set_access(va, run.len() as u64 * self.page_size)?;
+            pos = run.end;
+            self.segment_mut(slot).pages.set_accessible(run);
+        }
+        Ok(())
+    }
+
+    /// Maps the missing pages of `pages` of segment `slot`: pooled, unmapped, lent or new ones. On failure
+    /// every page obtained and not mapped is put back, and the page map says what is mapped; a lent page the
+    /// driver cannot map (it cannot map part of a handle) turns lending off.
+    fn map_missing(&mut self, slot: usize, pages: Range<usize>) -> Result<(), Error> {
         let need = self.segment(slot).pages.unmapped_count(pages.clone());
         if need > 0 {
             // The handles, new ones first, in a buffer kept from one request to the next.
@@ -330,18 +357,31 @@ impl<D: Driver> Expandable<D> {
                     Ok(()) => (run.len(), None),
                     Err((done, err)) => (done, Some(err)),
                 };
-                self.segment_mut(slot).pages.map_run(start, &run[..done]);
+                (self.segment_mut(slot).pages).map_run(start, run[..done].iter().map(|p| p.handle));
+                let lent = self.note_mapped(slot, start, &run[..done]);
                 taken += done;
                 if done > 0 {
                     let bytes = done as u64 * self.page_size;
-                    self.counters.mapped.add(pool, bytes);
+                    // A lent page's memory is counted at home.
+                    (self.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
                     self.record(TraceAction::SegmentMap, va, bytes, stream);
                 }
                 if let Some(err) = failure {
-                    // The failed map may have mapped its page anyway (`settle.rs`): undone. The handle
-                    // that failed and those not used yet go back to the pool.
+                    // A driver without partial mappings refuses a lent page: with `Unsupported` (the
+                    // trait's default), or, at offset 0, as a mapping smaller than its handle.
+                    if matches!(
+                        err,
+                        DriverError::Unsupported { .. } | DriverError::SizeMismatch { .. }
+                    ) && self.chunks.contains(&queue[taken].handle)
+                    {
+                        self.lending = false;
+                    }
+                    // The failed map may have mapped its page anyway (`settle.rs`): undone. The page that
+                    // failed and those not used yet are put back.
                     self.undo_failed_map(va + done as u64 * self.page_size, self.page_size);
-                    self.pooled.extend_from_slice(&queue[taken..]);
+                    let unused = queue.split_off(taken);
+                    self.handle_queue = queue;
+                    self.put_back(unused);
                     return Err(err.into());
                 }
                 pos = end;
@@ -349,18 +389,6 @@ impl<D: Driver> Expandable<D> {
             debug_assert_eq!(taken, queue.len(), "one handle per missing page");
             self.handle_queue = queue;
             self.counters.handles_reused += reused;
-        }
-        let mut pos = access.start;
-        while let Some(run) = self
-            .segment(slot)
-            .pages
-            .first_inaccessible_run(pos..access.end)
-        {
-            let va = self.segment(slot).page_addr(run.start);
-            self.driver
-                .set_access(va, run.len() as u64 * self.page_size)?;
-            pos = run.end;
-            self.segment_mut(slot).pages.set_accessible(run);
         }
         Ok(())
     }

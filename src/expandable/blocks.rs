@@ -46,6 +46,9 @@ pub(crate) enum BlockState {
     Live { requested: u64 },
     /// Freed by the program, waiting for events on other streams before it becomes free.
     Pending,
+    /// One idle page of a chunk, lent: its memory is mapped a second time elsewhere (`lending.rs`), so its
+    /// addresses here are not allocatable until it comes back.
+    Lent,
 }
 
 /// A block of a segment.
@@ -64,7 +67,7 @@ impl Block {
         }
     }
 
-    /// Whether the block is live or pending: not allocatable, and a user of its pages.
+    /// Whether the block is live, pending or lent: not allocatable, and a user of its pages.
     pub fn is_occupied(&self) -> bool {
         self.state != BlockState::Free
     }

@@ -5,6 +5,8 @@
 //! 3. A handle is held once (a page handle mapped at one page, a chunk at every page of one aligned group of
 //!    `chunk_pages` pages, or pooled); chunks are exactly the handles the chunk set holds, and exist only
 //!    when `chunk_pages > 1`; pages held = pages created - pages released = reserved bytes / page size.
+//!    A lent page (`lending.rs`) is a lent block of one page at home, in a chunk's group, and one second
+//!    mapping of that page's piece of the chunk elsewhere; the lenders count exactly these.
 //! 4. Blocks tile each segment exactly; no two free blocks are adjacent; the free index matches.
 //! 5. Statistics equal what the block list says (active = allocated + pending).
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
@@ -37,7 +39,11 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     let mut held: HashSet<u64> = HashSet::new();
     let mut held_pages = 0u64;
     let mut chunks_seen = 0usize;
-    for seg in a.live_segments() {
+    // Lent blocks found, per chunk: (segment start, page).
+    let mut lent_blocks: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
+    let mut lent_per_pool = [0usize; 2];
+    for (slot, seg) in a.segments.iter().enumerate() {
+        let Some(seg) = seg else { continue };
         let t = &mut totals[seg.pool.index()];
         t.segments += 1;
         t.mapped += seg.pages.mapped_count() as u64;
@@ -84,6 +90,24 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                         }
                     }
                 }
+                BlockState::Lent => {
+                    prev_free = None;
+                    let pages = seg.pages_of(addr, block.size);
+                    let page = pages.start;
+                    let handle = seg.pages.handle(page).filter(|h| a.chunks.contains(h));
+                    if block.size != a.page_size || seg.page_addr(page) != addr {
+                        return Err(V::Misaligned {
+                            addr,
+                            align: a.page_size,
+                        });
+                    }
+                    let Some(handle) = handle else {
+                        return Err(V::LentPage { addr });
+                    };
+                    lent_blocks.entry(handle.0).or_default().push((slot, page));
+                    lent_per_pool[seg.pool.index()] += 1;
+                    users[page] += 1;
+                }
                 BlockState::Free => {
                     if let Some(first) = prev_free {
                         return Err(V::AdjacentFree {
@@ -127,6 +151,12 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             let Some(handle) = seg.pages.handle(page) else {
                 continue;
             };
+            if let Some(piece) = a.aliases.get(&seg.page_addr(page)) {
+                // A second mapping: its memory is held at home.
+                check_alias(a, piece, handle, seg.page_addr(page))?;
+                t.mapped -= 1;
+                continue;
+            }
             held_pages += 1;
             if a.chunks.contains(&handle) {
                 // A chunk is inserted at the first page of its group, and every page of the group holds it.
@@ -147,6 +177,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();
     }
+    check_lenders(a, &lent_blocks, lent_per_pool)?;
     let mapped = held_pages;
     for handle in &a.pooled {
         if a.chunks.contains(handle) || !held.insert(handle.0) {
@@ -191,7 +222,8 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     for pool in [Pool::Small, Pool::Large] {
         let t = &totals[pool.index()];
         let i = pool.index();
-        let stranded = (t.touched * a.page_size).saturating_sub(t.allocated + t.pending);
+        let stranded = ((t.touched - a.lent_pages[i] as u64) * a.page_size)
+            .saturating_sub(t.allocated + t.pending);
         V::check_stats(&[
             ("allocated_bytes", c.allocated.pool[i].current, t.allocated),
             (
@@ -237,9 +269,72 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         (
             "inactive_split_bytes",
             c.inactive_split.current(),
-            sum(&|t| (t.touched * a.page_size).saturating_sub(t.allocated + t.pending)),
+            (totals.iter().zip(a.lent_pages))
+                .map(|(t, lent)| {
+                    ((t.touched - lent as u64) * a.page_size)
+                        .saturating_sub(t.allocated + t.pending)
+                })
+                .sum(),
         ),
     ])
+}
+
+/// A lent page mapped at `addr`: the page map holds its chunk, and its chunk lends the page.
+fn check_alias<D: Driver>(
+    a: &Expandable<D>,
+    piece: &crate::driver::PhysPage,
+    handle: crate::driver::PhysHandle,
+    addr: u64,
+) -> Result<(), V> {
+    let lends = a.lenders.get(&piece.handle).is_some_and(|lender| {
+        let page = lender.group + (piece.offset / a.page_size) as usize;
+        piece.offset % a.page_size == 0
+            && piece.offset < (a.chunk_pages as u64) * a.page_size
+            && a.segments
+                .get(lender.slot)
+                .and_then(Option::as_ref)
+                .is_some_and(|home| {
+                    home.block_at(home.page_addr(page)).map(|b| b.state) == Some(BlockState::Lent)
+                })
+    });
+    if piece.handle != handle || !lends {
+        return Err(V::LentPage { addr });
+    }
+    Ok(())
+}
+
+/// The lenders against the lent blocks: each chunk with lent blocks has a lender at their group, counting
+/// them, and as many second mappings of it; per pool, the lent page counts match.
+fn check_lenders<D: Driver>(
+    a: &Expandable<D>,
+    lent_blocks: &HashMap<u64, Vec<(usize, usize)>>,
+    lent_per_pool: [usize; 2],
+) -> Result<(), V> {
+    let mut aliases_per_chunk: HashMap<u64, usize> = HashMap::new();
+    for piece in a.aliases.values() {
+        *aliases_per_chunk.entry(piece.handle.0).or_default() += 1;
+    }
+    for (handle, lender) in &a.lenders {
+        let blocks = lent_blocks.get(&handle.0).map_or(&[][..], Vec::as_slice);
+        let at_home = blocks.iter().all(|&(slot, page)| {
+            slot == lender.slot && page - page % a.chunk_pages == lender.group
+        });
+        let addr = a.segment(lender.slot).page_addr(lender.group);
+        if !at_home
+            || blocks.len() != lender.lent
+            || aliases_per_chunk.get(&handle.0) != Some(&lender.lent)
+        {
+            return Err(V::LentPage { addr });
+        }
+    }
+    if lent_blocks.len() != a.lenders.len()
+        || aliases_per_chunk.len() != a.lenders.len()
+        || lent_per_pool != a.lent_pages
+    {
+        let addr = a.aliases.keys().min().copied().unwrap_or(0);
+        return Err(V::LentPage { addr });
+    }
+    Ok(())
 }
 
 /// The streams recorded for the live block at `addr` (if any): not empty, no duplicate, not `own`.

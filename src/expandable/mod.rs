@@ -7,8 +7,9 @@
 //!
 //! Growth order for a request under `compaction:pressure` (the default): a free block whose pages are mapped
 //! -> pooled handles -> new handles (20 MiB chunks in the large pool) while reserved memory stays under the
-//! budget -> idle pages whose stream an event query shows done, oldest first -> idle pages after one
-//! synchronization per stream -> `create` -> on out-of-memory, release the cache and retry once ->
+//! budget -> idle pages whose stream an event query shows done, oldest first, then idle pages of chunks in
+//! use lent (`lending.rs`) -> the same after one synchronization per stream -> `create` -> on
+//! out-of-memory, release the cache and retry once ->
 //! [`Error::OutOfMemory`]. `compaction:eager` takes idle pages (synchronizing) before creating any. See
 //! `docs/DESIGN.md` for why.
 //!
@@ -22,6 +23,8 @@ mod blocks;
 mod events;
 mod free_index;
 mod invariants;
+mod lender;
+mod lending;
 mod physical;
 mod segment;
 mod settle;
@@ -33,12 +36,13 @@ pub use segment::ROUND;
 use crate::pool::Pool;
 
 use crate::config::{Compaction, Config, ConfigError};
-use crate::driver::{Driver, DriverCounters, PhysHandle, StreamId};
+use crate::driver::{Driver, DriverCounters, PhysHandle, PhysPage, StreamId};
 use crate::error::{Error, InvariantViolation};
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
+use lender::Lender;
 use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
 use std::collections::BTreeMap;
@@ -90,6 +94,15 @@ pub struct Expandable<D: Driver> {
     pooled_chunks: Vec<PhysHandle>,
     /// Every chunk held (mapped or pooled).
     chunks: FxHashSet<PhysHandle>,
+    /// The chunks with pages lent (`lending.rs`), and where each is mapped at home.
+    lenders: FxHashMap<PhysHandle, Lender>,
+    /// Lent pages mapped a second time, by address: the piece of its chunk each maps.
+    aliases: FxHashMap<u64, PhysPage>,
+    /// Lent pages per pool of their home segment (touched there by their lent block, which uses nothing).
+    lent_pages: [usize; 2],
+    /// Whether idle pages of chunks in use may be lent: false once the driver has said it cannot map part
+    /// of a handle.
+    lending: bool,
     /// Pages per large-pool handle: `config.large_handle` in pages under `compaction:pressure`, else 1.
     chunk_pages: usize,
     /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
@@ -98,7 +111,9 @@ pub struct Expandable<D: Driver> {
     free_clock: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
-    handle_queue: Vec<PhysHandle>,
+    handle_queue: Vec<PhysPage>,
+    /// The handles of a run being unmapped, as the page map gives them; kept so its buffer is reused.
+    unmapped_scratch: Vec<PhysHandle>,
     /// Streams other than its segment's that use a live block, by block address.
     stream_uses: FxHashMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
@@ -145,6 +160,7 @@ impl<D: Driver> Expandable<D> {
         let info = driver.mem_info()?;
         let device_total = info.total;
         let budget = config.budget_bytes(info.total, info.free);
+        let lending = config.lend_chunk_pages;
         Ok(Self {
             driver,
             config,
@@ -156,10 +172,15 @@ impl<D: Driver> Expandable<D> {
             pooled: Vec::new(),
             pooled_chunks: Vec::new(),
             chunks: FxHashSet::default(),
+            lenders: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+            lent_pages: [0; 2],
+            lending,
             chunk_pages,
             budget,
             free_clock: 0,
             handle_queue: Vec::new(),
+            unmapped_scratch: Vec::new(),
             stream_uses: FxHashMap::default(),
             pending: PendingFrees::default(),
             touched_pages: [0; 2],
@@ -233,7 +254,7 @@ impl<D: Driver> Expandable<D> {
             Some((carving_pool, bytes)) if carving_pool == pool => bytes,
             _ => 0,
         };
-        let stranded = (self.touched_pages[p] as u64 * self.page_size)
+        let stranded = ((self.touched_pages[p] - self.lent_pages[p]) as u64 * self.page_size)
             .saturating_sub(self.counters.active.of(pool) + carving);
         self.counters.inactive_split.set(pool, stranded);
         let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
@@ -424,6 +445,7 @@ impl<D: Driver> Strategy for Expandable<D> {
             idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
             idle_handle_bytes: self.pooled_pages() as u64 * self.page_size,
             handles_reused: c.handles_reused,
+            lent_bytes: (self.lent_pages[0] + self.lent_pages[1]) as u64 * self.page_size,
             driver: self.driver.counters(),
             active: c.active_count.all,
             inactive_split: c.inactive_split_count.all,

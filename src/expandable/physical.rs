@@ -2,21 +2,22 @@
 //!
 //! A handle is one page, or, in the large pool under `compaction:pressure`, a *chunk* of `chunk_pages`
 //! pages mapped at an aligned group of pages of one segment (PyTorch maps 20 MiB handles there). A handle is
-//! in exactly one place: mapped (a chunk at all pages of its group), or pooled, unmapped (`pooled` for
-//! single pages, `pooled_chunks` for chunks). Unmapping an idle page first makes sure no queued work can
+//! in exactly one place: mapped (a chunk at all pages of its group, its lent pages also mapped a second time
+//! elsewhere, see `lending.rs`), or pooled, unmapped (`pooled` for single pages, `pooled_chunks` for
+//! chunks). Unmapping an idle page first makes sure no queued work can
 //! still touch it: its stream is synchronized (at most once per stream per compaction), or, under pressure
 //! before any blocking, an event query shows the stream has finished its queued work.
 
 use super::Expandable;
 use crate::config::Compaction;
-use crate::driver::{Driver, PhysHandle, StreamId};
+use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
 use crate::error::Error;
 use crate::history::TraceAction;
 use std::ops::Range;
 
 /// How a compaction learns that an idle page's last use is complete.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Wait {
+pub(crate) enum Wait {
     /// Only segments whose stream an event query shows idle; never blocks.
     Query,
     /// Synchronize each segment's stream (once per compaction).
@@ -26,7 +27,7 @@ pub(super) enum Wait {
 /// What one compaction has learnt about streams: those whose queued work is known complete, and those an
 /// event query found busy.
 #[derive(Debug, Default)]
-pub(super) struct Compacting {
+pub(crate) struct Compacting {
     done: Vec<StreamId>,
     busy: Vec<StreamId>,
 }
@@ -39,34 +40,39 @@ impl<D: Driver> Expandable<D> {
             || self.counters.reserved.current.saturating_add(extra) > self.budget
     }
 
-    /// Appends `count` handles for missing pages to `out`: pooled ones first; then, under
-    /// `compaction:eager` or past the budget, idle pages unmapped from wherever they are (see
-    /// [`Self::reclaim`]); then new ones from the driver; in `out` the new ones come first. Returns how many
-    /// already existed (pooled or unmapped). On driver out-of-memory the cache is released and creation
-    /// retried once. On failure every handle obtained so far goes back to the pool and `out` is as it was.
+    /// Appends `count` pages for missing pages to `out`: pooled handles first; then, under
+    /// `compaction:eager` or past the budget, idle pages unmapped from wherever they are, or lent (see
+    /// [`Self::reclaim`]); then new handles from the driver; in `out` the new ones come first. Returns how
+    /// many already existed (pooled, unmapped or lent). On driver out-of-memory the cache is released and
+    /// creation retried once. On failure every page obtained so far is put back and `out` is as it was.
     pub(super) fn obtain_handles(
         &mut self,
         count: usize,
-        out: &mut Vec<PhysHandle>,
+        out: &mut Vec<PhysPage>,
     ) -> Result<usize, Error> {
         let base = out.len();
         out.reserve(count);
         let from_pool = count.min(self.pooled.len());
-        out.extend(self.pooled.drain(self.pooled.len() - from_pool..));
+        out.extend((self.pooled.drain(self.pooled.len() - from_pool..)).map(PhysPage::from));
         if from_pool < count
             && let Err(err) = self.reclaim(count - from_pool, out)
         {
-            self.pooled.extend(out.drain(base..));
+            let obtained: Vec<PhysPage> = out.drain(base..).collect();
+            self.put_back(obtained);
             return Err(err);
         }
         let reused = out.len() - base;
         let mut retried = false;
+        let mut fresh_handles = Vec::new();
         while out.len() - base < count {
-            let before = out.len();
-            let created = self
-                .driver
-                .create_each(self.page_size, count - (before - base), out);
-            let fresh = (out.len() - before) as u64;
+            fresh_handles.clear();
+            let created = self.driver.create_each(
+                self.page_size,
+                count - (out.len() - base),
+                &mut fresh_handles,
+            );
+            out.extend(fresh_handles.iter().copied().map(PhysPage::from));
+            let fresh = fresh_handles.len() as u64;
             self.counters.created += fresh;
             self.counters.reserved.add(fresh * self.page_size);
             match created.map_err(Error::from) {
@@ -80,12 +86,14 @@ impl<D: Driver> Expandable<D> {
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
                     if let Err(err) = self.release_cache() {
-                        self.pooled.extend(out.drain(base..));
+                        let obtained: Vec<PhysPage> = out.drain(base..).collect();
+                        self.put_back(obtained);
                         return Err(err);
                     }
                 }
                 Err(err) => {
-                    self.pooled.extend(out.drain(base..));
+                    let obtained: Vec<PhysPage> = out.drain(base..).collect();
+                    self.put_back(obtained);
                     return Err(err);
                 }
             }
@@ -98,11 +106,12 @@ impl<D: Driver> Expandable<D> {
     /// segment in order, each stream synchronized once. Under `compaction:pressure`, only while creating
     /// the pages would pass the budget: idle pages of segments whose stream an event query shows idle,
     /// those freed longest ago first; then, if that was not enough, after synchronizing each remaining
-    /// stream once. Single-page handles are appended to `out`; chunks are released, which makes room to
-    /// create single pages.
-    fn reclaim(&mut self, count: usize, out: &mut Vec<PhysHandle>) -> Result<(), Error> {
+    /// stream once; at each of the two steps, once no idle page can be unmapped, idle pages of chunks that a
+    /// live block still touches are lent (`lending.rs`). Single-page handles and lent pages are appended to
+    /// `out`; chunks are released, which makes room to create single pages.
+    fn reclaim(&mut self, count: usize, out: &mut Vec<PhysPage>) -> Result<(), Error> {
         let base = out.len();
-        let missing = |out: &Vec<PhysHandle>| count - (out.len() - base);
+        let missing = |out: &Vec<PhysPage>| count - (out.len() - base);
         let mut compacting = Compacting::default();
         let result = (|| {
             if self.config.compaction == Compaction::Eager {
@@ -114,6 +123,9 @@ impl<D: Driver> Expandable<D> {
                     if self.steal_idle(missing(out), out, wait, &mut compacting)? == 0 {
                         break;
                     }
+                }
+                if missing(out) > 0 && self.under_pressure(missing(out) as u64 * self.page_size) {
+                    self.lend_stranded(missing(out), out, wait, &mut compacting)?;
                 }
             }
             Ok(0)
@@ -136,20 +148,11 @@ impl<D: Driver> Expandable<D> {
     pub(super) fn steal_idle(
         &mut self,
         count: usize,
-        out: &mut Vec<PhysHandle>,
+        out: &mut Vec<PhysPage>,
         wait: Wait,
         compacting: &mut Compacting,
     ) -> Result<usize, Error> {
-        let mut order: Vec<usize> = (0..self.segments.len())
-            .filter(|&slot| {
-                self.segments[slot]
-                    .as_ref()
-                    .is_some_and(|seg| seg.pages.idle_count() > 0)
-            })
-            .collect();
-        if self.config.compaction == Compaction::Pressure {
-            order.sort_by_key(|&slot| self.segment(slot).last_free);
-        }
+        let order = self.segments_with_idle_pages();
         let mut gained = 0;
         for slot in order {
             if gained >= count {
@@ -178,6 +181,22 @@ impl<D: Driver> Expandable<D> {
             }
         }
         Ok(gained)
+    }
+
+    /// The segments with idle pages, in the order compaction takes them: by slot under `compaction:eager`,
+    /// by when a block of theirs was last freed (oldest first) under pressure.
+    pub(super) fn segments_with_idle_pages(&self) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.segments.len())
+            .filter(|&slot| {
+                self.segments[slot]
+                    .as_ref()
+                    .is_some_and(|seg| seg.pages.idle_count() > 0)
+            })
+            .collect();
+        if self.config.compaction == Compaction::Pressure {
+            order.sort_by_key(|&slot| self.segment(slot).last_free);
+        }
+        order
     }
 
     /// Whether segment `slot` has an idle page that can be unmapped: one not in a chunk that a live block
@@ -254,7 +273,7 @@ impl<D: Driver> Expandable<D> {
                 }
                 self.segment_mut(slot)
                     .pages
-                    .map_run(chunk.start, &vec![handle; k]);
+                    .map_run(chunk.start, std::iter::repeat_n(handle, k));
                 self.counters.mapped.add(pool, bytes);
                 self.record(TraceAction::SegmentMap, va, bytes, stream);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
@@ -266,7 +285,7 @@ impl<D: Driver> Expandable<D> {
 
     /// Whether `stream`'s queued work is known complete for this compaction: synchronized (`Wait::Block`)
     /// or shown idle by an event query (`Wait::Query`), each stream at most once.
-    fn stream_done(
+    pub(super) fn stream_done(
         &mut self,
         stream: StreamId,
         wait: Wait,
@@ -291,13 +310,10 @@ impl<D: Driver> Expandable<D> {
         Ok(done)
     }
 
-    /// The pages of chunk `page` lies in, if a chunk is mapped there.
+    /// The pages of the chunk whose home mapping `page` lies in, if there is one (a lent page mapped here is
+    /// a mapping of its own, one page).
     fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
-        let handle = self.segment(slot).pages.handle(page)?;
-        if !self.chunks.contains(&handle) {
-            return None;
-        }
-        let start = page - page % self.chunk_pages;
+        let (_, start) = self.home_chunk(slot, page)?;
         Some(start..start + self.chunk_pages)
     }
 
@@ -340,13 +356,13 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Unmaps a run of idle pages (whose queued work is known complete) of one segment in one driver call,
-    /// appends their single-page handles to `out` and releases their chunks (a chunk that cannot be released
-    /// is pooled). Returns the pages gained.
+    /// appends their single-page handles and lent pieces to `out` and releases the chunks unmapped at home
+    /// (a chunk that cannot be released is pooled). Returns the pages gained.
     fn unmap_run(
         &mut self,
         slot: usize,
         run: Range<usize>,
-        out: &mut Vec<PhysHandle>,
+        out: &mut Vec<PhysPage>,
     ) -> Result<usize, Error> {
         let stream = self.segment(slot).stream;
         let va = self.segment(slot).page_addr(run.start);
@@ -360,39 +376,26 @@ impl<D: Driver> Expandable<D> {
             pages * self.page_size,
             stream,
         );
-        let from = out.len();
+        let mut handles = std::mem::take(&mut self.unmapped_scratch);
+        handles.clear();
         let seg = self.segment_mut(slot);
-        seg.pages.unmap_run(run, out);
+        seg.pages.unmap_run(run.clone(), &mut handles);
         let pool = seg.pool;
-        self.counters.mapped.sub(pool, pages * self.page_size);
+        let mut chunks: Vec<PhysHandle> = Vec::new();
+        let lent = self.note_unmapped(slot, run, &handles, out, &mut chunks) as u64;
+        self.unmapped_scratch = handles;
+        // A lent page's memory is counted at home.
+        self.counters
+            .mapped
+            .sub(pool, (pages - lent) * self.page_size);
         self.refresh_page_counts(slot, before);
-        if !self.chunks.is_empty() {
-            self.release_unmapped_chunks(out, from)?;
-        }
+        self.release_chunks(chunks)?;
         Ok(pages as usize)
     }
 
-    /// Takes the chunks out of `out[from..]` (each listed once per page, consecutively) and releases them;
-    /// one that cannot be released goes to `pooled_chunks`, as do the chunks after it.
-    fn release_unmapped_chunks(
-        &mut self,
-        out: &mut Vec<PhysHandle>,
-        from: usize,
-    ) -> Result<(), Error> {
-        let mut chunks: Vec<PhysHandle> = Vec::new();
-        let mut keep = from;
-        for i in from..out.len() {
-            let handle = out[i];
-            if self.chunks.contains(&handle) {
-                if chunks.last() != Some(&handle) {
-                    chunks.push(handle);
-                }
-            } else {
-                out[keep] = handle;
-                keep += 1;
-            }
-        }
-        out.truncate(keep);
+    /// Releases chunks unmapped at home; one that cannot be released goes to `pooled_chunks`, as do the
+    /// chunks after it.
+    fn release_chunks(&mut self, chunks: Vec<PhysHandle>) -> Result<(), Error> {
         let mut result = Ok(());
         for handle in chunks {
             if result.is_ok() {
@@ -441,7 +444,9 @@ impl<D: Driver> Expandable<D> {
             let reserved = self.counters.reserved.current;
             let stolen = self.steal_idle(pages, &mut handles, Wait::Block, &mut compacting);
             released += reserved - self.counters.reserved.current;
-            self.pooled.extend(handles);
+            // Lent pages unmapped here go home, where their chunk can be unmapped whole once all its
+            // pages are idle.
+            self.put_back(handles);
             if stolen? == 0 {
                 break;
             }
@@ -519,9 +524,13 @@ impl<D: Driver> Expandable<D> {
                     let va = seg.page_addr(run.start);
                     match self.unmap_settled(va, run.len() as u64 * self.page_size) {
                         Ok(()) => {
-                            // A chunk is listed once per page of it: keep it once.
-                            let mut handles: Vec<PhysHandle> =
-                                run.filter_map(|page| seg.pages.handle(page)).collect();
+                            // A chunk is listed once per page of it: keep it once; a lent page is a
+                            // second mapping of a chunk kept at home.
+                            let aliases = &self.aliases;
+                            let mut handles: Vec<PhysHandle> = run
+                                .filter(|&page| !aliases.contains_key(&seg.page_addr(page)))
+                                .filter_map(|page| seg.pages.handle(page))
+                                .collect();
                             handles.dedup();
                             self.pooled.extend(handles);
                         }
@@ -533,6 +542,9 @@ impl<D: Driver> Expandable<D> {
         }
         self.by_addr.clear();
         self.by_key.clear();
+        self.aliases.clear();
+        self.lenders.clear();
+        self.lent_pages = [0; 2];
         let pooled_chunks = std::mem::take(&mut self.pooled_chunks);
         self.pooled.extend(pooled_chunks);
         while let Some(handle) = self.pooled.pop() {

@@ -341,6 +341,31 @@ impl Segment {
     /// Turns `addr .. addr + size`, which lies inside one free block, into a live block; what is left of the
     /// free block before and after it stays free.
     pub fn carve(&mut self, addr: u64, size: u64, requested: u64) {
+        self.carve_as(addr, size, BlockState::Live { requested });
+    }
+
+    /// Turns the idle page at `addr` (`size` bytes, page-aligned, inside one free block) into a lent block.
+    pub fn lend(&mut self, addr: u64, size: u64) {
+        self.carve_as(addr, size, BlockState::Lent);
+    }
+
+    /// Frees the lent block at `addr`, merging it with free neighbours.
+    ///
+    /// # Panics
+    /// If there is no lent block at `addr`: the lending table lost track of it.
+    pub fn unlend(&mut self, addr: u64) {
+        let size = match self.blocks.get(addr) {
+            Some(Block {
+                size,
+                state: BlockState::Lent,
+            }) => size,
+            _ => panic!("unlend: no lent block at {addr:#x}"),
+        };
+        self.release(addr, size);
+    }
+
+    /// [`carve`](Self::carve) into a block of state `state`.
+    fn carve_as(&mut self, addr: u64, size: u64, state: BlockState) {
         let (start, block) = self
             .blocks
             .containing(addr)
@@ -358,10 +383,7 @@ impl Segment {
             self.index_free(start, head);
             left -= head;
         }
-        let live = Block {
-            size,
-            state: BlockState::Live { requested },
-        };
+        let live = Block { size, state };
         let rest = left - size;
         if rest > 0 {
             self.blocks.split(addr, live, Block::free(rest));

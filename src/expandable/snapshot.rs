@@ -3,46 +3,50 @@
 
 use super::Expandable;
 use super::blocks::BlockState as State;
+use super::segment::Segment;
 use crate::driver::Driver;
 use crate::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
 
 impl<D: Driver> Expandable<D> {
     /// The snapshot: for every run of mapped pages of every reservation, a segment whose blocks are the
     /// live and pending blocks on it and the free blocks cut to it. A live or pending block never crosses
-    /// a run's end (its pages are all mapped), so only free blocks are cut.
+    /// a run's end (its pages are all mapped), so only free blocks are cut. Lent pages are left out.
     pub(super) fn memory_snapshot(&self) -> MemorySnapshot {
         let device = self.driver.ordinal();
         let mut segments = Vec::new();
         for seg in self.live_segments() {
             for run in seg.pages.mapped_runs(0..seg.pages.len()) {
                 let (start, end) = (seg.page_addr(run.start), seg.page_addr(run.end));
-                let blocks = seg
-                    .blocks_overlapping(start, end)
-                    .map(|(addr, block)| {
-                        let lo = addr.max(start);
-                        let hi = (addr + block.size).min(end);
-                        let (state, requested_size) = match block.state {
-                            State::Live { requested } => (BlockState::ActiveAllocated, requested),
-                            State::Pending => (BlockState::ActivePendingFree, block.size),
-                            State::Free => (BlockState::Inactive, 0),
-                        };
-                        SnapshotBlock {
-                            address: lo,
-                            size: hi - lo,
-                            requested_size,
-                            state,
+                // A lent page's memory is mapped elsewhere too, and reported there: its lent block ends
+                // one segment and the next starts after it.
+                let mut from = start;
+                let mut blocks = Vec::new();
+                for (addr, block) in seg.blocks_overlapping(start, end) {
+                    let lo = addr.max(start);
+                    let hi = (addr + block.size).min(end);
+                    let (state, requested_size) = match block.state {
+                        State::Live { requested } => (BlockState::ActiveAllocated, requested),
+                        State::Pending => (BlockState::ActivePendingFree, block.size),
+                        State::Free => (BlockState::Inactive, 0),
+                        State::Lent => {
+                            if lo > from {
+                                segments.push(segment(seg, device, from, lo, blocks));
+                            }
+                            blocks = Vec::new();
+                            from = hi;
+                            continue;
                         }
-                    })
-                    .collect();
-                segments.push(SnapshotSegment {
-                    device,
-                    address: start,
-                    total_size: end - start,
-                    stream: seg.stream,
-                    pool: seg.pool,
-                    is_expandable: true,
-                    blocks,
-                });
+                    };
+                    blocks.push(SnapshotBlock {
+                        address: lo,
+                        size: hi - lo,
+                        requested_size,
+                        state,
+                    });
+                }
+                if end > from {
+                    segments.push(segment(seg, device, from, end, blocks));
+                }
             }
         }
         let events = self
@@ -51,5 +55,24 @@ impl<D: Driver> Expandable<D> {
             .map(|h| h.entries())
             .unwrap_or_default();
         MemorySnapshot::new(device, segments, events)
+    }
+}
+
+/// The segment `start .. end` of `seg`, tiled by `blocks`.
+fn segment(
+    seg: &Segment,
+    device: usize,
+    start: u64,
+    end: u64,
+    blocks: Vec<SnapshotBlock>,
+) -> SnapshotSegment {
+    SnapshotSegment {
+        device,
+        address: start,
+        total_size: end - start,
+        stream: seg.stream,
+        pool: seg.pool,
+        is_expandable: true,
+        blocks,
     }
 }

@@ -412,6 +412,7 @@ impl<D: Driver> Strategy for Split<D> {
             idle_mapped_bytes: c.reserved.current().saturating_sub(c.active.current()),
             idle_handle_bytes: 0,
             handles_reused: 0,
+            lent_bytes: 0,
             driver: self.driver.counters(),
             active: c.allocation.all,
             inactive_split: c.inactive_split.all,

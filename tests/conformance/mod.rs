@@ -18,6 +18,7 @@
 //! amounts of its own; on the simulator the figures are exact anyway.
 #![allow(dead_code)]
 
+use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
 use cuvmm::driver::{Driver, DriverError, EventId, Op, PhysHandle, StreamId, VaRange};
 use cuvmm::expandable::Expandable;
@@ -69,6 +70,10 @@ pub fn rules<D: Subject>() -> Vec<Rule<D>> {
         (
             "bytes_stay_with_a_remapped_handle",
             bytes_move_with_handle::<D>,
+        ),
+        (
+            "a_handle_maps_in_parts_from_an_offset",
+            map_from_offset::<D>,
         ),
         ("counters_count_failed_calls_too", counters::<D>),
     ]
@@ -436,6 +441,64 @@ fn bytes_move_with_handle<D: Subject>(d: &mut D) {
     teardown(d, r, &hs);
 }
 
+/// `cuMemMap` with an offset (CUDA 12's documented rule, which cuvmm's lending relies on): a page of a
+/// handle may be mapped on its own, while the whole handle is mapped elsewhere; both mappings show the
+/// same bytes; an offset past the handle or off the granularity is refused; memory is freed once the
+/// handle is released and its last mapping is gone.
+fn map_from_offset<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let free0 = free_bytes(d);
+    let r = d.reserve(8 * g).expect("reserve");
+    let h = d.create(4 * g).expect("create four pages");
+    let (whole, part) = (r.start, r.start + 5 * g);
+    d.map(whole, 4 * g, h).expect("map the whole handle");
+    d.map_from(part, g, h, 2 * g)
+        .expect("map its third page again, on its own");
+    d.set_access(whole, 4 * g).expect("set_access on the whole");
+    d.set_access(part, g).expect("set_access on the part");
+    d.memset_d8(whole, 4 * g, 0x21).expect("memset the whole");
+    d.memset_d8(part, g, 0x42).expect("memset through the part");
+    expect_bytes(
+        d,
+        whole + 2 * g,
+        g as usize,
+        0x42,
+        "the third page, written through the part",
+    );
+    expect_bytes(d, whole + g, g as usize, 0x21, "the second page");
+    rejected(
+        "map past the handle's end",
+        d.map_from(part + g, 2 * g, h, 3 * g),
+        |e| matches!(e, DriverError::OutsideHandle { .. }),
+    );
+    rejected(
+        "map from an unaligned offset",
+        d.map_from(part + g, g, h, g / 2),
+        |e| matches!(e, DriverError::NotAligned { .. }),
+    );
+    d.unmap(whole, 4 * g).expect("unmap the whole");
+    expect_bytes(
+        d,
+        part,
+        g as usize,
+        0x42,
+        "the part, once the whole is unmapped",
+    );
+    d.release(h).expect("release while the part is mapped");
+    let held = free_bytes(d);
+    assert!(
+        held + 2 * g <= free0,
+        "memory was freed while a part was mapped: {free0} -> {held}"
+    );
+    d.unmap(part, g).expect("unmap the part");
+    let back = free_bytes(d);
+    assert!(
+        back + g / 2 >= free0,
+        "memory was not freed at the last unmap: {free0} -> {back}"
+    );
+    d.free_reservation(r).expect("free_reservation");
+}
+
 fn counters<D: Subject>(d: &mut D) {
     let g = d.granularity();
     let before = d.counters();
@@ -549,8 +612,13 @@ pub fn allocator_properties<D: Subject>(make: impl Fn() -> D, cases: u32) {
 }
 
 fn run_actions<D: Subject>(driver: D, actions: Vec<Action>) {
+    // 4-page chunks under a 16-page budget: past it, idle pages are unmapped, stranded chunk pages are
+    // lent (mapped again from their offset), and then new pages created while the device has room.
+    let g = driver.granularity();
     let config = Config {
         small_size: 4096,
+        large_handle: 4 * g,
+        reserve_budget: Some(Budget::Bytes(16 * g)),
         ..Config::default()
     };
     let mut alloc = Expandable::new(driver, config).expect("allocator");

@@ -39,6 +39,8 @@ pub struct Setup {
     pub max_idle_bytes: u64,
     /// The allocator's `small_size`.
     pub small_size: u64,
+    /// Pages per large-pool handle: 1, or 4 (chunks, whose idle pages are lent under pressure).
+    pub chunk_pages: u64,
 }
 
 /// One operation.
@@ -89,6 +91,7 @@ pub fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
         pages,
         max_idle_bytes: [u64::MAX, 0, 2 * PAGE, 8 * PAGE][usize::from(flags & 3)],
         small_size: if flags & 4 == 0 { 1024 } else { 8192 },
+        chunk_pages: if flags & 8 == 0 { 1 } else { 4 },
     };
     let mut actions = Vec::new();
     while !input.is_empty() && actions.len() < MAX_ACTIONS {
@@ -129,8 +132,13 @@ pub fn encode(setup: &Setup, actions: &[Action]) -> Vec<u8> {
         8192 => 4,
         other => panic!("small_size {other} is not one decode() produces"),
     };
+    let chunks = match setup.chunk_pages {
+        1 => 0,
+        4 => 8,
+        other => panic!("chunk_pages {other} is not one decode() produces"),
+    };
     assert!((32..=64).contains(&setup.pages), "32 to 64 pages");
-    let mut out = vec![(setup.pages - 32) as u8, idle | small];
+    let mut out = vec![(setup.pages - 32) as u8, idle | small | chunks];
     for action in actions {
         match *action {
             Action::Alloc { size, stream } => {

@@ -191,11 +191,11 @@ impl GiveBackCalls for Calls {
         })
     }
 
-    fn map(&mut self, va: u64, size: u64, handle: u64) -> Result<(), DriverError> {
+    fn map(&mut self, va: u64, size: u64, offset: u64, handle: u64) -> Result<(), DriverError> {
         self.call(Op::Map, size, || {
             // SAFETY: the ledger gives only a live handle (point 1) and a range inside one of this driver's
             // reservations (2).
-            unsafe { result::map(va, bytes(size), handle) }
+            unsafe { result::map(va, bytes(size), bytes(offset), handle) }
         })
     }
 

@@ -367,7 +367,29 @@ impl Driver for CudaDriver {
                 });
             }
             d.ledger.check_reserved(Op::Map, va, size)?;
-            d.ledger.map(&mut d.calls, va, size, handle)
+            d.ledger.map(&mut d.calls, va, size, handle, 0)
+        })
+    }
+
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        self.counted(Op::Map, |d| {
+            let handle_size = d.ledger.handle_size(Op::Map, handle)?;
+            if offset.checked_add(size).is_none_or(|end| end > handle_size) {
+                return Err(DriverError::OutsideHandle {
+                    handle,
+                    handle_size,
+                    offset,
+                    size,
+                });
+            }
+            d.ledger.check_reserved(Op::Map, va, size)?;
+            d.ledger.map(&mut d.calls, va, size, handle, offset)
         })
     }
 

@@ -43,8 +43,8 @@ fn tiles(held: &[(u64, u64)], va: u64, size: u64) -> bool {
 pub(super) trait GiveBackCalls {
     /// `cuMemRelease(handle)`.
     fn release(&mut self, handle: u64) -> Result<(), DriverError>;
-    /// `cuMemMap(va, size, 0, handle, 0)`.
-    fn map(&mut self, va: u64, size: u64, handle: u64) -> Result<(), DriverError>;
+    /// `cuMemMap(va, size, offset, handle, 0)`.
+    fn map(&mut self, va: u64, size: u64, offset: u64, handle: u64) -> Result<(), DriverError>;
     /// `cuMemUnmap(va, size)`.
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError>;
     /// `cuMemAddressFree(start, size)`.
@@ -85,16 +85,17 @@ impl Ledger {
         Err(err)
     }
 
-    /// Maps `handle` (live, `size` bytes) at `va` (inside a reservation); after a failure other than a
-    /// rejection, records the mapping unless the driver says `va` is not mapped.
+    /// Maps `size` bytes of `handle` (live) from byte `offset` at `va` (inside a reservation); after a
+    /// failure other than a rejection, records the mapping unless the driver says `va` is not mapped.
     pub(super) fn map(
         &mut self,
         calls: &mut impl GiveBackCalls,
         va: u64,
         size: u64,
         handle: PhysHandle,
+        offset: u64,
     ) -> Result<(), DriverError> {
-        let Err(err) = calls.map(va, size, handle.0) else {
+        let Err(err) = calls.map(va, size, offset, handle.0) else {
             self.mapped(va, size);
             return Ok(());
         };

@@ -95,7 +95,7 @@ impl GiveBackCalls for FakeDevice {
             },
         )
     }
-    fn map(&mut self, va: u64, size: u64, handle: u64) -> Result<(), DriverError> {
+    fn map(&mut self, va: u64, size: u64, _offset: u64, handle: u64) -> Result<(), DriverError> {
         self.run(
             Op::Map,
             |d| d.handles.contains(&handle) && d.overlapping(va, size).is_empty(),
@@ -365,7 +365,7 @@ fn a_failed_map_is_recorded_when_it_mapped_and_undone_by_an_unmap() {
         let (mut l, mut dev) = world();
         dev.fails.push_back(Fail::After);
         dev.query_fails = query_fails;
-        assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2)).is_err());
+        assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2), 0).is_err());
         agree(&l, &dev, "the mapping is known");
         dev.query_fails = false;
         assert_eq!(l.unmap(&mut dev, PAGE, PAGE), Ok(()));
@@ -373,7 +373,7 @@ fn a_failed_map_is_recorded_when_it_mapped_and_undone_by_an_unmap() {
     }
     let (mut l, mut dev) = world();
     dev.fails.push_back(Fail::Before);
-    assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2)).is_err());
+    assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2), 0).is_err());
     agree(&l, &dev, "a map without effect");
     let calls = dev.calls;
     assert_eq!(
@@ -387,7 +387,7 @@ fn a_failed_map_is_recorded_when_it_mapped_and_undone_by_an_unmap() {
     // A map the driver rejects (here: over a mapping) changes nothing and asks nothing.
     let calls = dev.calls;
     assert_eq!(
-        l.map(&mut dev, 0, PAGE, PhysHandle(2)),
+        l.map(&mut dev, 0, PAGE, PhysHandle(2), 0),
         Err(cuda(Op::Map, 1))
     );
     assert_eq!(dev.calls, calls + 1);
@@ -401,7 +401,7 @@ fn a_maybe_mapping_is_forgotten_when_the_driver_says_nothing_is_mapped() {
     let (mut l, mut dev) = world();
     dev.fails.push_back(Fail::Before);
     dev.query_fails = true;
-    assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2)).is_err());
+    assert!(l.map(&mut dev, PAGE, PAGE, PhysHandle(2), 0).is_err());
     assert!(l.has_mapping_at(PAGE), "kept: it cannot be told");
     assert_eq!(
         l.unmap(&mut dev, PAGE, PAGE),
@@ -429,7 +429,7 @@ fn a_partial_unmap_is_cudas_error_and_keeps_the_mapping() {
 #[test]
 fn an_unmap_of_a_run_that_took_effect_forgets_every_mapping() {
     let (mut l, mut dev) = world();
-    l.map(&mut dev, PAGE, PAGE, PhysHandle(2)).expect("map");
+    l.map(&mut dev, PAGE, PAGE, PhysHandle(2), 0).expect("map");
     dev.fails.push_back(Fail::After);
     assert_eq!(l.unmap(&mut dev, 0, 2 * PAGE), Err(cuda(Op::Unmap, STICKY)));
     agree(&l, &dev, "after the failure");

@@ -314,7 +314,7 @@ fn unknown_is_false(outcome: sys::CUresult) -> Result<bool, CuError> {
     }
 }
 
-/// Maps the first `size` bytes of `handle` at `ptr`.
+/// Maps `size` bytes of `handle` from byte `offset` at `ptr`.
 ///
 /// See [cuMemMap() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1gff1d395423af5c5c75375516959dae56)
 ///
@@ -325,11 +325,12 @@ fn unknown_is_false(outcome: sys::CUresult) -> Result<bool, CuError> {
 pub(super) unsafe fn map(
     ptr: sys::CUdeviceptr,
     size: usize,
+    offset: usize,
     handle: sys::CUmemGenericAllocationHandle,
 ) -> Result<(), CuError> {
-    // SAFETY: the handle is live and the range is the caller's own (points 1-2); an offset of 0 and flags
-    // of 0 are what the driver requires.
-    unsafe { sys::cuMemMap(ptr, size, 0, handle, 0).result() }
+    // SAFETY: the handle is live and the range is the caller's own (points 1-2); the driver checks the
+    // offset against the handle's size and granularity itself, and flags of 0 are what it requires.
+    unsafe { sys::cuMemMap(ptr, size, offset, handle, 0).result() }
 }
 
 /// Unmaps `ptr .. ptr + size`, which must consist of whole mappings.

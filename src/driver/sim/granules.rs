@@ -1,8 +1,8 @@
 //! The simulated device's page table: for each granule of virtual address space, the mapping that covers it.
 //!
-//! A mapping maps one whole handle at a granule-aligned address, so it covers `handle size / granularity`
-//! consecutive granules. Each covered granule records the handle, its offset in granules from the mapping's
-//! start, and whether access was set. Looking up an address is then one division and one array read, and a
+//! A mapping maps a handle, or a granule-aligned part of it, at a granule-aligned address, so it covers
+//! `mapping size / granularity` consecutive granules. Each covered granule records the handle, its offset in
+//! granules from the mapping's start, where the mapping starts in the handle, and whether access was set. Looking up an address is then one division and one array read, and a
 //! call costs time in proportion to the granules it covers, as on a GPU, instead of the ordered-map searches
 //! a map from start addresses needs for every overlap check. Granules are stored in chunks created when
 //! something is first mapped there, so the table's memory follows what was mapped, not the reservations.
@@ -30,6 +30,8 @@ pub(super) struct Granule {
     pub(super) handle: u64,
     /// Granules from the start of the mapping.
     pub(super) offset: u64,
+    /// Where the mapping starts in its handle, in granules (0 for a whole handle).
+    pub(super) base: u64,
     /// Whether `set_access` was called on the mapping.
     pub(super) accessible: bool,
 }
@@ -236,6 +238,7 @@ mod tests {
         let at = |handle, offset| Granule {
             handle,
             offset,
+            base: 0,
             accessible: false,
         };
         g.fill(5000..5002, |offset| at(3, offset));
@@ -261,6 +264,7 @@ mod tests {
         let mapped = Granule {
             handle: 7,
             offset: 0,
+            base: 0,
             accessible: true,
         };
         g.fill(CHUNK + 3..CHUNK + 4, |_| mapped);

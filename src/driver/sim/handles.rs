@@ -71,17 +71,19 @@ impl Handles {
         self.bytes += size * count as u64;
     }
 
-    /// Whether `handle` is known, not released, and of `size` bytes: what `map` asks of it.
-    pub(super) fn is_live_of_size(&self, handle: PhysHandle, size: u64) -> bool {
+    /// Whether `handle` is known, not released, and holds `size` bytes from `offset`: what `map` asks of it.
+    pub(super) fn is_live_with(&self, handle: PhysHandle, offset: u64, size: u64) -> bool {
         usize::try_from(handle.0)
             .ok()
             .and_then(|id| id.checked_sub(1))
             .and_then(|index| self.slots.get(index))
             .and_then(Option::as_ref)
-            .is_some_and(|h| !h.released && h.size == size)
+            .is_some_and(|h| {
+                !h.released && offset.checked_add(size).is_some_and(|end| end <= h.size)
+            })
     }
 
-    /// Counts one more mapping of `handle`, which [`is_live_of_size`](Self::is_live_of_size) found.
+    /// Counts one more mapping of `handle`, which [`is_live_with`](Self::is_live_with) found.
     pub(super) fn mapped(&mut self, handle: PhysHandle) {
         if let Some(h) = self.get_mut(handle.0) {
             h.mapped();

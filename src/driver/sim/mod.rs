@@ -59,7 +59,8 @@ pub use latency::{Calibration, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel
 pub use report::LeakReport;
 
 use super::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
+    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId,
+    VaRange,
 };
 use faults::Faults;
 use malloc::Mallocs;
@@ -291,7 +292,8 @@ impl SimDriver {
             if !m.accessible {
                 return Err(DriverError::AccessDenied { addr });
             }
-            return Ok((Owner::Handle(m.handle), addr - start, start + m.size - addr));
+            let offset = m.offset + (addr - start);
+            return Ok((Owner::Handle(m.handle), offset, start + m.size - addr));
         }
         if let Some((start, size)) = self.mallocs.containing(addr) {
             return Ok((Owner::Malloc(start), addr - start, start + size - addr));
@@ -367,7 +369,17 @@ impl Driver for SimDriver {
     }
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         self.begin(Op::Map, size)?;
-        self.vmm.map(va, size, handle)
+        self.vmm.map(va, size, handle, None)
+    }
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        self.begin(Op::Map, size)?;
+        self.vmm.map(va, size, handle, Some(offset))
     }
     /// In one pass when no fault is planned and every call would succeed; one by one otherwise, so the
     /// calls fail exactly as they would.
@@ -396,19 +408,18 @@ impl Driver for SimDriver {
         &mut self,
         va: u64,
         size: u64,
-        handles: &[PhysHandle],
+        pages: &[PhysPage],
     ) -> Result<(), (usize, DriverError)> {
-        if self.faults.none_planned() && self.vmm.map_all(va, size, handles) {
+        if self.faults.none_planned() && self.vmm.map_all(va, size, pages) {
             let cost = self.config.latency.cost_ns(Op::Map, size);
-            self.counters
-                .record_many(Op::Map, handles.len() as u64, cost);
-            self.sleep(cost * handles.len() as u64);
+            self.counters.record_many(Op::Map, pages.len() as u64, cost);
+            self.sleep(cost * pages.len() as u64);
             let units = LatencyModel::units(Op::Map, size);
             self.counters
-                .record_units(Op::Map, handles.len() as u64, units);
+                .record_units(Op::Map, pages.len() as u64, units);
             return Ok(());
         }
-        super::map_each_by_calls(self, va, size, handles)
+        super::map_each_by_calls(self, va, size, pages)
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::SetAccess, size)?;

@@ -11,7 +11,7 @@ use super::granules::{Granule, Granules};
 use super::handles::Handles;
 use super::va::VaRegion;
 use crate::divisor::Divisor;
-use crate::driver::{DriverError, Op, PhysHandle, VaRange};
+use crate::driver::{DriverError, Op, PhysHandle, PhysPage, VaRange};
 use std::collections::BTreeMap;
 
 /// Where reservations start: a realistic device address.
@@ -19,11 +19,13 @@ const RESERVATION_BASE: u64 = 0x7f00_0000_0000;
 /// The top of the 48-bit virtual address space.
 const VA_TOP: u64 = 1 << 48;
 
-/// One mapping of a whole handle.
+/// One mapping: a handle, or part of it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Mapping {
-    /// Bytes mapped (the handle's size).
+    /// Bytes mapped.
     pub(super) size: u64,
+    /// Where in the handle the mapping starts, in bytes.
+    pub(super) offset: u64,
     /// The handle's number.
     pub(super) handle: u64,
     /// Whether `set_access` made it readable and writable.
@@ -124,23 +126,40 @@ impl Vmm {
         self.handles.release(handle)
     }
 
-    /// `cuMemMap` of the whole of `handle` at `va`.
+    /// `cuMemMap` at `va`: of the whole of `handle` (`offset` None), or of `size` bytes of it from byte
+    /// `offset`.
     pub(super) fn map(
         &mut self,
         va: u64,
         size: u64,
         handle: PhysHandle,
+        offset: Option<u64>,
     ) -> Result<(), DriverError> {
         self.check_size(Op::Map, size)?;
         self.check_address(Op::Map, va)?;
         let handle_size = self.handles.live(Op::Map, handle)?.size;
-        if handle_size != size {
-            return Err(DriverError::SizeMismatch {
-                handle,
-                handle_size,
-                size,
-            });
-        }
+        let base = match offset {
+            None if handle_size != size => {
+                return Err(DriverError::SizeMismatch {
+                    handle,
+                    handle_size,
+                    size,
+                });
+            }
+            None => 0,
+            Some(offset) => {
+                self.check_multiple(Op::Map, "offset", offset)?;
+                if offset.checked_add(size).is_none_or(|end| end > handle_size) {
+                    return Err(DriverError::OutsideHandle {
+                        handle,
+                        handle_size,
+                        offset,
+                        size,
+                    });
+                }
+                self.granule.quotient(offset)
+            }
+        };
         let outside = || DriverError::OutsideReservation {
             op: Op::Map,
             start: va,
@@ -157,6 +176,7 @@ impl Vmm {
         let mapped = |offset| Granule {
             handle: handle.0,
             offset,
+            base,
             accessible: false,
         };
         let already = |i: u64, granule: Granule| DriverError::AlreadyMapped {
@@ -219,21 +239,22 @@ impl Vmm {
         true
     }
 
-    /// One `map` call per handle of `handles`, at consecutive addresses `size` bytes apart from `va`, in one
-    /// pass, if every one of them would succeed: returns `true`. Otherwise changes nothing and returns
-    /// `false` (see [`create_all`](Self::create_all)).
-    pub(super) fn map_all(&mut self, va: u64, size: u64, handles: &[PhysHandle]) -> bool {
+    /// One `map` call per piece of `pages` (`size` bytes of its handle from its offset), at consecutive
+    /// addresses `size` bytes apart from `va`, in one pass, if every one of them would succeed: returns
+    /// `true`. Otherwise changes nothing and returns `false` (see [`create_all`](Self::create_all)).
+    pub(super) fn map_all(&mut self, va: u64, size: u64, pages: &[PhysPage]) -> bool {
         let Some(end) = size
-            .checked_mul(handles.len() as u64)
+            .checked_mul(pages.len() as u64)
             .and_then(|bytes| va.checked_add(bytes))
         else {
             return false;
         };
         let valid = self.check_size(Op::Map, size).is_ok()
             && self.check_address(Op::Map, va).is_ok()
-            && handles
-                .iter()
-                .all(|&handle| self.handles.is_live_of_size(handle, size))
+            && pages.iter().all(|page| {
+                self.granule.divides(page.offset)
+                    && self.handles.is_live_with(page.handle, page.offset, size)
+            })
             && self.in_one_reservation(va, end);
         let granules = self.granule.quotient(va)..self.granule.quotient(end);
         // The calls map disjoint granules, so each finds its own unmapped when all of them are.
@@ -242,10 +263,13 @@ impl Vmm {
         }
         let per_handle = self.granule.quotient(size);
         let (mut index, mut offset) = (0, 0);
-        self.granules.update(granules, |granule| {
-            *granule = Granule {
-                handle: handles[index].0,
+        let granule = self.granule;
+        self.granules.update(granules, |slot| {
+            let page = pages[index];
+            *slot = Granule {
+                handle: page.handle.0,
                 offset,
+                base: granule.quotient(page.offset),
                 accessible: false,
             };
             offset += 1;
@@ -253,10 +277,10 @@ impl Vmm {
                 (index, offset) = (index + 1, 0);
             }
         });
-        for &handle in handles {
-            self.handles.mapped(handle);
+        for page in pages {
+            self.handles.mapped(page.handle);
         }
-        self.mappings += handles.len();
+        self.mappings += pages.len();
         true
     }
 
@@ -299,13 +323,14 @@ impl Vmm {
         let index = self.granule.quotient(addr);
         let granule = self.granules.get(index);
         granule.is_mapped().then(|| {
-            let start = (index - granule.offset) * self.granularity;
+            let first = index - granule.offset;
             let mapping = Mapping {
-                size: self.mapping_size(granule.handle),
+                size: self.mapping_size(first),
+                offset: granule.base * self.granularity,
                 handle: granule.handle,
                 accessible: granule.accessible,
             };
-            (start, mapping)
+            (first * self.granularity, mapping)
         })
     }
 
@@ -340,7 +365,7 @@ impl Vmm {
         self.granules
             .mapping_starts(0, u64::MAX)
             .into_iter()
-            .map(|(index, granule)| VaRange::new(index * g, self.mapping_size(granule.handle)))
+            .map(|(index, _)| VaRange::new(index * g, self.mapping_size(index)))
             .collect()
     }
 
@@ -360,10 +385,14 @@ impl Vmm {
             .collect()
     }
 
-    /// Bytes mapped by a mapping of handle `id` (0 for a handle the device no longer knows, which a mapped
-    /// handle never is).
-    fn mapping_size(&self, id: u64) -> u64 {
-        self.handles.size(id).unwrap_or(0)
+    /// Bytes mapped by the mapping whose first granule is `first`: its granules run on while their offsets
+    /// from it count up (the next mapping's first granule has offset 0).
+    fn mapping_size(&self, first: u64) -> u64 {
+        let mut end = first + 1;
+        while self.granules.get(end).is_mapped() && self.granules.get(end).offset == end - first {
+            end += 1;
+        }
+        (end - first) * self.granularity
     }
 
     /// Size non-zero and a multiple of the granularity.
@@ -413,8 +442,8 @@ impl Vmm {
         };
         let first = self.granules.get(self.granule.quotient(va));
         if first.is_mapped() && first.offset > 0 {
-            let mapping = va - first.offset * g;
-            return Err(partial(mapping, self.mapping_size(first.handle)));
+            let mapping = self.granule.quotient(va) - first.offset;
+            return Err(partial(mapping * g, self.mapping_size(mapping)));
         }
         // Mappings never overlap and cover consecutive granules with offsets 0, 1, ..., so the range is whole
         // back-to-back mappings exactly when its first granule starts one (checked above), every granule in
@@ -439,8 +468,8 @@ impl Vmm {
         }
         let after = self.granules.get(end_index);
         if after.is_mapped() && after.offset > 0 {
-            let mapping = (end_index - after.offset) * g;
-            return Err(partial(mapping, self.mapping_size(after.handle)));
+            let mapping = end_index - after.offset;
+            return Err(partial(mapping * g, self.mapping_size(mapping)));
         }
         Ok(end)
     }
