@@ -178,15 +178,21 @@ fn stream_cache_mb_0_turns_the_caches_off() {
     let alloc = allocator(256, "stream_cache_mb:0");
     let buffer = alloc.alloc_on(8 * KIB, S0).unwrap();
     let (tx, rx) = mpsc::channel();
+    let (go, start) = mpsc::channel::<()>();
     let worker = {
         let alloc = alloc.clone();
         std::thread::spawn(move || {
+            // Starts once the main thread holds the lock, so the free finds it taken.
+            start.recv().unwrap();
             drop(buffer);
             tx.send(alloc.stream_cached()).unwrap();
         })
     };
     // The free waits for the lock instead of being kept back.
-    let while_held = alloc.with_strategy(|_| rx.recv_timeout(Duration::from_millis(300)));
+    let while_held = alloc.with_strategy(|_| {
+        go.send(()).unwrap();
+        rx.recv_timeout(Duration::from_millis(300))
+    });
     assert!(while_held.is_err(), "the free did not wait: {while_held:?}");
     assert_eq!(rx.recv().unwrap(), (0, 0));
     worker.join().unwrap();
