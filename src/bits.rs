@@ -24,6 +24,8 @@ type Words = BitVec<u64, Lsb0>;
 /// A fixed-length bit vector with a summary of its non-empty words.
 #[derive(Debug, Clone)]
 pub(crate) struct Bits {
+    /// Number of bits (bitvec's own length is decoded from its pointer on every call).
+    len: usize,
     bits: Words,
     /// Bit `w` is set when word `w` of `bits` is not zero.
     nonempty: Words,
@@ -33,6 +35,7 @@ impl Bits {
     /// `len` clear bits.
     pub(crate) fn new(len: usize) -> Self {
         Self {
+            len,
             bits: BitVec::repeat(false, len),
             nonempty: BitVec::repeat(false, len.div_ceil(BITS)),
         }
@@ -40,7 +43,7 @@ impl Bits {
 
     /// Bit `i`.
     pub(crate) fn get(&self, i: usize) -> bool {
-        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        assert!(i < self.len, "bit {i} out of {}", self.len);
         self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
     }
 
@@ -52,15 +55,18 @@ impl Bits {
     /// Sets bit `i` to `value` and returns what it was. On the raw word: bitvec's `set` costs about 5x the
     /// instructions, on a path that runs for every page a block touches (`docs/performance.md`).
     pub(crate) fn replace(&mut self, i: usize, value: bool) -> bool {
-        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        assert!(i < self.len, "bit {i} out of {}", self.len);
         let w = i / BITS;
         let mask = 1 << (i % BITS);
         let word = &mut self.bits.as_raw_mut_slice()[w];
         let was = *word & mask != 0;
         if was != value {
             *word ^= mask;
-            let word = *word;
-            summarize(self.nonempty.as_raw_mut_slice(), w, word);
+            // The summary changes only when the word turns empty or stops being empty.
+            if *word == 0 || *word == mask {
+                let word = *word;
+                summarize(self.nonempty.as_raw_mut_slice(), w, word);
+            }
         }
         was
     }
@@ -140,7 +146,7 @@ impl Bits {
                 return (found < range.end).then_some(found);
             }
             at = if value {
-                next_nonempty(summary, w + 1)? * BITS
+                next_nonempty(summary, w + 1, range.end.div_ceil(BITS))? * BITS
             } else {
                 (w + 1) * BITS
             };
@@ -195,10 +201,7 @@ impl Bits {
                 return None;
             }
             if words[w] == 0 {
-                w = next_nonempty(summary, w)?;
-                if w * BITS >= range.end {
-                    return None;
-                }
+                w = next_nonempty(summary, w, range.end.div_ceil(BITS))?;
             }
             word = words[w] & !others[w];
         }
@@ -227,7 +230,7 @@ impl Bits {
 
     /// The last set bit at or before `at` (raw words and the summary, as [`Bits::find`]).
     pub(crate) fn find_last_set(&self, at: usize) -> Option<usize> {
-        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        assert!(at < self.len, "bit {at} out of {}", self.len);
         let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
         let mut word = words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
@@ -242,7 +245,7 @@ impl Bits {
 
     /// The last clear bit at or before `at`.
     pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
-        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        assert!(at < self.len, "bit {at} out of {}", self.len);
         let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
         let mut word = !words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
@@ -292,21 +295,31 @@ impl Bits {
 
     fn check(&self, range: &Range<usize>) {
         assert!(
-            range.start <= range.end && range.end <= self.bits.len(),
+            range.start <= range.end && range.end <= self.len,
             "bits {range:?} out of {}",
-            self.bits.len()
+            self.len
         );
     }
 }
 
-/// The index of the first non-empty word at or after word `from`, from the summary's words.
+/// The index of the first non-empty word at or after word `from` and before word `end`, from the summary's
+/// words. Bounded by `end`: a search inside a block's pages used to read the summary to the end of the
+/// reservation (20 words and more) whenever the block had no page of the kind looked for.
 #[inline]
-fn next_nonempty(summary: &[u64], from: usize) -> Option<usize> {
+fn next_nonempty(summary: &[u64], from: usize, end: usize) -> Option<usize> {
+    if from >= end {
+        return None;
+    }
     let mut s = from / BITS;
+    let last = (end - 1) / BITS;
     let mut bits = *summary.get(s)? & (u64::MAX << (from % BITS));
     loop {
         if bits != 0 {
-            return Some(s * BITS + bits.trailing_zeros() as usize);
+            let w = s * BITS + bits.trailing_zeros() as usize;
+            return (w < end).then_some(w);
+        }
+        if s >= last {
+            return None;
         }
         s += 1;
         bits = *summary.get(s)?;
@@ -361,7 +374,7 @@ impl Iterator for Runs<'_> {
     fn next(&mut self) -> Option<Range<usize>> {
         while self.word == 0 {
             let next = match self.summary {
-                Some(summary) => next_nonempty(summary, self.w + 1)?,
+                Some(summary) => next_nonempty(summary, self.w + 1, self.end.div_ceil(BITS))?,
                 None => self.w + 1,
             };
             if next * BITS >= self.end {

@@ -251,7 +251,8 @@ impl<D: Driver> Expandable<D> {
             }
         };
         self.segments[slot] = Some(Segment::new(va, stream, pool, self.page_size));
-        self.by_addr.insert(va.start, slot);
+        let at = self.by_addr.partition_point(|&(start, _)| start < va.start);
+        self.by_addr.insert(at, (va.start, slot));
         self.by_key.entry((stream, pool)).or_default().push(slot);
         self.counters.segment.add(pool, 1);
         Ok(slot)

@@ -29,6 +29,10 @@ pub(crate) struct Merged {
     pub block: (u64, u64),
 }
 
+/// Where a block is kept, from [`Blocks::locate`]: valid until the blocks change otherwise than through it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockRef(u32);
+
 #[derive(Debug, Clone, Copy)]
 struct Node {
     addr: u64,
@@ -129,8 +133,14 @@ impl Blocks {
 
     /// The block that holds `addr`, with its start.
     pub(crate) fn containing(&self, addr: u64) -> Option<(u64, Block)> {
-        if let Some(block) = self.get(addr) {
-            return Some((addr, block));
+        self.locate(addr).map(|(_, start, block)| (start, block))
+    }
+
+    /// The block that holds `addr`: where it is kept (to change it without looking it up again), its start,
+    /// and the block.
+    pub(crate) fn locate(&self, addr: u64) -> Option<(BlockRef, u64, Block)> {
+        if let Some(&n) = self.by_start.get(&addr) {
+            return Some((BlockRef(n), addr, self.nodes[n as usize].block));
         }
         let page = self.page(addr.checked_sub(self.base)?)?;
         let mut n = self.last_start[self.starts.find_last_set(page)?];
@@ -139,7 +149,7 @@ impl Blocks {
             n = self.nodes[n as usize].prev;
         }
         let node = self.nodes.get(n as usize)?;
-        (addr < node.addr + node.block.size).then_some((node.addr, node.block))
+        (addr < node.addr + node.block.size).then_some((BlockRef(n), node.addr, node.block))
     }
 
     /// The block before the one that starts at `addr`, with its start.
@@ -154,8 +164,16 @@ impl Blocks {
     }
 
     /// Replaces the block at `addr` by `first` there and `second` right after it (`first.size` bytes on).
+    #[cfg(test)]
     pub(crate) fn split(&mut self, addr: u64, first: Block, second: Block) {
-        let n = self.by_start[&addr];
+        self.split_at(BlockRef(self.by_start[&addr]), first, second);
+    }
+
+    /// Replaces block `at` ([`Blocks::locate`]) by `first` there and `second` right after it (`first.size`
+    /// bytes on). Returns where `second` is kept.
+    pub(crate) fn split_at(&mut self, at: BlockRef, first: Block, second: Block) -> BlockRef {
+        let n = at.0;
+        let addr = self.nodes[n as usize].addr;
         self.nodes[n as usize].block = first;
         let next = self.nodes[n as usize].next;
         let m = self.link(addr + first.size, second, n, next);
@@ -163,6 +181,13 @@ impl Blocks {
         if next != NIL {
             self.nodes[next as usize].prev = m;
         }
+        BlockRef(m)
+    }
+
+    /// Replaces block `at` ([`Blocks::locate`]) by `block` of the same size.
+    pub(crate) fn set(&mut self, at: BlockRef, block: Block) {
+        debug_assert_eq!(self.nodes[at.0 as usize].block.size, block.size);
+        self.nodes[at.0 as usize].block = block;
     }
 
     /// Merges the block at `addr` into the block before it, which grows by its size. Returns the merged

@@ -41,7 +41,6 @@ use crate::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
-use std::collections::BTreeMap;
 use streams::{PendingFrees, StreamUses};
 
 /// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
@@ -83,7 +82,9 @@ pub struct Expandable<D: Driver> {
     page_size: u64,
     device_total: u64,
     segments: Vec<Option<Segment>>,
-    by_addr: BTreeMap<u64, usize>,
+    /// `(reservation start, slot)` of every segment, sorted by start: a handful of segments, so a search of a
+    /// vector is cheaper than a tree's on every free.
+    by_addr: Vec<(u64, usize)>,
     by_key: FxHashMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
@@ -151,7 +152,7 @@ impl<D: Driver> Expandable<D> {
             page_size,
             device_total,
             segments: Vec::new(),
-            by_addr: BTreeMap::new(),
+            by_addr: Vec::new(),
             by_key: FxHashMap::default(),
             pooled: Vec::new(),
             pooled_chunks: Vec::new(),
@@ -289,7 +290,8 @@ impl<D: Driver> Expandable<D> {
 
     /// The segment whose reservation contains `addr`.
     fn slot_of(&self, addr: u64) -> Option<usize> {
-        let (_, &slot) = self.by_addr.range(..=addr).next_back()?;
+        let at = self.by_addr.partition_point(|&(start, _)| start <= addr);
+        let (_, slot) = self.by_addr[at.checked_sub(1)?];
         self.segment(slot).va.contains(addr).then_some(slot)
     }
 

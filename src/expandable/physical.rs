@@ -204,14 +204,20 @@ impl<D: Driver> Expandable<D> {
         slot: usize,
         pages: Range<usize>,
     ) -> Result<Range<usize>, Error> {
+        let mut widened = pages.clone();
+        // Most requests find every page mapped: answered by one search, without collecting runs.
+        if self
+            .segment(slot)
+            .pages
+            .first_unmapped(pages.clone())
+            .is_none()
+        {
+            return Ok(widened);
+        }
         let k = self.chunk_pages;
         let bytes = k as u64 * self.page_size;
         let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
-        let mut widened = pages.clone();
         let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
-        if runs.is_empty() {
-            return Ok(widened);
-        }
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
         let mut result = Ok(());
@@ -254,7 +260,7 @@ impl<D: Driver> Expandable<D> {
                 }
                 self.segment_mut(slot)
                     .pages
-                    .map_run(chunk.start, &vec![handle; k]);
+                    .map_chunk(chunk.clone(), handle);
                 self.counters.mapped.add(pool, bytes);
                 self.record(TraceAction::SegmentMap, va, bytes, stream);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
@@ -292,13 +298,21 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// The pages of chunk `page` lies in, if a chunk is mapped there.
+    ///
+    /// Told by the page map alone, without looking the handle up in `chunks`: a chunk is mapped at every
+    /// page of its aligned group and a single-page handle at one page only, so the handle at `page` is a
+    /// chunk exactly when another page of the group holds the same handle.
     fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
-        let handle = self.segment(slot).pages.handle(page)?;
-        if !self.chunks.contains(&handle) {
+        let k = self.chunk_pages;
+        let pages = &self.segment(slot).pages;
+        let handle = pages.handle(page)?;
+        let start = page - page % k;
+        let other = if page == start { start + 1 } else { start };
+        if k < 2 || other >= pages.len() || pages.handle(other) != Some(handle) {
             return None;
         }
-        let start = page - page % self.chunk_pages;
-        Some(start..start + self.chunk_pages)
+        debug_assert!(self.chunks.contains(&handle));
+        Some(start..start + k)
     }
 
     /// `run` of idle pages without the ends of chunks that lie partly outside it (and so are in use).
@@ -490,7 +504,7 @@ impl<D: Driver> Expandable<D> {
             let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
             self.free_reservation_settled(va)?;
             self.segments[slot] = None;
-            self.by_addr.remove(&va.start);
+            self.by_addr.retain(|&(start, _)| start != va.start);
             if let Some(slots) = self.by_key.get_mut(&key) {
                 slots.retain(|&s| s != slot);
                 if slots.is_empty() {

@@ -310,9 +310,10 @@ impl Segment {
     /// Turns `addr .. addr + size`, which lies inside one free block, into a live block; what is left of the
     /// free block before and after it stays free.
     pub fn carve(&mut self, addr: u64, size: u64, requested: u64) {
-        let (start, block) = self
+        // Found once: the splits below change the block where it is kept, without looking it up again.
+        let (mut at, start, block) = self
             .blocks
-            .containing(addr)
+            .locate(addr)
             .expect("carve: no block at address");
         assert!(
             !block.is_occupied() && addr + size <= start + block.size,
@@ -322,8 +323,9 @@ impl Segment {
         let mut left = block.size;
         if addr > start {
             let head = addr - start;
-            self.blocks
-                .split(start, Block::free(head), Block::free(left - head));
+            at = self
+                .blocks
+                .split_at(at, Block::free(head), Block::free(left - head));
             self.index_free(start, head);
             left -= head;
         }
@@ -333,10 +335,10 @@ impl Segment {
         };
         let rest = left - size;
         if rest > 0 {
-            self.blocks.split(addr, live, Block::free(rest));
+            self.blocks.split_at(at, live, Block::free(rest));
             self.index_free(addr + size, rest);
-        } else if let Some(block) = self.blocks.get_mut(addr) {
-            *block = live;
+        } else {
+            self.blocks.set(at, live);
         }
         self.occupied += 1;
         let pages = self.pages_of(addr, size);
