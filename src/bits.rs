@@ -42,18 +42,21 @@ impl Bits {
     }
 
     /// Bit `i`.
+    #[inline]
     pub(crate) fn get(&self, i: usize) -> bool {
         assert!(i < self.len, "bit {i} out of {}", self.len);
         self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
     }
 
     /// Sets bit `i` to `value`.
+    #[inline]
     pub(crate) fn set(&mut self, i: usize, value: bool) {
         self.replace(i, value);
     }
 
     /// Sets bit `i` to `value` and returns what it was. On the raw word: bitvec's `set` costs about 5x the
     /// instructions, on a path that runs for every page a block touches (`docs/performance.md`).
+    #[inline]
     pub(crate) fn replace(&mut self, i: usize, value: bool) -> bool {
         assert!(i < self.len, "bit {i} out of {}", self.len);
         let w = i / BITS;
@@ -107,6 +110,7 @@ impl Bits {
 
     /// Set bits in `range`. On the raw words: bitvec's `count_ones` costs about 4x as many instructions on
     /// the short ranges the page map counts (`docs/performance.md`).
+    #[inline]
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
         self.check(&range);
         if range.is_empty() {
@@ -285,12 +289,28 @@ impl Bits {
     /// same ranges cost about 4x the instructions (`docs/performance.md`).
     fn update(&mut self, range: Range<usize>, mut f: impl FnMut(usize, u64, u64) -> u64) {
         self.check(&range);
+        if range.is_empty() {
+            return;
+        }
         let words = self.bits.as_raw_mut_slice();
         let summary = self.nonempty.as_raw_mut_slice();
-        for (w, mask) in word_masks(range) {
-            words[w] = f(w, words[w], mask);
+        let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
+        let low = u64::MAX << (range.start % BITS);
+        let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+        if first == last {
+            // Most ranges (a block's pages) lie in one word.
+            words[first] = f(first, words[first], low & high);
+            summarize(summary, first, words[first]);
+            return;
+        }
+        words[first] = f(first, words[first], low);
+        summarize(summary, first, words[first]);
+        for w in first + 1..last {
+            words[w] = f(w, words[w], u64::MAX);
             summarize(summary, w, words[w]);
         }
+        words[last] = f(last, words[last], high);
+        summarize(summary, last, words[last]);
     }
 
     fn check(&self, range: &Range<usize>) {
@@ -335,24 +355,6 @@ fn summarize(summary: &mut [u64], w: usize, word: u64) {
     } else {
         summary[w / BITS] &= !mask;
     }
-}
-
-/// Each word that bits `range` touch, with the mask of the range's bits in it.
-fn word_masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
-    let (first, last) = if range.is_empty() {
-        (1, 0)
-    } else {
-        (range.start / BITS, (range.end - 1) / BITS)
-    };
-    (first..=last).map(move |w| {
-        let lo = if w == first { range.start % BITS } else { 0 };
-        let hi = if w == last {
-            (range.end - 1) % BITS
-        } else {
-            BITS - 1
-        };
-        (w, (u64::MAX << lo) & (u64::MAX >> (BITS - 1 - hi)))
-    })
 }
 
 /// The runs of equal bits of a range, from [`Bits::runs`].

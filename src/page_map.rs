@@ -306,7 +306,9 @@ impl PageMap {
         }
         if had_users == 0 {
             self.touched_count += inner.len();
-            self.idle_count -= self.idle.take_ones(inner);
+            if self.idle_count > 0 {
+                self.idle_count -= self.idle.take_ones(inner);
+            }
         } else {
             // Only the pages that just got their first user change state.
             for page in inner {
@@ -365,8 +367,10 @@ impl PageMap {
         *users += 1;
         if *users == 1 {
             self.touched_count += 1;
-            // An unmapped page is not idle: clearing its bit changes nothing.
-            self.set_idle(page, false);
+            // An unmapped page is not idle: clearing its bit changes nothing; nor does it with no page idle.
+            if self.idle_count > 0 {
+                self.set_idle(page, false);
+            }
         }
     }
 

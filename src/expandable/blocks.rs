@@ -285,9 +285,12 @@ impl Blocks {
             self.last_start.resize(len, NIL);
         }
         let last = self.last_start[page];
-        if last == NIL || self.nodes[last as usize].addr < addr {
+        if last == NIL {
             self.last_start[page] = n;
             self.starts.set(page, true);
+        } else if self.nodes[last as usize].addr < addr {
+            // The page's bit is set already.
+            self.last_start[page] = n;
         }
         n
     }
