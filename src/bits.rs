@@ -305,9 +305,10 @@ impl Bits {
         }
         words[first] = f(first, words[first], low);
         summarize(summary, first, words[first]);
-        for w in first + 1..last {
-            words[w] = f(w, words[w], u64::MAX);
-            summarize(summary, w, words[w]);
+        for (i, word) in words[first + 1..last].iter_mut().enumerate() {
+            let w = first + 1 + i;
+            *word = f(w, *word, u64::MAX);
+            summarize(summary, w, *word);
         }
         words[last] = f(last, words[last], high);
         summarize(summary, last, words[last]);
