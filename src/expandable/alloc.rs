@@ -56,7 +56,7 @@ impl<D: Driver> Expandable<D> {
             }
             Err(err) => {
                 let before = self.page_counts(slot);
-                self.segment_mut(slot).free_live(addr, rounded);
+                self.segment_mut(slot).free_live_at_addr(addr, rounded);
                 self.refresh_page_counts(slot, before);
                 if !err.is_out_of_memory() {
                     return Err(err);

@@ -199,11 +199,11 @@ impl Blocks {
         self.nodes[prev as usize].addr
     }
 
-    /// Makes the occupied block at `addr` free and merges it with free neighbours, following the links (one
-    /// lookup). Returns the free neighbours merged, as `(start, size)` before the merge, and the merged
+    /// Makes the occupied block `at` ([`Blocks::locate`]) free and merges it with free neighbours, following
+    /// the links (no lookup). Returns the free neighbours merged, as `(start, size)` before the merge, and the merged
     /// block's `(start, size)`.
-    pub(crate) fn free_and_merge(&mut self, addr: u64) -> Merged {
-        let mut n = self.by_start[&addr];
+    pub(crate) fn free_and_merge(&mut self, at: BlockRef) -> Merged {
+        let mut n = at.0;
         self.nodes[n as usize].block.state = BlockState::Free;
         let mut merged = Merged::default();
         let prev = self.nodes[n as usize].prev;
@@ -384,11 +384,11 @@ mod tests {
         b.split(BASE, Block::free(512), Block::free(16 * PAGE - 512));
         b.split(BASE + 512, live(512), Block::free(16 * PAGE - 1024));
         b.split(BASE + 1024, live(512), Block::free(16 * PAGE - 1536));
-        let merged = b.free_and_merge(BASE + 512);
+        let merged = b.free_and_merge(b.locate(BASE + 512).unwrap().0);
         assert_eq!(merged.before, Some((BASE, 512)));
         assert_eq!(merged.after, None);
         assert_eq!(merged.block, (BASE, 1024));
-        let merged = b.free_and_merge(BASE + 1024);
+        let merged = b.free_and_merge(b.locate(BASE + 1024).unwrap().0);
         assert_eq!(merged.before, Some((BASE, 1024)));
         assert_eq!(merged.after, Some((BASE + 1536, 16 * PAGE - 1536)));
         assert_eq!(merged.block, (BASE, 16 * PAGE));

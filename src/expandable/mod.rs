@@ -237,9 +237,11 @@ impl<D: Driver> Expandable<D> {
         let stranded = (self.touched_pages[p] as u64 * self.page_size)
             .saturating_sub(self.counters.active.of(pool) + carving);
         self.counters.inactive_split.set(pool, stranded);
-        let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
-            - before.straddling as u64;
-        self.counters.inactive_split_count.set(pool, count);
+        if after.straddling != before.straddling {
+            let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
+                - before.straddling as u64;
+            self.counters.inactive_split_count.set(pool, count);
+        }
     }
 
     /// Records an event for snapshots if recording is on.
@@ -307,8 +309,12 @@ impl<D: Driver> Expandable<D> {
     /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        let (size, requested) = match self.segment(slot).check_free(addr) {
-            FreeOutcome::Freed { size, requested } => (size, requested),
+        let (size, requested, at) = match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed {
+                size,
+                requested,
+                at,
+            } => (size, requested, at),
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
@@ -322,7 +328,7 @@ impl<D: Driver> Expandable<D> {
         self.free_clock += 1;
         let clock = self.free_clock;
         let seg = self.segment_mut(slot);
-        seg.free_live(addr, size);
+        seg.free_live(at, addr, size);
         seg.last_free = clock;
         self.count_block(pool, size, requested, false);
         self.count_inactive(pool, size);
