@@ -264,12 +264,24 @@ impl<D: Driver> Expandable<D> {
         let pages = self.segment(slot).pages_of(addr, size);
         // Access is set on whole chunks, so the pages of a chunk beyond the block need no call later.
         let mut access = pages.clone();
+        // Most requests find every page mapped: one search says so, and nothing is counted or collected.
+        let all_mapped = || {
+            self.segment(slot)
+                .pages
+                .first_unmapped(pages.clone())
+                .is_none()
+        };
+        let mut need = None;
         if self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large {
-            access = self.map_chunks(slot, pages.clone())?;
+            if all_mapped() {
+                need = Some(0);
+            } else {
+                access = self.map_chunks(slot, pages.clone())?;
+            }
             // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
             access = self.widen_to_chunks(slot, access);
         }
-        let need = self.segment(slot).pages.unmapped_count(pages.clone());
+        let need = need.unwrap_or_else(|| self.segment(slot).pages.unmapped_count(pages.clone()));
         if need > 0 {
             // The handles, new ones first, in a buffer kept from one request to the next.
             let mut queue = std::mem::take(&mut self.handle_queue);

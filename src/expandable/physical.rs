@@ -205,19 +205,14 @@ impl<D: Driver> Expandable<D> {
         pages: Range<usize>,
     ) -> Result<Range<usize>, Error> {
         let mut widened = pages.clone();
-        // Most requests find every page mapped: answered by one search, without collecting runs.
-        if self
-            .segment(slot)
-            .pages
-            .first_unmapped(pages.clone())
-            .is_none()
-        {
+        // (The caller skips this when every page is mapped, the usual case.)
+        let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
+        if runs.is_empty() {
             return Ok(widened);
         }
         let k = self.chunk_pages;
         let bytes = k as u64 * self.page_size;
         let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
-        let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
         let mut result = Ok(());
