@@ -42,7 +42,7 @@ impl Bits {
     }
 
     /// Bit `i`.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> bool {
         assert!(i < self.len, "bit {i} out of {}", self.len);
         self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
@@ -56,7 +56,7 @@ impl Bits {
 
     /// Sets bit `i` to `value` and returns what it was. On the raw word: bitvec's `set` costs about 5x the
     /// instructions, on a path that runs for every page a block touches (`docs/performance.md`).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn replace(&mut self, i: usize, value: bool) -> bool {
         assert!(i < self.len, "bit {i} out of {}", self.len);
         let w = i / BITS;
@@ -112,6 +112,21 @@ impl Bits {
     /// the short ranges the page map counts (`docs/performance.md`).
     #[inline]
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
+        // A range inside one word (most of a block's pages) is counted here, inlined; the rest below.
+        if range.start < range.end
+            && range.end <= self.len
+            && range.start / BITS == (range.end - 1) / BITS
+        {
+            let low = u64::MAX << (range.start % BITS);
+            let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+            return (self.bits.as_raw_slice()[range.start / BITS] & low & high).count_ones()
+                as usize;
+        }
+        self.count_ones_wide(range)
+    }
+
+    #[inline(never)]
+    fn count_ones_wide(&self, range: Range<usize>) -> usize {
         self.check(&range);
         if range.is_empty() {
             return 0;
@@ -136,7 +151,26 @@ impl Bits {
     /// The first bit in `range` equal to `value`. On the raw words, skipping empty words through the summary
     /// when looking for a set bit: bitvec's `first_one` / `first_zero` go through its bit iterators and
     /// cost several times as many instructions here (`docs/performance.md`).
+    #[inline]
     pub(crate) fn find(&self, range: Range<usize>, value: bool) -> Option<usize> {
+        // Answered by the range's first word (found there, or the range ends in it), inlined; else below.
+        if range.start < range.end && range.end <= self.len {
+            let w = range.start / BITS;
+            let word = self.bits.as_raw_slice()[w];
+            let word = if value { word } else { !word } & (u64::MAX << (range.start % BITS));
+            if word != 0 {
+                let found = w * BITS + word.trailing_zeros() as usize;
+                return (found < range.end).then_some(found);
+            }
+            if (range.end - 1) / BITS == w {
+                return None;
+            }
+        }
+        self.find_wide(range, value)
+    }
+
+    #[inline(never)]
+    fn find_wide(&self, range: Range<usize>, value: bool) -> Option<usize> {
         self.check(&range);
         let words = self.bits.as_raw_slice();
         let summary = self.nonempty.as_raw_slice();
