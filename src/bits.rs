@@ -24,6 +24,8 @@ type Words = BitVec<u64, Lsb0>;
 /// A fixed-length bit vector with a summary of its non-empty words.
 #[derive(Debug, Clone)]
 pub(crate) struct Bits {
+    /// Number of bits (bitvec's own length is decoded from its pointer on every call).
+    len: usize,
     bits: Words,
     /// Bit `w` is set when word `w` of `bits` is not zero.
     nonempty: Words,
@@ -33,34 +35,41 @@ impl Bits {
     /// `len` clear bits.
     pub(crate) fn new(len: usize) -> Self {
         Self {
+            len,
             bits: BitVec::repeat(false, len),
             nonempty: BitVec::repeat(false, len.div_ceil(BITS)),
         }
     }
 
     /// Bit `i`.
+    #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> bool {
-        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        assert!(i < self.len, "bit {i} out of {}", self.len);
         self.bits.as_raw_slice()[i / BITS] >> (i % BITS) & 1 == 1
     }
 
     /// Sets bit `i` to `value`.
+    #[inline]
     pub(crate) fn set(&mut self, i: usize, value: bool) {
         self.replace(i, value);
     }
 
     /// Sets bit `i` to `value` and returns what it was. On the raw word: bitvec's `set` costs about 5x the
     /// instructions, on a path that runs for every page a block touches (`docs/performance.md`).
+    #[inline(always)]
     pub(crate) fn replace(&mut self, i: usize, value: bool) -> bool {
-        assert!(i < self.bits.len(), "bit {i} out of {}", self.bits.len());
+        assert!(i < self.len, "bit {i} out of {}", self.len);
         let w = i / BITS;
         let mask = 1 << (i % BITS);
         let word = &mut self.bits.as_raw_mut_slice()[w];
         let was = *word & mask != 0;
         if was != value {
             *word ^= mask;
-            let word = *word;
-            summarize(self.nonempty.as_raw_mut_slice(), w, word);
+            // The summary changes only when the word turns empty or stops being empty.
+            if *word == 0 || *word == mask {
+                let word = *word;
+                summarize(self.nonempty.as_raw_mut_slice(), w, word);
+            }
         }
         was
     }
@@ -101,7 +110,23 @@ impl Bits {
 
     /// Set bits in `range`. On the raw words: bitvec's `count_ones` costs about 4x as many instructions on
     /// the short ranges the page map counts (`docs/performance.md`).
+    #[inline]
     pub(crate) fn count_ones(&self, range: Range<usize>) -> usize {
+        // A range inside one word (most of a block's pages) is counted here, inlined; the rest below.
+        if range.start < range.end
+            && range.end <= self.len
+            && range.start / BITS == (range.end - 1) / BITS
+        {
+            let low = u64::MAX << (range.start % BITS);
+            let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+            return (self.bits.as_raw_slice()[range.start / BITS] & low & high).count_ones()
+                as usize;
+        }
+        self.count_ones_wide(range)
+    }
+
+    #[inline(never)]
+    fn count_ones_wide(&self, range: Range<usize>) -> usize {
         self.check(&range);
         if range.is_empty() {
             return 0;
@@ -126,7 +151,26 @@ impl Bits {
     /// The first bit in `range` equal to `value`. On the raw words, skipping empty words through the summary
     /// when looking for a set bit: bitvec's `first_one` / `first_zero` go through its bit iterators and
     /// cost several times as many instructions here (`docs/performance.md`).
+    #[inline]
     pub(crate) fn find(&self, range: Range<usize>, value: bool) -> Option<usize> {
+        // Answered by the range's first word (found there, or the range ends in it), inlined; else below.
+        if range.start < range.end && range.end <= self.len {
+            let w = range.start / BITS;
+            let word = self.bits.as_raw_slice()[w];
+            let word = if value { word } else { !word } & (u64::MAX << (range.start % BITS));
+            if word != 0 {
+                let found = w * BITS + word.trailing_zeros() as usize;
+                return (found < range.end).then_some(found);
+            }
+            if (range.end - 1) / BITS == w {
+                return None;
+            }
+        }
+        self.find_wide(range, value)
+    }
+
+    #[inline(never)]
+    fn find_wide(&self, range: Range<usize>, value: bool) -> Option<usize> {
         self.check(&range);
         let words = self.bits.as_raw_slice();
         let summary = self.nonempty.as_raw_slice();
@@ -140,7 +184,7 @@ impl Bits {
                 return (found < range.end).then_some(found);
             }
             at = if value {
-                next_nonempty(summary, w + 1)? * BITS
+                next_nonempty(summary, w + 1, range.end.div_ceil(BITS))? * BITS
             } else {
                 (w + 1) * BITS
             };
@@ -195,10 +239,7 @@ impl Bits {
                 return None;
             }
             if words[w] == 0 {
-                w = next_nonempty(summary, w)?;
-                if w * BITS >= range.end {
-                    return None;
-                }
+                w = next_nonempty(summary, w, range.end.div_ceil(BITS))?;
             }
             word = words[w] & !others[w];
         }
@@ -227,7 +268,7 @@ impl Bits {
 
     /// The last set bit at or before `at` (raw words and the summary, as [`Bits::find`]).
     pub(crate) fn find_last_set(&self, at: usize) -> Option<usize> {
-        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        assert!(at < self.len, "bit {at} out of {}", self.len);
         let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
         let mut word = words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
@@ -242,7 +283,7 @@ impl Bits {
 
     /// The last clear bit at or before `at`.
     pub(crate) fn find_last_clear(&self, at: usize) -> Option<usize> {
-        assert!(at < self.bits.len(), "bit {at} out of {}", self.bits.len());
+        assert!(at < self.len, "bit {at} out of {}", self.len);
         let words = self.bits.as_raw_slice();
         let mut w = at / BITS;
         let mut word = !words[w] & (u64::MAX >> (BITS - 1 - at % BITS));
@@ -282,31 +323,58 @@ impl Bits {
     /// same ranges cost about 4x the instructions (`docs/performance.md`).
     fn update(&mut self, range: Range<usize>, mut f: impl FnMut(usize, u64, u64) -> u64) {
         self.check(&range);
+        if range.is_empty() {
+            return;
+        }
         let words = self.bits.as_raw_mut_slice();
         let summary = self.nonempty.as_raw_mut_slice();
-        for (w, mask) in word_masks(range) {
-            words[w] = f(w, words[w], mask);
-            summarize(summary, w, words[w]);
+        let (first, last) = (range.start / BITS, (range.end - 1) / BITS);
+        let low = u64::MAX << (range.start % BITS);
+        let high = u64::MAX >> (BITS - 1 - (range.end - 1) % BITS);
+        if first == last {
+            // Most ranges (a block's pages) lie in one word.
+            words[first] = f(first, words[first], low & high);
+            summarize(summary, first, words[first]);
+            return;
         }
+        words[first] = f(first, words[first], low);
+        summarize(summary, first, words[first]);
+        for (i, word) in words[first + 1..last].iter_mut().enumerate() {
+            let w = first + 1 + i;
+            *word = f(w, *word, u64::MAX);
+            summarize(summary, w, *word);
+        }
+        words[last] = f(last, words[last], high);
+        summarize(summary, last, words[last]);
     }
 
     fn check(&self, range: &Range<usize>) {
         assert!(
-            range.start <= range.end && range.end <= self.bits.len(),
+            range.start <= range.end && range.end <= self.len,
             "bits {range:?} out of {}",
-            self.bits.len()
+            self.len
         );
     }
 }
 
-/// The index of the first non-empty word at or after word `from`, from the summary's words.
+/// The index of the first non-empty word at or after word `from` and before word `end`, from the summary's
+/// words. Bounded by `end`: a search inside a block's pages used to read the summary to the end of the
+/// reservation (20 words and more) whenever the block had no page of the kind looked for.
 #[inline]
-fn next_nonempty(summary: &[u64], from: usize) -> Option<usize> {
+fn next_nonempty(summary: &[u64], from: usize, end: usize) -> Option<usize> {
+    if from >= end {
+        return None;
+    }
     let mut s = from / BITS;
+    let last = (end - 1) / BITS;
     let mut bits = *summary.get(s)? & (u64::MAX << (from % BITS));
     loop {
         if bits != 0 {
-            return Some(s * BITS + bits.trailing_zeros() as usize);
+            let w = s * BITS + bits.trailing_zeros() as usize;
+            return (w < end).then_some(w);
+        }
+        if s >= last {
+            return None;
         }
         s += 1;
         bits = *summary.get(s)?;
@@ -322,24 +390,6 @@ fn summarize(summary: &mut [u64], w: usize, word: u64) {
     } else {
         summary[w / BITS] &= !mask;
     }
-}
-
-/// Each word that bits `range` touch, with the mask of the range's bits in it.
-fn word_masks(range: Range<usize>) -> impl Iterator<Item = (usize, u64)> {
-    let (first, last) = if range.is_empty() {
-        (1, 0)
-    } else {
-        (range.start / BITS, (range.end - 1) / BITS)
-    };
-    (first..=last).map(move |w| {
-        let lo = if w == first { range.start % BITS } else { 0 };
-        let hi = if w == last {
-            (range.end - 1) % BITS
-        } else {
-            BITS - 1
-        };
-        (w, (u64::MAX << lo) & (u64::MAX >> (BITS - 1 - hi)))
-    })
 }
 
 /// The runs of equal bits of a range, from [`Bits::runs`].
@@ -361,7 +411,7 @@ impl Iterator for Runs<'_> {
     fn next(&mut self) -> Option<Range<usize>> {
         while self.word == 0 {
             let next = match self.summary {
-                Some(summary) => next_nonempty(summary, self.w + 1)?,
+                Some(summary) => next_nonempty(summary, self.w + 1, self.end.div_ceil(BITS))?,
                 None => self.w + 1,
             };
             if next * BITS >= self.end {

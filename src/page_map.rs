@@ -31,6 +31,9 @@ pub struct PageMap {
     /// The live blocks touching each page, as far as `handles` goes.
     users: Vec<u32>,
     mapped_count: usize,
+    /// Pages mapped without access: while there are none, which is nearly always between requests, the
+    /// search for them is skipped.
+    inaccessible_count: usize,
     idle_count: usize,
     touched_count: usize,
 }
@@ -48,6 +51,7 @@ impl PageMap {
             handles: Vec::with_capacity(pages),
             users: Vec::with_capacity(pages),
             mapped_count: 0,
+            inaccessible_count: 0,
             idle_count: 0,
             touched_count: 0,
         }
@@ -136,6 +140,11 @@ impl PageMap {
         self.mapped_count
     }
 
+    /// Pages mapped without access set.
+    pub fn inaccessible_count(&self) -> usize {
+        self.inaccessible_count
+    }
+
     /// Pages mapped and touched by no live block.
     pub fn idle_count(&self) -> usize {
         self.idle_count
@@ -156,6 +165,7 @@ impl PageMap {
         self.mapped.set(page, true);
         self.handles[page] = Some(handle);
         self.mapped_count += 1;
+        self.inaccessible_count += 1;
         if self.users[page] == 0 {
             self.set_idle(page, true);
         }
@@ -172,8 +182,20 @@ impl PageMap {
         I::IntoIter: ExactSizeIterator,
     {
         let handles = handles.into_iter();
-        let count = handles.len();
-        let pages = start..start + count;
+        self.map_pages(start..start + handles.len(), handles);
+    }
+
+    /// Records that one multi-page `handle` (a chunk) was mapped at every page of `pages`, as
+    /// [`map_run`](Self::map_run) with `handle` at each page.
+    ///
+    /// # Panics
+    /// If one of the pages is already mapped.
+    pub fn map_chunk(&mut self, pages: Range<usize>, handle: PhysHandle) {
+        let len = pages.len();
+        self.map_pages(pages, std::iter::repeat_n(handle, len));
+    }
+
+    fn map_pages(&mut self, pages: Range<usize>, handles: impl Iterator<Item = PhysHandle>) {
         if let Some(page) = self.mapped.find(pages.clone(), true) {
             panic!("page {page} mapped twice");
         }
@@ -182,10 +204,22 @@ impl PageMap {
         for (slot, handle) in self.handles[pages.clone()].iter_mut().zip(handles) {
             *slot = Some(handle);
         }
-        self.mapped_count += count;
-        for page in pages {
-            if self.users[page] == 0 {
-                self.set_idle(page, true);
+        self.mapped_count += pages.len();
+        self.inaccessible_count += pages.len();
+        // The pages no live block touches turn idle (they were unmapped, so not idle before): all of them at
+        // once when no page of the run has a user (a chunk beyond the block) or when every page has one.
+        let unused = self.users[pages.clone()]
+            .iter()
+            .filter(|&&users| users == 0)
+            .count();
+        if unused == pages.len() {
+            self.idle.fill(pages, true);
+            self.idle_count += unused;
+        } else if unused > 0 {
+            for page in pages {
+                if self.users[page] == 0 {
+                    self.set_idle(page, true);
+                }
             }
         }
     }
@@ -198,6 +232,7 @@ impl PageMap {
         if let Some(page) = self.mapped.find(pages.clone(), false) {
             panic!("set_access on unmapped page {page}");
         }
+        self.inaccessible_count -= pages.len() - self.accessible.count_ones(pages.clone());
         self.accessible.fill(pages, true);
     }
 
@@ -217,7 +252,9 @@ impl PageMap {
             .and_then(Option::take)
             .unwrap_or_else(|| panic!("unmapping unmapped page {page}"));
         self.mapped.set(page, false);
-        self.accessible.set(page, false);
+        if !self.accessible.replace(page, false) {
+            self.inaccessible_count -= 1;
+        }
         self.mapped_count -= 1;
         self.set_idle(page, false);
         handle
@@ -246,7 +283,7 @@ impl PageMap {
                 .filter_map(Option::take),
         );
         self.mapped.fill(pages.clone(), false);
-        self.accessible.fill(pages.clone(), false);
+        self.inaccessible_count -= pages.len() - self.accessible.take_ones(pages.clone());
         self.idle_count -= self.idle.count_ones(pages.clone());
         self.idle.fill(pages.clone(), false);
         self.mapped_count -= pages.len();
@@ -274,7 +311,9 @@ impl PageMap {
         }
         if had_users == 0 {
             self.touched_count += inner.len();
-            self.idle_count -= self.idle.take_ones(inner);
+            if self.idle_count > 0 {
+                self.idle_count -= self.idle.take_ones(inner);
+            }
         } else {
             // Only the pages that just got their first user change state.
             for page in inner {
@@ -329,18 +368,24 @@ impl PageMap {
     }
 
     fn add_user_page(&mut self, page: usize) {
-        self.users[page] += 1;
-        if self.users[page] == 1 {
+        let users = &mut self.users[page];
+        *users += 1;
+        if *users == 1 {
             self.touched_count += 1;
-            // An unmapped page is not idle: clearing its bit changes nothing.
-            self.set_idle(page, false);
+            // An unmapped page is not idle: clearing its bit changes nothing; nor does it with no page idle.
+            if self.idle_count > 0 {
+                self.set_idle(page, false);
+            }
         }
     }
 
     fn remove_user_page(&mut self, page: usize) {
-        assert!(self.users(page) > 0, "page {page} has no user to remove");
-        self.users[page] -= 1;
-        if self.users[page] == 0 {
+        // (`users` is no longer than the map: a page found there is a page of the map.)
+        let Some(users) = self.users.get_mut(page).filter(|users| **users > 0) else {
+            panic!("page {page} has no user to remove");
+        };
+        *users -= 1;
+        if *users == 0 {
             self.touched_count -= 1;
             if self.mapped.get(page) {
                 self.set_idle(page, true);
@@ -406,6 +451,9 @@ impl PageMap {
 
     /// The first maximal run of mapped pages without access inside `pages`.
     pub fn first_inaccessible_run(&self, pages: Range<usize>) -> Option<Range<usize>> {
+        if self.inaccessible_count == 0 {
+            return None;
+        }
         self.mapped.first_run_without(&self.accessible, pages)
     }
 

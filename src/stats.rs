@@ -114,7 +114,9 @@ impl StatArray {
     #[inline]
     pub fn set(&mut self, pool: Pool, value: u64) {
         let current = self.pool[pool.index()].current;
-        if value > current {
+        if value == current {
+            // Nothing moves (a subtraction of 0 would leave every field as it is).
+        } else if value > current {
             self.add(pool, value - current);
         } else {
             self.sub(pool, current - value);

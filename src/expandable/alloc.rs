@@ -57,7 +57,7 @@ impl<D: Driver> Expandable<D> {
             }
             Err(err) => {
                 let before = self.page_counts(slot);
-                self.segment_mut(slot).free_live(addr, rounded);
+                self.segment_mut(slot).free_live_at_addr(addr, rounded);
                 self.refresh_page_counts(slot, before);
                 if !err.is_out_of_memory() {
                     return Err(err);
@@ -287,7 +287,8 @@ impl<D: Driver> Expandable<D> {
             }
         };
         self.segments[slot] = Some(Segment::new(va, stream, pool, whole_pages, self.page_size));
-        self.by_addr.insert(va.start, slot);
+        let at = self.by_addr.partition_point(|&(start, _)| start < va.start);
+        self.by_addr.insert(at, (va.start, slot));
         self.by_key.entry((stream, pool)).or_default().push(slot);
         self.counters.segment.add(pool, 1);
         Ok(slot)
@@ -299,16 +300,28 @@ impl<D: Driver> Expandable<D> {
         let pages = self.segment(slot).pages_of(addr, size);
         // Access is set on whole chunks, so the pages of a chunk beyond the block need no call later.
         let mut access = pages.clone();
+        // Most requests find every page mapped: one search says so, and nothing is counted or collected.
+        let all_mapped = || {
+            self.segment(slot)
+                .pages
+                .first_unmapped(pages.clone())
+                .is_none()
+        };
+        let mut need = None;
         if self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large {
-            access = self.map_chunks(slot, pages.clone())?;
+            if all_mapped() {
+                need = Some(0);
+            } else {
+                access = self.map_chunks(slot, pages.clone())?;
+            }
             // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
             access = self.widen_to_chunks(slot, access);
         }
         let lending = self.lending;
-        let mut mapped = self.map_missing(slot, pages.clone());
+        let mut mapped = self.map_missing(slot, pages.clone(), need);
         if mapped.is_err() && lending && !self.lending {
             // The driver cannot map part of a handle: the lent pages went home; mapped without them.
-            mapped = self.map_missing(slot, pages);
+            mapped = self.map_missing(slot, pages, None);
         }
         mapped?;
         let mut pos = access.start;
@@ -329,8 +342,14 @@ impl<D: Driver> Expandable<D> {
     /// Maps the missing pages of `pages` of segment `slot`: pooled, unmapped, lent or new ones. On failure
     /// every page obtained and not mapped is put back, and the page map says what is mapped; a lent page the
     /// driver cannot map (it cannot map part of a handle) turns lending off.
-    fn map_missing(&mut self, slot: usize, pages: Range<usize>) -> Result<(), Error> {
-        let need = self.segment(slot).pages.unmapped_count(pages.clone());
+    /// `need`: the missing pages, if known.
+    fn map_missing(
+        &mut self,
+        slot: usize,
+        pages: Range<usize>,
+        need: Option<usize>,
+    ) -> Result<(), Error> {
+        let need = need.unwrap_or_else(|| self.segment(slot).pages.unmapped_count(pages.clone()));
         if need > 0 {
             // The handles, new ones first, in a buffer kept from one request to the next.
             let mut queue = std::mem::take(&mut self.handle_queue);

@@ -29,6 +29,10 @@ pub(crate) struct Merged {
     pub block: (u64, u64),
 }
 
+/// Where a block is kept, from [`Blocks::locate`]: valid until the blocks change otherwise than through it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockRef(u32);
+
 #[derive(Debug, Clone, Copy)]
 struct Node {
     addr: u64,
@@ -132,8 +136,14 @@ impl Blocks {
 
     /// The block that holds `addr`, with its start.
     pub(crate) fn containing(&self, addr: u64) -> Option<(u64, Block)> {
-        if let Some(block) = self.get(addr) {
-            return Some((addr, block));
+        self.locate(addr).map(|(_, start, block)| (start, block))
+    }
+
+    /// The block that holds `addr`: where it is kept (to change it without looking it up again), its start,
+    /// and the block.
+    pub(crate) fn locate(&self, addr: u64) -> Option<(BlockRef, u64, Block)> {
+        if let Some(&n) = self.by_start.get(&addr) {
+            return Some((BlockRef(n), addr, self.nodes[n as usize].block));
         }
         let page = self.page(addr.checked_sub(self.base)?)?;
         let mut n = self.last_start[self.starts.find_last_set(page)?];
@@ -142,7 +152,7 @@ impl Blocks {
             n = self.nodes[n as usize].prev;
         }
         let node = self.nodes.get(n as usize)?;
-        (addr < node.addr + node.block.size).then_some((node.addr, node.block))
+        (addr < node.addr + node.block.size).then_some((BlockRef(n), node.addr, node.block))
     }
 
     /// The block before the one that starts at `addr`, with its start.
@@ -157,8 +167,16 @@ impl Blocks {
     }
 
     /// Replaces the block at `addr` by `first` there and `second` right after it (`first.size` bytes on).
+    #[cfg(test)]
     pub(crate) fn split(&mut self, addr: u64, first: Block, second: Block) {
-        let n = self.by_start[&addr];
+        self.split_at(BlockRef(self.by_start[&addr]), first, second);
+    }
+
+    /// Replaces block `at` ([`Blocks::locate`]) by `first` there and `second` right after it (`first.size`
+    /// bytes on). Returns where `second` is kept.
+    pub(crate) fn split_at(&mut self, at: BlockRef, first: Block, second: Block) -> BlockRef {
+        let n = at.0;
+        let addr = self.nodes[n as usize].addr;
         self.nodes[n as usize].block = first;
         let next = self.nodes[n as usize].next;
         let m = self.link(addr + first.size, second, n, next);
@@ -166,6 +184,13 @@ impl Blocks {
         if next != NIL {
             self.nodes[next as usize].prev = m;
         }
+        BlockRef(m)
+    }
+
+    /// Replaces block `at` ([`Blocks::locate`]) by `block` of the same size.
+    pub(crate) fn set(&mut self, at: BlockRef, block: Block) {
+        debug_assert_eq!(self.nodes[at.0 as usize].block.size, block.size);
+        self.nodes[at.0 as usize].block = block;
     }
 
     /// Merges the block at `addr` into the block before it, which grows by its size. Returns the merged
@@ -177,11 +202,11 @@ impl Blocks {
         self.nodes[prev as usize].addr
     }
 
-    /// Makes the occupied block at `addr` free and merges it with free neighbours, following the links (one
-    /// lookup). Returns the free neighbours merged, as `(start, size)` before the merge, and the merged
+    /// Makes the occupied block `at` ([`Blocks::locate`]) free and merges it with free neighbours, following
+    /// the links (no lookup). Returns the free neighbours merged, as `(start, size)` before the merge, and the merged
     /// block's `(start, size)`.
-    pub(crate) fn free_and_merge(&mut self, addr: u64) -> Merged {
-        let mut n = self.by_start[&addr];
+    pub(crate) fn free_and_merge(&mut self, at: BlockRef) -> Merged {
+        let mut n = at.0;
         self.nodes[n as usize].block.state = BlockState::Free;
         let mut merged = Merged::default();
         let prev = self.nodes[n as usize].prev;
@@ -263,9 +288,12 @@ impl Blocks {
             self.last_start.resize(len, NIL);
         }
         let last = self.last_start[page];
-        if last == NIL || self.nodes[last as usize].addr < addr {
+        if last == NIL {
             self.last_start[page] = n;
             self.starts.set(page, true);
+        } else if self.nodes[last as usize].addr < addr {
+            // The page's bit is set already.
+            self.last_start[page] = n;
         }
         n
     }
@@ -359,11 +387,11 @@ mod tests {
         b.split(BASE, Block::free(512), Block::free(16 * PAGE - 512));
         b.split(BASE + 512, live(512), Block::free(16 * PAGE - 1024));
         b.split(BASE + 1024, live(512), Block::free(16 * PAGE - 1536));
-        let merged = b.free_and_merge(BASE + 512);
+        let merged = b.free_and_merge(b.locate(BASE + 512).unwrap().0);
         assert_eq!(merged.before, Some((BASE, 512)));
         assert_eq!(merged.after, None);
         assert_eq!(merged.block, (BASE, 1024));
-        let merged = b.free_and_merge(BASE + 1024);
+        let merged = b.free_and_merge(b.locate(BASE + 1024).unwrap().0);
         assert_eq!(merged.before, Some((BASE, 1024)));
         assert_eq!(merged.after, Some((BASE + 1536, 16 * PAGE - 1536)));
         assert_eq!(merged.block, (BASE, 16 * PAGE));

@@ -63,7 +63,10 @@ impl<D: Driver> Expandable<D> {
             self.stream_uses.insert(addr, streams);
             return Err(err.into());
         }
-        let FreeOutcome::Freed { size, requested } = self.segment_mut(slot).park(addr) else {
+        let FreeOutcome::Freed {
+            size, requested, ..
+        } = self.segment_mut(slot).park(addr)
+        else {
             unreachable!("park_block is called for a live block start");
         };
         let pool = self.segment(slot).pool;

@@ -78,6 +78,30 @@ impl Chunked {
         true
     }
 
+    /// Replaces `old` by `new` when the class holds one chunk and `old` is in it: one search for each and
+    /// one move of the entries between them, where a removal and an insertion moved the tail of the chunk
+    /// twice. Returns false, changing nothing, otherwise (or if `new` is present already).
+    fn replace_in_place(&mut self, old: &(u64, u64), new: (u64, u64)) -> bool {
+        let [chunk] = self.chunks.as_mut_slice() else {
+            return false;
+        };
+        let Ok(i) = chunk.binary_search(old) else {
+            return false;
+        };
+        let Err(j) = chunk.binary_search(&new) else {
+            return false;
+        };
+        if j > i {
+            // `new` goes after the entries that follow `old` and are below it.
+            chunk[i..j].rotate_left(1);
+            chunk[j - 1] = new;
+        } else {
+            chunk[j..=i].rotate_right(1);
+            chunk[j] = new;
+        }
+        true
+    }
+
     /// Where the first entry at or after `from` is: `(chunk, index in it)`, possibly one past the end of a
     /// chunk or of the chunks.
     fn position_of(&self, from: &(u64, u64)) -> (usize, usize) {
@@ -160,6 +184,19 @@ impl FreeIndex {
                 self.nonempty[c / 64] &= !(1 << (c % 64));
             }
         }
+        removed
+    }
+
+    /// Replaces `old` by `new`: as `remove(old)` and then `insert(new)`, with the same result. Returns
+    /// whether `old` was present. Carving a block and merging a freed one each turn one free block into
+    /// another, usually of the same size class.
+    pub(crate) fn replace(&mut self, old: &(u64, u64), new: (u64, u64)) -> bool {
+        let c = class_of(old.0);
+        if c == class_of(new.0) && self.classes[c].replace_in_place(old, new) {
+            return true;
+        }
+        let removed = self.remove(old);
+        self.insert(new);
         removed
     }
 
@@ -246,7 +283,17 @@ mod tests {
         };
         for step in 0..20_000 {
             let key = (next(300), next(50) * 512);
-            if step % 3 == 2 {
+            if step % 7 == 3 {
+                // The replaced key: the key itself, one near it, or one far from it.
+                let new = match step % 3 {
+                    0 => key,
+                    1 => (key.0 + next(3), key.1 + 512),
+                    _ => (next(300), next(50) * 512),
+                };
+                let had = model.remove(&key);
+                model.insert(new);
+                assert_eq!(index.replace(&key, new), had, "replace {key:?} by {new:?}");
+            } else if step % 3 == 2 {
                 assert_eq!(index.remove(&key), model.remove(&key), "remove {key:?}");
             } else {
                 assert_eq!(index.insert(key), model.insert(key), "insert {key:?}");

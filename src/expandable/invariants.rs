@@ -139,7 +139,10 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 addr: stray.map_or(seg.va.start, |(addr, _)| addr),
             });
         }
+        let mut inaccessible = 0;
         for (page, &actual) in users.iter().enumerate() {
+            inaccessible +=
+                usize::from(seg.pages.is_mapped(page) && !seg.pages.is_accessible(page));
             let counted = seg.pages.users(page);
             if counted != actual {
                 return Err(V::PageUsers {
@@ -173,6 +176,13 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             } else if !held.insert(handle.0) {
                 return Err(V::HandleHeldTwice { handle: handle.0 });
             }
+        }
+        if inaccessible != seg.pages.inaccessible_count() {
+            return Err(V::Stat {
+                stat: "pages mapped without access",
+                counted: seg.pages.inaccessible_count() as u64,
+                actual: inaccessible as u64,
+            });
         }
         t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();

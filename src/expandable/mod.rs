@@ -45,7 +45,6 @@ use crate::strategy::Strategy;
 use lender::Lender;
 use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
-use std::collections::BTreeMap;
 use streams::{PendingFrees, StreamUses};
 
 /// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
@@ -87,7 +86,9 @@ pub struct Expandable<D: Driver> {
     page_size: u64,
     device_total: u64,
     segments: Vec<Option<Segment>>,
-    by_addr: BTreeMap<u64, usize>,
+    /// `(reservation start, slot)` of every segment, sorted by start: a handful of segments, so a search of a
+    /// vector is cheaper than a tree's on every free.
+    by_addr: Vec<(u64, usize)>,
     by_key: FxHashMap<(StreamId, Pool), Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
@@ -167,7 +168,7 @@ impl<D: Driver> Expandable<D> {
             page_size,
             device_total,
             segments: Vec::new(),
-            by_addr: BTreeMap::new(),
+            by_addr: Vec::new(),
             by_key: FxHashMap::default(),
             pooled: Vec::new(),
             pooled_chunks: Vec::new(),
@@ -257,9 +258,11 @@ impl<D: Driver> Expandable<D> {
         let stranded = ((self.touched_pages[p] - self.lent_pages[p]) as u64 * self.page_size)
             .saturating_sub(self.counters.active.of(pool) + carving);
         self.counters.inactive_split.set(pool, stranded);
-        let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
-            - before.straddling as u64;
-        self.counters.inactive_split_count.set(pool, count);
+        if after.straddling != before.straddling {
+            let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
+                - before.straddling as u64;
+            self.counters.inactive_split_count.set(pool, count);
+        }
     }
 
     /// Records an event for snapshots if recording is on.
@@ -310,7 +313,8 @@ impl<D: Driver> Expandable<D> {
 
     /// The segment whose reservation contains `addr`.
     fn slot_of(&self, addr: u64) -> Option<usize> {
-        let (_, &slot) = self.by_addr.range(..=addr).next_back()?;
+        let at = self.by_addr.partition_point(|&(start, _)| start <= addr);
+        let (_, slot) = self.by_addr[at.checked_sub(1)?];
         self.segment(slot).va.contains(addr).then_some(slot)
     }
 
@@ -326,8 +330,12 @@ impl<D: Driver> Expandable<D> {
     /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-        let (size, requested) = match self.segment(slot).check_free(addr) {
-            FreeOutcome::Freed { size, requested } => (size, requested),
+        let (size, requested, at) = match self.segment(slot).check_free(addr) {
+            FreeOutcome::Freed {
+                size,
+                requested,
+                at,
+            } => (size, requested, at),
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
@@ -341,7 +349,7 @@ impl<D: Driver> Expandable<D> {
         self.free_clock += 1;
         let clock = self.free_clock;
         let seg = self.segment_mut(slot);
-        seg.free_live(addr, size);
+        seg.free_live(at, addr, size);
         seg.last_free = clock;
         self.count_block(pool, size, requested, false);
         self.count_inactive(pool, size);

@@ -223,14 +223,15 @@ impl<D: Driver> Expandable<D> {
         slot: usize,
         pages: Range<usize>,
     ) -> Result<Range<usize>, Error> {
-        let k = self.chunk_pages;
-        let bytes = k as u64 * self.page_size;
-        let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
         let mut widened = pages.clone();
+        // (The caller skips this when every page is mapped, the usual case.)
         let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
         if runs.is_empty() {
             return Ok(widened);
         }
+        let k = self.chunk_pages;
+        let bytes = k as u64 * self.page_size;
+        let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
         let mut result = Ok(());
@@ -273,7 +274,7 @@ impl<D: Driver> Expandable<D> {
                 }
                 self.segment_mut(slot)
                     .pages
-                    .map_run(chunk.start, std::iter::repeat_n(handle, k));
+                    .map_chunk(chunk.clone(), handle);
                 self.counters.mapped.add(pool, bytes);
                 self.record(TraceAction::SegmentMap, va, bytes, stream);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
@@ -312,9 +313,25 @@ impl<D: Driver> Expandable<D> {
 
     /// The pages of the chunk whose home mapping `page` lies in, if there is one (a lent page mapped here is
     /// a mapping of its own, one page).
+    ///
+    /// Told by the page map, without looking the handle up in `chunks`: a chunk is mapped at every page of
+    /// its aligned group and a single-page handle at one page only, so the handle at `page` is a chunk at
+    /// home exactly when another page of the group holds the same handle and `page` is not a lent page (two
+    /// lent pages of one chunk may lie in one group).
     fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
-        let (_, start) = self.home_chunk(slot, page)?;
-        Some(start..start + self.chunk_pages)
+        let k = self.chunk_pages;
+        let pages = &self.segment(slot).pages;
+        let handle = pages.handle(page)?;
+        let start = page - page % k;
+        let other = if page == start { start + 1 } else { start };
+        if k < 2 || other >= pages.len() || pages.handle(other) != Some(handle) {
+            return None;
+        }
+        if self.is_alias(slot, page) {
+            return None;
+        }
+        debug_assert!(self.chunks.contains(&handle));
+        Some(start..start + k)
     }
 
     /// `run` of idle pages without the ends of chunks that lie partly outside it (and so are in use).
@@ -495,7 +512,7 @@ impl<D: Driver> Expandable<D> {
             let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
             self.free_reservation_settled(va)?;
             self.segments[slot] = None;
-            self.by_addr.remove(&va.start);
+            self.by_addr.retain(|&(start, _)| start != va.start);
             if let Some(slots) = self.by_key.get_mut(&key) {
                 slots.retain(|&s| s != slot);
                 if slots.is_empty() {

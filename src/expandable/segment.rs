@@ -7,7 +7,7 @@
 //! (`record_stream`). A pending block is not allocatable and still counts as a user of its pages, so they
 //! can be neither reused nor unmapped until the allocator releases it.
 
-use super::blocks::{Block, BlockState, Blocks};
+use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
 use crate::page_map::PageMap;
@@ -31,8 +31,13 @@ const INNER_PLACEMENT_DIVISOR: usize = 8;
 /// What a free of an address inside this segment found there.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum FreeOutcome {
-    /// A live block was freed (or parked): its size and requested size.
-    Freed { size: u64, requested: u64 },
+    /// A live block was freed (or parked): its size and requested size, and where it is kept (for
+    /// [`Segment::free_live`], which then needs no lookup).
+    Freed {
+        size: u64,
+        requested: u64,
+        at: BlockRef,
+    },
     /// The address lies in a free or pending block.
     AlreadyFree,
     /// The address lies inside a live block but is not its start.
@@ -104,6 +109,16 @@ impl Segment {
         if self.free.remove(&(size, addr)) {
             self.straddling -= usize::from(self.straddles(addr, size));
         }
+    }
+
+    /// Replaces the free block `old` (`(addr, size)`) in the free index by `new`: as
+    /// [`unindex_free`](Self::unindex_free) then [`index_free`](Self::index_free), in one step when both lie
+    /// in the same size class.
+    fn reindex_free(&mut self, old: (u64, u64), new: (u64, u64)) {
+        if self.free.replace(&(old.1, old.0), (new.1, new.0)) {
+            self.straddling -= usize::from(self.straddles(old.0, old.1));
+        }
+        self.straddling += usize::from(self.straddles(new.0, new.1));
     }
 
     /// Number of free blocks that share a page with an occupied block (PyTorch's `inactive_split` count).
@@ -361,35 +376,42 @@ impl Segment {
             }) => size,
             _ => panic!("unlend: no lent block at {addr:#x}"),
         };
-        self.release(addr, size);
+        self.release(None, addr, size);
     }
 
     /// [`carve`](Self::carve) into a block of state `state`.
     fn carve_as(&mut self, addr: u64, size: u64, state: BlockState) {
-        let (start, block) = self
+        // Found once: the splits below change the block where it is kept, without looking it up again.
+        let (mut at, start, block) = self
             .blocks
-            .containing(addr)
+            .locate(addr)
             .expect("carve: no block at address");
         assert!(
             !block.is_occupied() && addr + size <= start + block.size,
             "carve: block is occupied or too small"
         );
-        self.unindex_free(start, block.size);
+        // The free block leaves the index; what is left of it before and after enters it, the first of
+        // those in its place (the same as removing it and inserting them).
+        let mut vacated = Some((start, block.size));
         let mut left = block.size;
         if addr > start {
             let head = addr - start;
-            self.blocks
-                .split(start, Block::free(head), Block::free(left - head));
-            self.index_free(start, head);
+            at = self
+                .blocks
+                .split_at(at, Block::free(head), Block::free(left - head));
+            self.refill_free(&mut vacated, (start, head));
             left -= head;
         }
         let live = Block { size, state };
         let rest = left - size;
         if rest > 0 {
-            self.blocks.split(addr, live, Block::free(rest));
-            self.index_free(addr + size, rest);
-        } else if let Some(block) = self.blocks.get_mut(addr) {
-            *block = live;
+            self.blocks.split_at(at, live, Block::free(rest));
+            self.refill_free(&mut vacated, (addr + size, rest));
+        } else {
+            self.blocks.set(at, live);
+        }
+        if let Some((start, size)) = vacated {
+            self.unindex_free(start, size);
         }
         self.occupied += 1;
         let pages = self.pages_of(addr, size);
@@ -398,7 +420,7 @@ impl Segment {
 
     /// What freeing `addr` would find: the live block that starts there (`Freed`), or why not.
     pub fn check_free(&self, addr: u64) -> FreeOutcome {
-        let Some((start, block)) = self.blocks.containing(addr) else {
+        let Some((at, start, block)) = self.blocks.locate(addr) else {
             return FreeOutcome::NotABlockStart;
         };
         let BlockState::Live { requested } = block.state else {
@@ -410,13 +432,19 @@ impl Segment {
         FreeOutcome::Freed {
             size: block.size,
             requested,
+            at,
         }
     }
 
-    /// Frees the live block of `size` bytes at `addr`, which [`Segment::check_free`] found, merging it with
-    /// free neighbours.
-    pub fn free_live(&mut self, addr: u64, size: u64) {
-        self.release(addr, size);
+    /// Frees the live block of `size` bytes at `addr`, kept at `at`, which [`Segment::check_free`] found (the
+    /// blocks unchanged since), merging it with free neighbours.
+    pub fn free_live(&mut self, at: BlockRef, addr: u64, size: u64) {
+        self.release(Some(at), addr, size);
+    }
+
+    /// Frees the live block of `size` bytes at `addr`, as [`Segment::free_live`], looking it up.
+    pub fn free_live_at_addr(&mut self, addr: u64, size: u64) {
+        self.release(None, addr, size);
     }
 
     /// Turns the live block that starts at `addr` into a pending one: no longer live, not yet free, still a
@@ -442,26 +470,41 @@ impl Segment {
             }) => size,
             _ => panic!("release_pending: no pending block at {addr:#x}"),
         };
-        self.release(addr, size);
+        self.release(None, addr, size);
         size
     }
 
-    /// Drops the occupied block at `addr` as a user of its pages and makes it free.
-    fn release(&mut self, addr: u64, size: u64) {
+    /// Drops the occupied block at `addr` (kept at `at`, if known) as a user of its pages and makes it free.
+    fn release(&mut self, at: Option<BlockRef>, addr: u64, size: u64) {
         let pages = self.pages_of(addr, size);
         self.pages.remove_user(pages);
         self.occupied -= 1;
-        self.insert_free(addr);
+        let at = at.unwrap_or_else(|| {
+            self.blocks
+                .locate(addr)
+                .expect("release: no block at address")
+                .0
+        });
+        self.insert_free(at);
+    }
+
+    /// Indexes the free block `new`, in the place of `vacated` (taken) if there is one to replace.
+    fn refill_free(&mut self, vacated: &mut Option<(u64, u64)>, new: (u64, u64)) {
+        match vacated.take() {
+            Some(old) => self.reindex_free(old, new),
+            None => self.index_free(new.0, new.1),
+        }
     }
 
     /// Marks the occupied block at `addr` free and merges it with its free neighbours.
-    fn insert_free(&mut self, addr: u64) {
-        let merged = self.blocks.free_and_merge(addr);
-        for (start, size) in merged.before.into_iter().chain(merged.after) {
+    fn insert_free(&mut self, at: BlockRef) {
+        let merged = self.blocks.free_and_merge(at);
+        // The merged block takes the place of a neighbour it absorbed, if any.
+        let mut vacated = merged.before.or(merged.after);
+        if let (Some(_), Some((start, size))) = (merged.before, merged.after) {
             self.unindex_free(start, size);
         }
-        let (start, size) = merged.block;
-        self.index_free(start, size);
+        self.refill_free(&mut vacated, merged.block);
     }
 
     /// The block that starts at `addr`.

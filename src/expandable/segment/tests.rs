@@ -94,10 +94,10 @@ fn carving_inside_a_free_block_leaves_free_blocks_on_both_sides() {
     assert_eq!(seg.free_index().len(), 2);
     assert_eq!(seg.pages.idle_count(), 0);
     // Freed, it merges back into one free block.
-    let FreeOutcome::Freed { size, .. } = seg.check_free(page(20)) else {
+    let FreeOutcome::Freed { size, at, .. } = seg.check_free(page(20)) else {
         panic!("the block is live");
     };
-    seg.free_live(page(20), size);
+    seg.free_live(at, page(20), size);
     assert_eq!(seg.blocks().count(), 1);
     assert_eq!(seg.pages.idle_count(), 16);
 }
