@@ -225,6 +225,25 @@ pub enum DriverError {
 }
 
 impl DriverError {
+    /// `Ok` if `size` bytes from `offset` lie inside a handle of `handle_size` bytes (`map_from`'s rule),
+    /// else [`DriverError::OutsideHandle`].
+    pub fn check_inside_handle(
+        handle: PhysHandle,
+        handle_size: u64,
+        offset: u64,
+        size: u64,
+    ) -> Result<(), DriverError> {
+        if offset.checked_add(size).is_none_or(|end| end > handle_size) {
+            return Err(DriverError::OutsideHandle {
+                handle,
+                handle_size,
+                offset,
+                size,
+            });
+        }
+        Ok(())
+    }
+
     /// Whether this is the device running out of memory (retryable after reclaiming).
     pub fn is_out_of_memory(&self) -> bool {
         matches!(self, DriverError::OutOfMemory { .. })

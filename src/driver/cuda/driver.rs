@@ -380,14 +380,7 @@ impl Driver for CudaDriver {
     ) -> Result<(), DriverError> {
         self.counted(Op::Map, |d| {
             let handle_size = d.ledger.handle_size(Op::Map, handle)?;
-            if offset.checked_add(size).is_none_or(|end| end > handle_size) {
-                return Err(DriverError::OutsideHandle {
-                    handle,
-                    handle_size,
-                    offset,
-                    size,
-                });
-            }
+            DriverError::check_inside_handle(handle, handle_size, offset, size)?;
             d.ledger.check_reserved(Op::Map, va, size)?;
             d.ledger.map(&mut d.calls, va, size, handle, offset)
         })

@@ -149,14 +149,7 @@ impl Vmm {
             None => 0,
             Some(offset) => {
                 self.check_multiple(Op::Map, "offset", offset)?;
-                if offset.checked_add(size).is_none_or(|end| end > handle_size) {
-                    return Err(DriverError::OutsideHandle {
-                        handle,
-                        handle_size,
-                        offset,
-                        size,
-                    });
-                }
+                DriverError::check_inside_handle(handle, handle_size, offset, size)?;
                 self.granule.quotient(offset)
             }
         };
