@@ -72,21 +72,11 @@ impl<D: Driver> Expandable<D> {
             end = run.start;
             found.extend(
                 run.rev()
-                    .filter(|&page| self.home_chunk(slot, page).is_some())
+                    .filter(|&page| self.chunk_at(slot, page).is_some())
                     .take(count - found.len()),
             );
         }
         found
-    }
-
-    /// The chunk mapped at `page` of segment `slot` and the first page of its group, if `page` holds a
-    /// chunk at home (not a lent page mapped here).
-    pub(super) fn home_chunk(&self, slot: usize, page: usize) -> Option<(PhysHandle, usize)> {
-        let handle = self.segment(slot).pages.handle(page)?;
-        if !self.chunks.contains(&handle) || self.is_alias(slot, page) {
-            return None;
-        }
-        Some((handle, page - page % self.chunk_pages))
     }
 
     /// Whether `page` of segment `slot` holds a lent page (a second mapping of a chunk's page).
@@ -100,9 +90,10 @@ impl<D: Driver> Expandable<D> {
     /// Lends idle `page` of segment `slot`, which holds a chunk at home: its addresses become a lent block
     /// and its piece of the chunk goes to `out`.
     fn lend(&mut self, slot: usize, page: usize, out: &mut Vec<PhysPage>) {
-        let (handle, group) = self
-            .home_chunk(slot, page)
-            .expect("a page to lend holds a chunk at home");
+        let group = (self.chunk_at(slot, page))
+            .expect("a page to lend holds a chunk at home")
+            .start;
+        let handle = (self.segment(slot).pages.handle(page)).expect("a chunk's page is mapped");
         let before = self.page_counts(slot);
         let addr = self.segment(slot).page_addr(page);
         let page_size = self.page_size;

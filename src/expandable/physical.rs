@@ -318,7 +318,7 @@ impl<D: Driver> Expandable<D> {
     /// its aligned group and a single-page handle at one page only, so the handle at `page` is a chunk at
     /// home exactly when another page of the group holds the same handle and `page` is not a lent page (two
     /// lent pages of one chunk may lie in one group).
-    fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
+    pub(super) fn chunk_at(&self, slot: usize, page: usize) -> Option<Range<usize>> {
         let k = self.chunk_pages;
         let pages = &self.segment(slot).pages;
         let handle = pages.handle(page)?;
