@@ -308,14 +308,13 @@ impl<D: Driver> Expandable<D> {
                 .is_none()
         };
         let mut need = None;
-        if self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large {
+        let chunked = self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large;
+        if chunked {
             if all_mapped() {
                 need = Some(0);
             } else {
                 access = self.map_chunks(slot, pages.clone())?;
             }
-            // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings.
-            access = self.widen_to_chunks(slot, access);
         }
         let lending = self.lending;
         let mut mapped = self.map_missing(slot, pages.clone(), need);
@@ -324,6 +323,16 @@ impl<D: Driver> Expandable<D> {
             mapped = self.map_missing(slot, pages, None);
         }
         mapped?;
+        if self.segment(slot).pages.inaccessible_count() == 0 {
+            // Every mapped page of the segment has access: the usual case, with nothing left to do.
+            return Ok(());
+        }
+        if chunked {
+            // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings. (The
+            // pages `map_missing` mapped are single pages or lent pieces, which widen nothing: the same
+            // range as before it.)
+            access = self.widen_to_chunks(slot, access);
+        }
         let mut pos = access.start;
         while let Some(run) = self
             .segment(slot)

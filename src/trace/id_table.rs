@@ -50,6 +50,7 @@ impl IdTable {
     }
 
     /// The state of `id`.
+    #[inline]
     pub(super) fn get(&self, id: u64) -> Slot {
         if id < self.limit {
             self.dense.get(id as usize).copied().unwrap_or_default()
@@ -59,7 +60,21 @@ impl IdTable {
     }
 
     /// Sets the state of `id`.
+    #[inline]
     pub(super) fn set(&mut self, id: u64, slot: Slot) {
+        // The usual case, an id of the dense part laid out up front, inlined; the rest out of line.
+        if id < self.limit
+            && let Some(entry) = self.dense.get_mut(id as usize)
+        {
+            *entry = slot;
+        } else {
+            self.set_outside(id, slot);
+        }
+    }
+
+    /// [`set`](Self::set) for an id outside the dense part laid out so far.
+    #[inline(never)]
+    fn set_outside(&mut self, id: u64, slot: Slot) {
         if id < self.limit {
             let index = id as usize;
             if index >= self.dense.len() {
