@@ -47,10 +47,20 @@ impl Chunked {
         }
         let c = self.chunk_for(&key).min(self.chunks.len() - 1);
         let chunk = &mut self.chunks[c];
-        let Err(at) = chunk.binary_search(&key) else {
+        // An insertion step from the end: a class holds a handful of entries, so walking them costs less
+        // than a binary search and a call to move the tail.
+        chunk.push(key);
+        let entries = chunk.as_mut_slice();
+        let mut at = entries.len() - 1;
+        while at > 0 && entries[at - 1] > key {
+            entries[at] = entries[at - 1];
+            at -= 1;
+        }
+        entries[at] = key;
+        if at > 0 && entries[at - 1] == key {
+            chunk.remove(at);
             return false;
-        };
-        chunk.insert(at, key);
+        }
         self.len += 1;
         if chunk.len() > CHUNK {
             let upper = chunk.split_off(CHUNK / 2);
@@ -113,8 +123,13 @@ impl Chunked {
         (c, at)
     }
 
-    /// The first chunk whose last entry is at least `key` (`chunks.len()` if none is).
+    /// The first chunk whose last entry is at least `key` (`chunks.len()` if none is), or 0 when there is at
+    /// most one chunk.
     fn chunk_for(&self, key: &(u64, u64)) -> usize {
+        if self.chunks.len() <= 1 {
+            // Where the one chunk (or none) answers as a search over them would.
+            return 0;
+        }
         self.chunks
             .partition_point(|chunk| chunk.last().is_some_and(|last| last < key))
     }
