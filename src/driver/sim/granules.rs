@@ -149,12 +149,25 @@ impl Granules {
         let at = self.position_or_insert(number);
         let chunk = &mut self.chunks[at];
         let slots = slots(&range);
-        if let Some(slot) = highest_in(&chunk.mapped, slots.clone()) {
-            return Err(number * CHUNK + slot);
+        let (word, last) = (slots.start / 64, (slots.end - 1) / 64);
+        if word == last {
+            // In one word: a test and two ORs.
+            let mask = (u64::MAX << (slots.start % 64)) & (u64::MAX >> (63 - (slots.end - 1) % 64));
+            let bits = chunk.mapped[word] & mask;
+            if bits != 0 {
+                return Err(
+                    number * CHUNK + (word * 64) as u64 + 63 - u64::from(bits.leading_zeros())
+                );
+            }
+            chunk.mapped[word] |= mask;
+        } else {
+            if let Some(slot) = highest_in(&chunk.mapped, slots.clone()) {
+                return Err(number * CHUNK + slot);
+            }
+            set_bits(&mut chunk.mapped, slots.clone(), true);
         }
-        chunk.starts[slots.start / 64] |= 1 << (slots.start % 64);
+        chunk.starts[word] |= 1 << (slots.start % 64);
         chunk.ids[slots.start] = id();
-        set_bits(&mut chunk.mapped, slots, true);
         Ok(())
     }
 
@@ -408,6 +421,11 @@ mod tests {
             g.claim(2 * CHUNK - 1..5001, || panic!("not called")),
             Err(5000)
         );
+        assert_eq!(g.claim(5001..5003, || panic!("not called")), Err(5001));
+        assert_eq!(g.claim(5002..5004, || 11), Ok(()));
+        assert_eq!(g.mapping_at(5003), Some((5002, 11)));
+        g.remove(5002..5004);
+        assert_eq!(g.mapping_at(5003), None);
         assert_eq!(g.claim(4990..5000, || 9), Ok(()));
         assert_eq!(g.mapping_at(4999), Some((4990, 9)));
         assert_eq!(g.claim(CHUNK - 1..CHUNK + 1, || 10), Ok(()));
