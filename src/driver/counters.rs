@@ -20,11 +20,13 @@ pub struct DriverCounters {
 
 impl DriverCounters {
     /// Calls of one operation.
+    #[inline]
     pub fn get(&self, op: Op) -> u64 {
         self.calls[op as usize]
     }
 
     /// Counts one call of `op` that cost `ns` nanoseconds.
+    #[inline]
     pub fn record(&mut self, op: Op, ns: u64) {
         self.calls[op as usize] += 1;
         self.time_ns += ns;
@@ -37,6 +39,7 @@ impl DriverCounters {
     }
 
     /// Counts `calls` calls of `op` covering `units` 2 MiB units each.
+    #[inline]
     pub fn record_units(&mut self, op: Op, calls: u64, units: u64) {
         self.units[op as usize] += calls * units;
     }

@@ -68,6 +68,7 @@ impl LatencyModel {
     }
 
     /// Nanoseconds per 2 MiB unit of one operation.
+    #[inline]
     pub fn per_call(&self, op: Op) -> u64 {
         self.per_call_ns[op as usize]
     }
@@ -79,12 +80,15 @@ impl LatencyModel {
     /// a 4 MiB map costs two units, a 64 KiB one costs one unit whatever the device's granularity.
     /// Every other operation costs `per_call_ns[op]` flat. Saturates instead of overflowing.
     pub fn cost_ns(&self, op: Op, bytes: u64) -> u64 {
-        let per_call = self.per_call(op);
-        if !carries_size(op) {
-            return per_call;
-        }
-        let units = bytes.div_ceil(LATENCY_UNIT_BYTES).max(1);
-        per_call.saturating_mul(units)
+        self.charge(op, bytes).0
+    }
+
+    /// [`cost_ns`](Self::cost_ns) and [`units`](Self::units) of one call, together: the cost is
+    /// `per_call_ns[op]` per unit.
+    #[inline(always)]
+    pub(super) fn charge(&self, op: Op, bytes: u64) -> (u64, u64) {
+        let units = Self::units(op, bytes);
+        (self.per_call(op).saturating_mul(units), units)
     }
 }
 
@@ -111,6 +115,7 @@ pub const LATENCY_SOURCES: &str = "A100, 2 MiB: create 193 us, map 1.5 us, set_a
 impl LatencyModel {
     /// The 2 MiB units one call of `op` covering `bytes` is charged for: `max(1, ceil(bytes / 2 MiB))` for
     /// operations that carry a size, 1 for the others.
+    #[inline]
     pub fn units(op: Op, bytes: u64) -> u64 {
         if carries_size(op) {
             bytes.div_ceil(LATENCY_UNIT_BYTES).max(1)
@@ -150,6 +155,7 @@ impl Default for LatencyModel {
 }
 
 /// Whether the cost of `op` scales with the bytes it covers.
+#[inline]
 fn carries_size(op: Op) -> bool {
     matches!(
         op,

@@ -3,16 +3,19 @@
 //! Every method checks all of its rules before it changes anything, so a failed call has no effect.
 //!
 //! Handles are numbered from 1 in creation order and kept in a vector indexed by number ([`Handles`]);
-//! mappings live in a page table of granules ([`Granules`]). Both make a call cost a few array reads instead
-//! of ordered-map or SipHash lookups, which dominated replays. Checking that a range is made of whole
-//! mappings is a sequential scan of its granules and of the one after it, with no lookup per mapping.
+//! each mapping is recorded once ([`Mappings`]) and a page table of granules ([`Granules`]) holds the number
+//! of the mapping covering each granule. Both make a call cost a few array reads instead of ordered-map or
+//! SipHash lookups, which dominated replays. Checking that a range is made of whole mappings walks from
+//! mapping to mapping, one lookup each, and `set_access` changes one record per mapping.
 
-use super::granules::{Granule, Granules};
+use super::granules::Granules;
 use super::handles::Handles;
+use super::mappings::{Mappings, Record};
 use super::va::VaRegion;
 use crate::divisor::Divisor;
 use crate::driver::{DriverError, Op, PhysHandle, PhysPage, VaRange};
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// Where reservations start: a realistic device address.
 const RESERVATION_BASE: u64 = 0x7f00_0000_0000;
@@ -42,10 +45,10 @@ pub(super) struct Vmm {
     reservations: BTreeMap<u64, u64>,
     /// The reservation `map` found last, `(start, end)`: maps come in runs into one reservation.
     last_reservation: Option<(u64, u64)>,
-    /// The page table: which handle each granule of address space maps.
+    /// The page table: which mapping covers each granule of address space.
     granules: Granules,
-    /// Mappings alive.
-    mappings: usize,
+    /// Mappings alive, by the number the page table holds.
+    mappings: Mappings,
     /// Physical allocations whose memory is not freed yet.
     handles: Handles,
 }
@@ -60,9 +63,9 @@ impl Vmm {
             reservations: BTreeMap::new(),
             last_reservation: None,
             granules: Granules::default(),
-            mappings: 0,
-            // Room for as many handles as fit on the device at once, up to a million: a replay creates
-            // tens of thousands, and growing the table copied it each time it doubled.
+            // Room for as many handles (and as many mappings of them) as fit on the device at once, up to a
+            // million: a replay creates tens of thousands, and growing a table copied it each time it doubled.
+            mappings: Mappings::with_capacity((capacity / granularity).min(1 << 20) as usize),
             handles: Handles::with_capacity((capacity / granularity).min(1 << 20) as usize),
         }
     }
@@ -90,13 +93,10 @@ impl Vmm {
                 start: range.start,
             });
         }
-        let mapped = self
-            .granules
-            .mapping_starts(
-                self.granule.quotient(range.start),
-                self.granule.quotient(range.end()),
-            )
-            .len();
+        let mapped = self.granules.starts_in(
+            self.granule.quotient(range.start),
+            self.granule.quotient(range.end()),
+        );
         if mapped > 0 {
             return Err(DriverError::ReservationInUse {
                 start: range.start,
@@ -166,33 +166,26 @@ impl Vmm {
         }
         let g = self.granularity;
         let (first, count) = (self.granule.quotient(va), self.granule.quotient(size));
-        let mapped = |offset| Granule {
+        let record = Record {
+            first,
+            granules: count,
             handle: handle.0,
-            offset,
             base,
             accessible: false,
         };
-        let already = |i: u64, granule: Granule| DriverError::AlreadyMapped {
-            start: va,
-            size,
-            existing: (i - granule.offset) * g,
-        };
-        if count == 1 {
-            // One granule, the usual page: one lookup checks and records it.
-            let granule = self.granules.get_mut(first);
-            if granule.is_mapped() {
-                return Err(already(first, *granule));
-            }
-            *granule = mapped(0);
-        } else {
+        let mappings = &mut self.mappings;
+        if let Err(index) = self
+            .granules
+            .claim(first..first + count, || mappings.insert(record))
+        {
             // The mapping covering the highest granule of the range is the one starting last before its end.
-            if let Some((i, granule)) = self.granules.last_mapped(first..first + count) {
-                return Err(already(i, granule));
-            }
-            self.granules.fill(first..first + count, mapped);
+            return Err(DriverError::AlreadyMapped {
+                start: va,
+                size,
+                existing: self.mapping_start(index) * g,
+            });
         }
         self.handles.mapped(handle);
-        self.mappings += 1;
         Ok(())
     }
 
@@ -254,55 +247,49 @@ impl Vmm {
         if !valid || self.granules.last_mapped(granules.clone()).is_some() {
             return false;
         }
-        let per_handle = self.granule.quotient(size);
-        let (mut index, mut offset) = (0, 0);
-        let granule = self.granule;
-        self.granules.update(granules, |slot| {
-            let page = pages[index];
-            *slot = Granule {
-                handle: page.handle.0,
-                offset,
-                base: granule.quotient(page.offset),
-                accessible: false,
-            };
-            offset += 1;
-            if offset == per_handle {
-                (index, offset) = (index + 1, 0);
-            }
-        });
+        let per_page = self.granule.quotient(size);
+        let mut first = granules.start;
         for page in pages {
+            let id = self.mappings.insert(Record {
+                first,
+                granules: per_page,
+                handle: page.handle.0,
+                base: self.granule.quotient(page.offset),
+                accessible: false,
+            });
+            self.granules.insert(first..first + per_page, id);
             self.handles.mapped(page.handle);
+            first += per_page;
         }
-        self.mappings += pages.len();
         true
     }
 
     /// `cuMemSetAccess` on whole mappings.
     pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        let end = self.check_whole_mappings(Op::SetAccess, va, size)?;
-        self.granules.update(
-            self.granule.quotient(va)..self.granule.quotient(end),
-            |granule| granule.accessible = true,
-        );
+        let range = self.check_whole_mappings(Op::SetAccess, va, size)?;
+        let mut index = range.start;
+        while index < range.end {
+            let mapping = self.mappings.get_mut(self.granules.starting_at(index));
+            mapping.accessible = true;
+            index = mapping.end();
+        }
         Ok(())
     }
 
     /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
-        let end = self.check_whole_mappings(Op::Unmap, va, size)?;
-        let range = self.granule.quotient(va)..self.granule.quotient(end);
+        let range = self.check_whole_mappings(Op::Unmap, va, size)?;
         let mut freed = Vec::new();
-        let (handles, mappings) = (&mut self.handles, &mut self.mappings);
-        // Every granule of the range is mapped (checked above); a mapping's first granule has offset 0.
-        self.granules.update_slices(range, |granules| {
-            for granule in granules.iter().filter(|granule| granule.offset == 0) {
-                *mappings -= 1;
-                if let Some(id) = handles.unmapped(granule.handle) {
-                    freed.push(id);
-                }
+        // The range is whole, back-to-back mappings (checked above).
+        let mut index = range.start;
+        while index < range.end {
+            let mapping = self.mappings.remove(self.granules.starting_at(index));
+            self.granules.remove(index..mapping.end());
+            if let Some(id) = self.handles.unmapped(mapping.handle) {
+                freed.push(id);
             }
-            granules.fill(Granule::default());
-        });
+            index = mapping.end();
+        }
         Ok(freed)
     }
 
@@ -313,18 +300,16 @@ impl Vmm {
 
     /// The mapping that contains `addr`, with its start.
     pub(super) fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
-        let index = self.granule.quotient(addr);
-        let granule = self.granules.get(index);
-        granule.is_mapped().then(|| {
-            let first = index - granule.offset;
-            let mapping = Mapping {
-                size: self.mapping_size(first),
-                offset: granule.base * self.granularity,
-                handle: granule.handle,
-                accessible: granule.accessible,
-            };
-            (first * self.granularity, mapping)
-        })
+        let (_, id) = self.granules.mapping_at(self.granule.quotient(addr))?;
+        let record = self.mappings.get(id);
+        let g = self.granularity;
+        let mapping = Mapping {
+            size: record.granules * g,
+            offset: record.base * g,
+            handle: record.handle,
+            accessible: record.accessible,
+        };
+        Some((record.first * g, mapping))
     }
 
     /// Bytes of physical memory held by handles.
@@ -339,7 +324,7 @@ impl Vmm {
 
     /// Live mappings.
     pub(super) fn mapping_count(&self) -> usize {
-        self.mappings
+        self.mappings.len()
     }
 
     /// Live reservations.
@@ -355,11 +340,13 @@ impl Vmm {
     /// Live mappings, in address order.
     pub(super) fn mapped_ranges(&self) -> Vec<VaRange> {
         let g = self.granularity;
-        self.granules
-            .mapping_starts(0, u64::MAX)
-            .into_iter()
-            .map(|(index, _)| VaRange::new(index * g, self.mapping_size(index)))
-            .collect()
+        let mut ranges: Vec<VaRange> = self
+            .mappings
+            .iter()
+            .map(|record| VaRange::new(record.first * g, record.granules * g))
+            .collect();
+        ranges.sort_unstable_by_key(|range| range.start);
+        ranges
     }
 
     /// Live reservations, in address order.
@@ -376,16 +363,6 @@ impl Vmm {
             .iter()
             .map(|(&s, &size)| VaRange::new(s, size))
             .collect()
-    }
-
-    /// Bytes mapped by the mapping whose first granule is `first`: its granules run on while their offsets
-    /// from it count up (the next mapping's first granule has offset 0).
-    fn mapping_size(&self, first: u64) -> u64 {
-        let mut end = first + 1;
-        while self.granules.get(end).is_mapped() && self.granules.get(end).offset == end - first {
-            end += 1;
-        }
-        (end - first) * self.granularity
     }
 
     /// Size non-zero and a multiple of the granularity.
@@ -414,8 +391,12 @@ impl Vmm {
         }
     }
 
-    /// Checks that `va .. va + size` consists of whole, back-to-back mappings. Returns its end.
-    fn check_whole_mappings(&self, op: Op, va: u64, size: u64) -> Result<u64, DriverError> {
+    /// Checks that `va .. va + size` consists of whole, back-to-back mappings. Returns its granules.
+    ///
+    /// A walk from mapping to mapping: each granule reached must be mapped, by a mapping that starts there
+    /// (mappings never overlap, so only the first can start before it) and ends inside the range. The
+    /// first unmapped granule it meets is the range's first hole.
+    fn check_whole_mappings(&self, op: Op, va: u64, size: u64) -> Result<Range<u64>, DriverError> {
         self.check_size(op, size)?;
         self.check_address(op, va)?;
         let end = va
@@ -426,44 +407,41 @@ impl Vmm {
                 size,
             })?;
         let g = self.granularity;
-        let partial = |mapping: u64, mapping_size: u64| DriverError::PartialMapping {
+        let range = self.granule.quotient(va)..self.granule.quotient(end);
+        let mut index = range.start;
+        let partial = |mapping: &Record| DriverError::PartialMapping {
             op,
             start: va,
             size,
-            mapping,
-            mapping_size,
+            mapping: mapping.first * g,
+            mapping_size: mapping.granules * g,
         };
-        let first = self.granules.get(self.granule.quotient(va));
-        if first.is_mapped() && first.offset > 0 {
-            let mapping = self.granule.quotient(va) - first.offset;
-            return Err(partial(mapping * g, self.mapping_size(mapping)));
-        }
-        // Mappings never overlap and cover consecutive granules with offsets 0, 1, ..., so the range is whole
-        // back-to-back mappings exactly when its first granule starts one (checked above), every granule in
-        // it is mapped, and the granule after it does not continue a mapping. A sequential scan of the
-        // granules, with no lookup of each mapping's handle; the first unmapped granule is the first gap a
-        // walk from mapping to mapping would meet, so the error is the same.
-        let end_index = self.granule.quotient(end);
-        for (indices, granules) in self.granules.pieces(self.granule.quotient(va)..end_index) {
-            let gap = match granules {
-                None => Some(indices.start),
-                Some(granules) => granules
-                    .iter()
-                    .position(|granule| !granule.is_mapped())
-                    .map(|i| indices.start + i as u64),
-            };
-            if let Some(index) = gap {
-                return Err(DriverError::NotMapped {
-                    op,
-                    addr: index * g,
+        while index < range.end {
+            let id = self.granules.starting_at(index);
+            if id == 0 {
+                // No mapping starts here: the granule is in the middle of one (only the range's first can
+                // be), or unmapped.
+                return Err(match self.granules.mapping_at(index) {
+                    Some((_, id)) => partial(self.mappings.get(id)),
+                    None => DriverError::NotMapped {
+                        op,
+                        addr: index * g,
+                    },
                 });
             }
+            let mapping = self.mappings.get(id);
+            if mapping.end() > range.end {
+                return Err(partial(mapping));
+            }
+            index = mapping.end();
         }
-        let after = self.granules.get(end_index);
-        if after.is_mapped() && after.offset > 0 {
-            let mapping = end_index - after.offset;
-            return Err(partial(mapping * g, self.mapping_size(mapping)));
-        }
-        Ok(end)
+        Ok(range)
+    }
+
+    /// The first granule of the mapping that covers granule `index` (mapped).
+    fn mapping_start(&self, index: u64) -> u64 {
+        self.granules
+            .mapping_at(index)
+            .map_or(index, |(first, _)| first)
     }
 }
