@@ -14,6 +14,7 @@
 
 #![deny(unsafe_code)]
 
+use crate::bit_words::WordsMut;
 use bitvec::prelude::{BitVec, Lsb0};
 use std::ops::Range;
 
@@ -84,19 +85,6 @@ impl Bits {
         );
     }
 
-    /// Copies bits `range` of `other` (of the same length) into the same bits of `self`. Returns how many of
-    /// them are set.
-    pub(crate) fn copy_from(&mut self, other: &Bits, range: Range<usize>) -> usize {
-        let source = other.bits.as_raw_slice();
-        let mut ones = 0;
-        self.update(range, |w, word, mask| {
-            let copied = source[w] & mask;
-            ones += copied.count_ones() as usize;
-            (word & !mask) | copied
-        });
-        ones
-    }
-
     /// Clears every bit of `range`. Returns how many were set. One pass: counting first and then clearing
     /// read every word twice.
     pub(crate) fn take_ones(&mut self, range: Range<usize>) -> usize {
@@ -106,6 +94,21 @@ impl Bits {
             word & !mask
         });
         ones
+    }
+
+    /// The raw words of the bits, for reading several vectors a word at a time.
+    #[inline]
+    pub(crate) fn words(&self) -> &[u64] {
+        self.bits.as_raw_slice()
+    }
+
+    /// The raw words and the summary, borrowed for updates of whole words.
+    #[inline]
+    pub(crate) fn words_mut(&mut self) -> WordsMut<'_> {
+        WordsMut::new(
+            self.bits.as_raw_mut_slice(),
+            self.nonempty.as_raw_mut_slice(),
+        )
     }
 
     /// Set bits in `range`. On the raw words: bitvec's `count_ones` costs about 4x as many instructions on
@@ -453,6 +456,7 @@ impl Iterator for Runs<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bit_words::{count_in, for_each_word};
 
     /// The same operations on `Bits` and on a `Vec<bool>` agree, across word and summary boundaries.
     #[test]
@@ -532,7 +536,14 @@ mod tests {
             }
         }
         let mut copy = Bits::new(len);
-        let copied = copy.copy_from(&bits, 100..5000);
+        let mut copied = 0;
+        let mut words = copy.words_mut();
+        for_each_word(100..5000, |w, mask, n| {
+            let word = bits.words()[w] & mask;
+            assert_eq!(count_in(word, mask, n), word.count_ones() as usize);
+            copied += count_in(word, mask, n);
+            words.set(w, word);
+        });
         let mut other = Bits::new(len);
         other.fill(2000..2100, true);
         other.fill(4000..4003, true);

@@ -12,6 +12,7 @@
 //! `docs/DESIGN.md`.
 
 pub mod allocator;
+mod bit_words;
 mod bits;
 pub mod config;
 #[cfg(feature = "cuda")]

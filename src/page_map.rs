@@ -10,6 +10,7 @@
 
 #![deny(unsafe_code)]
 
+use crate::bit_words::{count_in, first_bit, for_each_word};
 use crate::bits::Bits;
 use crate::divisor::Divisor;
 use crate::driver::PhysHandle;
@@ -128,8 +129,8 @@ impl PageMap {
     /// Makes `handles` and `users` cover pages below `end` (at most every page).
     fn cover(&mut self, end: usize) {
         if end > self.users.len() {
-            let len = end.max(2 * self.users.len()).min(self.pages);
             // Within the capacity reserved up front: no copy, only the new pages are written.
+            let len = end.max(2 * self.users.len()).min(self.pages);
             self.users.resize(len, 0);
             self.handles.resize(len, None);
         }
@@ -160,15 +161,8 @@ impl PageMap {
     /// # Panics
     /// If the page is already mapped: the caller lost track of a mapping.
     pub fn map(&mut self, page: usize, handle: PhysHandle) {
-        assert!(!self.mapped.get(page), "page {page} mapped twice");
-        self.cover(page + 1);
-        self.mapped.set(page, true);
-        self.handles[page] = Some(handle);
-        self.mapped_count += 1;
-        self.inaccessible_count += 1;
-        if self.users[page] == 0 {
-            self.set_idle(page, true);
-        }
+        self.check(page);
+        self.map_chunk(page..page + 1, handle);
     }
 
     /// Records that `handles` were mapped at the pages from `start` on, one each (access not yet set): as
@@ -182,7 +176,11 @@ impl PageMap {
         I::IntoIter: ExactSizeIterator,
     {
         let handles = handles.into_iter();
-        self.map_pages(start..start + handles.len(), handles);
+        self.map_pages(start..start + handles.len(), |slots| {
+            for (slot, handle) in slots.iter_mut().zip(handles) {
+                *slot = Some(handle);
+            }
+        });
     }
 
     /// Records that one multi-page `handle` (a chunk) was mapped at every page of `pages`, as
@@ -191,37 +189,33 @@ impl PageMap {
     /// # Panics
     /// If one of the pages is already mapped.
     pub fn map_chunk(&mut self, pages: Range<usize>, handle: PhysHandle) {
-        let len = pages.len();
-        self.map_pages(pages, std::iter::repeat_n(handle, len));
+        self.map_pages(pages, |slots| slots.fill(Some(handle)));
     }
 
-    fn map_pages(&mut self, pages: Range<usize>, handles: impl Iterator<Item = PhysHandle>) {
-        if let Some(page) = self.mapped.find(pages.clone(), true) {
-            panic!("page {page} mapped twice");
-        }
+    /// Records that the pages of `pages` were mapped, `handles` writing their handles into their slots.
+    fn map_pages(&mut self, pages: Range<usize>, handles: impl FnOnce(&mut [Option<PhysHandle>])) {
+        let mut mapped = self.mapped.words_mut();
+        for_each_word(pages.clone(), |w, mask, _| {
+            let twice = mapped.word(w) & mask;
+            assert!(twice == 0, "page {} mapped twice", first_bit(w, twice));
+            mapped.set(w, mask);
+        });
         self.cover(pages.end);
-        self.mapped.fill(pages.clone(), true);
-        for (slot, handle) in self.handles[pages.clone()].iter_mut().zip(handles) {
-            *slot = Some(handle);
-        }
+        handles(&mut self.handles[pages.clone()]);
         self.mapped_count += pages.len();
         self.inaccessible_count += pages.len();
-        // The pages no live block touches turn idle (they were unmapped, so not idle before): all of them at
-        // once when no page of the run has a user (a chunk beyond the block) or when every page has one.
-        let unused = self.users[pages.clone()]
-            .iter()
-            .filter(|&&users| users == 0)
-            .count();
-        if unused == pages.len() {
-            self.idle.fill(pages, true);
-            self.idle_count += unused;
-        } else if unused > 0 {
-            for page in pages {
-                if self.users[page] == 0 {
-                    self.set_idle(page, true);
-                }
+        // The pages no live block touches turn idle (unmapped, they were not), a word of bits at a time.
+        let (users, mut idle) = (&self.users, self.idle.words_mut());
+        for_each_word(pages, |w, mask, n| {
+            let low = mask.trailing_zeros() as usize;
+            let first = w * u64::BITS as usize + low;
+            let mut unused = 0;
+            for (i, &users) in users[first..first + n].iter().enumerate() {
+                unused |= u64::from(users == 0) << (low + i);
             }
-        }
+            idle.set(w, unused);
+            self.idle_count += count_in(unused, mask, n);
+        });
     }
 
     /// Records that access was set on every page of `pages`.
@@ -229,11 +223,17 @@ impl PageMap {
     /// # Panics
     /// If one of them is not mapped.
     pub fn set_accessible(&mut self, pages: Range<usize>) {
-        if let Some(page) = self.mapped.find(pages.clone(), false) {
-            panic!("set_access on unmapped page {page}");
-        }
-        self.inaccessible_count -= pages.len() - self.accessible.count_ones(pages.clone());
-        self.accessible.fill(pages, true);
+        let (mapped, mut accessible) = (self.mapped.words(), self.accessible.words_mut());
+        for_each_word(pages, |w, mask, n| {
+            let unmapped = mask & !mapped[w];
+            assert!(
+                unmapped == 0,
+                "set_access on unmapped page {}",
+                first_bit(w, unmapped)
+            );
+            self.inaccessible_count -= count_in(mask & !accessible.word(w), mask, n);
+            accessible.set(w, mask);
+        });
     }
 
     /// Records that `page` was unmapped, and returns the handle that was mapped there.
@@ -284,15 +284,14 @@ impl PageMap {
         );
         self.mapped.fill(pages.clone(), false);
         self.inaccessible_count -= pages.len() - self.accessible.take_ones(pages.clone());
-        self.idle_count -= self.idle.count_ones(pages.clone());
-        self.idle.fill(pages.clone(), false);
+        self.idle_count -= self.idle.take_ones(pages.clone());
         self.mapped_count -= pages.len();
     }
 
     /// Records that a live block now touches every page of `pages`.
     ///
-    /// A block's pages other than its first and last are touched by no other block, so they are updated
-    /// together, a word of bits at a time, when none has a user yet; the ends one by one.
+    /// A block's pages other than its first and last are touched by no other block: they are updated
+    /// together (the idle bits a word at a time) when none has a user yet; the ends one by one.
     pub fn add_user(&mut self, pages: Range<usize>) {
         if pages.end > self.pages {
             self.check(pages.end - 1);
@@ -312,7 +311,11 @@ impl PageMap {
         if had_users == 0 {
             self.touched_count += inner.len();
             if self.idle_count > 0 {
-                self.idle_count -= self.idle.take_ones(inner);
+                let mut idle = self.idle.words_mut();
+                for_each_word(inner, |w, mask, n| {
+                    self.idle_count -= count_in(idle.word(w) & mask, mask, n);
+                    idle.clear(w, mask);
+                });
             }
         } else {
             // Only the pages that just got their first user change state.
@@ -330,8 +333,7 @@ impl PageMap {
 
     /// Records that a live block no longer touches the pages of `pages`.
     ///
-    /// As [`add_user`](Self::add_user), the pages between the first and the last are updated together when
-    /// each has exactly one user.
+    /// As [`add_user`](Self::add_user), the pages between the first and the last together when each has one.
     ///
     /// # Panics
     /// If a page's count would go below zero.
@@ -351,7 +353,12 @@ impl PageMap {
         if not_one == 0 {
             self.touched_count -= inner.len();
             // No page of `inner` was idle: each had a user. Now exactly the mapped ones are.
-            self.idle_count += self.idle.copy_from(&self.mapped, inner);
+            let (mapped, mut idle) = (self.mapped.words(), self.idle.words_mut());
+            for_each_word(inner, |w, mask, n| {
+                let unused = mapped[w] & mask;
+                idle.set(w, unused);
+                self.idle_count += count_in(unused, mask, n);
+            });
         } else {
             // Undo, then page by page (which panics at a page that had no user).
             self.users[inner.clone()]
