@@ -24,6 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "src/size/",
             "src/divisor.rs",
             "src/bits.rs",
+            "src/bit_words.rs",
             "src/sync.rs",
         ],
     ),
