@@ -129,8 +129,8 @@ impl PageMap {
     /// Makes `handles` and `users` cover pages below `end` (at most every page).
     fn cover(&mut self, end: usize) {
         if end > self.users.len() {
-            // Within the capacity reserved up front: no copy, only the new pages are written.
-            let len = end.max(2 * self.users.len()).min(self.pages);
+            // Within the capacity reserved up front: no copy; new pages written 256 at a time, not doubling.
+            let len = end.next_multiple_of(256).min(self.pages);
             self.users.resize(len, 0);
             self.handles.resize(len, None);
         }

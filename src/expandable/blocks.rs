@@ -284,7 +284,8 @@ impl Blocks {
         self.by_start.insert(addr, n);
         let page = self.page_size.quotient(addr - self.base) as usize;
         if page >= self.last_start.len() {
-            let len = (page + 1).max(2 * self.last_start.len()).min(self.pages);
+            // (Within the capacity reserved up front: 256 pages at a time, each written once.)
+            let len = (page + 1).next_multiple_of(256).min(self.pages);
             self.last_start.resize(len, NIL);
         }
         let last = self.last_start[page];

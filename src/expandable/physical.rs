@@ -224,18 +224,24 @@ impl<D: Driver> Expandable<D> {
         pages: Range<usize>,
     ) -> Result<Range<usize>, Error> {
         let mut widened = pages.clone();
-        // (The caller skips this when every page is mapped, the usual case.)
-        let runs = self.segment(slot).pages.unmapped_runs(pages.clone());
-        if runs.is_empty() {
+        // Each maximal run of unmapped pages, found when it is needed (no list is built: a chunk mapped in
+        // one run touches no page at or after the run's end unless the run ends at `pages.end`). (The caller
+        // skips all this when every page is mapped, the usual case.)
+        let unmapped_run = |this: &Self, from: usize| {
+            let map = &this.segment(slot).pages;
+            let start = map.first_unmapped(from..pages.end)?;
+            Some(start..map.first_mapped(start..pages.end).unwrap_or(pages.end))
+        };
+        let Some(mut run) = unmapped_run(self, pages.start) else {
             return Ok(widened);
-        }
+        };
         let k = self.chunk_pages;
         let bytes = k as u64 * self.page_size;
         let headroom = (self.budget as f64 * self.config.large_handle_headroom) as u64;
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
         let mut result = Ok(());
-        'runs: for run in runs {
+        'runs: loop {
             let mut group = run.start - run.start % k;
             while group < run.end {
                 let chunk = group..group + k;
@@ -278,6 +284,10 @@ impl<D: Driver> Expandable<D> {
                 self.counters.mapped.add(pool, bytes);
                 self.record(TraceAction::SegmentMap, va, bytes, stream);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
+            }
+            match unmapped_run(self, run.end) {
+                Some(next) => run = next,
+                None => break,
             }
         }
         self.refresh_page_counts(slot, before);
