@@ -22,6 +22,8 @@ import unittest
 import cuvmm_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import torch_replay  # noqa: E402 (tools/ is not a package: on the path first)
 HEADER = os.path.join(ROOT, "cuvmm-torch", "cuvmm_torch.h")
 DEVICES = 8
 
@@ -310,21 +312,6 @@ class Install(unittest.TestCase):
         )
 
 
-def read_trace(path):
-    """Events of a cuvmm trace (docs/trace-format.md): ("alloc", id, size, stream), ("free", id),
-    ("record_stream", id, stream)."""
-    events = []
-    with open(path) as f:
-        if f.readline().strip() != "# cuvmm-trace v1":
-            raise AssertionError(f"{path}: not a cuvmm trace")
-        for line in f:
-            words = line.split()
-            if not words or words[0].startswith("#") or words[0] == "name":
-                continue
-            events.append((words[0], *map(int, words[1:])))
-    return events
-
-
 class Replay(unittest.TestCase):
     """A built-in workload replayed event by event through the C functions reaches the same peak reserved as
     `cuvmm compare` reports for cuvmm: same library, same events, same configuration, same answer."""
@@ -334,7 +321,7 @@ class Replay(unittest.TestCase):
         with tempfile.TemporaryDirectory() as scratch:
             trace = os.path.join(scratch, "trace.txt")
             subprocess.run([binary, "workload", workload, "-o", trace], check=True, capture_output=True)
-            events = read_trace(trace)
+            _, events = torch_replay.read_trace(trace)
         compared = subprocess.run(
             [binary, "compare", "--workload", workload, "--format", "json", "--quiet"],
             check=True,

@@ -493,3 +493,86 @@ fn workload_output_reads_back_as_the_generated_trace() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
     assert!(out.stdout == std::fs::read(&path).unwrap());
 }
+
+#[test]
+fn workload_converts_a_trace_file_to_cuvmms_format() {
+    // A two-device snapshot: `--device` picks one, and the converted file reads back as what `load` gives.
+    let path = file("convert-two.pickle", pickle(&snapshot(&[4096, 1 << 20])));
+    let p = path.to_str().unwrap();
+    for device in [0usize, 1] {
+        let out_path = scratch().join(format!("convert-two-{device}.trace"));
+        let o = out_path.to_str().unwrap();
+        let d = device.to_string();
+        let out = cuvmm(&["workload", "--trace", p, "--device", &d, "-o", o]);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        assert!(
+            out.stdout.is_empty() && out.stderr.is_empty(),
+            "{}",
+            stderr(&out)
+        );
+        let loaded = cuvmm::trace::load::load(&path, Some(device)).unwrap();
+        assert!(text::read(&out_path).unwrap() == loaded[0]);
+    }
+    // Without `--device`: the first device with events, and a note naming the choice.
+    let out = cuvmm(&["workload", "--trace", p, "-o", "-"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("converting `convert-two.pickle`"),
+        "{}",
+        stderr(&out)
+    );
+    let first = std::fs::read(scratch().join("convert-two-0.trace")).unwrap();
+    assert!(out.stdout == first);
+
+    // A trace from the shared set, when it is there: the same events and the same replay as the snapshot.
+    let shared = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared/traces/cs336_small_ctx256_bs32_fwdbwd.pickle");
+    if !shared.exists() {
+        println!(
+            "skipped the shared snapshot: {} is absent",
+            shared.display()
+        );
+        return;
+    }
+    let converted = scratch().join("convert-small.trace");
+    let c = converted.to_str().unwrap();
+    let out = cuvmm(&["workload", "--trace", shared.to_str().unwrap(), "-o", c]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let loaded = cuvmm::trace::load::load(&shared, None).unwrap();
+    let read = text::read(&converted).unwrap();
+    assert!(read.events == loaded[0].events);
+    assert_eq!(read.name, loaded[0].name);
+    let replay = |trace: &str| -> Vec<(String, u64, u64)> {
+        json(&["compare", "--trace", trace, "--format", "json"])
+            .iter()
+            .map(|r| {
+                let n = |key: &str| r[key].as_u64().unwrap();
+                (
+                    r["allocator"].to_string(),
+                    n("peak_reserved_bytes"),
+                    n("ooms"),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(replay(c), replay(shared.to_str().unwrap()));
+}
+
+#[test]
+fn workload_refuses_a_name_and_a_trace_together_and_a_stray_device() {
+    let path = file("convert-one.pickle", pickle(&snapshot(&[4096])));
+    let p = path.to_str().unwrap();
+    let out_path = scratch().join("convert-refused.trace");
+    let o = out_path.to_str().unwrap();
+    refused(&["workload", "moe", "--trace", p, "-o", o], &["--trace"]);
+    refused(
+        &["workload", "moe", "--device", "0", "-o", o],
+        &["--device"],
+    );
+    refused(&["workload", "-o", o], &["NAME"]);
+    refused(&["workload", "--trace", p, "--device", "3", "-o", o], &[p]);
+    let missing = scratch().join("absent.pickle");
+    let m = missing.to_str().unwrap();
+    refused(&["workload", "--trace", m, "-o", o], &[m]);
+    assert!(!out_path.exists(), "a refused conversion wrote its output");
+}

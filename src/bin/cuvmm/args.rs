@@ -28,7 +28,8 @@ pub enum Command {
     Compare(CompareArgs),
     /// List the built-in workloads.
     Workloads,
-    /// Write a built-in workload as a trace file in cuvmm's format (docs/trace-format.md).
+    /// Write a built-in workload, or a trace file of another format (`--trace FILE`), in cuvmm's trace format
+    /// (docs/trace-format.md).
     Workload(crate::workload::WorkloadArgs),
     /// Measure what each virtual-memory driver call costs, per physical page size.
     DriverBench(DriverBenchArgs),

@@ -10,7 +10,7 @@ use cuvmm::strategy::Strategy;
 use cuvmm::trace::allocators::{self, ALLOCATORS};
 use cuvmm::trace::replay::ReplayResult;
 use cuvmm::trace::{Trace, load, workload};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The trace to replay and the allocator to replay it through.
 #[derive(Debug, Args)]
@@ -83,25 +83,7 @@ impl SourceArgs {
             ))),
             (None, Some(name)) => workload::generate(name, self.seed)
                 .ok_or_else(|| Failure::usage(format!("unknown workload `{name}`"))),
-            (Some(path), None) => {
-                let mut traces =
-                    load::load(path, self.device).map_err(|e| Failure::usage(first_line(&e)))?;
-                if traces.len() > 1 {
-                    eprintln!(
-                        "cuvmm: {}: {} devices have events; replaying `{}` (choose with --device N)",
-                        path.display(),
-                        traces.len(),
-                        traces[0].name
-                    );
-                }
-                if traces.is_empty() {
-                    return Err(Failure::usage(format!(
-                        "{}: no trace in the file",
-                        path.display()
-                    )));
-                }
-                Ok(traces.swap_remove(0))
-            }
+            (Some(path), None) => load_one(path, self.device, "replaying"),
         }
     }
 
@@ -123,6 +105,27 @@ impl SourceArgs {
         allocators::build_on(&self.allocator, device, config)
             .map_err(|e| Failure::usage(first_line(&e)))
     }
+}
+
+/// The one trace of the file at `path` that a command works on: that of `device`, else the first device with
+/// events, with a note on stderr (saying what the command is `doing` with it) when several have some.
+pub fn load_one(path: &Path, device: Option<usize>, doing: &str) -> Result<Trace, Failure> {
+    let mut traces = load::load(path, device).map_err(|e| Failure::usage(first_line(&e)))?;
+    if traces.len() > 1 {
+        eprintln!(
+            "cuvmm: {}: {} devices have events; {doing} `{}` (choose with --device N)",
+            path.display(),
+            traces.len(),
+            traces[0].name
+        );
+    }
+    if traces.is_empty() {
+        return Err(Failure::usage(format!(
+            "{}: no trace in the file",
+            path.display()
+        )));
+    }
+    Ok(traces.swap_remove(0))
 }
 
 /// The first line of an error's message.

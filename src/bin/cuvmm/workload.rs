@@ -1,7 +1,9 @@
-//! `cuvmm workload NAME -o FILE`: a built-in workload written out as a trace file in cuvmm's format.
+//! `cuvmm workload NAME -o FILE`: a built-in workload written out as a trace file in cuvmm's format; with
+//! `--trace FILE` instead of a name, a trace file of another format (a PyTorch snapshot, ...) converted to it.
 
 use crate::args::parse_workload;
 use crate::commands::{USAGE, one_line};
+use crate::source::load_one;
 use clap::Args;
 use cuvmm::trace::{text, workload};
 use std::path::PathBuf;
@@ -11,8 +13,20 @@ use std::process::ExitCode;
 #[derive(Debug, Args)]
 pub struct WorkloadArgs {
     /// The built-in workload (`cuvmm workloads` lists them).
-    #[arg(value_name = "NAME", value_parser = parse_workload)]
-    pub name: String,
+    #[arg(
+        value_name = "NAME",
+        value_parser = parse_workload,
+        required_unless_present = "trace",
+        conflicts_with = "trace"
+    )]
+    pub name: Option<String>,
+    /// A trace file to convert instead (a PyTorch memory snapshot, an RMM log, a Kineto trace): memory live
+    /// before recording began comes first, as allocations, as in every replay of it.
+    #[arg(long, value_name = "FILE")]
+    pub trace: Option<PathBuf>,
+    /// The device of a trace file with several (default: the first device with events); only with --trace.
+    #[arg(long, value_name = "N")]
+    pub device: Option<usize>,
     /// The file to write; `-` writes to stdout.
     #[arg(short = 'o', long = "output", value_name = "FILE")]
     pub output: PathBuf,
@@ -23,9 +37,27 @@ pub struct WorkloadArgs {
 
 /// `cuvmm workload`.
 pub fn run(args: WorkloadArgs) -> ExitCode {
-    let Some(trace) = workload::generate(&args.name, args.seed) else {
-        eprintln!("cuvmm: unknown workload `{}`", args.name);
-        return ExitCode::from(USAGE);
+    let trace = match (&args.trace, &args.name) {
+        (Some(path), _) => match load_one(path, args.device, "converting") {
+            Ok(trace) => trace,
+            Err(failure) => {
+                eprintln!("cuvmm: {}", failure.message);
+                return ExitCode::from(failure.status);
+            }
+        },
+        // (clap's `requires` lets a conflicting NAME excuse the missing --trace: checked here.)
+        (None, _) if args.device.is_some() => {
+            eprintln!("cuvmm: workload: --device applies to a trace file (--trace FILE)");
+            return ExitCode::from(USAGE);
+        }
+        (None, name) => {
+            let name = name.as_deref().unwrap_or_default();
+            let Some(trace) = workload::generate(name, args.seed) else {
+                eprintln!("cuvmm: unknown workload `{name}`");
+                return ExitCode::from(USAGE);
+            };
+            trace
+        }
     };
     if args.output.as_os_str() == "-" {
         return match text::write(&trace, std::io::stdout().lock()) {

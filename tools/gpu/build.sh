@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds, on a machine without a GPU, everything the GPU steps of docs/gpu.md run, into one folder to carry
+# to the GPU machine (default gpu-bin/, which .gitignore leaves out): the `cuvmm` binary and the service
+# example built with `--features cuda`, the CUDA test binaries under fixed names, libcuvmm_torch.so, and the
+# shared traces (../shared/traces) with each one converted to cuvmm's format for tools/torch_replay.py.
+# Binaries are stripped to keep the folder small. Then, on the GPU machine: tools/gpu/run.sh STEP...
+#
+#   tools/gpu/build.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+dir=${1:-gpu-bin}
+rm -rf "$dir" && mkdir -p "$dir/traces"
+
+cargo build --locked --release --features cuda --bin cuvmm --example service
+cargo build --locked --release -p cuvmm-torch
+# The test binaries' paths, from cargo's JSON messages: the library's unit tests and two integration tests.
+cargo test --locked --release --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, shutil, sys
+wanted = {("lib", "cuvmm"): "cuvmm-lib", ("test", "conformance_cuda"): "conformance_cuda",
+          ("test", "cuda_streams"): "cuda_streams", ("test", "conformance_sim"): "conformance_sim"}
+found = set()
+for line in sys.stdin:
+    message = json.loads(line)
+    target, executable = message.get("target", {}), message.get("executable")
+    for kind in target.get("kind", []):
+        name = wanted.get((kind, target.get("name")))
+        if name and executable:
+            shutil.copy(executable, sys.argv[1] + "/" + name)
+            found.add(name)
+missing = set(wanted.values()) - found
+sys.exit(f"test binaries not built: {sorted(missing)}" if missing else 0)
+' "$dir"
+cp target/release/cuvmm target/release/examples/service target/release/libcuvmm_torch.so "$dir/"
+strip "$dir"/cuvmm "$dir"/service "$dir"/libcuvmm_torch.so "$dir"/cuvmm-lib "$dir"/conformance_cuda \
+    "$dir"/cuda_streams "$dir"/conformance_sim
+
+if [ -d ../shared/traces ]; then
+    for trace in ../shared/traces/*.pickle ../shared/traces/*.gz; do
+        [ -e "$trace" ] || continue
+        cp "$trace" "$dir/traces/"
+        "$dir/cuvmm" workload --trace "$trace" -o "$dir/traces/$(basename "$trace").trace"
+    done
+else
+    echo "build.sh: ../shared/traces is absent: no traces in $dir/traces" >&2
+fi
+git rev-parse HEAD >"$dir/COMMIT"
+git status --porcelain | grep -q . && echo "(with uncommitted changes)" >>"$dir/COMMIT"
+du -sh "$dir"

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Runs GPU steps of docs/gpu.md from the folder tools/gpu/build.sh filled (GPU_BIN, default gpu-bin/), each
+# under a time limit, each step's output into $OUT/STEP.txt (OUT, default gpu-out/), and a one-line result
+# per step on stdout. Steps (docs/gpu.md says what each checks):
+#   info          nvidia-smi, the driver and the commit built
+#   conformance   the CUDA conformance suite (tests/conformance_cuda.rs)
+#   lib           what CudaDriver reads from CUDA (the library's driver::cuda tests)
+#   streams       the caller's streams and threads (tests/cuda_streams.rs)
+#   service       the service example: four workers, a kernel on cuvmm memory
+#   driver-bench  driver call costs by page size (JSON and table)
+#   workloads     every built-in workload replayed on the GPU with --touch
+#   traces        every shared trace replayed with --touch on the GPU, and on the simulator for comparison
+#   torch         every shared trace through PyTorch: default allocator, expandable segments, cuvmm plugged in
+#
+#   OUT=... tools/gpu/run.sh info conformance lib streams service driver-bench
+set -u
+cd "$(dirname "$0")/../.."
+[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+bin=$(realpath "${GPU_BIN:-gpu-bin}")
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+[ -x "$bin/cuvmm" ] || { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
+
+# step NAME SECONDS COMMAND...: runs COMMAND with its output in $out/NAME.txt, then prints the status, the
+# time taken and the output's last line.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local began=$SECONDS
+    timeout "$limit" "$@" >>"$out/$name.txt" 2>&1
+    local status=$?
+    echo "$name: status $status, $((SECONDS - began)) s: $(tail -n 1 "$out/$name.txt")"
+}
+
+run_step() {
+    case $1 in
+    info)
+        step info 60 date -u
+        step info 60 nvidia-smi
+        step info 60 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+        step info 60 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+        step info 60 cat "$bin/COMMIT" ;;
+    conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
+    lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;
+    streams) step streams 300 "$bin/cuda_streams" --test-threads=1 --nocapture ;;
+    service) step service 300 "$bin/service" --backend cuda ;;
+    driver-bench)
+        step driver-bench 300 "$bin/cuvmm" driver-bench --backend cuda
+        step driver-bench 300 "$bin/cuvmm" driver-bench --backend cuda --format json ;;
+    workloads) step workloads 540 "$bin/cuvmm" compare --backend cuda --touch --quiet --format json ;;
+    traces)
+        for trace in "$bin"/traces/*.pickle "$bin"/traces/*.gz; do
+            [ -e "$trace" ] || continue
+            step traces 240 "$bin/cuvmm" compare --backend cuda --touch --quiet --format json --trace "$trace"
+            # The same replay on the simulator (its peak reserved should be the GPU's: docs/gpu.md, step 3).
+            step traces 240 "$bin/cuvmm" compare --quiet --format json --trace "$trace"
+        done ;;
+    torch)
+        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so"
+        for trace in "$bin"/traces/*.trace; do
+            [ -e "$trace" ] || continue
+            for allocator in native expandable cuvmm; do
+                # Each in its own process: PyTorch picks its allocator once per process.
+                step torch 240 python3 tools/torch_replay.py --allocator "$allocator" "$trace"
+            done
+        done ;;
+    *) echo "run.sh: unknown step $1"; return 2 ;;
+    esac
+}
+
+for name in "$@"; do
+    run_step "$name"
+done
