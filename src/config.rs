@@ -140,8 +140,9 @@ pub struct Config {
     pub large_handle_headroom: f64,
     /// Whether [`Compaction::Pressure`] may lend the idle pages of a chunk that a live block still touches
     /// (`lend_chunk_pages`, default true): map them a second time, from their offset in the chunk, where a
-    /// request needs pages, instead of running out of memory with them stranded. Needs a driver that maps
-    /// part of a handle (`cuMemMap` with an offset, CUDA 12); one that cannot turns it off by itself.
+    /// request needs pages, instead of running out of memory with them stranded. Only on a driver that maps
+    /// part of a handle ([`Driver::maps_parts_of_handles`](crate::driver::Driver::maps_parts_of_handles)):
+    /// CUDA does not (`CUDA_ERROR_NOT_SUPPORTED` on an H100 and an H200), so on a GPU this changes nothing.
     pub lend_chunk_pages: bool,
 }
 

@@ -8,6 +8,11 @@
 //!    handle, which is what cuvmm's compaction does with an idle page;
 //! 3. `unmap` B, `release` the handle.
 //!
+//! Then the same size as a run of granularity-sized handles mapped side by side (what cuvmm maps when
+//! it grows by single pages): `set_access` and `unmap` once per page (summed) and once over the whole run,
+//! which CUDA accepts over several mappings; and `cuMemAlloc` / `cuMemFree` of the same size. Last, on the
+//! default stream: a synchronization with nothing queued, an event record and an event query.
+//!
 //! One repetition is run first and thrown away (first calls pay for lazy driver set-up). Each call's time is
 //! the change in the driver's [`DriverCounters::time_ns`] across it: **measured** with `Instant` on a CUDA
 //! device, **estimated** from the [`LatencyModel`] on the simulated one (the report then includes the
@@ -24,27 +29,39 @@
 //!   "timing": "modeled" | "measured",
 //!   "repetitions": 20,
 //!   "latency_model_ns": {"create": 193000, ...} | null,
+//!   "latency_model": "a100" | "h100" | "h200" | null,
+//!   "latency_model_parts_ns": {"create": [0, 193000], ...} | null,
 //!   "pages": [{"page_bytes": 2097152, "create_us": 193.0, "map_us": 1.5, "set_access_us": 36.0,
-//!              "unmap_us": 26.0, "release_us": 26.0, "grow_fresh_us": 230.5, "grow_reused_us": 63.5}, ...]
+//!              "unmap_us": 26.0, "release_us": 26.0, "grow_fresh_us": 230.5, "grow_reused_us": 63.5,
+//!              "run_pages": 1, "set_access_per_page_us": 36.0, "set_access_run_us": 36.0,
+//!              "unmap_per_page_us": 26.0, "unmap_run_us": 26.0, "malloc_us": 230.5, "free_us": 52.0}, ...],
+//!   "stream": {"synchronize_idle_us": 5.0, "record_event_us": 1.0, "query_event_us": 1.0}
 //! }
 //! ```
-//! `latency_model_ns` is the simulated device's cost of one call on a 2 MiB page, per operation (larger
-//! pages cost proportionally more); it is `null` on a CUDA device.
+//! `latency_model_ns` is the simulated device's cost of one call on a 2 MiB page, per operation, and
+//! `latency_model_parts_ns` its fixed part (per call; per mapping for set_access and unmap) and its part per
+//! 2 MiB unit (`cuvmm driver-bench --latency-model h100` for the measured H100's); all three are `null` on a
+//! CUDA device.
 
 use crate::driver::device::Device;
 use crate::driver::sim::LatencyModel;
-use crate::driver::{Driver, DriverCounters, DriverError, Op, PhysHandle};
+use crate::driver::{Driver, DriverError, Op};
 use crate::size::{MIB, format_size};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+mod measure;
+
+pub use measure::{PageBench, StreamBench};
+use measure::{measure, measure_malloc, measure_run, measure_stream};
+
 /// The JSON schema name and version.
 pub const SCHEMA: &str = "cuvmm-driver-bench/1";
 
-/// The page sizes measured by default: PyTorch's small (2 MiB) and large (20 MiB) segment sizes, and a
-/// large page.
-pub const DEFAULT_PAGE_SIZES: [u64; 3] = [2 * MIB, 20 * MIB, 64 * MIB];
+/// The page sizes measured by default: PyTorch's small (2 MiB) and large (20 MiB) segment sizes, and
+/// large pages up to 1 GiB.
+pub const DEFAULT_PAGE_SIZES: [u64; 5] = [2 * MIB, 20 * MIB, 64 * MIB, 512 * MIB, 1024 * MIB];
 
 /// What to measure.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -106,27 +123,6 @@ pub struct DeviceInfo {
     pub total_bytes: u64,
 }
 
-/// Median costs for one page size, in microseconds.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct PageBench {
-    /// The physical page size in bytes.
-    pub page_bytes: u64,
-    /// `cuMemCreate`.
-    pub create_us: f64,
-    /// `cuMemMap`.
-    pub map_us: f64,
-    /// `cuMemSetAccess`.
-    pub set_access_us: f64,
-    /// `cuMemUnmap`.
-    pub unmap_us: f64,
-    /// `cuMemRelease`.
-    pub release_us: f64,
-    /// Growing by one page with a new handle: create + map + set_access.
-    pub grow_fresh_us: f64,
-    /// Growing by one page with a handle moved from elsewhere: unmap + map + set_access.
-    pub grow_reused_us: f64,
-}
-
 /// What `driver-bench` reports. Its JSON is described in the [module docs](self).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct BenchReport {
@@ -140,16 +136,33 @@ pub struct BenchReport {
     pub repetitions: usize,
     /// The simulated device's latency model: nanoseconds per call on a 2 MiB page, by operation name.
     pub latency_model_ns: Option<BTreeMap<&'static str, u64>>,
+    /// The simulated device's latency model's name (`a100`, `h100`, `h200`).
+    pub latency_model: Option<&'static str>,
+    /// Its two parts, by operation name: `[fixed ns per call (per mapping for set_access and unmap), ns per
+    /// 2 MiB unit]`.
+    pub latency_model_parts_ns: Option<BTreeMap<&'static str, [u64; 2]>>,
     /// One entry per page size, in the order asked for.
     pub pages: Vec<PageBench>,
+    /// Stream calls.
+    pub stream: StreamBench,
 }
 
 /// Runs the benchmark on `device`.
 pub fn run(device: &mut Device, options: &BenchOptions) -> Result<BenchReport, BenchError> {
     let info = describe(device).map_err(|source| BenchError::Driver { page: 0, source })?;
-    let latency_model_ns = device
-        .as_sim()
-        .map(|sim| model_table(&sim.config().latency));
+    let model = device.as_sim().map(|sim| sim.config().latency.clone());
+    let latency_model_ns = model.as_ref().map(model_table);
+    let latency_model_parts_ns = model.as_ref().map(|m| {
+        Op::ALL
+            .iter()
+            .map(|&op| {
+                (
+                    op.name(),
+                    [m.fixed_ns[op as usize], m.per_unit_ns[op as usize]],
+                )
+            })
+            .collect()
+    });
     let repetitions = options.repetitions.max(1);
     let mut pages = Vec::new();
     for &page in &options.page_sizes {
@@ -159,10 +172,15 @@ pub fn run(device: &mut Device, options: &BenchOptions) -> Result<BenchReport, B
                 granularity: info.granularity,
             });
         }
-        let samples = measure(device, page, repetitions)
-            .map_err(|source| BenchError::Driver { page, source })?;
-        pages.push(samples.medians(page));
+        let fail = |source| BenchError::Driver { page, source };
+        let samples = measure(device, page, repetitions).map_err(fail)?;
+        let mut bench = samples.medians(page);
+        measure_run(device, page, repetitions, &mut bench).map_err(fail)?;
+        measure_malloc(device, page, repetitions, &mut bench).map_err(fail)?;
+        pages.push(bench);
     }
+    let stream = measure_stream(device, repetitions)
+        .map_err(|source| BenchError::Driver { page: 0, source })?;
     Ok(BenchReport {
         schema: SCHEMA,
         timing: if device.is_measured() {
@@ -173,7 +191,10 @@ pub fn run(device: &mut Device, options: &BenchOptions) -> Result<BenchReport, B
         device: info,
         repetitions,
         latency_model_ns,
+        latency_model: model.map(|m| m.name),
+        latency_model_parts_ns,
         pages,
+        stream,
     })
 }
 
@@ -225,15 +246,49 @@ pub fn render_table(report: &BenchReport) -> String {
             p.grow_reused_us
         );
     }
-    if let Some(model) = &report.latency_model_ns {
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<10} {:>6} {:>14} {:>14} {:>14} {:>14} {:>10} {:>10}",
+        "run",
+        "pages",
+        "access/page",
+        "access/run",
+        "unmap/page",
+        "unmap/run",
+        "cuMemAlloc",
+        "cuMemFree"
+    );
+    for p in &report.pages {
+        let _ = writeln!(
+            out,
+            "{:<10} {:>6} {:>14.1} {:>14.1} {:>14.1} {:>14.1} {:>10.1} {:>10.1}",
+            format_size(p.page_bytes),
+            p.run_pages,
+            p.set_access_per_page_us,
+            p.set_access_run_us,
+            p.unmap_per_page_us,
+            p.unmap_run_us,
+            p.malloc_us,
+            p.free_us
+        );
+    }
+    let s = &report.stream;
+    let _ = writeln!(
+        out,
+        "\ndefault stream: synchronize (idle) {:.1}, event record {:.1}, event query {:.1}",
+        s.synchronize_idle_us, s.record_event_us, s.query_event_us
+    );
+    if let Some(parts) = &report.latency_model_parts_ns {
         let _ = writeln!(out);
         let _ = writeln!(
             out,
-            "latency model (ns per call on a 2 MiB page; larger pages cost proportionally more):"
+            "latency model {} (ns: fixed per call, per mapping for set_access and unmap; and per 2 MiB unit):",
+            report.latency_model.unwrap_or("?")
         );
         for op in Op::ALL {
-            if let Some(ns) = model.get(op.name()) {
-                let _ = writeln!(out, "  {:<16} {ns:>9}", op.name());
+            if let Some([fixed, per_unit]) = parts.get(op.name()) {
+                let _ = writeln!(out, "  {:<16} {fixed:>9} {per_unit:>9}", op.name());
             }
         }
     }
@@ -269,166 +324,6 @@ fn describe(device: &mut Device) -> Result<DeviceInfo, DriverError> {
 fn model_table(model: &LatencyModel) -> BTreeMap<&'static str, u64> {
     Op::ALL
         .iter()
-        .map(|&op| (op.name(), model.per_call(op)))
+        .map(|&op| (op.name(), model.per_page(op)))
         .collect()
-}
-
-/// Per-call times in nanoseconds, one entry per sample.
-#[derive(Debug, Default)]
-struct Samples {
-    create: Vec<u64>,
-    map: Vec<u64>,
-    set_access: Vec<u64>,
-    unmap: Vec<u64>,
-    release: Vec<u64>,
-    grow_fresh: Vec<u64>,
-    grow_reused: Vec<u64>,
-}
-
-impl Samples {
-    fn medians(mut self, page: u64) -> PageBench {
-        PageBench {
-            page_bytes: page,
-            create_us: median_us(&mut self.create),
-            map_us: median_us(&mut self.map),
-            set_access_us: median_us(&mut self.set_access),
-            unmap_us: median_us(&mut self.unmap),
-            release_us: median_us(&mut self.release),
-            grow_fresh_us: median_us(&mut self.grow_fresh),
-            grow_reused_us: median_us(&mut self.grow_reused),
-        }
-    }
-}
-
-/// The median of `ns`, in microseconds (0 if empty).
-fn median_us(ns: &mut [u64]) -> f64 {
-    if ns.is_empty() {
-        return 0.0;
-    }
-    ns.sort_unstable();
-    let mid = ns.len() / 2;
-    let median = if ns.len() % 2 == 0 {
-        (ns[mid - 1] as f64 + ns[mid] as f64) / 2.0
-    } else {
-        ns[mid] as f64
-    };
-    median / 1_000.0
-}
-
-/// The driver time one call costs: the change in the counters' time across it.
-fn timed<T, D: Driver>(
-    driver: &mut D,
-    call: impl FnOnce(&mut D) -> Result<T, DriverError>,
-) -> Result<(T, u64), DriverError> {
-    let before: DriverCounters = driver.counters();
-    let value = call(driver)?;
-    Ok((value, driver.counters().time_ns - before.time_ns))
-}
-
-/// The times of the calls of one repetition, in nanoseconds.
-#[derive(Clone, Copy, Debug, Default)]
-struct Rep {
-    create: u64,
-    map_a: u64,
-    access_a: u64,
-    unmap_a: u64,
-    map_b: u64,
-    access_b: u64,
-    unmap_b: u64,
-    release: u64,
-}
-
-impl Samples {
-    fn push(&mut self, r: Rep) {
-        self.create.push(r.create);
-        self.map.extend([r.map_a, r.map_b]);
-        self.set_access.extend([r.access_a, r.access_b]);
-        self.unmap.extend([r.unmap_a, r.unmap_b]);
-        self.release.push(r.release);
-        self.grow_fresh.push(r.create + r.map_a + r.access_a);
-        self.grow_reused.push(r.unmap_a + r.map_b + r.access_b);
-    }
-}
-
-/// Runs one warm-up and `repetitions` measured repetitions for one page size.
-fn measure<D: Driver>(
-    driver: &mut D,
-    page: u64,
-    repetitions: usize,
-) -> Result<Samples, DriverError> {
-    let range = driver.reserve(2 * page)?;
-    let (a, b) = (range.start, range.start + page);
-    let mut samples = Samples::default();
-    let mut outcome = Ok(());
-    for rep in 0..=repetitions {
-        match repetition(driver, page, a, b) {
-            Ok(times) if rep > 0 => samples.push(times),
-            Ok(_) => {}
-            Err(e) => {
-                outcome = Err(e);
-                break;
-            }
-        }
-    }
-    let freed = driver.free_reservation(range);
-    outcome?;
-    freed?;
-    Ok(samples)
-}
-
-/// One repetition: fresh growth at `a`, reused growth at `b`, teardown. On failure, gives back what it
-/// holds (logging what cannot be) and returns the first error.
-fn repetition<D: Driver>(driver: &mut D, page: u64, a: u64, b: u64) -> Result<Rep, DriverError> {
-    let (handle, create) = timed(driver, |d| d.create(page))?;
-    let mut mapped_at = None;
-    match grow_and_move(driver, page, a, b, handle, &mut mapped_at) {
-        Ok(rep) => {
-            let (_, release) = timed(driver, |d| d.release(handle))?;
-            Ok(Rep {
-                create,
-                release,
-                ..rep
-            })
-        }
-        Err(err) => {
-            let unmapped = mapped_at.map_or(Ok(()), |at| driver.unmap(at, page));
-            for cleanup in [unmapped, driver.release(handle)] {
-                if let Err(e) = cleanup {
-                    tracing::warn!(%e, "driver-bench: cleanup after a failed call failed too");
-                }
-            }
-            Err(err)
-        }
-    }
-}
-
-/// Maps `handle` at `a` (fresh growth), moves it to `b` (reused growth), and unmaps it. `mapped_at` says
-/// where it is mapped, for cleanup after a failure.
-fn grow_and_move<D: Driver>(
-    driver: &mut D,
-    page: u64,
-    a: u64,
-    b: u64,
-    handle: PhysHandle,
-    mapped_at: &mut Option<u64>,
-) -> Result<Rep, DriverError> {
-    let (_, map_a) = timed(driver, |d| d.map(a, page, handle))?;
-    *mapped_at = Some(a);
-    let (_, access_a) = timed(driver, |d| d.set_access(a, page))?;
-    let (_, unmap_a) = timed(driver, |d| d.unmap(a, page))?;
-    *mapped_at = None;
-    let (_, map_b) = timed(driver, |d| d.map(b, page, handle))?;
-    *mapped_at = Some(b);
-    let (_, access_b) = timed(driver, |d| d.set_access(b, page))?;
-    let (_, unmap_b) = timed(driver, |d| d.unmap(b, page))?;
-    *mapped_at = None;
-    Ok(Rep {
-        map_a,
-        access_a,
-        unmap_a,
-        map_b,
-        access_b,
-        unmap_b,
-        ..Rep::default()
-    })
 }

@@ -55,14 +55,13 @@ fn check_found(trace: &Trace, result: &CapacityResult, options: &CapacityOptions
     found
 }
 
-/// cuvmm's capacity on `trace` is verified and within 1% of the lower bound with the default 20 MiB
-/// large-pool handles, whose idle pages are lent when a live block still touches the handle, and with
-/// single-page handles (`large_handle_mb:2`); without lending, the default's handles strand those pages
-/// and need up to 3% (`docs/DESIGN.md`, "Handle size").
-fn check_cuvmm_within_1_percent(trace: &Trace) {
-    check_cuvmm_within(trace, "", 1010);
+/// cuvmm's capacity on `trace` is verified and within 1% of the lower bound with single-page handles
+/// (`large_handle_mb:2`), and within 3% with the default 20 MiB large-pool handles, whose idle pages a live
+/// block strands: the simulator, like CUDA, maps no part of a handle, so they cannot be lent
+/// (`docs/DESIGN.md`, "Handle size").
+fn check_cuvmm_within_its_bounds(trace: &Trace) {
+    check_cuvmm_within(trace, "", 1030);
     check_cuvmm_within(trace, "large_handle_mb:2", 1010);
-    check_cuvmm_within(trace, "lend_chunk_pages:False", 1030);
 }
 
 /// cuvmm's capacity on `trace` under `conf` is verified and within `per_mille` thousandths of the lower
@@ -91,10 +90,10 @@ fn check_cuvmm_within(trace: &Trace, conf: &str, per_mille: u128) {
 }
 
 #[test]
-fn cuvmm_fits_every_builtin_workload_within_1_percent_of_peak_live() {
+fn cuvmm_fits_every_builtin_workload_within_3_percent_of_peak_live() {
     for name in workload::BUILTIN {
         let trace = workload::generate(name, workload::DEFAULT_SEED).unwrap();
-        check_cuvmm_within_1_percent(&trace);
+        check_cuvmm_within_its_bounds(&trace);
     }
 }
 
@@ -117,7 +116,7 @@ fn shared_snapshots() -> Option<Vec<PathBuf>> {
 }
 
 #[test]
-fn cuvmm_fits_every_shared_snapshot_within_1_percent_of_peak_live() {
+fn cuvmm_fits_every_shared_snapshot_within_3_percent_of_peak_live() {
     let Some(files) = shared_snapshots() else {
         return;
     };
@@ -125,7 +124,7 @@ fn cuvmm_fits_every_shared_snapshot_within_1_percent_of_peak_live() {
         let traces = load::load(&file, None).unwrap_or_else(|e| panic!("{e}"));
         assert!(!traces.is_empty(), "{}", file.display());
         for trace in &traces {
-            check_cuvmm_within_1_percent(trace);
+            check_cuvmm_within_its_bounds(trace);
         }
     }
 }

@@ -136,7 +136,7 @@ fn driver_bench_on_the_simulator_reports_the_latency_model() {
         .iter()
         .map(|p| p["page_bytes"].as_u64().unwrap())
         .collect();
-    assert_eq!(sizes, [2 << 20, 20 << 20, 64 << 20]);
+    assert_eq!(sizes, [2 << 20, 20 << 20, 64 << 20, 512 << 20, 1 << 30]);
     // The model: 2 MiB costs one unit, 20 MiB ten units.
     assert_eq!(pages[0]["create_us"], 193.0);
     assert_eq!(pages[1]["create_us"], 1930.0);
@@ -151,7 +151,46 @@ fn driver_bench_on_the_simulator_reports_the_latency_model() {
             us("unmap_us") + us("map_us") + us("set_access_us")
         );
         assert!(us("grow_reused_us") < us("grow_fresh_us"), "{p}");
+        // A run of single pages: the A100 model charges per 2 MiB, so per page and per run agree.
+        let pages_in_run = p["run_pages"].as_u64().unwrap();
+        assert_eq!(pages_in_run, p["page_bytes"].as_u64().unwrap() >> 21);
+        assert_eq!(us("set_access_run_us"), 36.0 * pages_in_run as f64);
+        assert_eq!(us("set_access_per_page_us"), us("set_access_run_us"));
+        assert_eq!(us("unmap_run_us"), us("unmap_per_page_us"));
+        assert!(us("malloc_us") > 0.0 && us("free_us") > 0.0, "{p}");
     }
+    assert_eq!(v["stream"]["synchronize_idle_us"], 5.0);
+    assert_eq!(v["latency_model"], "a100");
+
+    // The measured H100 model: a fixed part per call, paid per mapping by set_access over a run.
+    let out = cuvmm(&[
+        "driver-bench",
+        "--format",
+        "json",
+        "--repetitions",
+        "1",
+        "--latency-model",
+        "h100",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let h: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(h["latency_model"], "h100");
+    assert_eq!(h["latency_model_parts_ns"]["set_access"][0], 36_189);
+    let run = &h["pages"][1];
+    assert_eq!(run["run_pages"], 10);
+    let single = run["set_access_us"].as_f64().unwrap();
+    let over_run = run["set_access_run_us"].as_f64().unwrap();
+    assert!(
+        over_run > 9.0 * single,
+        "ten mappings cost about ten calls: {run}"
+    );
+    let bad = cuvmm(&["driver-bench", "--latency-model", "v100"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        stderr(&bad).contains("unknown latency model `v100`"),
+        "{}",
+        stderr(&bad)
+    );
 
     let table = cuvmm(&["driver-bench", "--repetitions", "1"]);
     assert!(table.status.success(), "{}", stderr(&table));

@@ -11,7 +11,7 @@ mod conformance;
 use conformance::Subject;
 use cuvmm::driver::cuda::CudaDriver;
 use cuvmm::driver::sim::LeakReport;
-use cuvmm::driver::{Driver, DriverError};
+use cuvmm::driver::{Driver, DriverError, StreamId};
 
 impl Subject for CudaDriver {
     fn held(&self) -> LeakReport {
@@ -87,4 +87,188 @@ fn allocator_properties_hold_on_the_cuda_driver() {
         return;
     }
     conformance::allocator_properties(open, 16);
+}
+
+/// Facts about this GPU's driver that the simulator's rules and the latency model rest on (issue 21, step 1),
+/// printed as `fact: ...` lines for docs/gpu-results.md. What it can assert it asserts (free memory back
+/// after everything is given back, nothing held); the rest is recorded, not judged.
+#[test]
+fn cuda_driver_facts_are_recorded() {
+    let Some(mut d) = gpu() else { return };
+    let g = d.granularity();
+    let info = d.mem_info().expect("mem_info");
+    eprintln!(
+        "fact: granularity {g} bytes; free {} of {} bytes",
+        info.free, info.total
+    );
+    let outcome = |r: Result<(), DriverError>| match r {
+        Ok(()) => "accepted".to_string(),
+        Err(e) => format!("rejected: {e}"),
+    };
+
+    // Several adjacent one-page mappings, each of its own handle: one unmap, one set_access over all of them.
+    for (what, set_access) in [("unmap", false), ("set_access", true)] {
+        let r = d.reserve(3 * g).expect("reserve");
+        let hs: Vec<_> = (0..3).map(|_| d.create(g).expect("create")).collect();
+        for (i, &h) in hs.iter().enumerate() {
+            d.map(r.start + i as u64 * g, g, h).expect("map");
+        }
+        let result = if set_access {
+            d.set_access(r.start, 3 * g)
+        } else {
+            d.unmap(r.start, 3 * g)
+        };
+        eprintln!(
+            "fact: one {what} over three adjacent mappings: {}",
+            outcome(result)
+        );
+        for i in 0..3 {
+            let _ = d.unmap(r.start + i * g, g); // already gone where the single unmap was accepted
+        }
+        for h in hs {
+            d.release(h).expect("release");
+        }
+        d.free_reservation(r).expect("free_reservation");
+    }
+    // set_access over part of one mapping (its second half) and over a mapping and the hole after it.
+    {
+        let r = d.reserve(4 * g).expect("reserve");
+        let h = d.create(2 * g).expect("create");
+        d.map(r.start, 2 * g, h).expect("map");
+        let r2 = d.reserve(2 * g).expect("reserve");
+        let part = d.map_from(r2.start, g, h, 0);
+        eprintln!(
+            "fact: map of the first page of a two-page handle (offset 0): {}",
+            outcome(part.clone())
+        );
+        let second = d.map_from(r2.start + g, g, h, g);
+        eprintln!(
+            "fact: map of the second page of a two-page handle (offset one page): {}",
+            outcome(second.clone())
+        );
+        for (va, mapped) in [(r2.start, part), (r2.start + g, second)] {
+            if mapped.is_ok() {
+                d.unmap(va, g).expect("unmap the part");
+            }
+        }
+        d.free_reservation(r2).expect("free_reservation");
+        let half = d.set_access(r.start + g, g);
+        eprintln!(
+            "fact: set_access over the second half of a two-page mapping: {}",
+            outcome(half)
+        );
+        let hole = d.set_access(r.start, 3 * g);
+        eprintln!(
+            "fact: set_access over a mapping and the unmapped page after it: {}",
+            outcome(hole)
+        );
+        d.unmap(r.start, 2 * g).expect("unmap");
+        d.release(h).expect("release");
+        d.free_reservation(r).expect("free_reservation");
+    }
+    // Reservations made with alignment 0: how their starts are aligned, by size.
+    for size in [g, 2 * g, 1 << 30, 1 << 34] {
+        let r = d.reserve(size).expect("reserve");
+        eprintln!(
+            "fact: reserve of {size} bytes (alignment 0) starts at {:#x}: aligned to 2^{} bytes",
+            r.start,
+            r.start.trailing_zeros()
+        );
+        d.free_reservation(r).expect("free_reservation");
+    }
+    // Large reservations: 160 GB to 1.28 TB, each alone.
+    for gb in [160u64, 320, 640, 1280] {
+        let size = gb * 1_000_000_000 / g * g;
+        let began = std::time::Instant::now();
+        match d.reserve(size) {
+            Ok(r) => {
+                let took = began.elapsed();
+                d.free_reservation(r).expect("free_reservation");
+                eprintln!(
+                    "fact: reserve of {gb} GB accepted in {took:?} (start {:#x})",
+                    r.start
+                );
+            }
+            Err(e) => eprintln!("fact: reserve of {gb} GB rejected: {e}"),
+        }
+    }
+    // cuMemCreate beyond free memory, then filling the device: 1 GiB handles, then single pages, until a
+    // create fails; each failure's error and the free memory CUDA reports at that point.
+    let free0 = d.mem_info().expect("mem_info").free;
+    match d.create((info.total / g + 1) * g) {
+        Ok(h) => {
+            eprintln!("fact: create of more than the device's total memory accepted");
+            d.release(h).expect("release");
+        }
+        Err(e) => eprintln!("fact: create of more than the device's total memory: {e}"),
+    }
+    let mut held = Vec::new();
+    for size in [1u64 << 30, g] {
+        let size = size.max(g) / g * g;
+        loop {
+            match d.create(size) {
+                Ok(h) => held.push(h),
+                Err(e) => {
+                    let free = d.mem_info().map(|m| m.free).unwrap_or(0);
+                    eprintln!(
+                        "fact: create of {size} bytes after {} handles fails with free {free} bytes: {e}",
+                        held.len()
+                    );
+                    break;
+                }
+            }
+        }
+    }
+    let filled = d.mem_info().expect("mem_info").free;
+    let malloc_when_full = d.malloc(g).map(|p| d.free(p).expect("free"));
+    eprintln!(
+        "fact: cuMemAlloc of one page with the device full: {}",
+        outcome(malloc_when_full)
+    );
+    let created = held.len();
+    for h in held {
+        d.release(h).expect("release");
+    }
+    let free1 = d.mem_info().expect("mem_info").free;
+    eprintln!(
+        "fact: {created} handles filled the device from {free0} to {filled} free bytes; after releasing them \
+         {free1} free ({} bytes short of before)",
+        free0 as i64 - free1 as i64
+    );
+    assert!(
+        free1 + g / 2 >= free0,
+        "free memory not back after release: {free0} -> {free1}"
+    );
+
+    // Whether a released handle's value comes back from the next create.
+    let mut reused = 0;
+    let mut previous = None;
+    for _ in 0..100 {
+        let h = d.create(g).expect("create");
+        if previous == Some(h) {
+            reused += 1;
+        }
+        previous = Some(h);
+        d.release(h).expect("release");
+    }
+    eprintln!("fact: a released handle's value was reused by the next create {reused} times in 99");
+
+    // An event queried right after it is recorded on an idle stream.
+    for stream in [StreamId::DEFAULT, StreamId::PER_THREAD] {
+        d.synchronize(stream).expect("synchronize");
+        let mut not_ready = 0;
+        for _ in 0..1000 {
+            let e = d.record_event(stream).expect("record_event");
+            if !d.event_complete(e).expect("event_complete") {
+                not_ready += 1;
+            }
+            d.destroy_event(e).expect("destroy_event");
+        }
+        eprintln!(
+            "fact: an event queried right after recording on idle stream {stream}: not ready {not_ready} times \
+             in 1000"
+        );
+    }
+    let held = d.leak_report();
+    assert!(held.is_empty(), "the facts left {held} held");
 }

@@ -258,6 +258,7 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
         max_idle_bytes,
         small_size: 1024,
         chunk_pages: 1,
+        partial_mappings: false,
     };
     // Eight 4-page chunks fill the device, each kept in use by its last page only.
     let mut stranded = Vec::new();
@@ -383,6 +384,7 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
             "seed_lending",
             Setup {
                 chunk_pages: 4,
+                partial_mappings: true,
                 ..setup(32, u64::MAX)
             },
             [

@@ -59,7 +59,12 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     (
         "laboratory",
-        &["src/split/", "src/trace/", "src/driver_bench.rs"],
+        &[
+            "src/split/",
+            "src/trace/",
+            "src/driver_bench.rs",
+            "src/driver_bench/",
+        ],
     ),
     ("crate root", &["src/lib.rs"]),
 ];

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{expandable_with, pattern};
+use common::pattern;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{
     Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
@@ -24,7 +24,7 @@ const S2: StreamId = StreamId(2);
 /// row), nor unmapped (the chunk is mapped whole), so they are lent.
 #[test]
 fn a_chunks_idle_pages_are_lent_where_a_request_needs_them() {
-    let mut a = expandable_with(PAGE, CHUNK_PAGES, Config::default(), true);
+    let mut a = lending(PAGE, CHUNK_PAGES, Config::default(), true);
     let kept = keep_the_middle(&mut a);
     a.check_invariants().unwrap();
     assert_eq!(a.stats().reserved_bytes.current, CHUNK_PAGES * PAGE);
@@ -98,7 +98,7 @@ fn a_chunks_idle_pages_are_lent_where_a_request_needs_them() {
 /// again; the invariants hold after every step and the device ends empty.
 #[test]
 fn lent_pages_move_between_streams_and_all_come_back() {
-    let mut a = expandable_with(PAGE, 2 * CHUNK_PAGES, Config::default(), true);
+    let mut a = lending(PAGE, 2 * CHUNK_PAGES, Config::default(), true);
     // Two chunks, each kept in use by a one-page block at its start.
     let k1 = a.alloc(11 * PAGE, S1).unwrap();
     let mut live = vec![k1];
@@ -145,7 +145,7 @@ fn lent_pages_move_between_streams_and_all_come_back() {
 #[test]
 fn without_chunks_nothing_is_lent() {
     let config = Config::from_alloc_conf("large_handle_mb:2").unwrap();
-    let mut a = expandable_with(PAGE, CHUNK_PAGES, config, false);
+    let mut a = lending(PAGE, CHUNK_PAGES, config, false);
     let kept = a.alloc(2 * PAGE, S1).unwrap();
     let other = a.alloc(8 * PAGE, S2).unwrap();
     a.check_invariants().unwrap();
@@ -155,9 +155,9 @@ fn without_chunks_nothing_is_lent() {
     a.check_invariants().unwrap();
 }
 
-/// A driver that maps only whole handles (the trait's default `map_from`): lending is tried once, the
-/// driver refuses, the lent pages go home and lending stays off; the request then fails as it would have
-/// without lending, with an out-of-memory error, and nothing is lost.
+/// A driver that says it maps parts of handles but maps only whole ones (the trait's default `map_from`):
+/// lending is tried once, the driver refuses, the lent pages go home and lending stays off; the request
+/// then fails as it would have without lending, with an out-of-memory error, and nothing is lost.
 #[test]
 fn a_driver_without_partial_mappings_turns_lending_off() {
     let sim = SimDriver::new(
@@ -215,6 +215,9 @@ impl Driver for WholeOnly {
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
         self.0.release(handle)
     }
+    fn maps_parts_of_handles(&self) -> bool {
+        true // but `map_from` is the trait's default, which refuses an offset
+    }
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
         self.0.map(va, size, handle)
     }
@@ -248,4 +251,17 @@ impl Driver for WholeOnly {
     fn counters(&self) -> DriverCounters {
         self.0.counters()
     }
+}
+
+/// An allocator on a simulated device of `pages` pages that maps parts of handles, as lending needs
+/// (`SimConfig::partial_mappings`; CUDA does not, and there cuvmm never lends).
+fn lending(page: u64, pages: u64, config: Config, backing_store: bool) -> Expandable<SimDriver> {
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(page * pages)
+            .with_granularity(page)
+            .with_backing_store(backing_store)
+            .with_partial_mappings(true),
+    );
+    Expandable::new(sim, config).expect("valid configuration")
 }

@@ -200,6 +200,9 @@ impl<D: Driver> Driver for AfterEffect<D> {
     fn ordinal(&self) -> usize {
         self.inner.ordinal()
     }
+    fn maps_parts_of_handles(&self) -> bool {
+        self.inner.maps_parts_of_handles()
+    }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         let result = self.inner.memset_d8(va, size, value);
         self.after(Op::Memset, result)

@@ -16,6 +16,10 @@ pub struct DriverCounters {
     /// `sim::LatencyModel::units`), so the time can be estimated again under another calibration. The
     /// simulator fills it; other backends leave it 0.
     pub units: [u64; Op::ALL.len()],
+    /// Per operation, the mappings its successful calls covered beyond the first (`set_access` and `unmap`
+    /// over several mappings, whose latency is per mapping), so the fixed part of a latency model can be
+    /// charged per mapping. The simulator fills it; other backends leave it 0.
+    pub extra_mappings: [u64; Op::ALL.len()],
 }
 
 impl DriverCounters {
@@ -42,6 +46,12 @@ impl DriverCounters {
     #[inline]
     pub fn record_units(&mut self, op: Op, calls: u64, units: u64) {
         self.units[op as usize] += calls * units;
+    }
+
+    /// Counts `extra` mappings covered by a call of `op` beyond its first.
+    #[inline]
+    pub fn record_extra_mappings(&mut self, op: Op, extra: u64) {
+        self.extra_mappings[op as usize] += extra;
     }
 
     /// Calls of all operations together.

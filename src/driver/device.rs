@@ -228,6 +228,9 @@ impl Driver for Device {
     fn ordinal(&self) -> usize {
         forward!(self, d => d.ordinal())
     }
+    fn maps_parts_of_handles(&self) -> bool {
+        forward!(self, d => d.maps_parts_of_handles())
+    }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         forward!(self, d => d.memset_d8(va, size, value))
     }

@@ -154,6 +154,14 @@ pub trait Driver {
         0
     }
 
+    /// Whether [`map_from`](Driver::map_from) can map part of a handle (a nonzero offset, or fewer bytes
+    /// than the handle holds). The default, and CUDA's answer, is no: `cuMemMap`'s offset "must be zero",
+    /// and an H100 with driver 580 answers an offset with `CUDA_ERROR_NOT_SUPPORTED`. cuvmm lends pages of
+    /// a chunk (`lend_chunk_pages`) only on a driver that says yes.
+    fn maps_parts_of_handles(&self) -> bool {
+        false
+    }
+
     /// Sets `size` bytes from `va` to `value` (`cuMemsetD8`), and returns once they are written. The range
     /// must be mapped with access set (or lie inside one `malloc` allocation); it may span several mappings.
     ///
@@ -281,5 +289,8 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     }
     fn ordinal(&self) -> usize {
         (**self).ordinal()
+    }
+    fn maps_parts_of_handles(&self) -> bool {
+        (**self).maps_parts_of_handles()
     }
 }

@@ -165,7 +165,9 @@ impl<D: Driver> Expandable<D> {
         let info = driver.mem_info()?;
         let device_total = info.total;
         let budget = config.budget_bytes(info.total, info.free);
-        let lending = config.lend_chunk_pages;
+        // Lending maps a page of a chunk from its offset, which CUDA does not allow (`Driver::
+        // maps_parts_of_handles`): only where the driver can.
+        let lending = config.lend_chunk_pages && driver.maps_parts_of_handles();
         // Room for the chunks of a budget's worth of memory up front (about 0.5 KiB of host memory per GiB of
         // device memory), so that growing to the budget does not rehash the set each time it doubles
         // (1.4% of the replay's instructions on a trace that grows to 40 GiB).

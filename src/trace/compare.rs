@@ -9,7 +9,7 @@ use super::workload;
 use crate::config::{Config, ConfigError};
 use crate::driver::DriverError;
 use crate::driver::device::{DeviceError, DeviceSpec};
-use crate::driver::sim::SimConfig;
+use crate::driver::sim::{LatencyModel, SimConfig};
 use crate::size::{GIB, MIB};
 use std::path::PathBuf;
 
@@ -27,6 +27,8 @@ pub struct CompareOptions {
     pub allocators: Vec<String>,
     /// The device to replay on: the simulator (the default) or a CUDA device.
     pub backend: DeviceSpec,
+    /// The simulated device's latency model (A100 by default; ignored on a CUDA device).
+    pub latency: LatencyModel,
     /// Device memory in bytes (the simulated device's; a CUDA device has what it has).
     pub capacity: u64,
     /// Page size in bytes: the simulated device's allocation granularity, and the allocator's page size
@@ -53,6 +55,7 @@ impl Default for CompareOptions {
                 .map(|a| a.to_string())
                 .collect(),
             backend: DeviceSpec::Sim,
+            latency: LatencyModel::a100(),
             capacity: 80 * GIB,
             page_size: 2 * MIB,
             seed: workload::DEFAULT_SEED,
@@ -138,6 +141,7 @@ pub fn compare_observed<O: ReplayObserver + ?Sized>(
         return Err(BuildError::Unknown { name: name.clone() }.into());
     }
     let sim = SimConfig::default()
+        .with_latency(options.latency.clone())
         .with_capacity(options.capacity)
         .with_granularity(options.page_size)
         .with_backing_store(options.replay.touch);

@@ -86,13 +86,19 @@ impl DriverCalls {
     }
 }
 
-/// An estimate under each extreme calibration of the latency model.
+/// An estimate of the memory-management calls' time under each latency model: the A100 figures under both
+/// extreme calibrations, and the H100's and H200's measured models.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct ByModel {
-    /// Each figure a fixed cost per call.
+    /// A100: each figure a fixed cost per call.
     pub per_call: f64,
-    /// Each figure a cost per 2 MiB covered.
+    /// A100: each figure a cost per 2 MiB covered.
     pub per_byte: f64,
+    /// H100, measured (`LatencyModel::h100`): a fixed cost per call (per mapping for set_access and
+    /// unmap) and a cost per 2 MiB covered.
+    pub h100: f64,
+    /// H200, measured (`LatencyModel::h200`), as `h100`.
+    pub h200: f64,
 }
 
 impl ByModel {
@@ -103,6 +109,16 @@ impl ByModel {
         Self {
             per_call: us(Calibration::PerCall),
             per_byte: us(Calibration::PerByte),
+            h100: LatencyModel::h100().estimate_us(
+                counters,
+                &DriverCalls::OPS,
+                Calibration::PerByte,
+            ),
+            h200: LatencyModel::h200().estimate_us(
+                counters,
+                &DriverCalls::OPS,
+                Calibration::PerByte,
+            ),
         }
     }
 }

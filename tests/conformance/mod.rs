@@ -72,7 +72,7 @@ pub fn rules<D: Subject>() -> Vec<Rule<D>> {
             bytes_move_with_handle::<D>,
         ),
         (
-            "a_handle_maps_in_parts_from_an_offset",
+            "a_handle_maps_in_parts_only_where_the_driver_says_so",
             map_from_offset::<D>,
         ),
         ("counters_count_failed_calls_too", counters::<D>),
@@ -441,12 +441,30 @@ fn bytes_move_with_handle<D: Subject>(d: &mut D) {
     teardown(d, r, &hs);
 }
 
-/// `cuMemMap` with an offset (CUDA 12's documented rule, which cuvmm's lending relies on): a page of a
-/// handle may be mapped on its own, while the whole handle is mapped elsewhere; both mappings show the
-/// same bytes; an offset past the handle or off the granularity is refused; memory is freed once the
-/// handle is released and its last mapping is gone.
+/// `cuMemMap` with an offset. CUDA's documentation says the offset must be zero, and an H100 (driver 580)
+/// answers one with `CUDA_ERROR_NOT_SUPPORTED`: a driver that says it cannot map part of a handle
+/// (`Driver::maps_parts_of_handles`, CUDA's and the simulator's default) must refuse an offset and leave
+/// nothing mapped. One that says it can (the simulator with `partial_mappings`, which cuvmm's lending needs):
+/// a page of a handle may be mapped on its own while the whole handle is mapped elsewhere; both mappings
+/// show the same bytes; an offset past the handle or off the granularity is refused; memory is freed once
+/// the handle is released and its last mapping is gone.
 fn map_from_offset<D: Subject>(d: &mut D) {
     let g = d.granularity();
+    if !d.maps_parts_of_handles() {
+        let r = d.reserve(2 * g).expect("reserve");
+        let h = d.create(2 * g).expect("create two pages");
+        rejected(
+            "map a handle's second page on its own",
+            d.map_from(r.start, g, h, g),
+            |e| matches!(e, DriverError::Unsupported { .. }),
+        );
+        d.map_from(r.start, 2 * g, h, 0)
+            .expect("map the whole handle from offset 0");
+        d.set_access(r.start, 2 * g).expect("set_access");
+        d.unmap(r.start, 2 * g).expect("unmap");
+        teardown(d, r, &[h]);
+        return;
+    }
     let free0 = free_bytes(d);
     let r = d.reserve(8 * g).expect("reserve");
     let h = d.create(4 * g).expect("create four pages");

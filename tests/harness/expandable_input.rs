@@ -39,8 +39,12 @@ pub struct Setup {
     pub max_idle_bytes: u64,
     /// The allocator's `small_size`.
     pub small_size: u64,
-    /// Pages per large-pool handle: 1, or 4 (chunks, whose idle pages are lent under pressure).
+    /// Pages per large-pool handle: 1, or 4 (chunks, whose idle pages are lent under pressure where the
+    /// device can map part of a handle).
     pub chunk_pages: u64,
+    /// Whether the simulated device maps parts of handles (`SimConfig::partial_mappings`, which lending
+    /// needs; CUDA does not).
+    pub partial_mappings: bool,
 }
 
 /// One operation.
@@ -92,6 +96,7 @@ pub fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
         max_idle_bytes: [u64::MAX, 0, 2 * PAGE, 8 * PAGE][usize::from(flags & 3)],
         small_size: if flags & 4 == 0 { 1024 } else { 8192 },
         chunk_pages: if flags & 8 == 0 { 1 } else { 4 },
+        partial_mappings: flags & 16 != 0,
     };
     let mut actions = Vec::new();
     while !input.is_empty() && actions.len() < MAX_ACTIONS {
@@ -138,7 +143,8 @@ pub fn encode(setup: &Setup, actions: &[Action]) -> Vec<u8> {
         other => panic!("chunk_pages {other} is not one decode() produces"),
     };
     assert!((32..=64).contains(&setup.pages), "32 to 64 pages");
-    let mut out = vec![(setup.pages - 32) as u8, idle | small | chunks];
+    let partial = if setup.partial_mappings { 16 } else { 0 };
+    let mut out = vec![(setup.pages - 32) as u8, idle | small | chunks | partial];
     for action in actions {
         match *action {
             Action::Alloc { size, stream } => {

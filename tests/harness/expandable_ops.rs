@@ -87,7 +87,8 @@ impl State {
             SimConfig::default()
                 .with_capacity(capacity)
                 .with_granularity(PAGE)
-                .with_backing_store(true),
+                .with_backing_store(true)
+                .with_partial_mappings(setup.partial_mappings),
         );
         let config = Config {
             small_size: setup.small_size,

@@ -11,11 +11,13 @@
 #   workloads     every built-in workload replayed on the GPU with --touch
 #   traces        every shared trace replayed with --touch on the GPU, and on the simulator for comparison
 #   torch         every shared trace through PyTorch: default allocator, expandable segments, cuvmm plugged in
+#   train         a small GPT trained under each allocator: figures, and the smallest memory fraction that completes
+#   hot           cached alloc+free pairs per second through PyTorch's allocator interface, each allocator
 #
 #   OUT=... tools/gpu/run.sh info conformance lib streams service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,16p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -63,6 +65,16 @@ run_step() {
                 # Each in its own process: PyTorch picks its allocator once per process.
                 step torch 240 python3 tools/torch_replay.py --allocator "$allocator" "$trace"
             done
+        done ;;
+    train)
+        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" PYTHONUNBUFFERED=1
+        for allocator in ${TRAIN_ALLOCATORS:-native expandable cuvmm}; do
+            step train "${TRAIN_LIMIT:-540}" python3 tools/train_gpt.py --allocator "$allocator" --search ${TRAIN_ARGS:-}
+        done ;;
+    hot)
+        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so"
+        for allocator in native expandable cuvmm; do
+            step hot 120 python3 tools/hot_path.py --allocator "$allocator"
         done ;;
     *) echo "run.sh: unknown step $1"; return 2 ;;
     esac

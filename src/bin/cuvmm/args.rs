@@ -3,6 +3,7 @@
 use crate::capacity::CapacityArgs;
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use cuvmm::driver::device::DeviceSpec;
+use cuvmm::driver::sim::{LATENCY_MODELS, LatencyModel};
 use cuvmm::trace::{allocators, workload};
 
 /// Replays allocation workloads through CUDA allocators on a simulated device and compares them.
@@ -63,6 +64,10 @@ pub struct BackendArgs {
     /// The device to run on: sim (simulated, the default), cuda (CUDA device 0) or cuda:N.
     #[arg(long, value_name = "BACKEND", default_value = "sim", value_parser = parse_backend)]
     pub backend: DeviceSpec,
+    /// The simulated device's latency model, which its driver times are estimated from: a100 (published
+    /// figures, the default), h100 or h200 (measured). A CUDA device's times are measured instead.
+    #[arg(long, value_name = "MODEL", default_value = "a100", value_parser = parse_latency_model)]
+    pub latency_model: LatencyModel,
 }
 
 /// Options of `driver-bench`.
@@ -172,6 +177,15 @@ pub fn parse_allocator(name: &str) -> Result<String, String> {
 
 /// A `--backend` value this build can run on: `cuda` is refused here, with the reason, when the `cuda`
 /// feature is off.
+fn parse_latency_model(text: &str) -> Result<LatencyModel, String> {
+    LatencyModel::named(text).ok_or_else(|| {
+        format!(
+            "unknown latency model `{text}` (known: {})",
+            LATENCY_MODELS.join(", ")
+        )
+    })
+}
+
 fn parse_backend(text: &str) -> Result<DeviceSpec, String> {
     let spec: DeviceSpec = text
         .parse()

@@ -23,6 +23,7 @@ pub const USAGE: u8 = 2;
 pub fn run_compare(args: CompareArgs) -> ExitCode {
     let mut options = CompareOptions {
         backend: args.backend.backend,
+        latency: args.backend.latency_model,
         traces: args.traces,
         trace_device: args.device,
         replay: ReplayOptions {
@@ -95,7 +96,11 @@ pub fn run_workloads() -> ExitCode {
 
 /// `cuvmm driver-bench`.
 pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
-    let mut device = match args.backend.backend.open(SimConfig::default()) {
+    let mut device = match args
+        .backend
+        .backend
+        .open(SimConfig::default().with_latency(args.backend.latency_model.clone()))
+    {
         Ok(device) => device,
         Err(e) => {
             eprintln!("cuvmm: {e}");

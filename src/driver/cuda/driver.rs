@@ -574,13 +574,20 @@ mod tests {
         assert_eq!(d.calls.mapped(r.start + g), Ok(false), "the next page");
         d.unmap(r.start, g).expect("unmap");
         assert_eq!(d.calls.mapped(r.start), Ok(false), "unmapped");
+        // CUDA accepts an unmap of a reserved range with nothing mapped (H100, driver 580): a repeat tells
+        // nothing, which is why `give_back.rs` asks `CU_POINTER_ATTRIBUTE_MAPPED` after a failed unmap.
+        assert_eq!(d.calls.unmap(r.start, g), Ok(()), "unmap twice");
+        assert_eq!(d.calls.mapped(r.start), Ok(false), "still unmapped");
         // The driver validates each of these names: a repeat on a resource that is gone is rejected, as a
         // settle's repeat after a failure that took effect would be (here nothing else could have been given
         // the same name in between).
-        let again = d.calls.unmap(r.start, g).expect_err("unmap twice");
-        assert!(says_unknown(&again), "unmap twice: {again}");
         d.release(h).expect("release");
-        assert_eq!(d.calls.handle_live(h.0), Ok(false), "a released handle");
+        // CUDA still answers the properties of a released handle (H100, driver 580: Ok(true)), so the
+        // query cannot tell a release that took effect; the repeat's "invalid" does (`give_back.rs`).
+        eprintln!(
+            "cuMemGetAllocationPropertiesFromHandle on a released handle: {:?}",
+            d.calls.handle_live(h.0)
+        );
         let again = d.calls.release(h.0).expect_err("release twice");
         assert!(says_unknown(&again), "release twice: {again}");
         d.free_reservation(r).expect("free_reservation");

@@ -9,8 +9,8 @@
 //!
 //! | failed call | the driver says "unknown" (`CUDA_ERROR_INVALID_VALUE`, `_INVALID_HANDLE`) | any other error |
 //! |---|---|---|
-//! | `release` | the handle is gone (an earlier release that failed had worked): forgotten, `UnknownHandle` | `cuMemGetAllocationPropertiesFromHandle`: a handle it no longer knows is forgotten; the error is returned |
-//! | `unmap` | each of the ledger's mappings in the range is asked `CU_POINTER_ATTRIBUTE_MAPPED`; those no longer mapped are forgotten (when a query fails: all of them, if the ledger's mappings tile the range exactly, so the error cannot be about a partial unmap); if none is left, `NotMapped`, else CUDA's own error | the same query; the error is returned |
+//! | `release` | the handle is gone (an earlier release that failed had worked): forgotten, `UnknownHandle` | `cuMemGetAllocationPropertiesFromHandle`: a handle it no longer knows is forgotten; the error is returned. (An H100 with driver 580 still answers the properties of a released handle, so there the handle is kept and the repeat's "invalid" settles it.) |
+//! | `unmap` (CUDA accepts an unmap where nothing is mapped, so "unknown" is rare) | each of the ledger's mappings in the range is asked `CU_POINTER_ATTRIBUTE_MAPPED`; those no longer mapped are forgotten (when a query fails: all of them, if the ledger's mappings tile the range exactly, so the error cannot be about a partial unmap); if none is left, `NotMapped`, else CUDA's own error | the same query; the error is returned |
 //! | `free_reservation` | the reservation is gone: forgotten, `UnknownReservation` | kept (CUDA has no query for a reservation): the repeat's answer decides |
 //! | `free` | the allocation is gone: forgotten, `UnknownPointer` | `CU_POINTER_ATTRIBUTE_MAPPED` on the pointer; an unmapped one is forgotten |
 //! | `map` | rejected, no effect | `CU_POINTER_ATTRIBUTE_MAPPED`: a mapping that is there (or that cannot be told) is recorded, so the caller's undo (`unmap`) reaches it |

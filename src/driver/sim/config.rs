@@ -20,6 +20,12 @@ pub struct SimConfig {
     /// Whether each call sleeps the calling thread for its modelled latency, so that measurements of
     /// waiting (`cuvmm bench-threads`) see driver calls take time. Off by default and in replays.
     pub sleep_latency: bool,
+    /// Whether [`Driver::map_from`](crate::driver::Driver::map_from) may map part of a handle (a nonzero
+    /// offset, or fewer bytes than the handle has). Off by default, as on CUDA: its documentation says the
+    /// offset "must be zero", and on an H100 (driver 580) `cuMemMap` with an offset fails with
+    /// `CUDA_ERROR_NOT_SUPPORTED` (docs/gpu-results.md). On, the simulator models what CUDA 12's
+    /// documentation once suggested, for lending chunk pages (`lend_chunk_pages`) on a driver that allows it.
+    pub partial_mappings: bool,
 }
 
 impl Default for SimConfig {
@@ -31,6 +37,7 @@ impl Default for SimConfig {
             latency: LatencyModel::a100(),
             backing_store: false,
             sleep_latency: false,
+            partial_mappings: false,
         }
     }
 }
@@ -54,6 +61,11 @@ impl SimConfig {
     /// Turns the byte backing store on or off.
     pub fn with_backing_store(mut self, on: bool) -> Self {
         self.backing_store = on;
+        self
+    }
+    /// Lets `map_from` map part of a handle, or not (see [`SimConfig::partial_mappings`]).
+    pub fn with_partial_mappings(mut self, on: bool) -> Self {
+        self.partial_mappings = on;
         self
     }
     /// Sets the latency model.

@@ -71,6 +71,16 @@ impl Handles {
         self.bytes += size * count as u64;
     }
 
+    /// Whether `handle` is live and exactly `size` bytes long.
+    pub(super) fn is_whole(&self, handle: PhysHandle, size: u64) -> bool {
+        usize::try_from(handle.0)
+            .ok()
+            .and_then(|id| id.checked_sub(1))
+            .and_then(|index| self.slots.get(index))
+            .and_then(Option::as_ref)
+            .is_some_and(|h| !h.released && h.size == size)
+    }
+
     /// Whether `handle` is known, not released, and holds `size` bytes from `offset`: what `map` asks of it.
     pub(super) fn is_live_with(&self, handle: PhysHandle, offset: u64, size: u64) -> bool {
         usize::try_from(handle.0)

@@ -1,32 +1,49 @@
 //! The latency model: how long each simulated driver call would have taken on a real device.
 //!
-//! A call of an operation costs a fixed amount plus an amount per byte it covers. Only one figure per
-//! operation is known (its latency on a 2 MiB range, [`LatencyModel::a100`]), which cannot tell the two
-//! apart, so estimates are given under both extreme calibrations ([`Calibration`]): all of it per call,
-//! or all of it per 2 MiB unit (what the simulator's clock charges). PyTorch's note on expandable segments
-//! says map and unmap cost grows with the number of handles, which is the per-call end; the truth for
-//! each operation lies between the two until it is measured on a GPU (`cuvmm driver-bench`).
+//! A call costs a fixed amount plus an amount per 2 MiB unit it covers ([`LatencyModel::cost_ns`]); for
+//! `set_access` and `unmap` the fixed amount is paid once per *mapping* the call covers, as measured on an
+//! H100: one call over k single-page mappings costs what k calls do. Three devices' figures are known:
+//!
+//! - [`LatencyModel::h100`] and [`LatencyModel::h200`]: **measured** with `cuvmm driver-bench --backend
+//!   cuda` on an H100 and an H200 (driver 580, 2026-11-24, docs/gpu-results.md) at 2 MiB to 1 GiB and
+//!   fitted by `tools/gpu/fit_latency.py`.
+//! - [`LatencyModel::a100`]: one published figure per operation on a 2 MiB range, which cannot tell the
+//!   fixed part from the per-byte part, so estimates are given under both extreme calibrations
+//!   ([`Calibration`]): all of it per call, or all of it per 2 MiB unit (what the simulator's clock charges).
+//!
+//! The simulator's clock uses the model of its [`SimConfig`](super::SimConfig) (A100 by default, `cuvmm
+//! compare --latency-model h100` or `h200` for the measured ones); a replay's report gives its calls' estimate under every
+//! model ([`crate::trace::replay::ByModel`]).
 
 use crate::driver::{DriverCounters, Op};
 use crate::size::MIB;
 
-/// The size one [`LatencyModel::per_call_ns`] entry is quoted for: one 2 MiB page.
+/// The size one unit of [`LatencyModel::per_unit_ns`] stands for: one 2 MiB page.
 pub const LATENCY_UNIT_BYTES: u64 = 2 * MIB;
 
-/// Per-call driver latency, in nanoseconds, for one call on one granularity-sized (2 MiB) page.
-/// Calls on larger ranges cost proportionally more (see [`LatencyModel::cost_ns`]).
-#[derive(Debug, Clone, PartialEq)]
+/// Driver latency per operation, in nanoseconds: a fixed part per call (per mapping covered, for
+/// `set_access` and `unmap`) and a part per 2 MiB unit covered. Indexed like [`Op::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LatencyModel {
-    /// Nanoseconds per call of each operation, indexed like [`Op::ALL`], for a 2 MiB range.
-    pub per_call_ns: [u64; Op::ALL.len()],
+    /// The device the figures are for (`a100`, `h100`, `h200`, or `zero`).
+    pub name: &'static str,
+    /// Nanoseconds per call of each operation (per mapping covered, for `set_access` and `unmap`).
+    pub fixed_ns: [u64; Op::ALL.len()],
+    /// Nanoseconds per 2 MiB unit a call covers, at least one unit per call of an operation that carries
+    /// a size.
+    pub per_unit_ns: [u64; Op::ALL.len()],
 }
+
+/// The names [`LatencyModel::named`] knows.
+pub const LATENCY_MODELS: [&str; 3] = ["a100", "h100", "h200"];
 
 impl LatencyModel {
     /// Published A100 figures for 2 MiB pages: create 193 us, map 1.5 us, set_access 36 us, unmap 26 us;
-    /// release as unmap until measured.
+    /// release as unmap. All of each figure is charged per 2 MiB unit (the per-byte calibration); the
+    /// per-call calibration is [`Calibration::PerCall`].
     ///
     /// Only those four are measurements. Every other figure is an **assumption** chosen to be plausible,
-    /// not measured, and should be replaced when real numbers are taken:
+    /// not measured:
     ///
     /// | op | ns | how it was chosen |
     /// |---|---|---|
@@ -44,8 +61,9 @@ impl LatencyModel {
     /// | copy_to_host | 10 000 | assumed (a small synchronous copy over PCIe) |
     pub fn a100() -> Self {
         let mut model = Self::zero();
+        model.name = "a100";
         for op in Op::ALL {
-            model.per_call_ns[op as usize] = match op {
+            model.per_unit_ns[op as usize] = match op {
                 Op::Create => 193_000,
                 Op::Map => 1_500,
                 Op::SetAccess => 36_000,
@@ -60,44 +78,155 @@ impl LatencyModel {
         model
     }
 
-    /// A model in which every call is free: counters still count calls, but the time stays 0.
-    pub fn zero() -> Self {
-        Self {
-            per_call_ns: [0; Op::ALL.len()],
+    /// An NVIDIA H100 80GB HBM3 (driver 580.159.04), measured 2026-11-24 with `cuvmm driver-bench
+    /// --backend cuda` (medians of 20 at 2, 20, 64, 512 MiB and 1 GiB; docs/gpu-results.md) and fitted
+    /// with `python3 tools/gpu/fit_latency.py driver-bench.json` (least squares on relative error).
+    ///
+    /// | op | fixed ns | ns per 2 MiB | fit, model minus measured at 2 MiB .. 1 GiB |
+    /// |---|---|---|---|
+    /// | create | 13 612 | 46 | -8%, 0%, +2%, +18%, -81% (1 GiB takes 196 us: a step the line leaves out) |
+    /// | map | 1 130 | 1 | within 9% |
+    /// | set_access | 36 189 per mapping | 104 | +23% .. -20% |
+    /// | unmap | 23 184 per mapping | 30 | +18% .. -14% |
+    /// | release | 14 864 | 1 347 | +10% .. -21% |
+    /// | malloc (`cuMemAlloc`) | 55 057 | 156 | +10% .. -39% |
+    /// | free (`cuMemFree`) | 42 688 | 1 255 | within 8% |
+    /// | synchronize (idle stream) | 697 | 0 | measured |
+    /// | record_event | 1 288 | 0 | measured (with the event's creation) |
+    /// | query_event | 462 | 0 | measured |
+    /// | destroy_event | 462 | 0 | assumed as query_event |
+    /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-6 us (160 GB to 1.28 TB); free assumed |
+    /// | mem_info | 1 000 | 0 | assumed |
+    /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    pub fn h100() -> Self {
+        let mut model = Self::zero();
+        model.name = "h100";
+        for op in Op::ALL {
+            let (fixed, per_unit) = match op {
+                Op::Create => (13_612, 46),
+                Op::Map => (1_130, 1),
+                Op::SetAccess => (36_189, 104),
+                Op::Unmap => (23_184, 30),
+                Op::Release => (14_864, 1_347),
+                Op::Malloc => (55_057, 156),
+                Op::Free => (42_688, 1_255),
+                Op::Synchronize => (697, 0),
+                Op::RecordEvent => (1_288, 0),
+                Op::QueryEvent | Op::DestroyEvent => (462, 0),
+                Op::Reserve | Op::FreeReservation => (3_000, 0),
+                Op::MemInfo => (1_000, 0),
+                Op::Memset | Op::CopyToHost => (10_000, 0),
+            };
+            model.fixed_ns[op as usize] = fixed;
+            model.per_unit_ns[op as usize] = per_unit;
+        }
+        model
+    }
+
+    /// An NVIDIA H200 (141 GB, driver 580.159.04), measured and fitted as [`h100`](Self::h100) was, the
+    /// same day (docs/gpu-results/driver-bench-h200.json). About half the H100 machine's figures:
+    ///
+    /// | op | fixed ns | ns per 2 MiB | fit, model minus measured at 2 MiB .. 1 GiB |
+    /// |---|---|---|---|
+    /// | create | 6 476 | 15 | within 3% |
+    /// | map | 554 | 0 | within 6% |
+    /// | set_access | 22 380 per mapping | 68 | +27% .. -25% |
+    /// | unmap | 15 719 per mapping | 24 | +22% .. -18% |
+    /// | release | 8 807 | 494 | +14% .. -30% |
+    /// | malloc (`cuMemAlloc`) | 28 875 | 85 | within 8% |
+    /// | free (`cuMemFree`) | 24 947 | 512 | within 9% |
+    /// | synchronize (idle stream) | 300 | 0 | measured |
+    /// | record_event | 496 | 0 | measured (with the event's creation) |
+    /// | query_event, destroy_event | 192 | 0 | query measured; destroy assumed as query |
+    /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-14 us (160 GB to 1.28 TB); free assumed |
+    /// | mem_info | 1 000 | 0 | assumed |
+    /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    pub fn h200() -> Self {
+        let mut model = Self::zero();
+        model.name = "h200";
+        for op in Op::ALL {
+            let (fixed, per_unit) = match op {
+                Op::Create => (6_476, 15),
+                Op::Map => (554, 0),
+                Op::SetAccess => (22_380, 68),
+                Op::Unmap => (15_719, 24),
+                Op::Release => (8_807, 494),
+                Op::Malloc => (28_875, 85),
+                Op::Free => (24_947, 512),
+                Op::Synchronize => (300, 0),
+                Op::RecordEvent => (496, 0),
+                Op::QueryEvent | Op::DestroyEvent => (192, 0),
+                Op::Reserve | Op::FreeReservation => (3_000, 0),
+                Op::MemInfo => (1_000, 0),
+                Op::Memset | Op::CopyToHost => (10_000, 0),
+            };
+            model.fixed_ns[op as usize] = fixed;
+            model.per_unit_ns[op as usize] = per_unit;
+        }
+        model
+    }
+
+    /// The model called `name` ([`LATENCY_MODELS`]), or `None`.
+    pub fn named(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "a100" => Some(Self::a100()),
+            "h100" => Some(Self::h100()),
+            "h200" => Some(Self::h200()),
+            _ => None,
         }
     }
 
-    /// Nanoseconds per 2 MiB unit of one operation.
-    #[inline]
-    pub fn per_call(&self, op: Op) -> u64 {
-        self.per_call_ns[op as usize]
+    /// A model in which every call is free: counters still count calls, but the time stays 0.
+    pub fn zero() -> Self {
+        Self {
+            name: "zero",
+            fixed_ns: [0; Op::ALL.len()],
+            per_unit_ns: [0; Op::ALL.len()],
+        }
     }
 
-    /// Estimated nanoseconds for one call of `op` covering `bytes` bytes.
+    /// Nanoseconds of one call of `op` on one 2 MiB page.
+    #[inline]
+    pub fn per_page(&self, op: Op) -> u64 {
+        self.fixed_ns[op as usize].saturating_add(self.per_unit_ns[op as usize])
+    }
+
+    /// The fixed part of `op`: per call, or per mapping covered for `set_access` and `unmap`.
+    #[inline]
+    pub fn fixed(&self, op: Op) -> u64 {
+        self.fixed_ns[op as usize]
+    }
+
+    /// Estimated nanoseconds for one call of `op` covering `bytes` bytes (and one mapping).
     ///
     /// Operations that carry a size (create, release, map, set_access, unmap, malloc, free, memset,
-    /// copy_to_host; for release and free the size of the handle or allocation) cost `per_call_ns[op] * max(1, ceil(bytes / 2 MiB))`:
-    /// a 4 MiB map costs two units, a 64 KiB one costs one unit whatever the device's granularity.
-    /// Every other operation costs `per_call_ns[op]` flat. Saturates instead of overflowing.
+    /// copy_to_host; for release and free the size of the handle or allocation) cost `fixed_ns[op] +
+    /// per_unit_ns[op] * max(1, ceil(bytes / 2 MiB))`: under the A100 model (no fixed part) a 4 MiB map costs
+    /// two units, a 64 KiB one costs one unit whatever the device's granularity. Every other operation costs
+    /// `fixed_ns[op] + per_unit_ns[op]` flat. Saturates instead of overflowing.
     pub fn cost_ns(&self, op: Op, bytes: u64) -> u64 {
         self.charge(op, bytes).0
     }
 
-    /// [`cost_ns`](Self::cost_ns) and [`units`](Self::units) of one call, together: the cost is
-    /// `per_call_ns[op]` per unit.
+    /// [`cost_ns`](Self::cost_ns) and [`units`](Self::units) of one call, together.
     #[inline(always)]
     pub(super) fn charge(&self, op: Op, bytes: u64) -> (u64, u64) {
         let units = Self::units(op, bytes);
-        (self.per_call(op).saturating_mul(units), units)
+        let cost = self.per_unit_ns[op as usize]
+            .saturating_mul(units)
+            .saturating_add(self.fixed_ns[op as usize]);
+        (cost, units)
     }
 }
 
-/// How a [`LatencyModel`] figure, quoted for a 2 MiB range, splits into a fixed and a per-byte cost.
+/// How a [`LatencyModel`]'s figures are applied to counted calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Calibration {
-    /// All of it per call, whatever the size: a 20 MiB create costs what a 2 MiB one does.
+    /// Every call as if it covered one 2 MiB page and one mapping: a 20 MiB create costs what a 2 MiB one
+    /// does. For the A100 figures, all of each figure per call.
     PerCall,
-    /// All of it per 2 MiB unit (at least one per call): a 20 MiB create costs ten 2 MiB ones.
+    /// The model as it stands: the fixed part per call (per mapping for set_access and unmap), the rest
+    /// per 2 MiB unit covered. For the A100 figures, all of each per unit (the simulator's clock).
     PerByte,
 }
 
@@ -106,11 +235,13 @@ impl Calibration {
     pub const BOTH: [Calibration; 2] = [Calibration::PerCall, Calibration::PerByte];
 }
 
-/// Where the figures of [`LatencyModel::a100`] come from, for reports.
+/// Where the figures of the latency models come from, for reports.
 pub const LATENCY_SOURCES: &str = "A100, 2 MiB: create 193 us, map 1.5 us, set_access 36 us, unmap 26 us \
      (published measurements quoted in docs/DESIGN.md); every other figure is an assumption. per_call: each \
      figure is a fixed cost per call; per_byte: each is a cost per 2 MiB unit covered (the simulator's \
-     clock). Covers the calls counted in driver_calls; event calls and synchronizations are counted apart.";
+     clock). h100, h200: measured on an H100 and an H200 (driver 580) with cuvmm driver-bench and fitted as a \
+     fixed cost per call (per mapping for set_access and unmap) plus a cost per 2 MiB (docs/gpu-results.md). Covers the \
+     calls counted in driver_calls; event calls and synchronizations are counted apart.";
 
 impl LatencyModel {
     /// The 2 MiB units one call of `op` covering `bytes` is charged for: `max(1, ceil(bytes / 2 MiB))` for
@@ -125,7 +256,7 @@ impl LatencyModel {
     }
 
     /// Estimated microseconds of the calls of `ops` in `counters` under `calibration` (which needs the
-    /// units a simulator records).
+    /// units and mappings a simulator records).
     pub fn estimate_us(
         &self,
         counters: &DriverCounters,
@@ -135,12 +266,19 @@ impl LatencyModel {
         let ns: u128 = ops
             .iter()
             .map(|&op| {
-                let count = match calibration {
-                    Calibration::PerCall => counters.get(op),
-                    Calibration::PerByte if carries_size(op) => counters.units[op as usize],
-                    Calibration::PerByte => counters.get(op),
-                };
-                count as u128 * self.per_call(op) as u128
+                let (calls, i) = (counters.get(op) as u128, op as usize);
+                let (fixed, per_unit) = (self.fixed_ns[i] as u128, self.per_unit_ns[i] as u128);
+                match calibration {
+                    Calibration::PerCall => calls * (fixed + per_unit),
+                    Calibration::PerByte => {
+                        let units = if carries_size(op) {
+                            counters.units[i] as u128
+                        } else {
+                            calls
+                        };
+                        (calls + counters.extra_mappings[i] as u128) * fixed + units * per_unit
+                    }
+                }
             })
             .sum();
         ns as f64 / 1_000.0
@@ -209,7 +347,35 @@ mod tests {
         assert_eq!(m.cost_ns(Op::Free, 2 * MIB), 52_000);
         assert_eq!(m.cost_ns(Op::Create, u64::MAX), 193_000 << 43);
         let mut huge = LatencyModel::zero();
-        huge.per_call_ns[Op::Map as usize] = u64::MAX / 2 + 1;
+        huge.per_unit_ns[Op::Map as usize] = u64::MAX / 2 + 1;
         assert_eq!(huge.cost_ns(Op::Map, 4 * MIB), u64::MAX);
+    }
+
+    #[test]
+    fn the_h100_model_has_a_fixed_part_and_charges_set_access_per_mapping() {
+        let m = LatencyModel::h100();
+        // A fixed part and a per-byte part: a 20 MiB create costs little more than a 2 MiB one.
+        assert_eq!(m.cost_ns(Op::Create, 2 * MIB), 13_612 + 46);
+        assert_eq!(m.cost_ns(Op::Create, 20 * MIB), 13_612 + 460);
+        // One set_access over ten single-page mappings costs ten fixed parts under the model as it stands.
+        let mut c = DriverCounters::default();
+        c.record(Op::SetAccess, 0);
+        c.record_units(Op::SetAccess, 1, 10);
+        c.record_extra_mappings(Op::SetAccess, 9);
+        let ops = [Op::SetAccess];
+        assert_eq!(
+            m.estimate_us(&c, &ops, Calibration::PerByte),
+            (10 * 36_189 + 10 * 104) as f64 / 1e3
+        );
+        assert_eq!(
+            m.estimate_us(&c, &ops, Calibration::PerCall),
+            (36_189 + 104) as f64 / 1e3
+        );
+        assert_eq!(LatencyModel::named("H100"), Some(m));
+        assert_eq!(LatencyModel::named("a100"), Some(LatencyModel::a100()));
+        assert_eq!(LatencyModel::named("v100"), None);
+        // The A100 figures have no fixed part: extra mappings change nothing there.
+        let a = LatencyModel::a100();
+        assert_eq!(a.estimate_us(&c, &ops, Calibration::PerByte), 360.0);
     }
 }

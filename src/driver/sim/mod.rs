@@ -56,7 +56,7 @@ mod vmm;
 
 pub use config::SimConfig;
 pub use faults::FaultKind;
-pub use latency::{Calibration, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
+pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
 
 use super::{
@@ -97,7 +97,7 @@ impl SimDriver {
         Self {
             counters: DriverCounters::default(),
             faults: Faults::default(),
-            vmm: Vmm::new(config.granularity, config.capacity),
+            vmm: Vmm::new(config.granularity, config.capacity, config.partial_mappings),
             mallocs: Mallocs::default(),
             streams: Streams::default(),
             store: config.backing_store.then(ByteStore::default),
@@ -267,6 +267,21 @@ impl SimDriver {
     // folds away and what is left is three additions and two tests (callgrind: 69 instructions a call
     // when it was a function of `op`).
     #[inline(always)]
+    /// Charges the mappings a call of `op` covered beyond the first (`begin` charged one): the fixed part
+    /// of `set_access` and `unmap` is paid per mapping.
+    fn more_mappings(&mut self, op: Op, covered: u64) {
+        let extra = covered.saturating_sub(1);
+        if extra == 0 {
+            return;
+        }
+        self.counters.record_extra_mappings(op, extra);
+        let cost = self.config.latency.fixed(op).saturating_mul(extra);
+        self.counters.time_ns = self.counters.time_ns.saturating_add(cost);
+        if self.config.sleep_latency {
+            self.sleep(cost);
+        }
+    }
+
     fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
         let (cost, units) = self.config.latency.charge(op, bytes);
         self.counters.record(op, cost);
@@ -439,16 +454,20 @@ impl Driver for SimDriver {
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::SetAccess, size)?;
-        self.vmm.set_access(va, size)
+        let covered = self.vmm.set_access(va, size)?;
+        self.more_mappings(Op::SetAccess, covered);
+        Ok(())
     }
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::Unmap, size)?;
         if let Some(&(stream, va)) = self.streams.users_of(va, size).first() {
             return Err(DriverError::UnmapWhileInUse { va, stream });
         }
-        for freed in self.vmm.unmap(va, size)? {
-            self.forget(Owner::Handle(freed));
+        let (freed, covered) = self.vmm.unmap(va, size)?;
+        for handle in freed {
+            self.forget(Owner::Handle(handle));
         }
+        self.more_mappings(Op::Unmap, covered);
         Ok(())
     }
     fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
@@ -497,6 +516,9 @@ impl Driver for SimDriver {
     }
     fn counters(&self) -> DriverCounters {
         self.counters
+    }
+    fn maps_parts_of_handles(&self) -> bool {
+        self.config.partial_mappings
     }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         self.begin(Op::Memset, size)?;

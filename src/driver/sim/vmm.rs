@@ -51,11 +51,14 @@ pub(super) struct Vmm {
     mappings: Mappings,
     /// Physical allocations whose memory is not freed yet.
     handles: Handles,
+    /// Whether part of a handle may be mapped (`cuMemMap` from an offset): see
+    /// [`SimConfig::partial_mappings`](super::SimConfig::partial_mappings).
+    partial_mappings: bool,
 }
 
 impl Vmm {
     /// Empty state for a device with this granularity (non-zero).
-    pub(super) fn new(granularity: u64, capacity: u64) -> Self {
+    pub(super) fn new(granularity: u64, capacity: u64, partial_mappings: bool) -> Self {
         Self {
             granularity,
             granule: Divisor::new(granularity),
@@ -67,6 +70,7 @@ impl Vmm {
             // million: a replay creates tens of thousands, and growing a table copied it each time it doubled.
             mappings: Mappings::with_capacity((capacity / granularity).min(1 << 20) as usize),
             handles: Handles::with_capacity((capacity / granularity).min(1 << 20) as usize),
+            partial_mappings,
         }
     }
 
@@ -150,6 +154,10 @@ impl Vmm {
             Some(offset) => {
                 self.check_multiple(Op::Map, "offset", offset)?;
                 DriverError::check_inside_handle(handle, handle_size, offset, size)?;
+                if !self.partial_mappings && (offset != 0 || size != handle_size) {
+                    // CUDA's answer (CUDA_ERROR_NOT_SUPPORTED on an H100, driver 580: docs/gpu-results.md).
+                    return Err(DriverError::Unsupported { op: Op::Map });
+                }
                 self.granule.quotient(offset)
             }
         };
@@ -240,6 +248,8 @@ impl Vmm {
             && pages.iter().all(|page| {
                 self.granule.divides(page.offset)
                     && self.handles.is_live_with(page.handle, page.offset, size)
+                    && (self.partial_mappings
+                        || (page.offset == 0 && self.handles.is_whole(page.handle, size)))
             })
             && self.in_one_reservation(va, end);
         let granules = self.granule.quotient(va)..self.granule.quotient(end);
@@ -264,22 +274,26 @@ impl Vmm {
         true
     }
 
-    /// `cuMemSetAccess` on whole mappings.
-    pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
+    /// `cuMemSetAccess` on whole mappings. Returns how many mappings the range covered.
+    pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<u64, DriverError> {
         let range = self.check_whole_mappings(Op::SetAccess, va, size)?;
         let mut index = range.start;
+        let mut covered = 0;
         while index < range.end {
             let mapping = self.mappings.get_mut(self.granules.starting_at(index));
             mapping.accessible = true;
             index = mapping.end();
+            covered += 1;
         }
-        Ok(())
+        Ok(covered)
     }
 
-    /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now.
-    pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<Vec<u64>, DriverError> {
+    /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now,
+    /// and how many mappings the range covered.
+    pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<(Vec<u64>, u64), DriverError> {
         let range = self.check_whole_mappings(Op::Unmap, va, size)?;
         let mut freed = Vec::new();
+        let mut covered = 0;
         // The range is whole, back-to-back mappings (checked above).
         let mut index = range.start;
         while index < range.end {
@@ -289,8 +303,9 @@ impl Vmm {
                 freed.push(id);
             }
             index = mapping.end();
+            covered += 1;
         }
-        Ok(freed)
+        Ok((freed, covered))
     }
 
     /// The size of a handle the device still knows (released but mapped ones included).
