@@ -60,10 +60,8 @@ impl LatencyModel {
     /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
     /// | copy_to_host | 10 000 | assumed (a small synchronous copy over PCIe) |
     pub fn a100() -> Self {
-        let mut model = Self::zero();
-        model.name = "a100";
-        for op in Op::ALL {
-            model.per_unit_ns[op as usize] = match op {
+        Self::from_parts("a100", |op| {
+            let figure = match op {
                 Op::Create => 193_000,
                 Op::Map => 1_500,
                 Op::SetAccess => 36_000,
@@ -74,8 +72,8 @@ impl LatencyModel {
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
                 Op::Memset | Op::CopyToHost => 10_000,
             };
-        }
-        model
+            (0, figure)
+        })
     }
 
     /// An NVIDIA H100 80GB HBM3 (driver 580.159.04), measured 2026-11-24 with `cuvmm driver-bench
@@ -99,28 +97,21 @@ impl LatencyModel {
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
     pub fn h100() -> Self {
-        let mut model = Self::zero();
-        model.name = "h100";
-        for op in Op::ALL {
-            let (fixed, per_unit) = match op {
-                Op::Create => (13_612, 46),
-                Op::Map => (1_130, 1),
-                Op::SetAccess => (36_189, 104),
-                Op::Unmap => (23_184, 30),
-                Op::Release => (14_864, 1_347),
-                Op::Malloc => (55_057, 156),
-                Op::Free => (42_688, 1_255),
-                Op::Synchronize => (697, 0),
-                Op::RecordEvent => (1_288, 0),
-                Op::QueryEvent | Op::DestroyEvent => (462, 0),
-                Op::Reserve | Op::FreeReservation => (3_000, 0),
-                Op::MemInfo => (1_000, 0),
-                Op::Memset | Op::CopyToHost => (10_000, 0),
-            };
-            model.fixed_ns[op as usize] = fixed;
-            model.per_unit_ns[op as usize] = per_unit;
-        }
-        model
+        Self::from_parts("h100", |op| match op {
+            Op::Create => (13_612, 46),
+            Op::Map => (1_130, 1),
+            Op::SetAccess => (36_189, 104),
+            Op::Unmap => (23_184, 30),
+            Op::Release => (14_864, 1_347),
+            Op::Malloc => (55_057, 156),
+            Op::Free => (42_688, 1_255),
+            Op::Synchronize => (697, 0),
+            Op::RecordEvent => (1_288, 0),
+            Op::QueryEvent | Op::DestroyEvent => (462, 0),
+            Op::Reserve | Op::FreeReservation => (3_000, 0),
+            Op::MemInfo => (1_000, 0),
+            Op::Memset | Op::CopyToHost => (10_000, 0),
+        })
     }
 
     /// An NVIDIA H200 (141 GB, driver 580.159.04), measured and fitted as [`h100`](Self::h100) was, the
@@ -142,26 +133,29 @@ impl LatencyModel {
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
     pub fn h200() -> Self {
+        Self::from_parts("h200", |op| match op {
+            Op::Create => (6_476, 15),
+            Op::Map => (554, 0),
+            Op::SetAccess => (22_380, 68),
+            Op::Unmap => (15_719, 24),
+            Op::Release => (8_807, 494),
+            Op::Malloc => (28_875, 85),
+            Op::Free => (24_947, 512),
+            Op::Synchronize => (300, 0),
+            Op::RecordEvent => (496, 0),
+            Op::QueryEvent | Op::DestroyEvent => (192, 0),
+            Op::Reserve | Op::FreeReservation => (3_000, 0),
+            Op::MemInfo => (1_000, 0),
+            Op::Memset | Op::CopyToHost => (10_000, 0),
+        })
+    }
+
+    /// A model named `name` whose operation `op` costs `parts(op)`: (fixed ns, ns per 2 MiB unit).
+    fn from_parts(name: &'static str, parts: impl Fn(Op) -> (u64, u64)) -> Self {
         let mut model = Self::zero();
-        model.name = "h200";
+        model.name = name;
         for op in Op::ALL {
-            let (fixed, per_unit) = match op {
-                Op::Create => (6_476, 15),
-                Op::Map => (554, 0),
-                Op::SetAccess => (22_380, 68),
-                Op::Unmap => (15_719, 24),
-                Op::Release => (8_807, 494),
-                Op::Malloc => (28_875, 85),
-                Op::Free => (24_947, 512),
-                Op::Synchronize => (300, 0),
-                Op::RecordEvent => (496, 0),
-                Op::QueryEvent | Op::DestroyEvent => (192, 0),
-                Op::Reserve | Op::FreeReservation => (3_000, 0),
-                Op::MemInfo => (1_000, 0),
-                Op::Memset | Op::CopyToHost => (10_000, 0),
-            };
-            model.fixed_ns[op as usize] = fixed;
-            model.per_unit_ns[op as usize] = per_unit;
+            (model.fixed_ns[op as usize], model.per_unit_ns[op as usize]) = parts(op);
         }
         model
     }
