@@ -125,6 +125,11 @@ pub struct Config {
     /// (`reserve_budget_mb` / `reserve_budget_fraction`); `None`: what the device has free when the
     /// allocator is made. Only [`Compaction::Pressure`] reads it.
     pub reserve_budget: Option<Budget>,
+    /// The most memory the allocator may reserve (`per_process_memory_fraction`, PyTorch's
+    /// `torch.cuda.set_per_process_memory_fraction`, which does not reach a pluggable allocator): a request
+    /// that would take reserved memory past it is served from idle memory or fails with out-of-memory, as
+    /// if the device were that small. `None` (the default): the device's memory.
+    pub memory_limit: Option<Budget>,
     /// Bytes per physical handle of the large pool under [`Compaction::Pressure`] (`large_handle_mb`;
     /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
     /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
@@ -159,13 +164,23 @@ pub enum Compaction {
     Eager,
 }
 
-/// The reserved-memory budget of [`Compaction::Pressure`].
+/// The reserved-memory budget of [`Compaction::Pressure`], or the memory limit.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Budget {
     /// A number of bytes.
     Bytes(u64),
     /// A fraction in (0, 1] of the device's total memory.
     Fraction(f64),
+}
+
+impl Budget {
+    /// In bytes, on a device of `device_total` bytes.
+    pub fn bytes(self, device_total: u64) -> u64 {
+        match self {
+            Budget::Bytes(b) => b,
+            Budget::Fraction(f) => (device_total as f64 * f) as u64,
+        }
+    }
 }
 
 impl Default for Config {
@@ -183,6 +198,7 @@ impl Default for Config {
             garbage_collection_threshold: None,
             compaction: Compaction::Pressure,
             reserve_budget: None,
+            memory_limit: None,
             large_handle: DEFAULT_LARGE_HANDLE,
             stream_cache: DEFAULT_STREAM_CACHE,
             large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
@@ -223,13 +239,18 @@ impl Config {
     pub fn budget_bytes(&self, device_total: u64, device_free: u64) -> u64 {
         let budget = match self.reserve_budget {
             None => device_free,
-            Some(Budget::Bytes(b)) => b,
-            Some(Budget::Fraction(f)) => (device_total as f64 * f) as u64,
+            Some(b) => b.bytes(device_total),
         };
-        match self.garbage_collection_threshold {
+        let budget = match self.garbage_collection_threshold {
             Some(t) => budget.min((device_total as f64 * t) as u64),
             None => budget,
-        }
+        };
+        budget.min(self.limit_bytes(device_total).unwrap_or(u64::MAX))
+    }
+
+    /// [`memory_limit`](Self::memory_limit) in bytes on a device of `device_total` bytes.
+    pub fn limit_bytes(&self, device_total: u64) -> Option<u64> {
+        self.memory_limit.map(|b| b.bytes(device_total))
     }
 
     /// Sets the virtual reservation per segment, as a multiple of device memory.
@@ -249,7 +270,8 @@ impl Config {
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
     /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
     /// `cross_stream_reuse` and `lend_chunk_pages` (`True`/`False`), `compaction`, `reserve_budget_mb`,
-    /// `reserve_budget_fraction`, `large_handle_mb`, `large_handle_headroom`, `stream_cache_mb`.
+    /// `reserve_budget_fraction`, `per_process_memory_fraction`, `large_handle_mb`, `large_handle_headroom`,
+    /// `stream_cache_mb`.
     ///
     /// # Errors
     /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key
@@ -321,15 +343,16 @@ impl Config {
                 parse::EXPECT_AT_LEAST_20,
             );
         }
-        match self.reserve_budget {
-            Some(Budget::Fraction(f)) if !(f > 0.0 && f <= 1.0) => {
-                return bad(
-                    "reserve_budget_fraction",
-                    f.to_string(),
-                    parse::EXPECT_BUDGET_FRACTION,
-                );
+        for (key, budget) in [
+            ("reserve_budget_fraction", self.reserve_budget),
+            ("per_process_memory_fraction", self.memory_limit),
+        ] {
+            match budget {
+                Some(Budget::Fraction(f)) if !(f > 0.0 && f <= 1.0) => {
+                    return bad(key, f.to_string(), parse::EXPECT_BUDGET_FRACTION);
+                }
+                _ => {}
             }
-            _ => {}
         }
         if self.large_handle == 0 {
             return bad("large_handle_mb", "0 bytes".into(), parse::EXPECT_POSITIVE);

@@ -161,6 +161,14 @@ pub enum InvariantViolation {
         /// The value recomputed from the blocks.
         actual: u64,
     },
+    /// More memory is reserved than the memory limit allows (`per_process_memory_fraction`).
+    #[error("{reserved} bytes reserved, over the memory limit of {limit}")]
+    OverLimit {
+        /// Bytes reserved.
+        reserved: u64,
+        /// The limit.
+        limit: u64,
+    },
     /// The pending-free list and the block list disagree: a pending block with no outstanding event, or an
     /// event held for a block that is not pending.
     #[error("pending free at {addr:#x}: the pending list and the block list disagree")]

@@ -14,16 +14,14 @@ size for the next step. One JSON object is printed: steps completed, the error t
 memory), max reserved and max allocated bytes, and the median step time (each step ends with a
 synchronization).
 
-``--fraction F`` limits the memory the allocator may hold to F of the device's. For PyTorch's own
-allocators that is ``torch.cuda.set_per_process_memory_fraction(F)`` (an allocation fails when reserved
-memory would pass F of the total). A pluggable allocator never hears of that call (PyTorch's Python API
-installs no memory-fraction hook for it) and cuvmm has no hard cap of its own (``reserve_budget_fraction`` is
-where compaction starts, not a limit), so cuvmm is given a device with only F of its memory free instead:
-before it starts, a ballast ``cuMemAlloc`` takes what is free beyond F of the total. That is stricter than
-the fraction by whatever CUDA itself takes afterwards (cuBLAS, kernels), which the fraction does not count.
-``--search`` runs the training in child processes, bisecting F to within ``--resolution``, and prints the
-smallest F that completed with the figures of that run. ``--ballast`` limits PyTorch's allocators the same
-way, for a like-for-like comparison.
+``--fraction F`` limits the memory the allocator may hold to F of the device's: for PyTorch's own
+allocators ``torch.cuda.set_per_process_memory_fraction(F)`` (an allocation fails when reserved memory would
+pass F of the total); for cuvmm, which never hears of that call (PyTorch installs no memory-fraction hook for a
+pluggable allocator), the same rule through ``per_process_memory_fraction:F`` in ``CUVMM_ALLOC_CONF``.
+``--ballast`` limits any of them another way: before the training starts, a ``cuMemAlloc`` takes what is free
+beyond F of the total, which is stricter than the fraction by whatever CUDA itself takes afterwards (cuBLAS,
+kernels). ``--search`` runs the training in child processes, bisecting F to within ``--resolution``, and
+prints the smallest F that completed with the figures of that run.
 """
 
 import argparse
@@ -53,9 +51,11 @@ def set_up(allocator, fraction, use_ballast=False):
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [conf, "expandable_segments:True"]))
     ballast = None
-    use_ballast = use_ballast or allocator == "cuvmm"
     if use_ballast and fraction is not None and fraction < 1:
         ballast = take_ballast(fraction)
+    if allocator == "cuvmm" and fraction is not None and not use_ballast:
+        conf = os.environ.get("CUVMM_ALLOC_CONF", "")
+        os.environ["CUVMM_ALLOC_CONF"] = ",".join(filter(None, [conf, f"per_process_memory_fraction:{fraction}"]))
     import torch  # noqa: PLC0415
 
     if allocator == "cuvmm":
@@ -204,7 +204,9 @@ def search(args):
     """Bisects the smallest fraction at which the whole run completes, between what the unconstrained run
     allocated at its peak (no allocator can complete below it) and what it reserved."""
     full = child(args, 1.0)
-    limit = "ballast" if args.ballast or args.allocator == "cuvmm" else "set_per_process_memory_fraction"
+    limit = "ballast" if args.ballast else {"cuvmm": "per_process_memory_fraction"}.get(
+        args.allocator, "set_per_process_memory_fraction"
+    )
     result = {"allocator": args.allocator, "limit": limit, "resolution": args.resolution, "at_1.0": full}
     if full is None or full["error"] or full["completed"] != args.steps:
         return {**result, "smallest_fraction": None, "tried": [[1.0, False]]}
@@ -241,7 +243,7 @@ def main(argv=None):
     parser.add_argument("--fraction", type=float, help="the fraction of device memory the allocator may hold")
     parser.add_argument("--search", action="store_true", help="bisect the smallest fraction that completes")
     parser.add_argument("--ballast", action="store_true",
-                        help="limit PyTorch's allocators as cuvmm is, with a ballast allocation, not the fraction")
+                        help="limit the memory with a ballast allocation rather than the allocator's fraction")
     parser.add_argument("--resolution", type=float, default=0.002, help="the search's resolution (default 0.002)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)

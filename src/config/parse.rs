@@ -145,12 +145,16 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
         "reserve_budget_mb" => {
             config.reserve_budget = Some(Budget::Bytes(positive_bytes(key, value, MIB)?));
         }
-        "reserve_budget_fraction" => {
+        "reserve_budget_fraction" | "per_process_memory_fraction" => {
             let f: f64 = value.parse().map_err(|_| bad(EXPECT_BUDGET_FRACTION))?;
             if !(f > 0.0 && f <= 1.0) {
                 return Err(bad(EXPECT_BUDGET_FRACTION));
             }
-            config.reserve_budget = Some(Budget::Fraction(f));
+            if key == "reserve_budget_fraction" {
+                config.reserve_budget = Some(Budget::Fraction(f));
+            } else {
+                config.memory_limit = Some(Budget::Fraction(f));
+            }
         }
         "large_handle_mb" => config.large_handle = positive_bytes(key, value, MIB)?,
         "stream_cache_mb" => {

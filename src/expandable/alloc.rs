@@ -467,7 +467,7 @@ impl<D: Driver> Expandable<D> {
             stream,
             device_total: info.total,
             device_free: info.free,
-            allowed: None,
+            allowed: self.limit,
             allocated: c.allocated.current(),
             reserved: c.reserved.current,
             idle: self.idle_bytes(),

@@ -221,6 +221,12 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             released: c.released,
         });
     }
+    if let Some(limit) = a.limit.filter(|&limit| c.reserved.current > limit) {
+        return Err(V::OverLimit {
+            reserved: c.reserved.current,
+            limit,
+        });
+    }
     V::check_stats(&[
         (
             "reserved_bytes",

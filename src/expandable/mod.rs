@@ -112,6 +112,8 @@ pub struct Expandable<D: Driver> {
     chunk_pages: usize,
     /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
     budget: u64,
+    /// The most bytes that may be reserved ([`Config::memory_limit`]); `None`: the device's memory.
+    limit: Option<u64>,
     /// Counts frees, to order segments by when a block of theirs was last freed.
     free_clock: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
@@ -165,6 +167,7 @@ impl<D: Driver> Expandable<D> {
         let info = driver.mem_info()?;
         let device_total = info.total;
         let budget = config.budget_bytes(info.total, info.free);
+        let limit = config.limit_bytes(info.total);
         // Lending maps a page of a chunk from its offset, which CUDA does not allow (`Driver::
         // maps_parts_of_handles`): only where the driver can.
         let lending = config.lend_chunk_pages && driver.maps_parts_of_handles();
@@ -192,6 +195,7 @@ impl<D: Driver> Expandable<D> {
             lending,
             chunk_pages,
             budget,
+            limit,
             free_clock: 0,
             handle_queue: Vec::new(),
             unmapped_scratch: Vec::new(),

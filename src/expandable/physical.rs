@@ -10,7 +10,7 @@
 
 use super::Expandable;
 use crate::config::Compaction;
-use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
+use crate::driver::{Driver, DriverError, Op, PhysHandle, PhysPage, StreamId};
 use crate::error::Error;
 use crate::history::TraceAction;
 use std::ops::Range;
@@ -66,11 +66,16 @@ impl<D: Driver> Expandable<D> {
         let mut fresh_handles = Vec::new();
         while out.len() - base < count {
             fresh_handles.clear();
-            let created = self.driver.create_each(
-                self.page_size,
-                count - (out.len() - base),
-                &mut fresh_handles,
-            );
+            let wanted = count - (out.len() - base);
+            // Past the memory limit the device is as full as if it were that small.
+            let allowed = self.pages_under_limit().min(wanted);
+            let mut created = Ok(());
+            if allowed > 0 {
+                created = (self.driver).create_each(self.page_size, allowed, &mut fresh_handles);
+            }
+            if created.is_ok() && allowed < wanted {
+                created = Err(self.limit_reached(wanted - allowed));
+            }
             out.extend(fresh_handles.iter().copied().map(PhysPage::from));
             let fresh = fresh_handles.len() as u64;
             self.counters.created += fresh;
@@ -100,6 +105,28 @@ impl<D: Driver> Expandable<D> {
         }
         out[base..].rotate_left(reused);
         Ok(reused)
+    }
+
+    /// How many more pages the memory limit lets the allocator reserve (all it wants without a limit).
+    fn pages_under_limit(&self) -> usize {
+        match self.limit {
+            None => usize::MAX,
+            Some(limit) => {
+                let room = limit.saturating_sub(self.counters.reserved.current) / self.page_size;
+                usize::try_from(room).unwrap_or(usize::MAX)
+            }
+        }
+    }
+
+    /// The out-of-memory error of creating `pages` pages past the memory limit: what the driver would say of
+    /// a device that small.
+    fn limit_reached(&self, pages: usize) -> DriverError {
+        let limit = self.limit.unwrap_or(0);
+        DriverError::OutOfMemory {
+            op: Op::Create,
+            requested: pages as u64 * self.page_size,
+            free: limit.saturating_sub(self.counters.reserved.current),
+        }
     }
 
     /// The compaction for `count` missing pages: under `compaction:eager`, idle pages unmapped from every

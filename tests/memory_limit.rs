@@ -1,0 +1,101 @@
+//! `per_process_memory_fraction`: cuvmm's own memory limit, PyTorch's `set_per_process_memory_fraction`
+//! (which does not reach a pluggable allocator). Reserved memory never passes it; past it a request is
+//! served from idle memory or fails with out-of-memory, diagnosed with the limit, while the device still has
+//! room; and the allocator goes on serving what fits.
+
+mod common;
+
+use common::expandable_with;
+use cuvmm::config::Budget;
+use cuvmm::{Config, Error, Strategy, StreamId};
+
+const PAGE: u64 = 2 << 20;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+/// A 128 MiB device.
+const PAGES: u64 = 64;
+
+fn limited(conf: &str) -> cuvmm::expandable::Expandable<cuvmm::driver::sim::SimDriver> {
+    let config = Config::from_alloc_conf(conf).expect("valid configuration");
+    expandable_with(PAGE, PAGES, config, false)
+}
+
+#[test]
+fn the_key_is_a_fraction_of_the_device_and_bad_values_are_refused() {
+    let config = Config::from_alloc_conf("per_process_memory_fraction:0.25").unwrap();
+    assert_eq!(config.memory_limit, Some(Budget::Fraction(0.25)));
+    assert_eq!(config.limit_bytes(64 * PAGE), Some(16 * PAGE));
+    // The pressure budget never passes the limit.
+    assert_eq!(config.budget_bytes(64 * PAGE, 64 * PAGE), 16 * PAGE);
+    assert_eq!(Config::default().limit_bytes(64 * PAGE), None);
+    for bad in ["0", "1.5", "-0.1", "x", ""] {
+        let conf = format!("per_process_memory_fraction:{bad}");
+        let err = Config::from_alloc_conf(&conf).expect_err(&conf);
+        assert!(
+            err.to_string().contains("per_process_memory_fraction"),
+            "{conf}: {err}"
+        );
+    }
+}
+
+#[test]
+fn reserved_memory_stops_at_the_limit_with_an_out_of_memory_that_names_it() {
+    // 16 of the device's 64 pages.
+    let mut a = limited("per_process_memory_fraction:0.25");
+    let first = a.alloc(12 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    match a.alloc(8 * PAGE, S0) {
+        Err(Error::OutOfMemory(oom)) => {
+            assert_eq!(oom.allowed, Some(16 * PAGE));
+            assert!(
+                oom.device_free >= 40 * PAGE,
+                "the device itself had room: {oom}"
+            );
+            assert!(oom.to_string().contains("allowed"), "{oom}");
+        }
+        other => panic!("expected out of memory at the limit, got {other:?}"),
+    }
+    a.check_invariants().unwrap();
+    assert!(a.stats().reserved_bytes.current <= 16 * PAGE);
+    // What fits under the limit is still served, and freed memory is used again.
+    let small = a.alloc(3 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    a.free(first).unwrap();
+    let again = a.alloc(8 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert!(a.stats().reserved_bytes.peak <= 16 * PAGE);
+    a.free(again).unwrap();
+    a.free(small).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn past_the_limit_idle_pages_of_another_stream_are_taken_instead() {
+    let mut a = limited("per_process_memory_fraction:0.25,large_handle_mb:2");
+    let other = a.alloc(10 * PAGE, S1).unwrap();
+    a.free(other).unwrap();
+    a.check_invariants().unwrap();
+    // Stream 1's 10 idle pages are needed: the limit leaves room for 6 more only.
+    let mine = a.alloc(14 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    let stats = a.stats();
+    assert!(
+        stats.reserved_bytes.peak <= 16 * PAGE,
+        "{}",
+        stats.reserved_bytes.peak
+    );
+    assert_eq!(stats.num_ooms, 0);
+    a.free(mine).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn without_a_limit_the_same_requests_fit() {
+    let mut a = limited("");
+    let first = a.alloc(12 * PAGE, S0).unwrap();
+    let second = a.alloc(8 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert!(a.stats().reserved_bytes.current > 16 * PAGE);
+    a.free(first).unwrap();
+    a.free(second).unwrap();
+}
