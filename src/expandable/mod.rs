@@ -25,6 +25,7 @@ mod free_index;
 mod invariants;
 mod lender;
 mod lending;
+mod limit;
 mod physical;
 mod segment;
 mod settle;

@@ -10,7 +10,7 @@
 
 use super::Expandable;
 use crate::config::Compaction;
-use crate::driver::{Driver, DriverError, Op, PhysHandle, PhysPage, StreamId};
+use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
 use crate::error::Error;
 use crate::history::TraceAction;
 use std::ops::Range;
@@ -105,28 +105,6 @@ impl<D: Driver> Expandable<D> {
         }
         out[base..].rotate_left(reused);
         Ok(reused)
-    }
-
-    /// How many more pages the memory limit lets the allocator reserve (all it wants without a limit).
-    fn pages_under_limit(&self) -> usize {
-        match self.limit {
-            None => usize::MAX,
-            Some(limit) => {
-                let room = limit.saturating_sub(self.counters.reserved.current) / self.page_size;
-                usize::try_from(room).unwrap_or(usize::MAX)
-            }
-        }
-    }
-
-    /// The out-of-memory error of creating `pages` pages past the memory limit: what the driver would say of
-    /// a device that small.
-    fn limit_reached(&self, pages: usize) -> DriverError {
-        let limit = self.limit.unwrap_or(0);
-        DriverError::OutOfMemory {
-            op: Op::Create,
-            requested: pages as u64 * self.page_size,
-            free: limit.saturating_sub(self.counters.reserved.current),
-        }
     }
 
     /// The compaction for `count` missing pages: under `compaction:eager`, idle pages unmapped from every
