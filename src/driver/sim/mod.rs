@@ -262,11 +262,6 @@ impl SimDriver {
         }
     }
 
-    /// Counts a call of `op` covering `bytes`, and fails it if a fault is planned for it.
-    // Always inlined: every driver call passes a constant `op`, so the latency model's choice of formula
-    // folds away and what is left is three additions and two tests (callgrind: 69 instructions a call
-    // when it was a function of `op`).
-    #[inline(always)]
     /// Charges the mappings a call of `op` covered beyond the first (`begin` charged one): the fixed part
     /// of `set_access` and `unmap` is paid per mapping.
     fn more_mappings(&mut self, op: Op, covered: u64) {
@@ -282,6 +277,11 @@ impl SimDriver {
         }
     }
 
+    /// Counts a call of `op` covering `bytes`, and fails it if a fault is planned for it.
+    // Always inlined: every driver call passes a constant `op`, so the latency model's choice of formula
+    // folds away and what is left is three additions and two tests (callgrind: 69 instructions a call
+    // when it was a function of `op`).
+    #[inline(always)]
     fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
         let (cost, units) = self.config.latency.charge(op, bytes);
         self.counters.record(op, cost);
