@@ -234,6 +234,7 @@ pub(super) fn measure_run<D: Driver>(
         range.start,
         g,
         repetitions,
+        count,
         &mut handles,
         &mut mapped,
     );
@@ -264,17 +265,18 @@ pub(super) fn measure_run<D: Driver>(
     Ok(())
 }
 
-/// The repetitions of [`measure_run`]: samples of set_access per page, over the run, unmap per page, over
-/// the run. `handles` and `mapped` (how many handles are mapped, from `start`) say what to clean up.
+/// The repetitions of [`measure_run`] on a run of `count` handles: samples of set_access per page, over
+/// the run, unmap per page, over the run. `handles` and `mapped` (how many handles are mapped, from
+/// `start`) say what to clean up.
 fn run_repetitions<D: Driver>(
     driver: &mut D,
     start: u64,
     g: u64,
     repetitions: usize,
+    count: usize,
     handles: &mut Vec<PhysHandle>,
     mapped: &mut usize,
 ) -> Result<[Vec<u64>; 4], DriverError> {
-    let count = handles.capacity();
     let mut samples: [Vec<u64>; 4] = Default::default();
     for rep in 0..=repetitions {
         let (mut per_page_access, mut per_page_unmap) = (0, 0);
