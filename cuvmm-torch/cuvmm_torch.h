@@ -81,6 +81,48 @@ void cuvmm_empty_cache(int device);
  * not UTF-8, a file that cannot be written). */
 int cuvmm_dump_snapshot(int device, const char *path);
 
+/* ---- CUDA graphs: private pools (PyTorch's beginAllocateToPool / endAllocateToPool / releasePool) ----
+ *
+ * A pool is PyTorch's MempoolId_t, a pair of integers (pool_a, pool_b); {0, 0} is no pool and is refused.
+ * Between begin and end, every allocation on a stream the filter accepts comes from the pool's own
+ * segments; memory freed in the pool is reused only by the pool; nothing of a live pool is unmapped, lent,
+ * compacted or handed to another stream or pool, even under memory pressure. While any pool is being
+ * allocated to (a capture is underway), cuvmm makes no call CUDA refuses during capture: no event query,
+ * no synchronization, no unmap; frees of blocks recorded on other streams wait until no capture is
+ * underway. A pool lives until cuvmm_release_pool has been called as many times as begin (PyTorch calls
+ * it when the graph is destroyed); its memory then goes back once its last block is freed.
+ *
+ * The functions return 0 on success and -1 on failure (see cuvmm_last_error). */
+
+/* Says whether allocations on `stream` go to the pool. Called with cuvmm's lock held, from the allocating
+ * thread: it must not call cuvmm. Returns nonzero for yes. */
+typedef int (*cuvmm_stream_filter)(void *context, cudaStream_t stream);
+
+/* Allocations on the streams `filter` accepts go to the pool from now on. `context` is passed to the filter
+ * and must stay valid until cuvmm_end_allocate_to_pool(pool) returns. Beginning a pool already begun, or a
+ * NULL filter, is an error. */
+int cuvmm_begin_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b,
+                                 cuvmm_stream_filter filter, void *context);
+
+/* The same, for the streams capturing with capture id `capture_id` (cudaStreamGetCaptureInfo's id): what
+ * PyTorch's CUDAGraph passes as its filter. */
+int cuvmm_begin_allocate_to_pool_capture(int device, unsigned long long pool_a, unsigned long long pool_b,
+                                         unsigned long long capture_id);
+
+/* Allocations stop going to the pool (its memory stays the pool's). Deferred frees run at the next
+ * allocation once no capture is underway. */
+int cuvmm_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* The graph that used the pool is gone (one call per begin): once no graph uses it, its memory goes back
+ * to the device's common segments as its blocks are freed. */
+int cuvmm_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* ---- Peers ---- */
+
+/* Device `peer` may read and write every range of `device` mapped now and every one mapped later
+ * (PyTorch's enablePeerAccess for expandable segments). */
+int cuvmm_add_peer(int device, int peer);
+
 /* The error of the last cuvmm call on this thread, or NULL if it succeeded. The text stays valid until
  * the next cuvmm call on this thread. */
 const char *cuvmm_last_error(void);

@@ -18,8 +18,8 @@
 //! and `map_each` are made call by call while a failure is planned, so each call can fail.
 
 use super::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId,
-    VaRange, create_each_by_calls, map_each_by_calls,
+    CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage,
+    StreamId, VaRange, create_each_by_calls, map_each_by_calls,
 };
 
 /// A [`Driver`] that passes every call to `D` and fails the planned ones after they took effect.
@@ -202,6 +202,12 @@ impl<D: Driver> Driver for AfterEffect<D> {
     }
     fn maps_parts_of_handles(&self) -> bool {
         self.inner.maps_parts_of_handles()
+    }
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        self.inner.capture_status(stream)
+    }
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        self.inner.add_peer(peer)
     }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         let result = self.inner.memset_d8(va, size, value);

@@ -8,7 +8,8 @@
 
 use super::sim::{SimConfig, SimDriver};
 use super::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, PhysPage,
+    StreamId, VaRange,
 };
 use std::fmt;
 use std::str::FromStr;
@@ -230,6 +231,12 @@ impl Driver for Device {
     }
     fn maps_parts_of_handles(&self) -> bool {
         forward!(self, d => d.maps_parts_of_handles())
+    }
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        forward!(self, d => d.capture_status(stream))
+    }
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        forward!(self, d => d.add_peer(peer))
     }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         forward!(self, d => d.memset_d8(va, size, value))

@@ -212,6 +212,25 @@ pub enum DriverError {
         /// The peer that cannot reach it.
         peer: usize,
     },
+    /// A call CUDA refuses while a stream is being captured into a graph
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`): a synchronization or event query of the capturing stream,
+    /// or, in global mode, any such call from any thread. CUDA invalidates the capture as well.
+    #[error(
+        "{op}: not permitted while {stream} is capturing a CUDA graph (the capture is invalidated)"
+    )]
+    CaptureUnsupported {
+        /// The call refused.
+        op: Op,
+        /// The capturing stream whose capture the call broke.
+        stream: StreamId,
+    },
+    /// A capture that an earlier refused call invalidated cannot be ended into a graph
+    /// (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
+    #[error("the capture on {stream} was invalidated by a call CUDA refuses during capture")]
+    CaptureInvalidated {
+        /// The stream whose capture was invalidated.
+        stream: StreamId,
+    },
     /// A real driver call failed.
     #[error("{op}: CUDA error {code} ({name})")]
     Cuda {

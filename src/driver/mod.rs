@@ -22,7 +22,9 @@ mod types;
 pub use counters::DriverCounters;
 pub use error::DriverError;
 pub use op::Op;
-pub use types::{EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange};
+pub use types::{
+    CaptureMode, CaptureStatus, EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange,
+};
 
 /// A device as cuvmm's strategies see it.
 ///
@@ -162,6 +164,27 @@ pub trait Driver {
         false
     }
 
+    /// Whether `stream` is being captured into a CUDA graph, and by which capture
+    /// (`cuStreamGetCaptureInfo`). Never refused during a capture, and never breaks one.
+    ///
+    /// The default, for a driver without graphs, is [`CaptureStatus::None`].
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        let _ = stream;
+        Ok(CaptureStatus::None)
+    }
+
+    /// Lets device `peer` reach this device's memory: every later [`set_access`](Driver::set_access)
+    /// grants `peer` read and write access too (CUDA's `cuMemSetAccess` with one descriptor per device).
+    /// Ranges that already have access keep only what they had: the caller sets access on them again
+    /// (cuvmm's `add_peer` does). Adding the device itself, or a peer already added, does nothing.
+    /// [`DriverError::PeerAccess`] if `peer` cannot reach this device's memory.
+    ///
+    /// The default returns [`DriverError::Unsupported`].
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        let _ = peer;
+        Err(DriverError::Unsupported { op: Op::SetAccess })
+    }
+
     /// Sets `size` bytes from `va` to `value` (`cuMemsetD8`), and returns once they are written. The range
     /// must be mapped with access set (or lie inside one `malloc` allocation); it may span several mappings.
     ///
@@ -292,5 +315,11 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     }
     fn maps_parts_of_handles(&self) -> bool {
         (**self).maps_parts_of_handles()
+    }
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        (**self).capture_status(stream)
+    }
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        (**self).add_peer(peer)
     }
 }

@@ -39,11 +39,13 @@ pub enum Op {
     Memset,
     /// `cuMemcpyDtoH`: copies device memory to the host (for `--touch` and tests).
     CopyToHost,
+    /// `cuStreamGetCaptureInfo`: whether a stream is being captured into a CUDA graph.
+    CaptureInfo,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 16] = [
+    pub const ALL: [Op; 17] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -60,6 +62,7 @@ impl Op {
         Op::Synchronize,
         Op::Memset,
         Op::CopyToHost,
+        Op::CaptureInfo,
     ];
 
     /// The operation's name in cuvmm's verbs (`reserve`, `create`, `map`, ...).
@@ -81,6 +84,7 @@ impl Op {
             Op::Synchronize => "synchronize",
             Op::Memset => "memset",
             Op::CopyToHost => "copy_to_host",
+            Op::CaptureInfo => "capture_info",
         }
     }
 }

@@ -112,3 +112,48 @@ pub struct MemInfo {
     /// Bytes of device memory in all.
     pub total: u64,
 }
+
+/// How a stream capture restricts the calls of other threads (`CUstreamCaptureMode`).
+///
+/// During a capture CUDA refuses the "potentially unsafe" calls (an event query, a stream or context
+/// synchronization, ...) and invalidates the capture: in `Global` mode from every thread, in `ThreadLocal`
+/// mode from the capturing thread, in `Relaxed` mode from none. Synchronizing or querying the capturing
+/// stream itself, or an event recorded on it during the capture, is refused in every mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL` (PyTorch's default).
+    Global,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+    Relaxed,
+}
+
+/// Whether a stream is being captured into a CUDA graph (`cuStreamGetCaptureInfo`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaptureStatus {
+    /// Not capturing: work queued on the stream runs.
+    None,
+    /// Capturing: work queued on the stream is recorded into a graph, not run.
+    Active {
+        /// The capture's id, unique in the process (what PyTorch's pool filters compare).
+        id: u64,
+        /// The capture's mode, where the driver can tell (the simulator); `None` on CUDA, which does not
+        /// report it. A caller that must not break the capture assumes `Global`, the strictest.
+        mode: Option<CaptureMode>,
+    },
+    /// The capture was invalidated by a call CUDA refuses during capture; ending it will fail.
+    Invalidated {
+        /// The capture's id.
+        id: u64,
+    },
+}
+
+impl CaptureStatus {
+    /// Whether work queued on the stream is being captured rather than run (active or invalidated).
+    pub fn is_capturing(self) -> bool {
+        !matches!(self, CaptureStatus::None)
+    }
+}

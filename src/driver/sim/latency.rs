@@ -59,6 +59,7 @@ impl LatencyModel {
     /// | synchronize | 5 000 | assumed (round trip on an idle stream; the simulator runs no kernels) |
     /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
     /// | copy_to_host | 10 000 | assumed (a small synchronous copy over PCIe) |
+    /// | capture_info | 100 | assumed (a host-side query) |
     pub fn a100() -> Self {
         Self::from_parts("a100", |op| {
             let figure = match op {
@@ -71,6 +72,7 @@ impl LatencyModel {
                 Op::Reserve | Op::FreeReservation | Op::Synchronize => 5_000,
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
                 Op::Memset | Op::CopyToHost => 10_000,
+                Op::CaptureInfo => 100,
             };
             (0, figure)
         })
@@ -96,6 +98,7 @@ impl LatencyModel {
     /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-6 us (160 GB to 1.28 TB); free assumed |
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    /// | capture_info | 100 | 0 | assumed (a host-side query) |
     pub fn h100() -> Self {
         Self::from_parts("h100", |op| match op {
             Op::Create => (13_612, 46),
@@ -111,6 +114,7 @@ impl LatencyModel {
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
             Op::Memset | Op::CopyToHost => (10_000, 0),
+            Op::CaptureInfo => (100, 0),
         })
     }
 
@@ -132,6 +136,7 @@ impl LatencyModel {
     /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-14 us (160 GB to 1.28 TB); free assumed |
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    /// | capture_info | 100 | 0 | assumed (a host-side query) |
     pub fn h200() -> Self {
         Self::from_parts("h200", |op| match op {
             Op::Create => (6_476, 15),
@@ -147,6 +152,7 @@ impl LatencyModel {
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
             Op::Memset | Op::CopyToHost => (10_000, 0),
+            Op::CaptureInfo => (100, 0),
         })
     }
 
