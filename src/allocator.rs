@@ -12,6 +12,7 @@ use crate::config::Config;
 use crate::driver::{Driver, StreamId};
 use crate::error::{Error, InvariantViolation};
 use crate::expandable::Expandable;
+use crate::graph_pool::{GraphPool, StreamFilter};
 use crate::stats::Stats;
 use crate::strategy::Strategy;
 use crate::stream_cache::{Put, StreamCaches};
@@ -38,6 +39,9 @@ struct Shared<S> {
     recovered_ooms: AtomicU64,
     /// Errors raised where they could not be returned (freeing in `Drop`), kept for the program to collect.
     deferred: Mutex<Vec<Error>>,
+    /// Private pools being allocated to (captures underway), as the strategy last said: while it is not
+    /// zero the stream caches are bypassed, so no buffer freed before a capture is baked into its graph.
+    capturing: AtomicUsize,
 }
 
 /// A thread-safe allocator handle. Cloning it is cheap and shares the same allocator.
@@ -60,13 +64,15 @@ impl<S> fmt::Debug for Allocator<S> {
 }
 
 impl<D: Driver> Allocator<Expandable<D>> {
-    /// cuvmm's expandable allocator on `driver`.
+    /// cuvmm's expandable allocator on `driver`, for a program: an allocation on a stream that is being
+    /// captured into a CUDA graph with no pool begun for it goes to a pool of its own
+    /// ([`Expandable::detect_captures`]), at the cost of one capture query per allocation that reaches the
+    /// strategy.
     pub fn expandable(driver: D, config: Config) -> Result<Self, Error> {
         let stream_cache = config.stream_cache;
-        Ok(Self::with_stream_cache(
-            Expandable::new(driver, config)?,
-            stream_cache,
-        ))
+        let mut strategy = Expandable::new(driver, config)?;
+        strategy.detect_captures(true);
+        Ok(Self::with_stream_cache(strategy, stream_cache))
     }
 }
 
@@ -87,6 +93,7 @@ impl<S: Strategy> Allocator<S> {
                 recorded_len: AtomicUsize::new(0),
                 recovered_ooms: AtomicU64::new(0),
                 deferred: Mutex::new(Vec::new()),
+                capturing: AtomicUsize::new(0),
             }),
         }
     }
@@ -99,27 +106,41 @@ impl<S: Strategy> Allocator<S> {
     /// Allocates `size` bytes for use on `stream`. The memory may be reused by later work on that stream as
     /// soon as the buffer is dropped.
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
-        let ptr = self.alloc_raw(size, stream)?;
+        let (ptr, in_capture) = self.allocate(size, stream)?;
         Ok(DeviceBuffer {
             allocator: self.clone(),
             ptr,
             size,
             stream,
             live: true,
+            cacheable: !in_capture,
         })
     }
 
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
+        self.allocate(size, stream).map(|(ptr, _)| ptr)
+    }
+
+    /// Allocates `size` bytes on `stream`; says whether a capture was underway, in which case the memory
+    /// may be a graph pool's and must never enter a stream cache.
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<(u64, bool), Error> {
         let shared = &*self.shared;
         let cacheable = shared.caches.cacheable(size);
-        if cacheable {
+        let capturing = shared.capturing.load(Ordering::Acquire) > 0;
+        if cacheable && !capturing {
             if let Some(ptr) = shared.caches.take(stream, size) {
-                return Ok(ptr);
+                return Ok((ptr, false));
             }
         }
-        let result = self.strategy_for(stream, cacheable).alloc(size, stream);
-        match result {
+        let mut strategy = self.strategy_for(stream, cacheable);
+        let result = strategy.alloc(size, stream);
+        // The strategy may have found a capture it was not told of.
+        let underway = strategy.captures_underway();
+        shared.capturing.store(underway, Ordering::Release);
+        drop(strategy);
+        let in_capture = capturing || underway > 0;
+        let result = match result {
             Err(Error::OutOfMemory(_)) if shared.caches.any_held() => {
                 self.drain_caches()?;
                 let retry = shared.strategy.lock().alloc(size, stream);
@@ -129,7 +150,8 @@ impl<S: Strategy> Allocator<S> {
                 retry
             }
             other => other,
-        }
+        };
+        result.map(|ptr| (ptr, in_capture))
     }
 
     /// Frees an address from [`alloc_raw`](Allocator::alloc_raw). It goes straight to the strategy: the
@@ -156,10 +178,16 @@ impl<S: Strategy> Allocator<S> {
 
     /// Frees a buffer whose size and stream are known: into its stream's cache when that is active (or
     /// the strategy is busy), else to the strategy.
-    fn free_buffer(&self, ptr: u64, size: u64, stream: StreamId) -> Result<(), Error> {
+    fn free_buffer(
+        &self,
+        ptr: u64,
+        size: u64,
+        stream: StreamId,
+        cacheable: bool,
+    ) -> Result<(), Error> {
         let shared = &*self.shared;
         let recorded = self.forget_recorded(ptr);
-        if !recorded && shared.caches.cacheable(size) {
+        if !recorded && cacheable && shared.caches.cacheable(size) {
             if !shared.caches.is_active(stream) {
                 match shared.strategy.try_lock() {
                     Some(mut strategy) => return strategy.free(ptr),
@@ -256,6 +284,42 @@ impl<S: Strategy> Allocator<S> {
         self.shared.strategy.lock().record_history(max_entries)
     }
 
+    /// From now on, allocations on the streams `filter` accepts come from the private pool `pool`, whose
+    /// memory stays where it is and is reused by nothing else while a graph uses it (PyTorch's
+    /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
+    /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
+    /// no call CUDA refuses during a capture. See [`crate::graph_pool`].
+    pub fn begin_allocate_to_pool(
+        &self,
+        pool: GraphPool,
+        filter: StreamFilter,
+    ) -> Result<(), Error> {
+        let mut strategy = self.shared.strategy.lock();
+        let result = strategy.begin_allocate_to_pool(pool, filter);
+        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
+        result
+    }
+
+    /// Allocations stop going to `pool` (after the capture ended); its memory stays the pool's until
+    /// [`release_pool`](Self::release_pool).
+    pub fn end_allocate_to_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        let mut strategy = self.shared.strategy.lock();
+        let result = strategy.end_allocate_to_pool(pool);
+        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
+        result
+    }
+
+    /// A graph that used `pool` is gone (call it once per begin): once none is left, the pool's memory goes
+    /// back to common use as its blocks are freed.
+    pub fn release_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        self.shared.strategy.lock().release_pool(pool)
+    }
+
+    /// Lets device `peer` read and write every range mapped now and every one mapped later.
+    pub fn add_peer(&self, peer: usize) -> Result<(), Error> {
+        self.shared.strategy.lock().add_peer(peer)
+    }
+
     /// Gives all cached memory back to the driver.
     pub fn empty_cache(&self) -> Result<(), Error> {
         self.drain_caches()?;
@@ -308,6 +372,9 @@ pub struct DeviceBuffer<S: Strategy> {
     size: u64,
     stream: StreamId,
     live: bool,
+    /// False for memory allocated while a capture was underway (perhaps a graph pool's): never kept in a
+    /// stream cache, where a request outside the pool could take it.
+    cacheable: bool,
 }
 
 impl<S: Strategy> DeviceBuffer<S> {
@@ -353,7 +420,7 @@ impl<S: Strategy> DeviceBuffer<S> {
     }
 
     fn release(&self) -> Result<(), Error> {
-        self.allocator.free_buffer(self.ptr, self.size, self.stream)
+        (self.allocator).free_buffer(self.ptr, self.size, self.stream, self.cacheable)
     }
 }
 

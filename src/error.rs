@@ -55,6 +55,26 @@ pub enum Error {
         /// The allocator's device.
         device: usize,
     },
+    /// A private-pool operation named `{0, 0}`, a pool begun twice, or a pool not begun or not live.
+    #[error("{operation}: {problem} ({pool})")]
+    GraphPool {
+        /// The operation (`begin_allocate_to_pool`, `end_allocate_to_pool`, `release_pool`).
+        operation: &'static str,
+        /// The pool named.
+        pool: crate::graph_pool::GraphPool,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
+    /// An operation that must wait for streams or unmap memory (`empty_cache`, `trim`) was asked for while
+    /// a CUDA graph is being captured into a private pool: CUDA refuses those calls during a capture, and
+    /// making them would invalidate it. Retry once the capture has ended.
+    #[error(
+        "{operation} is not possible while a CUDA graph is being captured (end the capture first)"
+    )]
+    CaptureUnderway {
+        /// The operation refused.
+        operation: &'static str,
+    },
     /// A driver call failed for a reason other than running out of memory.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),
@@ -188,6 +208,15 @@ pub enum InvariantViolation {
     #[error("stream uses recorded for {addr:#x} are not those of a live block")]
     StreamUse {
         /// Address recorded.
+        addr: u64,
+    },
+    /// The graph pools and the blocks disagree: a segment of a pool neither live nor released, a pool
+    /// being allocated to that is not live, or a deferred free that is not of a live block with streams.
+    #[error(
+        "graph pool state at {addr:#x}: the pools, their segments and the deferred frees disagree"
+    )]
+    GraphPool {
+        /// Address of the segment or block (0 for a pool with no address).
         addr: u64,
     },
     /// A live allocation is indexed but its block is missing or free.

@@ -23,6 +23,7 @@ pub mod driver;
 pub mod driver_bench;
 pub mod error;
 pub mod expandable;
+pub mod graph_pool;
 pub mod history;
 pub mod oom;
 pub mod page_map;
@@ -45,6 +46,7 @@ pub use config::{Config, ConfigError};
 pub use cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
 pub use driver::{Driver, DriverError, StreamId};
 pub use error::{Error, InvariantViolation, OutOfMemory};
+pub use graph_pool::{GraphPool, StreamFilter};
 pub use stats::{Stat, Stats};
 pub use strategy::Strategy;
 

@@ -148,6 +148,10 @@ pub struct OutOfMemory {
     pub largest_free_block: u64,
     /// Whether the cache was released and the request retried before giving up.
     pub retried: bool,
+    /// Bytes mapped for live CUDA graph pools, which only their graphs' allocations may use.
+    pub graph_pool_bytes: u64,
+    /// Whether a capture was underway: nothing could be waited for or unmapped to make room.
+    pub capturing: bool,
     /// What the allocator tried for this request, in order.
     pub reclaim: Vec<ReclaimStep>,
 }
@@ -240,6 +244,19 @@ impl fmt::Display for OutOfMemory {
             size(self.idle_handles),
             size(self.largest_free_block),
         )?;
+        if self.graph_pool_bytes > 0 {
+            write!(
+                f,
+                "{} is held by CUDA graphs' private pools. ",
+                size(self.graph_pool_bytes)
+            )?;
+        }
+        if self.capturing {
+            write!(
+                f,
+                "A CUDA graph was being captured, so nothing idle could be waited for or unmapped. "
+            )?;
+        }
         if self.reclaim.is_empty() {
             write!(f, "Nothing could be reclaimed. ")?;
         } else {

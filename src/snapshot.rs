@@ -8,6 +8,7 @@
 pub mod pickle;
 
 use crate::driver::StreamId;
+use crate::graph_pool::GraphPool;
 use crate::history::TraceEntry;
 use crate::pool::Pool;
 
@@ -66,6 +67,8 @@ pub struct SnapshotSegment {
     pub pool: Pool,
     /// Whether it is (part of) an expandable reservation.
     pub is_expandable: bool,
+    /// The CUDA graph pool the segment serves (PyTorch's `segment_pool_id`); `{0, 0}` for none.
+    pub graph_pool: GraphPool,
     /// Its blocks, in address order, tiling it.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -198,6 +201,7 @@ mod tests {
                 total_size: 0x400,
                 stream: StreamId(0),
                 pool: Pool::Small,
+                graph_pool: GraphPool::NONE,
                 is_expandable: false,
                 blocks: vec![block(0x1000, 0x200), block(0x1200, 0x200)],
             }],

@@ -176,6 +176,10 @@ pub struct Stats {
     /// Physical bytes of chunks in use that are lent: mapped a second time where a request needed them,
     /// under memory pressure (counted once, at home, in `reserved_bytes`).
     pub lent_bytes: u64,
+    /// Mapped bytes of the segments of live CUDA graph pools: memory that stays where graphs use it.
+    pub graph_pool_bytes: u64,
+    /// Live CUDA graph pools (begun more times than released).
+    pub graph_pools: u64,
     /// Driver calls and their (estimated) time.
     pub driver: DriverCounters,
     /// Number of live and pending allocations (PyTorch `active`).
@@ -233,6 +237,8 @@ impl Stats {
             ("cuvmm.idle_handle_bytes", self.idle_handle_bytes),
             ("cuvmm.handles_reused", self.handles_reused),
             ("cuvmm.lent_bytes", self.lent_bytes),
+            ("cuvmm.graph_pool_bytes", self.graph_pool_bytes),
+            ("cuvmm.graph_pools", self.graph_pools),
             ("cuvmm.driver_calls", self.driver.total()),
             ("cuvmm.driver_time_ns", self.driver.time_ns),
         ] {

@@ -3,6 +3,7 @@
 
 use crate::driver::{DriverCounters, DriverError, Op, StreamId};
 use crate::error::{Error, InvariantViolation};
+use crate::graph_pool::{GraphPool, StreamFilter};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::Stats;
 
@@ -27,6 +28,60 @@ pub trait Strategy {
             what: "record_stream",
             allocator: self.name(),
         })
+    }
+
+    /// From now on, allocations on the streams `filter` accepts come from the private pool `pool` (PyTorch's
+    /// `beginAllocateToPool`, called before a CUDA graph capture begins). See [`crate::graph_pool`].
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn begin_allocate_to_pool(
+        &mut self,
+        pool: GraphPool,
+        filter: StreamFilter,
+    ) -> Result<(), Error> {
+        let _ = (pool, filter);
+        Err(self.unsupported("begin_allocate_to_pool"))
+    }
+
+    /// Allocations stop going to `pool` (PyTorch's `endAllocateToPool`, after the capture ended); its
+    /// memory stays the pool's.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        let _ = pool;
+        Err(self.unsupported("end_allocate_to_pool"))
+    }
+
+    /// A graph that used `pool` is gone (PyTorch's `releasePool`, once per begin): once none is left, the
+    /// pool's memory goes back to common use as its blocks are freed.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn release_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        let _ = pool;
+        Err(self.unsupported("release_pool"))
+    }
+
+    /// Lets device `peer` read and write every range mapped now and every one mapped later (PyTorch's
+    /// `enablePeerAccess` for expandable segments).
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn add_peer(&mut self, peer: usize) -> Result<(), Error> {
+        let _ = peer;
+        Err(self.unsupported("add_peer"))
+    }
+
+    /// How many private pools are being allocated to now (captures underway that the allocator knows of).
+    /// The facade bypasses its per-stream caches while this is not zero. The default is 0.
+    fn captures_underway(&self) -> usize {
+        0
+    }
+
+    /// [`Error::Unsupported`] for `what` on this allocator.
+    fn unsupported(&self, what: &'static str) -> Error {
+        Error::Unsupported {
+            what,
+            allocator: self.name(),
+        }
     }
 
     /// Gives every cached (unused) byte back to the driver.

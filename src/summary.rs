@@ -100,6 +100,10 @@ fn own_rows(stats: &Stats, allocator: &str) -> Vec<String> {
         ("Idle mapped memory", size(stats.idle_mapped_bytes)),
         ("Idle handles", size(stats.idle_handle_bytes)),
         ("Handles reused", stats.handles_reused.to_string()),
+        (
+            "CUDA graph pools",
+            format!("{} ({})", stats.graph_pools, size(stats.graph_pool_bytes)),
+        ),
         ("Largest free block", size(stats.largest_free_block)),
         ("Driver calls", stats.driver.total().to_string()),
         (

@@ -34,6 +34,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "what strategies share",
         &[
             "src/pool.rs",
+            "src/graph_pool.rs",
             "src/config.rs",
             "src/config/",
             "src/error.rs",
@@ -625,4 +626,42 @@ fn the_reader_finds_arrows_and_cycles() {
         Some("strategies")
     );
     assert!(layer("src/stats.rs") < layer("src/expandable/mod.rs"));
+}
+
+/// Where stand-in streams may be opened: the laboratory's trace replays and `driver-bench`, whose stream
+/// numbers name no stream of this process, and the driver code that defines them.
+const STAND_IN_ALLOWED: &[&str] = &["src/trace/", "src/bin/", "src/driver_bench", "src/driver/"];
+
+/// Every program-facing path (the library outside the laboratory, cuvmm-torch, the examples) works on the
+/// caller's streams: none opens a device with stand-in streams, where every wait for the program's work
+/// would wait on an empty stream instead (the corruption of issue 29).
+#[test]
+fn no_program_facing_path_opens_stand_in_streams() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut paths = Vec::new();
+    for dir in ["src", "cuvmm-torch/src", "examples"] {
+        rust_files(&root.join(dir), &mut paths);
+    }
+    assert!(paths.len() > 50, "the source tree was not found");
+    let mut offenders = Vec::new();
+    for path in paths {
+        let name = path
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if STAND_IN_ALLOWED.iter().any(|p| name.starts_with(p)) {
+            continue;
+        }
+        let code = strip(&std::fs::read_to_string(&path).unwrap());
+        for call in ["open_for_replay", "with_stand_in_streams"] {
+            if code.contains(call) {
+                offenders.push(format!("{name} calls {call}"));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "program-facing code opens stand-in streams: {offenders:?}"
+    );
 }

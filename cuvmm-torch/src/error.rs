@@ -54,6 +54,12 @@ pub enum AbiError {
         /// The number of devices the backend offers.
         count: usize,
     },
+    /// A negative peer device number.
+    #[error("invalid peer device {peer}")]
+    BadPeer {
+        /// The peer given.
+        peer: i32,
+    },
     /// A null pointer where a string was required.
     #[error("a null {what} was passed")]
     NullArgument {

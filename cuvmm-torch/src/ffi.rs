@@ -11,6 +11,7 @@
 use crate::error::{self, AbiError};
 use crate::ops;
 use crate::registry::global;
+use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{self, AssertUnwindSafe};
 use std::path::Path;
@@ -141,6 +142,91 @@ pub unsafe extern "C" fn cuvmm_string_free(text: *mut c_char) {
             drop(unsafe { CString::from_raw(text) });
         }
         Ok(())
+    })
+}
+
+/// PyTorch's stream filter as C passes it: nonzero when allocations on `stream` go to the pool.
+pub type StreamFilterFn = unsafe extern "C" fn(context: *mut c_void, stream: *mut c_void) -> c_int;
+
+/// Allocations of `device` on the streams `filter` accepts go to pool `{pool_a, pool_b}`; 0 or -1.
+///
+/// # Safety
+/// `filter` is null (an error) or a function that may be called with `context` from any thread that
+/// allocates, until [`cuvmm_end_allocate_to_pool`] for this pool has returned; it must not call cuvmm.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_begin_allocate_to_pool(
+    device: c_int,
+    pool_a: u64,
+    pool_b: u64,
+    filter: Option<StreamFilterFn>,
+    context: *mut c_void,
+) -> c_int {
+    shell("cuvmm_begin_allocate_to_pool", -1, || {
+        let filter = filter.ok_or(AbiError::NullArgument { what: "filter" })?;
+        // Kept as an address: the caller, not Rust, vouches that it may be used from any thread.
+        let context = context.expose_provenance();
+        let accepts = move |stream: StreamId| {
+            // SAFETY: the caller promises `filter` may be called with `context` from any allocating thread
+            // until the pool's end_allocate_to_pool returned, which is as long as the allocator keeps this
+            // closure; both arguments are passed through as the caller gave them.
+            unsafe {
+                filter(
+                    ptr::with_exposed_provenance_mut(context),
+                    ptr::with_exposed_provenance_mut(stream.0 as usize),
+                ) != 0
+            }
+        };
+        let pool = GraphPool(pool_a, pool_b);
+        ops::begin_allocate_to_pool(
+            global()?,
+            device,
+            pool,
+            StreamFilter::Custom(Box::new(accepts)),
+        )?;
+        Ok(0)
+    })
+}
+
+/// Allocations of `device` on the streams capturing with `capture_id` go to pool `{pool_a, pool_b}`; 0 or
+/// -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_begin_allocate_to_pool_capture(
+    device: c_int,
+    pool_a: u64,
+    pool_b: u64,
+    capture_id: u64,
+) -> c_int {
+    shell("cuvmm_begin_allocate_to_pool_capture", -1, || {
+        let pool = GraphPool(pool_a, pool_b);
+        ops::begin_allocate_to_pool(global()?, device, pool, StreamFilter::Capture(capture_id))?;
+        Ok(0)
+    })
+}
+
+/// Allocations of `device` stop going to pool `{pool_a, pool_b}`; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_end_allocate_to_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    shell("cuvmm_end_allocate_to_pool", -1, || {
+        ops::end_allocate_to_pool(global()?, device, GraphPool(pool_a, pool_b))?;
+        Ok(0)
+    })
+}
+
+/// A graph that used pool `{pool_a, pool_b}` of `device` is gone; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    shell("cuvmm_release_pool", -1, || {
+        ops::release_pool(global()?, device, GraphPool(pool_a, pool_b))?;
+        Ok(0)
+    })
+}
+
+/// Device `peer` may reach every range of `device` mapped now and later; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {
+    shell("cuvmm_add_peer", -1, || {
+        ops::add_peer(global()?, device, peer)?;
+        Ok(0)
     })
 }
 

@@ -4,7 +4,7 @@
 
 use crate::error::AbiError;
 use crate::registry::Registry;
-use cuvmm::StreamId;
+use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::path::Path;
 
 /// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream).
@@ -85,4 +85,51 @@ pub fn dump_snapshot(registry: &Registry, device: i32, path: &Path) -> Result<()
     let snapshot = registry.allocator(device)?.snapshot()?;
     cuvmm::snapshot::pickle::write_file(path, &snapshot)?;
     Ok(())
+}
+
+/// From now on, allocations of `device` on the streams `filter` accepts come from the private pool `pool`
+/// (PyTorch's `beginAllocateToPool`).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] for pool `{0, 0}` or a pool
+/// already being allocated to.
+pub fn begin_allocate_to_pool(
+    registry: &Registry,
+    device: i32,
+    pool: GraphPool,
+    filter: StreamFilter,
+) -> Result<(), AbiError> {
+    Ok(registry
+        .allocator(device)?
+        .begin_allocate_to_pool(pool, filter)?)
+}
+
+/// Allocations of `device` stop going to `pool` (PyTorch's `endAllocateToPool`).
+///
+/// # Errors
+/// As [`begin_allocate_to_pool`], for a pool not being allocated to.
+pub fn end_allocate_to_pool(
+    registry: &Registry,
+    device: i32,
+    pool: GraphPool,
+) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.end_allocate_to_pool(pool)?)
+}
+
+/// A graph that used `pool` of `device` is gone (PyTorch's `releasePool`).
+///
+/// # Errors
+/// As [`begin_allocate_to_pool`], for a pool that is not live.
+pub fn release_pool(registry: &Registry, device: i32, pool: GraphPool) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.release_pool(pool)?)
+}
+
+/// Device `peer` may reach every range of `device` mapped now and later.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`] for `device`; [`AbiError::BadPeer`] for a negative peer;
+/// [`AbiError::Allocator`] if the driver refuses the peer.
+pub fn add_peer(registry: &Registry, device: i32, peer: i32) -> Result<(), AbiError> {
+    let peer = usize::try_from(peer).map_err(|_| AbiError::BadPeer { peer })?;
+    Ok(registry.allocator(device)?.add_peer(peer)?)
 }

@@ -89,27 +89,51 @@ impl DeviceSpec {
         }
     }
 
-    /// Opens the device: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the CUDA device with
-    /// stand-in streams ([`CudaDriver::with_stand_in_streams`](super::cuda::CudaDriver::with_stand_in_streams)):
-    /// the tools replay recorded traces, whose stream numbers name no stream of this process. A program that
-    /// queues its own work opens `CudaDriver::new` and passes its own streams.
+    /// Opens the device for a program: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the
+    /// CUDA device on the caller's streams: a [`StreamId`] is the program's own `CUstream`, on which events
+    /// are recorded and which is synchronized, so memory is reused only once the program's work on it is
+    /// done.
     pub fn open(&self, sim: SimConfig) -> Result<Device, DeviceError> {
+        self.open_with(sim, Streams::Caller)
+    }
+
+    /// Opens the device to replay a recorded trace: on CUDA each stream number names a stream the driver
+    /// creates ([`CudaDriver::with_stand_in_streams`](super::cuda::CudaDriver::with_stand_in_streams)),
+    /// since a trace's stream numbers are names from another process. Only the laboratory's replays use it;
+    /// a program that did would have every wait for its work wait on an empty stream instead
+    /// (`tests/layering.rs` checks that no program-facing code calls it).
+    pub fn open_for_replay(&self, sim: SimConfig) -> Result<Device, DeviceError> {
+        self.open_with(sim, Streams::StandIn)
+    }
+
+    fn open_with(&self, sim: SimConfig, streams: Streams) -> Result<Device, DeviceError> {
         match *self {
             DeviceSpec::Sim => Ok(Device::Sim(SimDriver::new(sim))),
-            DeviceSpec::Cuda { ordinal } => open_cuda(ordinal),
+            DeviceSpec::Cuda { ordinal } => open_cuda(ordinal, streams),
         }
     }
 }
 
+/// Whose streams a CUDA device's [`StreamId`]s name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Streams {
+    /// The program's own `CUstream`s.
+    Caller,
+    /// Streams the driver creates, one per stream number of a replayed trace.
+    StandIn,
+}
+
 #[cfg(feature = "cuda")]
-fn open_cuda(ordinal: usize) -> Result<Device, DeviceError> {
-    // The tools replay recorded traces, whose stream numbers name no stream of this process.
-    let driver = super::cuda::CudaDriver::new(ordinal)?.with_stand_in_streams();
-    Ok(Device::Cuda(driver))
+fn open_cuda(ordinal: usize, streams: Streams) -> Result<Device, DeviceError> {
+    let driver = super::cuda::CudaDriver::new(ordinal)?;
+    Ok(Device::Cuda(match streams {
+        Streams::Caller => driver,
+        Streams::StandIn => driver.with_stand_in_streams(),
+    }))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn open_cuda(_ordinal: usize) -> Result<Device, DeviceError> {
+fn open_cuda(_ordinal: usize, _streams: Streams) -> Result<Device, DeviceError> {
     Err(DeviceError::NoCudaSupport)
 }
 

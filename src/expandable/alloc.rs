@@ -2,10 +2,11 @@
 
 use super::segment::Segment;
 use super::streams::StreamUses;
-use super::{Expandable, ROUND};
+use super::{Expandable, ROUND, SegmentKey};
 use crate::config::Compaction;
 use crate::driver::{Driver, DriverError, MemInfo, StreamId};
 use crate::error::{Error, OutOfMemory, ReclaimStep};
+use crate::graph_pool::GraphPool;
 use crate::history::{TraceAction, TraceEntry};
 use crate::pool::Pool;
 use crate::size::round_up;
@@ -16,7 +17,12 @@ const FIT_CANDIDATES: usize = 8;
 
 impl<D: Driver> Expandable<D> {
     /// Allocates `size` bytes on `stream`.
-    pub(super) fn allocate(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
+    pub(super) fn allocate(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        graph: Option<GraphPool>,
+    ) -> Result<u64, Error> {
         if size == 0 {
             return Err(Error::ZeroSize);
         }
@@ -35,7 +41,7 @@ impl<D: Driver> Expandable<D> {
             Pool::Large
         };
         let marks = self.reclaim_marks();
-        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool)?;
+        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool, graph)?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
         // Counted only once its pages are there: a request that fails must not move a statistic or its
@@ -62,8 +68,11 @@ impl<D: Driver> Expandable<D> {
                 if !err.is_out_of_memory() {
                     return Err(err);
                 }
-                // Under memory pressure nothing idle is worth keeping: give it all back before reporting.
-                if let Err(release_err) = self.release_cache() {
+                // Under memory pressure nothing idle is worth keeping: give it all back before reporting
+                // (not during a capture, which forbids the waits and unmaps that takes).
+                if !self.capturing()
+                    && let Err(release_err) = self.release_cache()
+                {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
                 self.counters.ooms += 1;
@@ -99,10 +108,12 @@ impl<D: Driver> Expandable<D> {
         size: u64,
         stream: StreamId,
         pool: Pool,
+        graph: Option<GraphPool>,
     ) -> Result<(usize, u64, bool), Error> {
         let whole_pages = self.whole_pages(size, pool);
+        let key = (stream, pool, graph);
         let mut best: Option<((usize, u64), usize, u64)> = None;
-        for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+        for &slot in self.by_key.get(&key).into_iter().flatten() {
             if self.segment(slot).whole_pages != whole_pages {
                 continue;
             }
@@ -117,7 +128,7 @@ impl<D: Driver> Expandable<D> {
             // Pages mapped in the other segments serve it where they are, on whole pages of a free block
             // (so it still shares no page), rather than be unmapped and mapped again.
             let mut in_place: Option<(u64, usize, u64)> = None;
-            for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+            for &slot in self.by_key.get(&key).into_iter().flatten() {
                 if !self.segment(slot).whole_pages
                     && let Some((0, block_size, addr)) =
                         self.segment(slot).mapped_fit(size, FIT_CANDIDATES, true)
@@ -137,7 +148,7 @@ impl<D: Driver> Expandable<D> {
             && self.under_pressure(own_missing as u64 * self.page_size)
         {
             // Growing would pass the budget: every free block is worth comparing by the pages it needs.
-            for &slot in self.by_key.get(&(stream, pool)).into_iter().flatten() {
+            for &slot in self.by_key.get(&key).into_iter().flatten() {
                 if let Some((missing, block_size, addr)) =
                     self.segment(slot).mapped_fit(size, usize::MAX, false)
                     && best.is_none_or(|(key, ..)| (missing, block_size) < key)
@@ -150,7 +161,10 @@ impl<D: Driver> Expandable<D> {
         // Borrowing costs event calls, and saves only pages: under `compaction:pressure` it waits until
         // growing would pass the budget.
         let need = (own_missing as u64).min(size.div_ceil(self.page_size) + 1);
+        // A graph's pool takes no other stream's memory, and a capture allows no event query.
         if self.config.cross_stream_reuse
+            && graph.is_none()
+            && !self.capturing()
             && own_missing > 0
             && self.under_pressure(need.saturating_mul(self.page_size))
             && let Some((slot, addr)) = self.borrow_block(size, stream, pool)?
@@ -160,7 +174,7 @@ impl<D: Driver> Expandable<D> {
         if let Some((_, slot, addr)) = best {
             return Ok((slot, addr, false));
         }
-        let slot = self.reserve_segment(stream, pool, whole_pages, size)?;
+        let slot = self.reserve_segment(key, whole_pages, size)?;
         let (_, addr) = self
             .segment(slot)
             .best_fit(size)
@@ -226,7 +240,10 @@ impl<D: Driver> Expandable<D> {
             .enumerate()
             .filter_map(move |(slot, seg)| {
                 let seg = seg.as_ref().filter(|s| {
-                    s.pool == pool && s.stream != stream && s.whole_pages == whole_pages
+                    s.pool == pool
+                        && s.stream != stream
+                        && s.whole_pages == whole_pages
+                        && s.graph.is_none()
                 })?;
                 let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
                 Some((block_size, slot, addr))
@@ -258,11 +275,11 @@ impl<D: Driver> Expandable<D> {
     /// Reserves a segment for `(stream, pool)` large enough for `min_size` bytes.
     fn reserve_segment(
         &mut self,
-        stream: StreamId,
-        pool: Pool,
+        key: SegmentKey,
         whole_pages: bool,
         min_size: u64,
     ) -> Result<usize, Error> {
+        let (stream, pool, graph) = key;
         let wanted = self
             .device_total
             .saturating_mul(self.config.va_factor)
@@ -286,10 +303,12 @@ impl<D: Driver> Expandable<D> {
                 self.segments.len() - 1
             }
         };
-        self.segments[slot] = Some(Segment::new(va, stream, pool, whole_pages, self.page_size));
+        let mut segment = Segment::new(va, stream, pool, whole_pages, self.page_size);
+        segment.graph = graph;
+        self.segments[slot] = Some(segment);
         let at = self.by_addr.partition_point(|&(start, _)| start < va.start);
         self.by_addr.insert(at, (va.start, slot));
-        self.by_key.entry((stream, pool)).or_default().push(slot);
+        self.by_key.entry(key).or_default().push(slot);
         self.counters.segment.add(pool, 1);
         Ok(slot)
     }
@@ -474,6 +493,8 @@ impl<D: Driver> Expandable<D> {
             idle_handles: self.pooled_pages() as u64 * self.page_size,
             largest_free_block: self.largest_free_block(),
             retried,
+            graph_pool_bytes: self.graph_pool_bytes().0,
+            capturing: self.capturing(),
             reclaim,
         }
     }

@@ -212,6 +212,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     }
     let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
     check_pending_list(a, pending_blocks as usize)?;
+    a.check_graphs()?;
     let c = &a.counters;
     if held_pages != c.created - c.released {
         return Err(V::HandleCount {

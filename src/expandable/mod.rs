@@ -22,6 +22,7 @@ mod alloc;
 mod blocks;
 mod events;
 mod free_index;
+mod graphs;
 mod invariants;
 mod lender;
 mod lending;
@@ -39,6 +40,7 @@ use crate::pool::Pool;
 use crate::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, PhysPage, StreamId};
 use crate::error::{Error, InvariantViolation};
+use crate::graph_pool::{GraphPool, StreamFilter};
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
 use crate::stats::{PoolStats, Stat, StatArray, Stats};
@@ -94,7 +96,7 @@ pub struct Expandable<D: Driver> {
     /// `(reservation start, slot)` of every segment, sorted by start: a handful of segments, so a search of a
     /// vector is cheaper than a tree's on every free.
     by_addr: Vec<(u64, usize)>,
-    by_key: FxHashMap<(StreamId, Pool), Vec<usize>>,
+    by_key: FxHashMap<SegmentKey, Vec<usize>>,
     pooled: Vec<PhysHandle>,
     /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
     pooled_chunks: Vec<PhysHandle>,
@@ -126,6 +128,8 @@ pub struct Expandable<D: Driver> {
     stream_uses: FxHashMap<u64, StreamUses>,
     /// Blocks freed while other streams may still use them, and their events.
     pending: PendingFrees,
+    /// CUDA graphs' private pools, the captures underway and the frees they defer.
+    graphs: graphs::Graphs,
     /// Pages touched by active blocks, per pool.
     touched_pages: [usize; 2],
     idle_pages: usize,
@@ -135,6 +139,9 @@ pub struct Expandable<D: Driver> {
     /// The block being backed with pages (pool, bytes): carved, not yet counted as allocated.
     carving: Option<(Pool, u64)>,
 }
+
+/// The segments of one kind: a stream, a pool (small or large), and the private pool they serve, if any.
+type SegmentKey = (StreamId, Pool, Option<GraphPool>);
 
 /// The counts of one segment that the allocator-wide totals follow, read before and after a change.
 #[derive(Clone, Copy, Debug)]
@@ -202,6 +209,7 @@ impl<D: Driver> Expandable<D> {
             unmapped_scratch: Vec::new(),
             stream_uses: FxHashMap::default(),
             pending: PendingFrees::default(),
+            graphs: graphs::Graphs::default(),
             touched_pages: [0; 2],
             idle_pages: 0,
             counters: Counters::default(),
@@ -357,9 +365,17 @@ impl<D: Driver> Expandable<D> {
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        if !self.stream_uses.is_empty()
-            && let Some(streams) = self.stream_uses.remove(&addr)
-        {
+        if !self.stream_uses.is_empty() && self.stream_uses.contains_key(&addr) {
+            if self.capturing() {
+                // No event may be recorded or queried now: the block stays live, with its streams, until
+                // no capture is underway (`graphs.rs`).
+                if self.graphs.deferred.contains(&addr) {
+                    return Err(Error::DoubleFree { addr });
+                }
+                self.graphs.deferred.push(addr);
+                return Ok(());
+            }
+            let streams = self.stream_uses.remove(&addr).expect("checked above");
             return self.park_block(slot, addr, streams);
         }
         let before = self.page_counts(slot);
@@ -380,6 +396,10 @@ impl<D: Driver> Expandable<D> {
     /// Gives idle memory beyond `max_idle_bytes` back to the driver. A failure keeps the memory idle (the next
     /// free or poll tries again) and is reported through `tracing`: it must not fail the free that caused it.
     fn release_excess_idle(&mut self) {
+        if self.capturing() {
+            // Releasing unmaps, which a capture forbids: the next free after it ends does it.
+            return;
+        }
         let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
         if excess > 0
             && let Err(err) = self.release_idle(excess)
@@ -390,6 +410,9 @@ impl<D: Driver> Expandable<D> {
 
     /// Frees the pending blocks whose events completed, then keeps idle memory within its limit.
     fn poll_pending(&mut self) -> Result<(), Error> {
+        if !self.graphs.deferred.is_empty() {
+            self.insert_deferred_events()?;
+        }
         if self.process_events()? > 0 {
             self.release_excess_idle();
         }
@@ -399,6 +422,9 @@ impl<D: Driver> Expandable<D> {
     /// Everything cached goes back to the driver: pending frees are drained (their streams synchronized),
     /// then every pooled handle and idle page is released.
     fn release_cache(&mut self) -> Result<u64, Error> {
+        if !self.graphs.deferred.is_empty() {
+            self.insert_deferred_events()?;
+        }
         self.drain_pending()?;
         self.release_idle(u64::MAX)
     }
@@ -410,8 +436,12 @@ impl<D: Driver> Strategy for Expandable<D> {
     }
 
     fn alloc(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        self.poll_pending()?;
-        self.allocate(size, stream)
+        let graph = self.pool_for(stream)?;
+        // Event queries are refused during a capture; pending frees wait until it ends.
+        if !self.capturing() {
+            self.poll_pending()?;
+        }
+        self.allocate(size, stream, graph)
     }
 
     /// Frees the block at `addr`. Once the block is free this returns `Ok`: if giving idle memory beyond
@@ -428,6 +458,11 @@ impl<D: Driver> Strategy for Expandable<D> {
     }
 
     fn empty_cache(&mut self) -> Result<(), Error> {
+        if self.capturing() {
+            return Err(Error::CaptureUnderway {
+                operation: "empty_cache",
+            });
+        }
         self.release_cache()?;
         self.free_empty_segments()
     }
@@ -435,10 +470,38 @@ impl<D: Driver> Strategy for Expandable<D> {
     /// Releases what is idle now. Pending blocks are not idle: the next allocation polls their events, and
     /// `empty_cache` waits for them.
     fn trim(&mut self, bytes: u64) -> Result<u64, Error> {
+        if self.capturing() {
+            return Err(Error::CaptureUnderway { operation: "trim" });
+        }
         self.release_idle(bytes)
     }
 
+    fn begin_allocate_to_pool(
+        &mut self,
+        pool: GraphPool,
+        filter: StreamFilter,
+    ) -> Result<(), Error> {
+        self.begin_pool(pool, filter, None)
+    }
+
+    fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        self.end_pool(pool)
+    }
+
+    fn release_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        self.release_graph_pool(pool)
+    }
+
+    fn add_peer(&mut self, peer: usize) -> Result<(), Error> {
+        self.grant_peer(peer)
+    }
+
+    fn captures_underway(&self) -> usize {
+        self.graphs.underway_count()
+    }
+
     fn stats(&self) -> Stats {
+        let (graph_pool_bytes, graph_pools) = self.graph_pool_bytes();
         let c = &self.counters;
         let pool_stats = |pool: Pool| {
             let i = pool.index();
@@ -472,6 +535,8 @@ impl<D: Driver> Strategy for Expandable<D> {
             idle_handle_bytes: self.pooled_pages() as u64 * self.page_size,
             handles_reused: c.handles_reused,
             lent_bytes: (self.lent_pages[0] + self.lent_pages[1]) as u64 * self.page_size,
+            graph_pool_bytes,
+            graph_pools,
             driver: self.driver.counters(),
             active: c.active_count.all,
             inactive_split: c.inactive_split_count.all,

@@ -54,7 +54,9 @@ impl<D: Driver> Expandable<D> {
         out.reserve(count);
         let from_pool = count.min(self.pooled.len());
         out.extend((self.pooled.drain(self.pooled.len() - from_pool..)).map(PhysPage::from));
+        // Compaction waits for streams and unmaps: never during a capture.
         if from_pool < count
+            && !self.capturing()
             && let Err(err) = self.reclaim(count - from_pool, out)
         {
             let obtained: Vec<PhysPage> = out.drain(base..).collect();
@@ -82,7 +84,7 @@ impl<D: Driver> Expandable<D> {
             self.counters.reserved.add(fresh * self.page_size);
             match created.map_err(Error::from) {
                 Ok(()) => {}
-                Err(err) if err.is_out_of_memory() && !retried => {
+                Err(err) if err.is_out_of_memory() && !retried && !self.capturing() => {
                     retried = true;
                     self.counters.retries += 1;
                     tracing::info!(
@@ -196,6 +198,8 @@ impl<D: Driver> Expandable<D> {
                 self.segments[slot]
                     .as_ref()
                     .is_some_and(|seg| seg.pages.idle_count() > 0)
+                    // A live graph pool's pages stay where the graph baked them in.
+                    && !self.pinned(slot)
             })
             .collect();
         if self.config.compaction == Compaction::Pressure {
@@ -524,7 +528,7 @@ impl<D: Driver> Expandable<D> {
             if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
                 continue;
             }
-            let (va, key, pool) = (seg.va, (seg.stream, seg.pool), seg.pool);
+            let (va, key, pool) = (seg.va, (seg.stream, seg.pool, seg.graph), seg.pool);
             self.free_reservation_settled(va)?;
             self.segments[slot] = None;
             self.by_addr.retain(|&(start, _)| start != va.start);
@@ -535,6 +539,11 @@ impl<D: Driver> Expandable<D> {
                 }
             }
             self.counters.segment.sub(pool, 1);
+            if let Some(graph) = key.2
+                && !self.live_segments().any(|seg| seg.graph == Some(graph))
+            {
+                self.graphs.forget_released(graph);
+            }
         }
         Ok(())
     }

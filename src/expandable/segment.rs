@@ -10,6 +10,7 @@
 use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
+use crate::graph_pool::GraphPool;
 use crate::page_map::PageMap;
 use crate::pool::Pool;
 use std::ops::Range;
@@ -50,6 +51,8 @@ pub(crate) struct Segment {
     pub va: VaRange,
     pub stream: StreamId,
     pub pool: Pool,
+    /// The private pool (CUDA graph) this segment serves, if any: only its allocations are placed here.
+    pub graph: Option<GraphPool>,
     /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
     pub whole_pages: bool,
     pub pages: PageMap,
@@ -80,6 +83,7 @@ impl Segment {
             va,
             stream,
             pool,
+            graph: None,
             whole_pages,
             pages,
             last_free: 0,

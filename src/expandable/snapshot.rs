@@ -73,6 +73,7 @@ fn segment(
         stream: seg.stream,
         pool: seg.pool,
         is_expandable: true,
+        graph_pool: seg.graph.unwrap_or_default(),
         blocks,
     }
 }

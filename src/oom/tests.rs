@@ -24,6 +24,8 @@ fn oom(allocator: &'static str) -> OutOfMemory {
         idle: 124 * MIB,
         largest_free_block: 20 * MIB,
         retried: true,
+        graph_pool_bytes: 0,
+        capturing: false,
         reclaim: vec![
             ReclaimStep::ReleaseCache { bytes: 4 * MIB },
             ReclaimStep::Retry,

@@ -228,7 +228,7 @@ fn segment_value(seg: &SnapshotSegment) -> Value {
         ("segment_type".into(), kind.into()),
         (
             "segment_pool_id".into(),
-            Value::Pair(Box::new((0u64.into(), 0u64.into()))),
+            Value::Pair(Box::new((seg.graph_pool.0.into(), seg.graph_pool.1.into()))),
         ),
         ("is_expandable".into(), Value::Bool(seg.is_expandable)),
         ("frames".into(), Value::List(Vec::new())),

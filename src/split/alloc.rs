@@ -290,6 +290,8 @@ impl<D: Driver> Split<D> {
             idle_handles: 0,
             largest_free_block: self.largest_cached_block(),
             retried: true,
+            graph_pool_bytes: 0,
+            capturing: false,
             reclaim,
         }
     }

@@ -413,6 +413,8 @@ impl<D: Driver> Strategy for Split<D> {
             idle_handle_bytes: 0,
             handles_reused: 0,
             lent_bytes: 0,
+            graph_pool_bytes: 0,
+            graph_pools: 0,
             driver: self.driver.counters(),
             active: c.allocation.all,
             inactive_split: c.inactive_split.all,

@@ -24,6 +24,7 @@ impl<D: Driver> Split<D> {
                     stream: seg.stream,
                     pool: seg.pool,
                     is_expandable: seg.expandable.is_some(),
+                    graph_pool: crate::graph_pool::GraphPool::NONE,
                     blocks: Vec::new(),
                 });
                 segment.total_size += b.size;

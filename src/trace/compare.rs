@@ -152,7 +152,7 @@ pub fn compare_observed<O: ReplayObserver + ?Sized>(
         files.extend(load::load(path, options.trace_device)?);
     }
     // Open the device once before any work, so a missing driver is reported at once.
-    drop(options.backend.open(sim.clone())?);
+    drop(options.backend.open_for_replay(sim.clone())?);
     let mut results = Vec::new();
     for name in &options.workloads {
         let trace = workload::generate(name, options.seed)
@@ -175,7 +175,7 @@ fn replay_all<O: ReplayObserver + ?Sized>(
     observer: &mut O,
 ) -> Result<(), CompareError> {
     for allocator in &options.allocators {
-        let device = options.backend.open(sim.clone())?;
+        let device = options.backend.open_for_replay(sim.clone())?;
         let mut strategy = allocators::build_on(allocator, device, config.clone())?;
         let result = replay_observed(strategy.as_mut(), trace, &options.replay, observer).map_err(
             |source| CompareError::Replay {

@@ -99,7 +99,7 @@ pub fn run_driver_bench(args: DriverBenchArgs) -> ExitCode {
     let mut device = match args
         .backend
         .backend
-        .open(SimConfig::default().with_latency(args.backend.latency_model.clone()))
+        .open_for_replay(SimConfig::default().with_latency(args.backend.latency_model.clone()))
     {
         Ok(device) => device,
         Err(e) => {
