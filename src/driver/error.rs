@@ -1,7 +1,7 @@
 //! What can go wrong in a driver call: [`DriverError`], one kind per CUDA rule.
 
 use super::Op;
-use super::types::{EventId, PhysHandle, StreamId};
+use super::types::{CaptureMisuse, EventId, PhysHandle, StreamId};
 
 /// What can go wrong in a driver call. Each CUDA rule that [`sim::SimDriver`](super::sim::SimDriver) enforces has its own kind.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -230,6 +230,24 @@ pub enum DriverError {
     CaptureInvalidated {
         /// The stream whose capture was invalidated.
         stream: StreamId,
+    },
+    /// A capture begun or ended where CUDA does not allow it: begun on a stream already capturing or on
+    /// the legacy default stream, or ended on a stream that is not capturing. Nothing changes.
+    #[error("{stream}: {misuse}")]
+    CaptureMisuse {
+        /// The stream named.
+        stream: StreamId,
+        /// What was wrong.
+        misuse: CaptureMisuse,
+    },
+    /// A query of an event whose last record was made while its stream was capturing
+    /// (`CUDA_ERROR_CAPTURED_EVENT`): the record is a node of the graph, not work that runs, so the event
+    /// never completes in the eager sense. While that capture is under way the query is
+    /// [`DriverError::CaptureUnsupported`] instead (and invalidates it).
+    #[error("event {} was last recorded on a capturing stream: it cannot be queried", event.0)]
+    CapturedEvent {
+        /// The event.
+        event: EventId,
     },
     /// A real driver call failed.
     #[error("{op}: CUDA error {code} ({name})")]

@@ -23,7 +23,8 @@ pub use counters::DriverCounters;
 pub use error::DriverError;
 pub use op::Op;
 pub use types::{
-    CaptureMode, CaptureStatus, EventId, MemInfo, PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureMisuse, CaptureMode, CaptureStatus, EventId, MemInfo, PhysHandle, PhysPage, StreamId,
+    VaRange,
 };
 
 /// A device as cuvmm's strategies see it.

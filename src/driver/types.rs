@@ -156,4 +156,35 @@ impl CaptureStatus {
     pub fn is_capturing(self) -> bool {
         !matches!(self, CaptureStatus::None)
     }
+
+    /// The capture's id, if the stream is capturing.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            CaptureStatus::None => None,
+            CaptureStatus::Active { id, .. } | CaptureStatus::Invalidated { id } => Some(id),
+        }
+    }
+}
+
+/// Why beginning or ending a capture was refused ([`DriverError::CaptureMisuse`](super::DriverError::CaptureMisuse)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaptureMisuse {
+    /// A capture begun on a stream that is already capturing (`CUDA_ERROR_ILLEGAL_STATE`).
+    AlreadyCapturing,
+    /// A capture begun on the legacy default stream, `0` or [`StreamId::LEGACY`], which CUDA cannot capture
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`).
+    DefaultStream,
+    /// A capture ended on a stream that is not capturing (`CUDA_ERROR_ILLEGAL_STATE`).
+    NotCapturing,
+}
+
+impl fmt::Display for CaptureMisuse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CaptureMisuse::AlreadyCapturing => "a capture was begun on a stream already capturing",
+            CaptureMisuse::DefaultStream => "the legacy default stream cannot be captured",
+            CaptureMisuse::NotCapturing => "a capture was ended on a stream that is not capturing",
+        })
+    }
 }

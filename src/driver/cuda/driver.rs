@@ -6,7 +6,8 @@ use super::result::{self, Granularity};
 use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
+    CaptureMode, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
+    PhysHandle, StreamId, VaRange,
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
@@ -33,7 +34,15 @@ use std::sync::Arc;
 ///   is what the trait promises. The recommended one is available from
 ///   [`recommended_granularity`](CudaDriver::recommended_granularity); on current NVIDIA GPUs both are 2 MiB.
 /// - **Access.** [`set_access`](Driver::set_access) grants read-write access to the device itself and to
-///   the peers given to [`with_peers`](CudaDriver::with_peers) (none by default), in one `cuMemSetAccess`.
+///   the peers given to [`with_peers`](CudaDriver::with_peers) or added since with
+///   [`add_peer`](Driver::add_peer) (none by default), in one `cuMemSetAccess`.
+/// - **Capture.** [`capture_status`](Driver::capture_status) is `cuStreamGetCaptureInfo` (the mode is
+///   reported as `None`: CUDA does not say it). For the GPU tests, [`begin_capture`](CudaDriver::begin_capture)
+///   and [`end_capture`](CudaDriver::end_capture) capture a stream and throw the graph away. A call on a
+///   named stream that CUDA refuses during a capture is [`DriverError::CaptureUnsupported`] (or
+///   [`DriverError::CaptureInvalidated`]); a refused event query, which names no stream, stays
+///   [`DriverError::Cuda`] with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, and one of an event recorded
+///   during a capture that has ended is [`DriverError::CapturedEvent`].
 /// - **Events** are raw `CUevent`s without timing, kept in the ledger: an event is forgotten only once
 ///   `cuEventDestroy` succeeded (or answered that the event is gone), so no event is lost track of.
 /// - **Failures** follow the [`Driver`] contract: a failed call had no effect, or the repeat reports the
@@ -133,16 +142,7 @@ impl CudaDriver {
         let mut access = vec![device];
         let mut peer_list = Vec::new();
         for &peer in peers.iter().filter(|&&p| p != ordinal) {
-            let peer_device = cudarc::driver::result::device::get(peer as i32)
-                .map_err(|e| setup("cuDeviceGet", &e))?;
-            let can = result::can_access_peer(peer_device, device)
-                .map_err(|e| setup("cuDeviceCanAccessPeer", &e))?;
-            if !can {
-                return Err(DriverError::PeerAccess {
-                    device: ordinal,
-                    peer,
-                });
-            }
+            let peer_device = peer_device(ordinal, device, peer)?;
             if !access.contains(&peer_device) {
                 access.push(peer_device);
                 peer_list.push(peer);
@@ -216,6 +216,40 @@ impl CudaDriver {
     /// back. Each was logged with `tracing::error!` when found.
     pub fn take_deferred_errors(&mut self) -> Vec<DriverError> {
         std::mem::take(&mut self.calls.deferred)
+    }
+
+    /// Begins capturing `stream` into a graph in `mode` (`cuStreamBeginCapture`) and returns the capture's
+    /// id (`cuStreamGetCaptureInfo`). For tests: cuvmm itself never captures. Not counted. Refused with
+    /// [`DriverError::CaptureMisuse`] on the legacy default stream and on a stream already capturing.
+    pub fn begin_capture(
+        &mut self,
+        stream: StreamId,
+        mode: CaptureMode,
+    ) -> Result<u64, DriverError> {
+        let raw = self.stream(Op::CaptureInfo, stream)?;
+        let began = self.calls.call(Op::CaptureInfo, 0, || {
+            // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
+            // caller's, whose `StreamId` contract is that it is alive (point 1); CUDA refuses the legacy one.
+            unsafe { result::stream_begin_capture(raw_stream(raw), mode) }?;
+            // SAFETY: as above (point 1).
+            unsafe { result::stream_capture_info(raw_stream(raw)) }.map(|(_, id)| id)
+        });
+        began.map_err(|e| result::on_capture(e, stream, false))
+    }
+
+    /// Ends the capture of `stream` (`cuStreamEndCapture`) and destroys the graph it made. For tests. Not
+    /// counted. [`DriverError::CaptureInvalidated`] if a call CUDA refused invalidated the capture (the
+    /// stream has stopped capturing either way), [`DriverError::CaptureMisuse`] if it was not capturing.
+    pub fn end_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        let raw = self.stream(Op::CaptureInfo, stream)?;
+        let ended = self.calls.call(Op::CaptureInfo, 0, || {
+            // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
+            // caller's, whose `StreamId` contract is that it is alive (point 1).
+            let graph = unsafe { result::stream_end_capture(raw_stream(raw)) }?;
+            // SAFETY: the graph was just made by the capture's end and nothing else holds it (points 1-2).
+            unsafe { result::graph_destroy(graph) }
+        });
+        ended.map_err(|e| result::on_capture(e, stream, true))
     }
 
     /// Runs one operation, counting it once with the driver time its calls took.
@@ -433,13 +467,13 @@ impl Driver for CudaDriver {
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.counted(Op::RecordEvent, |d| {
             let raw = d.stream(Op::RecordEvent, stream)?;
-            d.ledger.record_event(&mut d.calls, raw)
+            (d.ledger.record_event(&mut d.calls, raw)).map_err(|e| result::on_stream(e, stream))
         })
     }
 
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.counted(Op::QueryEvent, |d| {
-            d.ledger.event_complete(&mut d.calls, event)
+            (d.ledger.event_complete(&mut d.calls, event)).map_err(|e| result::on_event(e, event))
         })
     }
 
@@ -452,11 +486,12 @@ impl Driver for CudaDriver {
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         self.counted(Op::Synchronize, |d| {
             let raw = d.stream(Op::Synchronize, stream)?;
-            d.calls.call(Op::Synchronize, 0, || {
+            let synchronized = d.calls.call(Op::Synchronize, 0, || {
                 // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_synchronize(raw_stream(raw)) }
-            })
+            });
+            synchronized.map_err(|e| result::on_stream(e, stream))
         })
     }
 
@@ -466,6 +501,47 @@ impl Driver for CudaDriver {
 
     fn ordinal(&self) -> usize {
         self.ordinal
+    }
+
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        use sys::CUstreamCaptureStatus as Status;
+        self.counted(Op::CaptureInfo, |d| {
+            let raw = d.stream(Op::CaptureInfo, stream)?;
+            let info = d.calls.call(Op::CaptureInfo, 0, || {
+                // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
+                // caller's, whose `StreamId` contract is that it is alive (point 1).
+                unsafe { result::stream_capture_info(raw_stream(raw)) }
+            });
+            let (status, id) = info.map_err(|e| result::on_stream(e, stream))?;
+            Ok(match status {
+                Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+                Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
+                Status::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated { id },
+            })
+        })
+    }
+
+    /// Checks `cuDeviceCanAccessPeer` ([`DriverError::PeerAccess`] if the peer cannot reach this device's
+    /// memory, or there is no such device), then adds the peer to the devices every later `set_access`
+    /// grants access to, as [`with_peers`](CudaDriver::with_peers) does. Not counted: it maps nothing.
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        if peer == self.ordinal || self.peers.contains(&peer) {
+            return Ok(());
+        }
+        let count = cudarc::driver::result::device::get_count()
+            .map_err(|e| setup("cuDeviceGetCount", &e))?;
+        if peer >= usize::try_from(count).unwrap_or(0) {
+            return Err(DriverError::PeerAccess {
+                device: self.ordinal,
+                peer,
+            });
+        }
+        let peer_device = peer_device(self.ordinal, self.calls.ctx.cu_device(), peer)?;
+        if !self.access.contains(&peer_device) {
+            self.access.push(peer_device);
+            self.peers.push(peer);
+        }
+        Ok(())
     }
 
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
@@ -526,6 +602,26 @@ fn load_driver() -> Result<(), DriverError> {
             reason: format!("cuInit failed: {what} (CUDA error {code}, {name})"),
         }
     })
+}
+
+/// Device `peer` (an ordinal below the device count), checked to reach the memory of `device`, device
+/// `ordinal`: [`DriverError::PeerAccess`] if it cannot.
+fn peer_device(ordinal: usize, device: CUdevice, peer: usize) -> Result<CUdevice, DriverError> {
+    let peer_i32 = i32::try_from(peer).map_err(|_| DriverError::PeerAccess {
+        device: ordinal,
+        peer,
+    })?;
+    let peer_device =
+        cudarc::driver::result::device::get(peer_i32).map_err(|e| setup("cuDeviceGet", &e))?;
+    let can = result::can_access_peer(peer_device, device)
+        .map_err(|e| setup("cuDeviceCanAccessPeer", &e))?;
+    if !can {
+        return Err(DriverError::PeerAccess {
+            device: ordinal,
+            peer,
+        });
+    }
+    Ok(peer_device)
 }
 
 /// A failed setup call.

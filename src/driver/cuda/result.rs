@@ -12,7 +12,7 @@
 //! loaded and [`missing_symbols`] found nothing missing: with `dynamic-loading`, cudarc panics on a call it
 //! cannot resolve.
 
-use crate::driver::DriverError;
+use crate::driver::{CaptureMisuse, CaptureMode, DriverError, EventId, StreamId};
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
 use std::mem::MaybeUninit;
@@ -49,6 +49,10 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuStreamCreate",
     "cuStreamSynchronize",
     "cuStreamDestroy_v2",
+    "cuStreamGetCaptureInfo_v2",
+    "cuStreamBeginCapture_v2",
+    "cuStreamEndCapture",
+    "cuGraphDestroy",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
@@ -142,6 +146,79 @@ pub(super) unsafe fn event_destroy(event: sys::CUevent) -> Result<(), CuError> {
 pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), CuError> {
     // SAFETY: the stream is alive (point 1).
     unsafe { sys::cuStreamSynchronize(stream).result() }
+}
+
+/// Whether `stream` is being captured into a graph, and the capture's id (meaningful when capturing).
+///
+/// See [cuStreamGetCaptureInfo() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+///
+/// # Safety
+/// 1. `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a stream that is alive.
+pub(super) unsafe fn stream_capture_info(
+    stream: sys::CUstream,
+) -> Result<(sys::CUstreamCaptureStatus, u64), CuError> {
+    let mut status = MaybeUninit::uninit();
+    let mut id = MaybeUninit::uninit();
+    // SAFETY: the stream is alive (point 1); `status` and `id` are valid for the call and the driver writes
+    // both before returning success; the graph, dependencies and count outputs are optional and left null.
+    unsafe {
+        sys::cuStreamGetCaptureInfo_v2(
+            stream,
+            status.as_mut_ptr(),
+            id.as_mut_ptr(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+        .result()?;
+        Ok((status.assume_init(), id.assume_init()))
+    }
+}
+
+/// Begins capturing `stream` into a new graph, in `mode`.
+///
+/// See [cuStreamBeginCapture() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+///
+/// # Safety
+/// 1. `stream` is `CU_STREAM_PER_THREAD` or a stream that is alive.
+pub(super) unsafe fn stream_begin_capture(
+    stream: sys::CUstream,
+    mode: CaptureMode,
+) -> Result<(), CuError> {
+    let mode = match mode {
+        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+    };
+    // SAFETY: the stream is alive (point 1); the driver refuses the legacy stream itself.
+    unsafe { sys::cuStreamBeginCapture_v2(stream, mode).result() }
+}
+
+/// Ends the capture of `stream` and returns its graph, which the caller must destroy.
+///
+/// See [cuStreamEndCapture() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
+///
+/// # Safety
+/// 1. `stream` is `CU_STREAM_PER_THREAD` or a stream that is alive.
+pub(super) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<sys::CUgraph, CuError> {
+    let mut graph = MaybeUninit::uninit();
+    // SAFETY: the stream is alive (point 1); `graph` is valid for the call and written before success.
+    unsafe {
+        sys::cuStreamEndCapture(stream, graph.as_mut_ptr()).result()?;
+        Ok(graph.assume_init())
+    }
+}
+
+/// Destroys a graph from [`stream_end_capture`].
+///
+/// See [cuGraphDestroy() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
+///
+/// # Safety
+/// 1. `graph` was returned by [`stream_end_capture`] and has not been destroyed.
+/// 2. No one will use `graph` afterwards.
+pub(super) unsafe fn graph_destroy(graph: sys::CUgraph) -> Result<(), CuError> {
+    // SAFETY: the graph is alive and not used again (points 1-2).
+    unsafe { sys::cuGraphDestroy(graph).result() }
 }
 
 /// Whether the CUDA driver library (libcuda.so / nvcuda.dll) can be loaded.
@@ -471,6 +548,70 @@ pub(super) fn is_no_device(err: &CuError) -> bool {
 const INVALID_VALUE: u32 = 1;
 /// `CUDA_ERROR_INVALID_HANDLE`.
 const INVALID_HANDLE: u32 = 400;
+
+/// `CUDA_ERROR_ILLEGAL_STATE`.
+const ILLEGAL_STATE: u32 = 401;
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`.
+const CAPTURE_UNSUPPORTED: u32 = 900;
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`.
+const CAPTURE_INVALIDATED: u32 = 901;
+/// `CUDA_ERROR_CAPTURED_EVENT`.
+const CAPTURED_EVENT: u32 = 907;
+
+/// The error of a call that names `stream`: `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` is
+/// [`DriverError::CaptureUnsupported`] and `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`
+/// [`DriverError::CaptureInvalidated`] for that stream; anything else is unchanged. (A call that names no
+/// stream, such as an event query refused in global mode, cannot say which stream is capturing, and keeps
+/// [`DriverError::Cuda`].)
+pub(super) fn on_stream(err: DriverError, stream: StreamId) -> DriverError {
+    match err {
+        DriverError::Cuda {
+            op,
+            code: CAPTURE_UNSUPPORTED,
+            ..
+        } => DriverError::CaptureUnsupported { op, stream },
+        DriverError::Cuda {
+            code: CAPTURE_INVALIDATED,
+            ..
+        } => DriverError::CaptureInvalidated { stream },
+        err => err,
+    }
+}
+
+/// The error of a query of `event`: `CUDA_ERROR_CAPTURED_EVENT` is [`DriverError::CapturedEvent`].
+pub(super) fn on_event(err: DriverError, event: EventId) -> DriverError {
+    match err {
+        DriverError::Cuda {
+            code: CAPTURED_EVENT,
+            ..
+        } => DriverError::CapturedEvent { event },
+        err => err,
+    }
+}
+
+/// The error of beginning (`ending` false) or ending a capture of `stream`: `CUDA_ERROR_ILLEGAL_STATE` is
+/// [`DriverError::CaptureMisuse`] (already capturing, or not capturing), and so is
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` for a capture begun on the legacy default stream; otherwise as
+/// [`on_stream`].
+pub(super) fn on_capture(err: DriverError, stream: StreamId, ending: bool) -> DriverError {
+    let misuse = |misuse| DriverError::CaptureMisuse { stream, misuse };
+    let legacy = stream == StreamId::DEFAULT || stream == StreamId::LEGACY;
+    match err {
+        DriverError::Cuda {
+            code: ILLEGAL_STATE,
+            ..
+        } if ending => misuse(CaptureMisuse::NotCapturing),
+        DriverError::Cuda {
+            code: ILLEGAL_STATE,
+            ..
+        } => misuse(CaptureMisuse::AlreadyCapturing),
+        DriverError::Cuda {
+            code: CAPTURE_UNSUPPORTED,
+            ..
+        } if legacy && !ending => misuse(CaptureMisuse::DefaultStream),
+        err => on_stream(err, stream),
+    }
+}
 
 /// Whether a failed call's error is the driver saying it does not know the resource it was given
 /// (`CUDA_ERROR_INVALID_VALUE` or `CUDA_ERROR_INVALID_HANDLE`). Such an error is a rejection: the call had no

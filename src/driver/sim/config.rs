@@ -26,6 +26,9 @@ pub struct SimConfig {
     /// `CUDA_ERROR_NOT_SUPPORTED` (docs/gpu-results.md). On, the simulator models what CUDA 12's
     /// documentation once suggested, for lending chunk pages (`lend_chunk_pages`) on a driver that allows it.
     pub partial_mappings: bool,
+    /// Devices in the simulated machine (this one is device 0): [`Driver::add_peer`](crate::driver::Driver::add_peer)
+    /// accepts peers `1 .. devices`. From 1 to [`SimConfig::MAX_DEVICES`]; 8 by default, as on a DGX.
+    pub devices: usize,
 }
 
 impl Default for SimConfig {
@@ -38,11 +41,20 @@ impl Default for SimConfig {
             backing_store: false,
             sleep_latency: false,
             partial_mappings: false,
+            devices: 8,
         }
     }
 }
 
 impl SimConfig {
+    /// The most devices a simulated machine has (peers are kept as a 32-bit set).
+    pub const MAX_DEVICES: usize = 32;
+
+    /// Sets the number of devices in the simulated machine (see [`SimConfig::devices`]).
+    pub fn with_devices(mut self, devices: usize) -> Self {
+        self.devices = devices;
+        self
+    }
     /// Sets the capacity.
     pub fn with_capacity(mut self, bytes: u64) -> Self {
         self.capacity = bytes;

@@ -21,6 +21,8 @@ pub(super) struct Record {
     pub(super) base: u64,
     /// Whether `set_access` was called on the mapping.
     pub(super) accessible: bool,
+    /// The peers (one bit per device ordinal) that a `set_access` on the mapping granted access to.
+    pub(super) peers: u32,
 }
 
 impl Record {
@@ -106,6 +108,7 @@ mod tests {
             handle,
             base: 0,
             accessible: false,
+            peers: 0,
         };
         let a = m.insert(record(10, 5));
         let b = m.insert(record(20, 6));

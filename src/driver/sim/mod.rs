@@ -38,9 +38,24 @@
 //!   missing: reads and writes are not driver calls); to a mapping without access,
 //!   [`DriverError::AccessDenied`]. These checks are made whether or not the store is on; when they pass
 //!   and the store is off, the result is [`DriverError::NoBackingStore`].
+//! - **Stream capture** (`capture.rs`). [`SimDriver::begin_capture`] and [`SimDriver::end_capture`] (test
+//!   controls, not counted) capture a stream into a graph, in a [`CaptureMode`], on the calling thread, and
+//!   [`Driver::capture_status`] reports it. During a capture the simulator refuses what CUDA refuses, so an
+//!   allocator that would break a capture fails a test: `synchronize` of the capturing stream and a query
+//!   of an event recorded on it during the capture (every mode), and the potentially unsafe calls
+//!   (`event_complete`, `synchronize`, and, stricter than CUDA may be, `unmap`, `release`,
+//!   `free_reservation`, `free`) from any thread during a `Global` capture or from the capturing thread
+//!   during a `ThreadLocal` one. A refused call is counted, has no effect, fails with
+//!   [`DriverError::CaptureUnsupported`] and invalidates the captures that forbade it
+//!   ([`SimDriver::capture_refusals`], [`SimDriver::invalidated_captures`]). Work launched and events
+//!   recorded on a capturing stream are nodes of the graph: they are not queued and never complete.
+//! - **Peers.** [`Driver::add_peer`] (not counted: it configures later calls) makes every later
+//!   `set_access` grant the peer access too; [`SimDriver::peer_access`] says what a mapping grants. The
+//!   machine has [`SimConfig::devices`] devices; this one is device 0.
 //! - **Leaks.** [`SimDriver::leak_report`] lists what is still held; dropping a device that still holds
 //!   something logs the report with `tracing::warn!` (it never panics).
 
+mod capture;
 mod config;
 mod faults;
 mod granules;
@@ -60,9 +75,10 @@ pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYT
 pub use report::LeakReport;
 
 use super::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId,
-    VaRange,
+    CaptureMode, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
+    PhysHandle, PhysPage, StreamId, VaRange,
 };
+use capture::Captures;
 use faults::Faults;
 use malloc::Mallocs;
 use std::collections::VecDeque;
@@ -79,6 +95,9 @@ pub struct SimDriver {
     vmm: Vmm,
     mallocs: Mallocs,
     streams: Streams,
+    captures: Captures,
+    /// The peers added ([`Driver::add_peer`]), one bit per device ordinal.
+    peers: u32,
     store: Option<ByteStore>,
     malloc_plan: VecDeque<(u64, u64)>,
 }
@@ -91,15 +110,19 @@ struct Span {
 }
 
 impl SimDriver {
-    /// A device built as `config` says. A granularity of 0 is taken as 1.
+    /// A device built as `config` says. A granularity of 0 is taken as 1, and a machine of
+    /// [`devices`](SimConfig::devices) outside 1 to [`SimConfig::MAX_DEVICES`] as the nearest of them.
     pub fn new(mut config: SimConfig) -> Self {
         config.granularity = config.granularity.max(1);
+        config.devices = config.devices.clamp(1, SimConfig::MAX_DEVICES);
         Self {
             counters: DriverCounters::default(),
             faults: Faults::default(),
             vmm: Vmm::new(config.granularity, config.capacity, config.partial_mappings),
             mallocs: Mallocs::default(),
             streams: Streams::default(),
+            captures: Captures::default(),
+            peers: 0,
             store: config.backing_store.then(ByteStore::default),
             malloc_plan: VecDeque::new(),
             config,
@@ -163,9 +186,15 @@ impl SimDriver {
     /// pending until the test completes it. Every byte of every range must be accessible now
     /// ([`DriverError::NotMapped`] or [`DriverError::AccessDenied`] otherwise, and nothing is queued): a
     /// kernel launched on memory that is not mapped would fault at once. Not a driver call.
+    ///
+    /// On a capturing stream the kernel is a node of the graph: it is checked and numbered, but not queued,
+    /// and never runs.
     pub fn launch(&mut self, stream: StreamId, ranges: &[VaRange]) -> Result<u64, DriverError> {
         for range in ranges {
             self.spans(range.start, range.size)?;
+        }
+        if self.captures.is_capturing(stream) {
+            return Ok(self.streams.launch_captured());
         }
         Ok(self.streams.launch(stream, ranges))
     }
@@ -191,9 +220,53 @@ impl SimDriver {
     pub fn clear_faults(&mut self) {
         self.faults.clear();
     }
-    /// Completes `event` and everything queued before it on its stream (stream order).
+    /// Completes `event` and everything queued before it on its stream (stream order). An event recorded
+    /// during a capture never completes: [`DriverError::CapturedEvent`].
     pub fn complete_event(&mut self, event: EventId) -> Result<(), DriverError> {
+        if self.captures.is_captured_event(event) {
+            return Err(DriverError::CapturedEvent { event });
+        }
         self.streams.complete(event)
+    }
+    /// Begins capturing `stream` into a graph in `mode`, on the calling thread (`cuStreamBeginCapture`);
+    /// returns the capture's id, unique on this device, from 1. Refused with
+    /// [`DriverError::CaptureMisuse`] on the legacy default stream (`0` or [`StreamId::LEGACY`]) and on a
+    /// stream already capturing. A test control, not counted. See the module documentation for what a
+    /// capture refuses.
+    pub fn begin_capture(
+        &mut self,
+        stream: StreamId,
+        mode: CaptureMode,
+    ) -> Result<u64, DriverError> {
+        self.captures.begin(stream, mode)
+    }
+    /// Ends the capture of `stream` (`cuStreamEndCapture`): the stream stops capturing either way.
+    /// [`DriverError::CaptureInvalidated`] if a refused call invalidated the capture,
+    /// [`DriverError::CaptureMisuse`] if the stream was not capturing. A test control, not counted.
+    pub fn end_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        self.captures.end(stream)
+    }
+    /// Calls refused so far because of a capture ([`DriverError::CaptureUnsupported`] and
+    /// [`DriverError::CapturedEvent`]).
+    pub fn capture_refusals(&self) -> u64 {
+        self.captures.refusals()
+    }
+    /// Captures invalidated so far by a refused call.
+    pub fn invalidated_captures(&self) -> u64 {
+        self.captures.invalidated()
+    }
+    /// Whether device `peer` may read and write the mapping at `va`: for this device (0), whether its
+    /// access was set; for a peer, whether a `set_access` made after [`Driver::add_peer`] of it covered
+    /// the mapping. `false` where nothing is mapped (unmapping forgets the access).
+    pub fn peer_access(&self, va: u64, peer: usize) -> bool {
+        let Some((_, mapping)) = self.vmm.mapping_at(va) else {
+            return false;
+        };
+        match peer {
+            0 => mapping.accessible,
+            p if p < 32 => mapping.accessible && mapping.peers & (1 << p) != 0,
+            _ => false,
+        }
     }
     /// Completes everything queued on `stream`.
     pub fn complete_stream(&mut self, stream: StreamId) {
@@ -295,6 +368,16 @@ impl SimDriver {
         self.inject(op, bytes)
     }
 
+    /// Refuses a potentially unsafe call of `op` during a capture that forbids it (`own`: the stream whose
+    /// work the call waits for). Free when no capture is under way.
+    #[inline(always)]
+    fn refuse_in_capture(&mut self, op: Op, own: Option<StreamId>) -> Result<(), DriverError> {
+        if self.captures.idle() {
+            return Ok(());
+        }
+        self.captures.check(op, own)
+    }
+
     /// The fault planned for the call of `op` just counted, if any.
     #[inline(never)]
     fn inject(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
@@ -384,6 +467,7 @@ impl Driver for SimDriver {
     }
     fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
         self.begin(Op::FreeReservation, range.size)?;
+        self.refuse_in_capture(Op::FreeReservation, None)?;
         self.vmm.free_reservation(range)
     }
     fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
@@ -393,6 +477,7 @@ impl Driver for SimDriver {
     }
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
         self.begin(Op::Release, self.vmm.handle_size(handle).unwrap_or(0))?;
+        self.refuse_in_capture(Op::Release, None)?;
         if let Some(freed) = self.vmm.release(handle)? {
             self.forget(Owner::Handle(freed));
         }
@@ -454,12 +539,13 @@ impl Driver for SimDriver {
     }
     fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::SetAccess, size)?;
-        let covered = self.vmm.set_access(va, size)?;
+        let covered = self.vmm.set_access(va, size, self.peers)?;
         self.more_mappings(Op::SetAccess, covered);
         Ok(())
     }
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.begin(Op::Unmap, size)?;
+        self.refuse_in_capture(Op::Unmap, None)?;
         if let Some(&(stream, va)) = self.streams.users_of(va, size).first() {
             return Err(DriverError::UnmapWhileInUse { va, stream });
         }
@@ -493,24 +579,36 @@ impl Driver for SimDriver {
     }
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
         self.begin(Op::Free, self.mallocs.size(ptr).unwrap_or(0))?;
+        self.refuse_in_capture(Op::Free, None)?;
         self.mallocs.free(ptr)?;
         self.forget(Owner::Malloc(ptr));
         Ok(())
     }
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.begin(Op::RecordEvent, 0)?;
+        if self.captures.is_capturing(stream) {
+            let event = self.streams.record_captured(stream);
+            self.captures.recorded(event, stream);
+            return Ok(event);
+        }
         Ok(self.streams.record(stream))
     }
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.begin(Op::QueryEvent, 0)?;
+        if !self.captures.idle() {
+            self.captures.check_query(event)?;
+        }
         self.streams.is_complete(event)
     }
     fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
         self.begin(Op::DestroyEvent, 0)?;
-        self.streams.destroy(event)
+        self.streams.destroy(event)?;
+        self.captures.destroyed(event);
+        Ok(())
     }
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         self.begin(Op::Synchronize, 0)?;
+        self.refuse_in_capture(Op::Synchronize, Some(stream))?;
         self.streams.complete_stream(stream);
         Ok(())
     }
@@ -519,6 +617,23 @@ impl Driver for SimDriver {
     }
     fn maps_parts_of_handles(&self) -> bool {
         self.config.partial_mappings
+    }
+    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
+        self.begin(Op::CaptureInfo, 0)?;
+        Ok(self.captures.status(stream))
+    }
+    /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`]) is
+    /// [`DriverError::PeerAccess`]. Not counted: it makes no driver call, it configures later
+    /// `set_access` calls.
+    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
+        if peer == 0 {
+            return Ok(());
+        }
+        if peer >= self.config.devices {
+            return Err(DriverError::PeerAccess { device: 0, peer });
+        }
+        self.peers |= 1 << peer;
+        Ok(())
     }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         self.begin(Op::Memset, size)?;

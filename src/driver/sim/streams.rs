@@ -51,6 +51,22 @@ impl Streams {
         self.next_work
     }
 
+    /// Numbers work launched on a capturing stream: a node of the graph, which is not queued and never runs.
+    pub(super) fn launch_captured(&mut self) -> u64 {
+        self.next_work += 1;
+        self.next_work
+    }
+
+    /// Records an event on `stream` while it is capturing: a node of the graph, not queued, and never
+    /// complete.
+    pub(super) fn record_captured(&mut self, stream: StreamId) -> EventId {
+        self.next_event += 1;
+        let id = self.next_event;
+        let complete = false;
+        self.events.insert(id, Event { stream, complete });
+        EventId(id)
+    }
+
     /// Records an event at the end of `stream`: complete at once if nothing is pending there.
     pub(super) fn record(&mut self, stream: StreamId) -> EventId {
         self.next_event += 1;

@@ -33,6 +33,8 @@ pub(super) struct Mapping {
     pub(super) handle: u64,
     /// Whether `set_access` made it readable and writable.
     pub(super) accessible: bool,
+    /// The peers that `set_access` granted access to, one bit per device ordinal.
+    pub(super) peers: u32,
 }
 
 /// Reservations, handles and mappings.
@@ -180,6 +182,7 @@ impl Vmm {
             handle: handle.0,
             base,
             accessible: false,
+            peers: 0,
         };
         let mappings = &mut self.mappings;
         if let Err(index) = self
@@ -266,6 +269,7 @@ impl Vmm {
                 handle: page.handle.0,
                 base: self.granule.quotient(page.offset),
                 accessible: false,
+                peers: 0,
             });
             self.granules.insert(first..first + per_page, id);
             self.handles.mapped(page.handle);
@@ -274,14 +278,21 @@ impl Vmm {
         true
     }
 
-    /// `cuMemSetAccess` on whole mappings. Returns how many mappings the range covered.
-    pub(super) fn set_access(&mut self, va: u64, size: u64) -> Result<u64, DriverError> {
+    /// `cuMemSetAccess` on whole mappings, for the device and for `peers` (one bit per device ordinal).
+    /// Returns how many mappings the range covered.
+    pub(super) fn set_access(
+        &mut self,
+        va: u64,
+        size: u64,
+        peers: u32,
+    ) -> Result<u64, DriverError> {
         let range = self.check_whole_mappings(Op::SetAccess, va, size)?;
         let mut index = range.start;
         let mut covered = 0;
         while index < range.end {
             let mapping = self.mappings.get_mut(self.granules.starting_at(index));
             mapping.accessible = true;
+            mapping.peers |= peers;
             index = mapping.end();
             covered += 1;
         }
@@ -323,6 +334,7 @@ impl Vmm {
             offset: record.base * g,
             handle: record.handle,
             accessible: record.accessible,
+            peers: record.peers,
         };
         Some((record.first * g, mapping))
     }
