@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds, on a machine without a GPU, everything the GPU steps of docs/gpu.md run, into one folder to carry
 # to the GPU machine (default gpu-bin/, which .gitignore leaves out): the `cuvmm` binary and the service
-# example built with `--features cuda`, the CUDA test binaries under fixed names, libcuvmm_torch.so, and the
-# shared traces (../shared/traces) with each one converted to cuvmm's format for tools/torch_replay.py.
+# example built with `--features cuda`, the CUDA test binaries under fixed names, libcuvmm_torch.so (all that
+# the PyTorch steps, tools/gpu/torch_suite.py included, need from here), and the shared traces
+# (../shared/traces) with each one converted to cuvmm's format for tools/torch_replay.py.
 # Binaries are stripped to keep the folder small. Then, on the GPU machine: tools/gpu/run.sh STEP...
 #
 #   tools/gpu/build.sh [DIR]
@@ -46,6 +47,8 @@ if [ -d ../shared/traces ]; then
 else
     echo "build.sh: ../shared/traces is absent: no traces in $dir/traces" >&2
 fi
+# The torch-suite step's cases load without PyTorch: a broken registry shows here, not in a GPU session.
+python3 tools/gpu/torch_suite.py --list >/dev/null
 git rev-parse HEAD >"$dir/COMMIT"
 git status --porcelain | grep -q . && echo "(with uncommitted changes)" >>"$dir/COMMIT"
 du -sh "$dir"

@@ -13,11 +13,14 @@
 #   torch         every shared trace through PyTorch: default allocator, expandable segments, cuvmm plugged in
 #   train         a small GPT trained under each allocator: figures, and the smallest memory fraction that completes
 #   hot           cached alloc+free pairs per second through PyTorch's allocator interface, each allocator
+#   torch-suite   PyTorch's uses of its allocator (record_stream, a memory limit, CUDA graphs, torch.compile,
+#                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
+#                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
 #
 #   OUT=... tools/gpu/run.sh info conformance lib streams service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,18p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -76,6 +79,13 @@ run_step() {
         for allocator in native expandable cuvmm; do
             step hot 120 python3 tools/hot_path.py --allocator "$allocator"
         done ;;
+    torch-suite)
+        # The suite's budget leaves it time to print its table before the step's limit; TORCH_SUITE_ARGS picks
+        # cases or allocators (--case, --allocator: tools/gpu/torch_suite.py --list).
+        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" PYTHONUNBUFFERED=1
+        local limit=${TORCH_SUITE_LIMIT:-540}
+        step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit - 30)) \
+            --json "$out/torch-suite.jsonl" ${TORCH_SUITE_ARGS:-} ;;
     *) echo "run.sh: unknown step $1"; return 2 ;;
     esac
 }
