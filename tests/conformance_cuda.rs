@@ -9,13 +9,23 @@
 mod conformance;
 
 use conformance::Subject;
+use conformance::capture::{self, Capture};
 use cuvmm::driver::cuda::CudaDriver;
 use cuvmm::driver::sim::LeakReport;
-use cuvmm::driver::{Driver, DriverError, StreamId};
+use cuvmm::driver::{CaptureMode, Driver, DriverError, StreamId};
 
 impl Subject for CudaDriver {
     fn held(&self) -> LeakReport {
         self.leak_report()
+    }
+}
+
+impl Capture for CudaDriver {
+    fn begin_capture(&mut self, stream: StreamId, mode: CaptureMode) -> Result<u64, DriverError> {
+        CudaDriver::begin_capture(self, stream, mode)
+    }
+    fn end_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        CudaDriver::end_capture(self, stream)
     }
 }
 
@@ -41,6 +51,12 @@ fn gpu() -> Option<CudaDriver> {
 
 fn open() -> CudaDriver {
     CudaDriver::new(ordinal()).expect("the device opened a moment ago")
+}
+
+/// The device with stand-in streams: the capture rules capture stream 7 and use stream 8, which must be
+/// real, non-default streams of this process.
+fn open_with_streams() -> CudaDriver {
+    open().with_stand_in_streams()
 }
 
 #[test]
@@ -78,6 +94,36 @@ fn cuda_driver_probes_are_recorded() {
             ),
             Err(e) => eprintln!("probe: CUDA rejects {}: {e}", probe.name),
         }
+    }
+}
+
+#[test]
+fn cuda_driver_obeys_every_capture_rule() {
+    if gpu().is_none() {
+        return;
+    }
+    capture::run_capture_rules(open_with_streams);
+}
+
+/// What CUDA does with unmap, release, free_reservation and free (`cuMemFree`) during a global capture, printed
+/// as `fact: ...` lines for docs/gpu-results.md. The simulator refuses them all and invalidates the capture;
+/// if CUDA accepts one and the capture still ends into a graph, the simulator is stricter than CUDA there.
+#[test]
+fn cuda_capture_facts_are_recorded() {
+    if gpu().is_none() {
+        return;
+    }
+    let outcome = |r: &Result<(), DriverError>| match r {
+        Ok(()) => "accepted".to_string(),
+        Err(e) => format!("rejected: {e}"),
+    };
+    for fact in capture::capture_facts(open_with_streams) {
+        eprintln!(
+            "fact: {} during a global capture: {}; then end_capture: {}",
+            fact.call,
+            outcome(&fact.outcome),
+            outcome(&fact.end)
+        );
     }
 }
 

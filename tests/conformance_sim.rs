@@ -4,12 +4,23 @@
 mod conformance;
 
 use conformance::Subject;
+use conformance::capture::{self, Capture};
 use cuvmm::driver::sim::{LeakReport, SimConfig, SimDriver};
+use cuvmm::driver::{CaptureMode, DriverError, StreamId};
 use cuvmm::size::KIB;
 
 impl Subject for SimDriver {
     fn held(&self) -> LeakReport {
         self.leak_report()
+    }
+}
+
+impl Capture for SimDriver {
+    fn begin_capture(&mut self, stream: StreamId, mode: CaptureMode) -> Result<u64, DriverError> {
+        SimDriver::begin_capture(self, stream, mode)
+    }
+    fn end_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
+        SimDriver::end_capture(self, stream)
     }
 }
 
@@ -52,6 +63,33 @@ fn sim_driver_rejects_every_probe() {
             probe.outcome.is_err(),
             "the simulator accepted: {}",
             probe.name
+        );
+    }
+}
+
+#[test]
+fn sim_driver_obeys_every_capture_rule() {
+    capture::run_capture_rules(sim);
+}
+
+/// The simulator refuses every call that gives memory back during a global capture, and the refusal
+/// invalidates the capture (stricter than CUDA may be: `cuda_capture_facts_are_recorded` says what a GPU
+/// does).
+#[test]
+fn sim_driver_refuses_giving_memory_back_during_a_global_capture() {
+    let stream = capture::CAPTURED;
+    for fact in capture::capture_facts(sim) {
+        assert!(
+            matches!(fact.outcome, Err(DriverError::CaptureUnsupported { stream: s, .. }) if s == stream),
+            "{} during a global capture: {:?}",
+            fact.call,
+            fact.outcome
+        );
+        assert_eq!(
+            fact.end,
+            Err(DriverError::CaptureInvalidated { stream }),
+            "{}",
+            fact.call
         );
     }
 }

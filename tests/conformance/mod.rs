@@ -1,7 +1,7 @@
 //! The conformance suite, written once against [`Driver`]: what keeps the simulator honest.
 //!
 //! It runs on [`SimDriver`](cuvmm::driver::sim::SimDriver) in every build (`tests/conformance_sim.rs`) and
-//! on a real GPU through `CudaDriver` when one is present (`tests/conformance_cuda.rs`). It has three parts:
+//! on a real GPU through `CudaDriver` when one is present (`tests/conformance_cuda.rs`). It has four parts:
 //!
 //! - [`rules`]: CUDA's documented rules, each of which SimDriver enforces. A misuse must be rejected, with
 //!   the simulator's own error kind or a `DriverError::Cuda` carrying the real `CUresult`, and must leave
@@ -14,9 +14,15 @@
 //!   allocation and checked before its free, `check_invariants()` after every step, and nothing held by
 //!   the driver at the end.
 //!
+//! - [`capture`]: CUDA graph capture: the rules every driver obeys ([`capture::capture_rules`]) and what
+//!   the calls that give memory back do during a capture ([`capture::capture_facts`]: refused by the
+//!   simulator, recorded on a GPU).
+//!
 //! Memory checks allow half a page of slack, because a real driver's free-memory figure moves by small
 //! amounts of its own; on the simulator the figures are exact anyway.
 #![allow(dead_code)]
+
+pub mod capture;
 
 use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
@@ -76,6 +82,10 @@ pub fn rules<D: Subject>() -> Vec<Rule<D>> {
             map_from_offset::<D>,
         ),
         ("counters_count_failed_calls_too", counters::<D>),
+        (
+            "add_peer_of_itself_is_a_no_op_and_of_no_device_an_error",
+            peers::<D>,
+        ),
     ]
 }
 
@@ -527,6 +537,28 @@ fn counters<D: Subject>(d: &mut D) {
     assert_eq!(after.get(Op::Create), before.get(Op::Create) + 2);
     assert_eq!(after.get(Op::Release), before.get(Op::Release) + 1);
     assert!(after.total() >= before.total() + 3);
+}
+
+/// Peers: adding the device itself does nothing (and access still works), adding a device the machine
+/// does not have is an error.
+fn peers<D: Subject>(d: &mut D) {
+    let ordinal = d.ordinal();
+    d.add_peer(ordinal).expect("add_peer of the device itself");
+    let g = d.granularity();
+    let (r, hs) = setup(d, 1, 1);
+    d.map(r.start, g, hs[0]).expect("map");
+    d.set_access(r.start, g)
+        .expect("set_access after adding the device itself");
+    d.memset_d8(r.start, g, 0x5C).expect("memset");
+    rejected(
+        "add_peer of a device the machine does not have",
+        d.add_peer(1_000_000),
+        |e| matches!(e, DriverError::PeerAccess { .. }),
+    );
+    d.set_access(r.start, g)
+        .expect("set_access after the refused peer");
+    d.unmap(r.start, g).expect("unmap");
+    teardown(d, r, &hs);
 }
 
 /// What a probe found.
