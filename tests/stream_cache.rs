@@ -40,6 +40,8 @@ fn drop_contended(alloc: &Alloc, buffer: cuvmm::DeviceBuffer<Expandable<SimDrive
 fn without_contention_nothing_is_cached_and_the_statistics_are_the_strategys() {
     let alloc = allocator(256, "");
     let mut bare = Expandable::new(sim(256), Config::default()).unwrap();
+    // The facade asks whether each allocation's stream is capturing a CUDA graph; so does the strategy here.
+    bare.detect_captures(true);
     for round in 0..50u64 {
         let size = (1 + round % 7) * 3 * KIB;
         let buffer = alloc.alloc_on(size, StreamId(round % 3)).unwrap();
