@@ -289,3 +289,61 @@ fn the_cuda_backend_without_a_driver_is_an_error_not_a_panic() {
         }
     }
 }
+
+/// The filter PyTorch's `CUDAGraph` passes, as the C++ layer hands it over: here, "the stream in
+/// `context`".
+unsafe extern "C" fn only_stream(context: *mut c_void, stream: *mut c_void) -> std::ffi::c_int {
+    (context == stream) as std::ffi::c_int
+}
+
+#[test]
+fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
+    setup();
+    let device = 6;
+    let capture = stream(0x51);
+    // SAFETY: `only_stream` may be called from any thread with this context (it only compares pointers).
+    let begun = unsafe { cuvmm_begin_allocate_to_pool(device, 1, 0, Some(only_stream), capture) };
+    assert_eq!(begun, 0, "{:?}", last_error());
+    let temp = cuvmm_malloc(4 << 20, device, capture);
+    assert!(!temp.is_null(), "{:?}", last_error());
+    cuvmm_free(temp, 4 << 20, device, capture);
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 1, 0), 0, "{:?}", last_error());
+    assert_eq!(stat(device, "cuvmm.graph_pools"), 1);
+    // The same size on the same stream, outside the pool: other memory.
+    let eager = cuvmm_malloc(4 << 20, device, capture);
+    assert!(!eager.is_null());
+    let (t, e) = (temp.addr(), eager.addr());
+    assert!(e + (4 << 20) <= t || t + (4 << 20) <= e, "pool memory handed out");
+    cuvmm_free(eager, 4 << 20, device, capture);
+    assert_eq!(cuvmm_release_pool(device, 1, 0), 0, "{:?}", last_error());
+    assert_eq!(stat(device, "cuvmm.graph_pools"), 0);
+    cuvmm_empty_cache(device);
+    assert_eq!(stat(device, "reserved_bytes.all.current"), 0);
+    check_invariants(device);
+}
+
+#[test]
+fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
+    setup();
+    let device = 7;
+    // SAFETY: a null filter is refused before anything is called.
+    let null_filter = unsafe { cuvmm_begin_allocate_to_pool(device, 2, 0, None, ptr::null_mut()) };
+    assert_eq!(null_filter, -1);
+    assert_failed("null filter", "filter");
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 0, 0, 5), -1);
+    assert_failed("pool {0, 0}", "names no pool");
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 3, 0), -1);
+    assert_failed("end of a pool never begun", "not being allocated to");
+    assert_eq!(cuvmm_release_pool(device, 3, 0), -1);
+    assert_failed("release of a pool never begun", "not live");
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 3, 0, 5), 0);
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 3, 0, 6), -1);
+    assert_failed("a pool begun twice", "already");
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 3, 0), 0);
+    assert_eq!(cuvmm_release_pool(device, 3, 0), 0);
+    assert_eq!(cuvmm_add_peer(device, -1), -1);
+    assert_failed("a negative peer", "invalid peer");
+    assert_eq!(cuvmm_add_peer(device, 1), 0, "{:?}", last_error());
+    assert_eq!(cuvmm_add_peer(99, 1), -1);
+    check_invariants(device);
+}
