@@ -9,7 +9,9 @@
  *       "target/release/libcuvmm_torch.so", "cuvmm_malloc", "cuvmm_free")
  *   torch.cuda.memory.change_current_allocator(alloc)   # before the first CUDA allocation
  *
- * python/cuvmm_torch.py does this (install()) and wraps the rest with ctypes.
+ * python/cuvmm_torch.py does this (install()) and wraps the rest with ctypes. The C++ layer in csrc/
+ * (cuvmm_torch.install() builds it against the user's PyTorch) calls the rest, from "The C++ layer" on, to
+ * be PyTorch's whole CUDA allocator (statistics, streams, graph pools, snapshots, OOM errors).
  *
  * Environment, read on first use:
  *   CUVMM_BACKEND       cuda (the default) or sim: simulated devices, no GPU needed, addresses never
@@ -31,6 +33,7 @@
 #define CUVMM_TORCH_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h> /* ssize_t */
 
 #ifdef __cplusplus
@@ -122,6 +125,105 @@ int cuvmm_release_pool(int device, unsigned long long pool_a, unsigned long long
 /* Device `peer` may read and write every range of `device` mapped now and every one mapped later
  * (PyTorch's enablePeerAccess for expandable segments). */
 int cuvmm_add_peer(int device, int peer);
+
+/* ---- The C++ layer: what PyTorch's CUDAAllocator interface needs beyond the above ---- */
+
+/* PyTorch's raw_delete, which names no device: frees `ptr` on whichever device's allocator handed it out
+ * (on the simulated backend two devices may hand out the same address: use cuvmm_free there). NULL is
+ * ignored; an address no device handed out is an error. */
+void cuvmm_free_any(void *ptr);
+
+/* PyTorch's Stat, StatArray (all, small pool, large pool) and DeviceStats, field for field, then cuvmm's
+ * largest free block. The pools' reserved_bytes leave out pooled unmapped handles, which belong to no
+ * pool, so they add up to less than all.reserved_bytes. max_split_size is -1 when unset. */
+typedef struct {
+    int64_t current, peak, allocated, freed;
+} cuvmm_stat;
+
+typedef struct {
+    cuvmm_stat all, small_pool, large_pool;
+} cuvmm_stat_array;
+
+typedef struct {
+    cuvmm_stat_array allocation, segment, active, inactive_split;
+    cuvmm_stat_array allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+    int64_t num_alloc_retries, num_ooms;
+    cuvmm_stat oversize_allocations, oversize_segments;
+    int64_t num_sync_all_streams, num_device_alloc, num_device_free, max_split_size;
+    int64_t largest_free_block;
+} cuvmm_device_stats;
+
+/* Writes `device`'s statistics to *out (getDeviceStats). 0 on success, -1 on failure (NULL out). */
+int cuvmm_get_device_stats(int device, cuvmm_device_stats *out);
+
+/* torch.cuda.reset_peak_memory_stats: every peak becomes the current value. 0 or -1. */
+int cuvmm_reset_peak_stats(int device);
+
+/* torch.cuda.reset_accumulated_memory_stats: every allocated / freed total and every count (retries,
+ * OOMs, device allocations and frees, synchronizations) becomes 0. 0 or -1. */
+int cuvmm_reset_accumulated_stats(int device);
+
+/* torch.cuda.set_per_process_memory_fraction: from now on `device`'s allocator reserves at most `fraction`
+ * (0 to 1) of the device's memory; a request past it fails with out-of-memory. Memory reserved above it
+ * already is not taken back. 0, or -1 for a fraction outside [0, 1]. */
+int cuvmm_set_memory_fraction(int device, double fraction);
+
+/* The memory limit as a fraction of `device`'s memory: 1 when none is set; -1 on failure. */
+double cuvmm_memory_fraction(int device);
+
+/* torch.cuda.memory._record_memory_history: keep `device`'s last `max_entries` events for snapshots;
+ * 0 stops recording and forgets them. 0 or -1. */
+int cuvmm_record_history(int device, size_t max_entries);
+
+/* The numbers of an out-of-memory failure. allowed is 0 when no memory fraction is set. */
+typedef struct {
+    uint64_t requested, alloc_size, device_total, device_free, allowed, allocated, reserved;
+} cuvmm_oom_info;
+
+/* 1 if the last cuvmm call on this thread failed with out-of-memory (cuvmm_last_error() is then the
+ * diagnosis), with its numbers written to *out when out is not NULL; else 0. Reads the record only, as
+ * cuvmm_last_error does. */
+int cuvmm_last_oom(cuvmm_oom_info *out);
+
+/* A snapshot (torch.cuda.memory._snapshot): segments in address order; segment i's blocks are
+ * blocks[segments[i].first_block .. + num_blocks], tiling it; the device's recorded events, oldest first.
+ * Block state: 0 inactive, 1 active_allocated, 2 active_pending_free. Trace action: PyTorch's
+ * TraceEntry::Action (alloc 0, free_requested 1, free_completed 2, segment_alloc 3, segment_free 4,
+ * segment_map 5, segment_unmap 6, snapshot 7, oom 8; for oom, addr is the bytes the device had free).
+ * pool_a / pool_b: the private pool that owns the segment, {0, 0} for none. */
+typedef struct {
+    uint64_t address, total_size, allocated_size, active_size, requested_size;
+    cudaStream_t stream;
+    int is_large, is_expandable;
+    unsigned long long pool_a, pool_b;
+    size_t first_block, num_blocks;
+} cuvmm_segment_info;
+
+typedef struct {
+    uint64_t address, size, requested_size;
+    int state;
+} cuvmm_block_info;
+
+typedef struct {
+    int action;
+    uint64_t addr, size;
+    cudaStream_t stream;
+} cuvmm_trace_entry;
+
+typedef struct {
+    const cuvmm_segment_info *segments;
+    size_t num_segments;
+    const cuvmm_block_info *blocks;
+    size_t num_blocks;
+    const cuvmm_trace_entry *traces;
+    size_t num_traces;
+} cuvmm_snapshot;
+
+/* `device`'s snapshot; free it with cuvmm_snapshot_free. NULL on failure. */
+cuvmm_snapshot *cuvmm_snapshot_take(int device);
+
+/* Frees a snapshot from cuvmm_snapshot_take. NULL is ignored. */
+void cuvmm_snapshot_free(cuvmm_snapshot *snapshot);
 
 /* The error of the last cuvmm call on this thread, or NULL if it succeeded. The text stays valid until
  * the next cuvmm call on this thread. */

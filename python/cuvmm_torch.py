@@ -1,16 +1,22 @@
 """cuvmm as PyTorch's CUDA allocator, and cuvmm's statistics from Python.
 
-Pure Python (ctypes), no build step beyond ``cargo build --release -p cuvmm-torch``::
+One line, before the first CUDA allocation::
 
     import cuvmm_torch
-    cuvmm_torch.install()        # before the first CUDA allocation
+    cuvmm_torch.install()
     ...                          # the training script, unchanged
-    print(cuvmm_torch.memory_summary())
 
-With a pluggable allocator in place, PyTorch's own ``torch.cuda.memory_stats()``, ``memory_summary()``
-and ``memory._snapshot()`` no longer work; ``memory_stats``, ``memory_summary`` and ``dump_snapshot`` here
-answer instead, with PyTorch's key names. ``torch.cuda.empty_cache()`` keeps working only if PyTorch
-forwards it; ``empty_cache`` here always does.
+``install()`` puts cuvmm in place through its C++ layer (``cuvmm-torch/csrc``), built against the installed
+PyTorch on first use and cached (see :func:`build_dir`; ``python3 python/cuvmm_torch.py build`` builds it
+ahead of time). PyTorch's own ``torch.cuda.memory_stats()``, ``max_memory_reserved()``,
+``memory_summary()``, ``memory._snapshot()``, ``empty_cache()``, ``set_per_process_memory_fraction()``,
+``Tensor.record_stream`` and CUDA graphs then reach cuvmm, and out-of-memory is ``torch.OutOfMemoryError``
+with cuvmm's diagnosis.
+
+If the C++ layer cannot be built or loaded (no compiler or CUDA toolkit, ``CUVMM_TORCH_CPP=0``), it falls
+back to ``torch.cuda.memory.CUDAPluggableAllocator`` through ctypes, with a warning naming what that path
+lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, ``memory_summary``, ``dump_snapshot``, ``record_stream``
+and the others here answer instead, with PyTorch's key names, on either path.
 
 The library is found, in order: the ``path`` given to :func:`load` or :func:`install`; the
 ``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` next to this file; ``target/release``
@@ -19,27 +25,56 @@ of the checkout this file is in. The library reads its settings from the environ
 """
 
 import ctypes
+import importlib
 import json
 import os
+import sys
+import warnings
 
 __all__ = [
     "CuvmmError",
     "library_path",
     "load",
     "install",
+    "active_layer",
+    "build_extension",
+    "build_dir",
+    "csrc_dir",
+    "FALLBACK_LACKS",
     "memory_stats",
     "memory_summary",
     "empty_cache",
     "dump_snapshot",
     "record_stream",
+    "reset_peak_stats",
+    "reset_accumulated_stats",
+    "set_memory_fraction",
+    "record_history",
     "last_error",
 ]
 
 LIBRARY_NAME = "libcuvmm_torch.so"
 ENV_VAR = "CUVMM_TORCH_LIB"
+# "0" turns the C++ layer off (install() takes the ctypes path); "1" makes a failure to build it an error.
+CPP_ENV_VAR = "CUVMM_TORCH_CPP"
+# Where the C++ layer is built and cached (default: $XDG_CACHE_HOME/cuvmm_torch/torch-<version>).
+BUILD_ENV_VAR = "CUVMM_TORCH_BUILD"
+EXTENSION_NAME = "cuvmm_torch_ext"
+EXTENSION_SOURCES = ["cuvmm_allocator.cpp"]
+
+# What PyTorch does not pass to an allocator plugged in through CUDAPluggableAllocator from Python.
+FALLBACK_LACKS = (
+    "Tensor.record_stream (call cuvmm_torch.record_stream), "
+    "torch.cuda.memory_stats / max_memory_reserved / memory_summary / memory._snapshot "
+    "(use cuvmm_torch.memory_stats / memory_summary / dump_snapshot), "
+    "torch.cuda.empty_cache and set_per_process_memory_fraction (use cuvmm_torch.empty_cache / "
+    "set_memory_fraction), CUDA graphs and torch.compile(mode=\"reduce-overhead\"), "
+    "torch.OutOfMemoryError on out-of-memory (PyTorch reports a tensor without data instead)"
+)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _lib = None
+_layer = None
 
 
 class CuvmmError(RuntimeError):
@@ -66,6 +101,69 @@ def library_path(path=None):
     )
 
 
+def csrc_dir():
+    """The C++ layer's sources: ``csrc`` next to this file (an installed copy), else ``cuvmm-torch/csrc``
+    of this checkout. Its parent holds ``cuvmm_torch.h``."""
+    candidates = [os.path.join(_HERE, "csrc"), os.path.join(os.path.dirname(_HERE), "cuvmm-torch", "csrc")]
+    for candidate in candidates:
+        if all(os.path.exists(os.path.join(candidate, source)) for source in EXTENSION_SOURCES):
+            return candidate
+    raise FileNotFoundError(f"the C++ layer's sources are not at {' or '.join(candidates)}")
+
+
+def build_dir(torch_version, environ=None):
+    """Where the C++ layer for PyTorch ``torch_version`` is built and cached: ``$CUVMM_TORCH_BUILD``, else
+    ``$XDG_CACHE_HOME/cuvmm_torch/torch-<version>`` (``~/.cache`` without XDG_CACHE_HOME). One directory
+    per PyTorch version, since the layer is compiled against its headers."""
+    environ = os.environ if environ is None else environ
+    if environ.get(BUILD_ENV_VAR):
+        return environ[BUILD_ENV_VAR]
+    cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    safe = "".join(c if c.isalnum() or c in ".-_" else "_" for c in str(torch_version))
+    return os.path.join(cache, "cuvmm_torch", f"torch-{safe}")
+
+
+def _cpp_setting(environ=None):
+    """``CUVMM_TORCH_CPP``: False for "0", True for "1", None (try it, fall back) otherwise."""
+    value = (os.environ if environ is None else environ).get(CPP_ENV_VAR, "").strip()
+    return {"0": False, "1": True}.get(value)
+
+
+def _summary(error):
+    """An exception in one line: its type and the last line of its message (a compiler's log is long)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{type(error).__name__}: {lines[-1].strip()}" if lines else type(error).__name__
+
+
+def fallback_warning(reason):
+    """The warning install() gives when it takes the ctypes path."""
+    return (
+        f"cuvmm_torch: the C++ layer is not in use ({reason}); cuvmm is installed through "
+        f"CUDAPluggableAllocator, which lacks: {FALLBACK_LACKS}. "
+        f"Set {CPP_ENV_VAR}=1 to make this an error."
+    )
+
+
+def build_extension(torch=None, verbose=False):
+    """Builds (or finds cached) the C++ layer against the installed PyTorch and imports it."""
+    if torch is None:
+        import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
+    cpp_extension = importlib.import_module("torch.utils.cpp_extension")
+    sources_dir = csrc_dir()
+    directory = build_dir(torch.__version__)
+    os.makedirs(directory, exist_ok=True)
+    return cpp_extension.load(
+        name=EXTENSION_NAME,
+        sources=[os.path.join(sources_dir, source) for source in EXTENSION_SOURCES],
+        extra_include_paths=[os.path.dirname(sources_dir)],
+        extra_cflags=["-O2"],
+        extra_ldflags=["-ldl"],
+        build_directory=directory,
+        with_cuda=True,
+        verbose=verbose,
+    )
+
+
 def _declare(lib):
     c_char_p, c_int, c_void_p, c_ssize_t = ctypes.c_char_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_ssize_t
     signatures = {
@@ -79,6 +177,12 @@ def _declare(lib):
         "cuvmm_empty_cache": (None, [c_int]),
         "cuvmm_dump_snapshot": (c_int, [c_int, c_char_p]),
         "cuvmm_last_error": (c_char_p, []),
+        "cuvmm_free_any": (None, [c_void_p]),
+        "cuvmm_reset_peak_stats": (c_int, [c_int]),
+        "cuvmm_reset_accumulated_stats": (c_int, [c_int]),
+        "cuvmm_set_memory_fraction": (c_int, [c_int, ctypes.c_double]),
+        "cuvmm_memory_fraction": (ctypes.c_double, [c_int]),
+        "cuvmm_record_history": (c_int, [c_int, ctypes.c_size_t]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -134,16 +238,40 @@ def _stream_handle(stream):
     return int(getattr(stream, "cuda_stream", stream)) or None
 
 
-def install(path=None):
+def install(path=None, cpp=None):
     """Makes cuvmm PyTorch's CUDA allocator. Call it before the first CUDA allocation (PyTorch refuses to
-    swap an allocator that has been used). Returns the ``CUDAPluggableAllocator``."""
+    swap an allocator that has been used). Returns the layer now in place: ``"cpp"`` or ``"ctypes"``.
+
+    ``cpp``: True requires the C++ layer, False takes the ctypes path, None (the default, or
+    ``CUVMM_TORCH_CPP``) tries the C++ layer and falls back with a warning."""
+    global _layer
     import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
 
     library = library_path(path)
     load(library)
+    if cpp is None:
+        cpp = _cpp_setting()
+    if cpp is not False:
+        try:
+            build_extension(torch).install(library)
+            _layer = "cpp"
+            return _layer
+        except Exception as error:  # noqa: BLE001 (any failure to build or load means: fall back)
+            if cpp:
+                raise
+            reason = _summary(error)
+    else:
+        reason = f"{CPP_ENV_VAR}=0"
+    warnings.warn(fallback_warning(reason), RuntimeWarning, stacklevel=2)
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library, "cuvmm_malloc", "cuvmm_free")
     torch.cuda.memory.change_current_allocator(allocator)
-    return allocator
+    _layer = "ctypes"
+    return _layer
+
+
+def active_layer():
+    """The layer install() put in place: ``"cpp"``, ``"ctypes"``, or None before install()."""
+    return _layer
 
 
 def memory_stats(device=None):
@@ -181,3 +309,40 @@ def record_stream(ptr, stream, device=None):
         ptr = ptr.data_ptr()
     load().cuvmm_record_stream(ptr, _device_index(device), _stream_handle(stream))
     _check()
+
+
+def _check_status(status, what):
+    if status != 0:
+        raise CuvmmError(last_error() or f"{what} failed")
+
+
+def reset_peak_stats(device=None):
+    """``torch.cuda.reset_peak_memory_stats`` for cuvmm: every peak becomes the current value."""
+    _check_status(load().cuvmm_reset_peak_stats(_device_index(device)), "cuvmm_reset_peak_stats")
+
+
+def reset_accumulated_stats(device=None):
+    """``torch.cuda.reset_accumulated_memory_stats`` for cuvmm: every cumulative count becomes 0."""
+    _check_status(load().cuvmm_reset_accumulated_stats(_device_index(device)), "cuvmm_reset_accumulated_stats")
+
+
+def set_memory_fraction(fraction, device=None):
+    """``torch.cuda.set_per_process_memory_fraction`` for cuvmm: reserve at most ``fraction`` (0 to 1) of
+    the device's memory from now on."""
+    status = load().cuvmm_set_memory_fraction(_device_index(device), float(fraction))
+    _check_status(status, "cuvmm_set_memory_fraction")
+
+
+def record_history(max_entries=100_000, device=None):
+    """``torch.cuda.memory._record_memory_history`` for cuvmm: keep the last ``max_entries`` events for
+    :func:`dump_snapshot`; 0 or None stops."""
+    status = load().cuvmm_record_history(_device_index(device), int(max_entries or 0))
+    _check_status(status, "cuvmm_record_history")
+
+
+if __name__ == "__main__":
+    # python3 python/cuvmm_torch.py build: builds the C++ layer against the installed PyTorch, once.
+    if sys.argv[1:] != ["build"]:
+        sys.exit("usage: python3 cuvmm_torch.py build")
+    extension = build_extension(verbose=True)
+    print(f"built {extension.__file__}")

@@ -9,6 +9,8 @@ Run from the repository root, after ``cargo build --release -p cuvmm-torch`` and
 """
 
 import ctypes
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -18,6 +20,7 @@ import tempfile
 import threading
 import types
 import unittest
+import warnings
 
 import cuvmm_torch
 
@@ -36,7 +39,7 @@ os.environ.pop("CUVMM_ALLOC_CONF", None)
 lib = cuvmm_torch.load()
 
 # Devices by test, so that one test's statistics are not moved by another's allocations.
-THREADS_DEVICE, BAD_INPUT_DEVICE, REPORTS_DEVICE = 0, 1, 2
+THREADS_DEVICE, BAD_INPUT_DEVICE, REPORTS_DEVICE, SETTINGS_DEVICE = 0, 1, 2, 6
 REPLAY_DEVICES = {"stream-producer-consumer": 3, "transformer-train": 4, "llm-serving": 5}
 
 
@@ -77,6 +80,21 @@ class Symbols(unittest.TestCase):
                 "cuvmm_string_free",
                 "cuvmm_empty_cache",
                 "cuvmm_dump_snapshot",
+                "cuvmm_begin_allocate_to_pool",
+                "cuvmm_begin_allocate_to_pool_capture",
+                "cuvmm_end_allocate_to_pool",
+                "cuvmm_release_pool",
+                "cuvmm_add_peer",
+                "cuvmm_free_any",
+                "cuvmm_get_device_stats",
+                "cuvmm_reset_peak_stats",
+                "cuvmm_reset_accumulated_stats",
+                "cuvmm_set_memory_fraction",
+                "cuvmm_memory_fraction",
+                "cuvmm_record_history",
+                "cuvmm_last_oom",
+                "cuvmm_snapshot_take",
+                "cuvmm_snapshot_free",
                 "cuvmm_last_error",
             },
         )
@@ -283,33 +301,175 @@ class Setup(unittest.TestCase):
         self.assertIn("out of memory", out.lower())
 
 
-class Install(unittest.TestCase):
-    def test_install_swaps_pytorchs_allocator_for_the_library(self):
-        calls = []
+class FakeTorch:
+    """A stand-in for the ``torch`` module with what install() touches, recording the calls."""
+
+    def __init__(self, build_error=None):
+        self.calls = []
+        self.build_error = build_error
+        fake = self
+
+        class Extension:
+            @staticmethod
+            def install(path):
+                fake.calls.append(("extension.install", path))
+
+        def load(**kwargs):
+            fake.calls.append(("cpp_extension.load", kwargs))
+            if fake.build_error:
+                raise fake.build_error
+            return Extension
 
         def pluggable(path, alloc, free):
-            calls.append(("CUDAPluggableAllocator", path, alloc, free))
+            fake.calls.append(("CUDAPluggableAllocator", path, alloc, free))
             return "allocator"
 
         memory = types.SimpleNamespace(
             CUDAPluggableAllocator=pluggable,
-            change_current_allocator=lambda a: calls.append(("change_current_allocator", a)),
+            change_current_allocator=lambda a: fake.calls.append(("change_current_allocator", a)),
         )
-        fake = types.SimpleNamespace(cuda=types.SimpleNamespace(memory=memory))
-        saved = sys.modules.get("torch")
-        sys.modules["torch"] = fake
-        try:
-            self.assertEqual(cuvmm_torch.install(), "allocator")
-        finally:
-            if saved is None:
-                del sys.modules["torch"]
+        self.cpp_extension = types.SimpleNamespace(load=load)
+        self.module = types.SimpleNamespace(__version__="2.11.0+cu130", cuda=types.SimpleNamespace(memory=memory))
+
+    def __enter__(self):
+        self.saved = {name: sys.modules.get(name) for name in ["torch", "torch.utils.cpp_extension"]}
+        sys.modules["torch"] = self.module
+        sys.modules["torch.utils.cpp_extension"] = self.cpp_extension
+        return self
+
+    def __exit__(self, *exc):
+        for name, module in self.saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
             else:
-                sys.modules["torch"] = saved
+                sys.modules[name] = module
+
+
+class Install(unittest.TestCase):
+    """install()'s choice between the C++ layer and the ctypes path, with a stand-in for PyTorch."""
+
+    def setUp(self):
+        self.environ = {k: os.environ.pop(k) for k in [cuvmm_torch.CPP_ENV_VAR, cuvmm_torch.BUILD_ENV_VAR] if k in os.environ}
+        self.scratch = tempfile.TemporaryDirectory()
+        os.environ[cuvmm_torch.BUILD_ENV_VAR] = self.scratch.name
+
+    def tearDown(self):
+        os.environ.pop(cuvmm_torch.CPP_ENV_VAR, None)
+        os.environ.pop(cuvmm_torch.BUILD_ENV_VAR, None)
+        os.environ.update(self.environ)
+        self.scratch.cleanup()
+
+    def pluggable_calls(self):
         path = cuvmm_torch.library_path()
+        return [("CUDAPluggableAllocator", path, "cuvmm_malloc", "cuvmm_free"), ("change_current_allocator", "allocator")]
+
+    def test_the_cpp_layer_is_built_from_csrc_into_the_cache_and_installed_without_a_warning(self):
+        with FakeTorch() as fake, warnings.catch_warnings():
+            warnings.simplefilter("error")
+            self.assertEqual(cuvmm_torch.install(), "cpp")
+        self.assertEqual(cuvmm_torch.active_layer(), "cpp")
+        (load, install) = fake.calls
+        self.assertEqual(load[0], "cpp_extension.load")
+        options = load[1]
+        self.assertEqual(options["name"], cuvmm_torch.EXTENSION_NAME)
+        self.assertEqual(options["build_directory"], self.scratch.name)
+        self.assertTrue(options["with_cuda"])
+        for source in options["sources"]:
+            self.assertTrue(os.path.exists(source), source)
+        self.assertIn(os.path.join(ROOT, "cuvmm-torch"), options["extra_include_paths"])
+        self.assertTrue(os.path.exists(os.path.join(options["extra_include_paths"][0], "cuvmm_torch.h")))
+        self.assertEqual(install, ("extension.install", cuvmm_torch.library_path()))
+
+    def test_a_failed_build_falls_back_to_ctypes_with_a_warning_naming_what_it_lacks(self):
+        error = RuntimeError("Error building extension 'cuvmm_torch_ext'\nlots of log\nnvcc: not found")
+        with FakeTorch(build_error=error) as fake, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(cuvmm_torch.install(), "ctypes")
+        self.assertEqual(fake.calls[1:], self.pluggable_calls())
+        (warning,) = caught
+        self.assertIs(warning.category, RuntimeWarning)
+        text = str(warning.message)
+        self.assertIn("RuntimeError: nvcc: not found", text)
+        for lacking in ["record_stream", "memory_stats", "CUDA graphs", "OutOfMemoryError", "empty_cache"]:
+            self.assertIn(lacking, text)
+
+    def test_the_environment_turns_the_cpp_layer_off_or_makes_its_failure_an_error(self):
+        os.environ[cuvmm_torch.CPP_ENV_VAR] = "0"
+        with FakeTorch() as fake, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(cuvmm_torch.install(), "ctypes")
+        self.assertEqual(fake.calls, self.pluggable_calls(), "no build attempted")
+        self.assertIn("CUVMM_TORCH_CPP=0", str(caught[0].message))
+        os.environ[cuvmm_torch.CPP_ENV_VAR] = "1"
+        with FakeTorch(build_error=OSError("no compiler")) as fake:
+            with self.assertRaisesRegex(OSError, "no compiler"):
+                cuvmm_torch.install()
+        self.assertEqual(len(fake.calls), 1, "no fallback")
+        with FakeTorch(build_error=OSError("no compiler")), self.assertRaises(OSError):
+            cuvmm_torch.install(cpp=True)
+
+    def test_the_build_directory_is_per_torch_version_and_can_be_named(self):
+        self.assertEqual(cuvmm_torch.build_dir("2.11.0", {cuvmm_torch.BUILD_ENV_VAR: "/b"}), "/b")
         self.assertEqual(
-            calls,
-            [("CUDAPluggableAllocator", path, "cuvmm_malloc", "cuvmm_free"), ("change_current_allocator", "allocator")],
+            cuvmm_torch.build_dir("2.11.0+cu130", {"XDG_CACHE_HOME": "/c"}),
+            os.path.join("/c", "cuvmm_torch", "torch-2.11.0_cu130"),
         )
+        self.assertTrue(cuvmm_torch.build_dir("2.11.0", {}).endswith(os.path.join(".cache", "cuvmm_torch", "torch-2.11.0")))
+        self.assertTrue(os.path.isfile(os.path.join(cuvmm_torch.csrc_dir(), "cuvmm_allocator.cpp")))
+
+
+class Settings(unittest.TestCase):
+    """The functions behind PyTorch's settings and resets, through ctypes (what the C++ layer calls)."""
+
+    device = SETTINGS_DEVICE
+
+    def test_memory_fraction_resets_and_history(self):
+        device = self.device
+        self.assertEqual(lib.cuvmm_memory_fraction(device), 1.0)
+        cuvmm_torch.set_memory_fraction(0.5, device)
+        self.assertEqual(lib.cuvmm_memory_fraction(device), 0.5)
+        with self.assertRaisesRegex(cuvmm_torch.CuvmmError, "per_process_memory_fraction"):
+            cuvmm_torch.set_memory_fraction(2, device)
+        ptr = lib.cuvmm_malloc(41 << 30, device, None)
+        self.assertIsNone(ptr)
+        self.assertIn("out of memory", cuvmm_torch.last_error().lower())
+        cuvmm_torch.set_memory_fraction(1.0, device)
+        cuvmm_torch.record_history(1000, device)
+        ptr = lib.cuvmm_malloc(41 << 30, device, None)
+        self.assertTrue(ptr, cuvmm_torch.last_error())
+        lib.cuvmm_free(ptr, 41 << 30, device, None)
+        self.assertIsNone(cuvmm_torch.last_error())
+        lib.cuvmm_free_any(ptr)
+        self.assertIn("double free", cuvmm_torch.last_error(), "free_any finds an address freed on a device")
+        self.assertEqual(cuvmm_torch.memory_stats(device)["allocated_bytes.all.peak"], 41 << 30)
+        cuvmm_torch.reset_peak_stats(device)
+        self.assertEqual(cuvmm_torch.memory_stats(device)["allocated_bytes.all.peak"], 0)
+        cuvmm_torch.reset_accumulated_stats(device)
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual((stats["allocated_bytes.all.allocated"], stats["num_ooms"]), (0, 0))
+        cuvmm_torch.record_history(None, device)
+
+
+@unittest.skipUnless(importlib.util.find_spec("torch"), "PyTorch is not installed")
+class CppLayer(unittest.TestCase):
+    """With PyTorch and a CUDA toolkit here: the C++ layer builds against them."""
+
+    def test_it_builds_against_the_installed_pytorch(self):
+        import torch  # noqa: PLC0415
+
+        try:
+            cpp_extension = importlib.import_module("torch.utils.cpp_extension")
+        except ImportError as error:
+            self.skipTest(f"torch.utils.cpp_extension does not import: {error}")
+        if not cpp_extension.CUDA_HOME:
+            self.skipTest("no CUDA toolkit (CUDA_HOME) to build the C++ layer with")
+        with tempfile.TemporaryDirectory() as scratch:
+            os.environ[cuvmm_torch.BUILD_ENV_VAR] = scratch
+            try:
+                extension = cuvmm_torch.build_extension(torch)
+            finally:
+                os.environ.pop(cuvmm_torch.BUILD_ENV_VAR)
+        self.assertFalse(extension.installed())
 
 
 class Replay(unittest.TestCase):

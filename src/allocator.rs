@@ -363,6 +363,33 @@ impl<S: Strategy> Allocator<S> {
     pub fn take_deferred_errors(&self) -> Vec<Error> {
         std::mem::take(&mut *self.shared.deferred.lock())
     }
+
+    /// Sets every statistic's peak to its current value ([`Strategy::reset_peak_stats`]). The stream
+    /// caches are drained first, so the peaks start from exact current values.
+    pub fn reset_peak_stats(&self) -> Result<(), Error> {
+        self.drain_caches()?;
+        self.shared.strategy.lock().reset_peak_stats()
+    }
+
+    /// Sets the cumulative counts to 0 ([`Strategy::reset_accumulated_stats`]).
+    pub fn reset_accumulated_stats(&self) -> Result<(), Error> {
+        let mut strategy = self.shared.strategy.lock();
+        strategy.reset_accumulated_stats()?;
+        self.shared.recovered_ooms.store(0, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Limits reserved memory to `fraction` of the device's from now on
+    /// ([`Strategy::set_memory_fraction`]).
+    pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
+        self.shared.strategy.lock().set_memory_fraction(fraction)
+    }
+
+    /// The memory limit as a fraction of the device's memory, `None` without one
+    /// ([`Strategy::memory_fraction`]).
+    pub fn memory_fraction(&self) -> Option<f64> {
+        self.shared.strategy.lock().memory_fraction()
+    }
 }
 
 /// Device memory from an [`Allocator`], freed when dropped.

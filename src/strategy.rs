@@ -155,4 +155,42 @@ pub trait Strategy {
         let _ = (addr, out);
         Err(DriverError::Unsupported { op: Op::CopyToHost }.into())
     }
+    /// Sets every statistic's peak to its current value (PyTorch's `reset_peak_memory_stats`).
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn reset_peak_stats(&mut self) -> Result<(), Error> {
+        Err(Error::Unsupported {
+            what: "reset_peak_stats",
+            allocator: self.name(),
+        })
+    }
+
+    /// Sets every cumulative count (each statistic's `allocated` and `freed`, retries, OOMs, device
+    /// allocations and frees, synchronizations) to 0 (PyTorch's `reset_accumulated_memory_stats`).
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn reset_accumulated_stats(&mut self) -> Result<(), Error> {
+        Err(Error::Unsupported {
+            what: "reset_accumulated_stats",
+            allocator: self.name(),
+        })
+    }
+
+    /// Limits the memory the allocator may reserve to `fraction` (in [0, 1]) of the device's, from now on
+    /// (PyTorch's `set_per_process_memory_fraction`); memory already reserved above it is not taken back.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), Error> {
+        let _ = fraction;
+        Err(Error::Unsupported {
+            what: "set_memory_fraction",
+            allocator: self.name(),
+        })
+    }
+
+    /// The memory limit as a fraction of the device's memory; `None` when no limit is set. The default is
+    /// `None`.
+    fn memory_fraction(&self) -> Option<f64> {
+        None
+    }
 }

@@ -1,11 +1,13 @@
 //! What a call through the C ABI can fail with, and the per-thread record that `cuvmm_last_error` reads.
 //!
 //! Every exported function clears this thread's record when it starts and sets it when it fails, so
-//! `cuvmm_last_error()` describes the latest cuvmm call made on the calling thread (null if it succeeded).
+//! `cuvmm_last_error()` describes the latest cuvmm call made on the calling thread (null if it succeeded),
+//! and `cuvmm_last_oom()` gives the numbers of that error when it was out-of-memory.
 
+use crate::structs::COomInfo;
 use cuvmm::ConfigError;
 use cuvmm::driver::device::DeviceError;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::sync::Arc;
 
@@ -95,15 +97,25 @@ impl AbiError {
     pub fn is_routine(&self) -> bool {
         matches!(self, AbiError::BadSize { size: 0 })
     }
+
+    /// The diagnosis, when this is the allocator's out-of-memory error.
+    pub fn out_of_memory(&self) -> Option<&cuvmm::OutOfMemory> {
+        match self {
+            AbiError::Allocator(cuvmm::Error::OutOfMemory(oom)) => Some(oom),
+            _ => None,
+        }
+    }
 }
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+    static LAST_OOM: Cell<Option<COomInfo>> = const { Cell::new(None) };
 }
 
 /// Forgets this thread's last error (at the start of every exported call).
 pub fn clear_last_error() {
     LAST_ERROR.with(|last| last.borrow_mut().take());
+    LAST_OOM.set(None);
 }
 
 /// Records `error` of `operation` as this thread's last error and logs it.
@@ -117,6 +129,13 @@ pub fn record(operation: &'static str, error: &AbiError) {
     // The message comes from Display impls; a NUL in it (say, from a path) is replaced, not lost.
     let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
     LAST_ERROR.with(|last| *last.borrow_mut() = Some(text));
+    LAST_OOM.set(error.out_of_memory().map(COomInfo::from));
+}
+
+/// The numbers of this thread's last error if it was out-of-memory; `None` if it succeeded or failed
+/// otherwise.
+pub fn last_oom() -> Option<COomInfo> {
+    LAST_OOM.get()
 }
 
 /// This thread's last error: a pointer into thread-local storage, valid until the next cuvmm call on this

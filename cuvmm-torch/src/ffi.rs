@@ -4,13 +4,15 @@
 //! for `cuvmm_last_error`.
 //!
 //! The only `unsafe` of the crate is here: `#[unsafe(no_mangle)]` on each export (the symbol names are
-//! cuvmm's own, prefixed `cuvmm_`, so they clash with nothing), and reading or taking back the C strings
-//! that the callers of two functions promise are valid.
+//! cuvmm's own, prefixed `cuvmm_`, so they clash with nothing), reading or taking back the C strings
+//! that the callers of two functions promise are valid, writing a struct where the caller says, and taking
+//! back a snapshot handed out.
 #![allow(unsafe_code)]
 
 use crate::error::{self, AbiError};
 use crate::ops;
 use crate::registry::global;
+use crate::structs::{CDeviceStats, COomInfo, CSnapshot, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic::{self, AssertUnwindSafe};
@@ -228,6 +230,118 @@ pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {
         ops::add_peer(global()?, device, peer)?;
         Ok(0)
     })
+}
+
+/// Frees `ptr` on whichever device handed it out (PyTorch's `raw_delete`). Null is ignored.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_free_any(ptr: *mut c_void) {
+    shell("cuvmm_free_any", (), || {
+        ops::free_any(global()?, address(ptr))
+    })
+}
+
+/// Writes `device`'s statistics to `*out`; 0 on success, -1 on failure (`*out` untouched).
+///
+/// # Safety
+/// `out` is null (an error) or points to writable memory for one `cuvmm_device_stats`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_get_device_stats(device: c_int, out: *mut CDeviceStats) -> c_int {
+    shell("cuvmm_get_device_stats", -1, || {
+        if out.is_null() {
+            return Err(AbiError::NullArgument { what: "out" });
+        }
+        let stats = ops::device_stats(global()?, device)?;
+        // SAFETY: `out` is not null and the caller promises it is valid for one write of this struct;
+        // `write` does not read (or drop) what was there.
+        unsafe { out.write(stats) };
+        Ok(0)
+    })
+}
+
+/// Sets every peak of `device`'s statistics to its current value; 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_reset_peak_stats(device: c_int) -> c_int {
+    shell("cuvmm_reset_peak_stats", -1, || {
+        ops::reset_peak_stats(global()?, device).map(|()| 0)
+    })
+}
+
+/// Sets every cumulative count of `device`'s statistics to 0; 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_reset_accumulated_stats(device: c_int) -> c_int {
+    shell("cuvmm_reset_accumulated_stats", -1, || {
+        ops::reset_accumulated_stats(global()?, device).map(|()| 0)
+    })
+}
+
+/// Limits `device`'s reserved memory to `fraction` of the device's; 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_set_memory_fraction(device: c_int, fraction: f64) -> c_int {
+    shell("cuvmm_set_memory_fraction", -1, || {
+        ops::set_memory_fraction(global()?, device, fraction).map(|()| 0)
+    })
+}
+
+/// `device`'s memory limit as a fraction of its memory (1 without one); -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_memory_fraction(device: c_int) -> f64 {
+    shell("cuvmm_memory_fraction", -1.0, || {
+        ops::memory_fraction(global()?, device)
+    })
+}
+
+/// Starts (`max_entries` > 0) or stops (0) recording `device`'s events for snapshots; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_record_history(device: c_int, max_entries: usize) -> c_int {
+    shell("cuvmm_record_history", -1, || {
+        ops::record_history(global()?, device, max_entries).map(|()| 0)
+    })
+}
+
+/// `device`'s segments, blocks and recorded events; free it with [`cuvmm_snapshot_free`]. Null on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_snapshot_take(device: c_int) -> *mut CSnapshot {
+    shell("cuvmm_snapshot_take", ptr::null_mut(), || {
+        let owned = Box::new(ops::snapshot(global()?, device)?);
+        // `OwnedSnapshot` is `repr(C)` with the view as its first field: the pointers are the same.
+        Ok(Box::into_raw(owned).cast::<CSnapshot>())
+    })
+}
+
+/// Frees a snapshot from [`cuvmm_snapshot_take`]. Null is ignored.
+///
+/// # Safety
+/// `snapshot` is null or a pointer `cuvmm_snapshot_take` returned, not yet freed.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_snapshot_free(snapshot: *mut CSnapshot) {
+    shell("cuvmm_snapshot_free", (), || {
+        if !snapshot.is_null() {
+            // SAFETY: the caller promises it came from `Box::into_raw` of an `OwnedSnapshot` in
+            // `cuvmm_snapshot_take` (cast to its first field) and is freed once.
+            drop(unsafe { Box::from_raw(snapshot.cast::<OwnedSnapshot>()) });
+        }
+        Ok(())
+    })
+}
+
+/// If the last cuvmm call on this thread failed with out-of-memory: writes its numbers to `*out` (when
+/// not null) and returns 1. Otherwise returns 0. Like [`cuvmm_last_error`], it leaves the record as it is.
+///
+/// # Safety
+/// `out` is null or points to writable memory for one `cuvmm_oom_info`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_last_oom(out: *mut COomInfo) -> c_int {
+    panic::catch_unwind(|| match error::last_oom() {
+        None => 0,
+        Some(info) => {
+            if !out.is_null() {
+                // SAFETY: `out` is not null and the caller promises it is valid for one write.
+                unsafe { out.write(info) };
+            }
+            1
+        }
+    })
+    .unwrap_or(0)
 }
 
 /// This thread's last error, or null if the last cuvmm call on this thread succeeded. The text stays valid

@@ -3,18 +3,21 @@
 //! Built as `libcuvmm_torch.so` (`cargo build --release -p cuvmm-torch`), it exports the two functions that
 //! `torch.cuda.memory.CUDAPluggableAllocator` loads, `cuvmm_malloc` and `cuvmm_free`, and what PyTorch's own
 //! `memory_stats`, `memory_summary`, `empty_cache` and snapshots stop offering once a pluggable allocator
-//! is in place (`cuvmm_torch.h` declares them all; `python/cuvmm_torch.py` calls them with ctypes).
+//! is in place (`cuvmm_torch.h` declares them all; `python/cuvmm_torch.py` calls them with ctypes), and what the
+//! C++ layer (`csrc/`, built against the user's PyTorch) needs to be PyTorch's whole CUDA allocator.
 //!
 //! - [`registry`]: one cuvmm [`Allocator`](cuvmm::Allocator) per device, built on first use from
 //!   `CUVMM_ALLOC_CONF`, on the backend `CUVMM_BACKEND` names (`cuda`, or `sim`: no GPU needed).
 //! - [`ops`]: each operation in safe Rust on typed values.
 //! - [`ffi`]: the exported shells; no panic crosses them, and a failure is recorded for `cuvmm_last_error`.
+//! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
 //! - [`error`]: the errors, and the per-thread last error.
 
 pub mod error;
 pub mod ffi;
 pub mod ops;
 pub mod registry;
+pub mod structs;
 
 pub use error::{AbiError, InitError, last_error};
 pub use registry::{Backend, Registry, Settings, install};

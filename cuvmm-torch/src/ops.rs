@@ -4,6 +4,7 @@
 
 use crate::error::AbiError;
 use crate::registry::Registry;
+use crate::structs::{CDeviceStats, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::path::Path;
 
@@ -132,4 +133,97 @@ pub fn release_pool(registry: &Registry, device: i32, pool: GraphPool) -> Result
 pub fn add_peer(registry: &Registry, device: i32, peer: i32) -> Result<(), AbiError> {
     let peer = usize::try_from(peer).map_err(|_| AbiError::BadPeer { peer })?;
     Ok(registry.allocator(device)?.add_peer(peer)?)
+}
+
+/// Frees `ptr` on whichever device's allocator handed it out (PyTorch's `raw_delete`, which names no
+/// device). The devices already in use are asked in order; on the CUDA backend addresses are unique
+/// across devices, on the simulated one two devices may hand out the same address, and the first wins.
+///
+/// # Errors
+/// [`AbiError::Allocator`] with [`cuvmm::Error::UnknownAddress`] if no device's allocator knows `ptr`; a
+/// double free.
+pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
+    if ptr == 0 {
+        return Ok(());
+    }
+    for allocator in registry.built() {
+        match allocator.free_raw(ptr) {
+            Err(cuvmm::Error::UnknownAddress { .. }) => continue,
+            other => return Ok(other?),
+        }
+    }
+    Err(cuvmm::Error::UnknownAddress { addr: ptr }.into())
+}
+
+/// `device`'s statistics in PyTorch's `DeviceStats` layout.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn device_stats(registry: &Registry, device: i32) -> Result<CDeviceStats, AbiError> {
+    let stats = registry.allocator(device)?.stats();
+    Ok(CDeviceStats::new(
+        &stats,
+        registry.settings().config.max_split_size,
+    ))
+}
+
+/// Sets every peak of `device`'s statistics to its current value.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn reset_peak_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.reset_peak_stats()?)
+}
+
+/// Sets every cumulative count of `device`'s statistics to 0.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn reset_accumulated_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.reset_accumulated_stats()?)
+}
+
+/// Limits what `device`'s allocator may reserve to `fraction` of the device's memory, from now on.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] for a fraction outside
+/// [0, 1] (or NaN).
+pub fn set_memory_fraction(
+    registry: &Registry,
+    device: i32,
+    fraction: f64,
+) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.set_memory_fraction(fraction)?)
+}
+
+/// `device`'s memory limit as a fraction of its memory; 1 when none is set (as PyTorch answers).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn memory_fraction(registry: &Registry, device: i32) -> Result<f64, AbiError> {
+    Ok(registry.allocator(device)?.memory_fraction().unwrap_or(1.0))
+}
+
+/// `device`'s segments, blocks and recorded events, laid out for C.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] if a cached buffer could
+/// not be given back first.
+pub fn snapshot(registry: &Registry, device: i32) -> Result<OwnedSnapshot, AbiError> {
+    let snapshot = registry.allocator(device)?.snapshot()?;
+    Ok(OwnedSnapshot::new(&snapshot))
+}
+
+/// Starts recording `device`'s events for snapshots, keeping the last `max_entries`, or stops and forgets
+/// them with 0.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn record_history(
+    registry: &Registry,
+    device: i32,
+    max_entries: usize,
+) -> Result<(), AbiError> {
+    let keep = (max_entries > 0).then_some(max_entries);
+    Ok(registry.allocator(device)?.record_history(keep)?)
 }

@@ -164,6 +164,13 @@ impl Registry {
         built.as_ref().map_err(|e| AbiError::Init(e.clone()))
     }
 
+    /// The allocators built so far, by device (those that failed to build are left out).
+    pub fn built(&self) -> impl Iterator<Item = &TorchAllocator> {
+        self.slots
+            .iter()
+            .filter_map(|slot| slot.get().and_then(|built| built.as_ref().ok()))
+    }
+
     fn build(&self, ordinal: usize) -> Result<TorchAllocator, InitError> {
         let device = match self.settings.backend {
             Backend::Sim { capacity, .. } => {

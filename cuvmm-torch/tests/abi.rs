@@ -2,7 +2,7 @@
 //! returns null, -1 or nothing with an error for `cuvmm_last_error`, and leaves the allocator usable (its
 //! invariants hold afterwards).
 //!
-//! All tests share the process's registry (8 simulated devices of 8 GiB); each test uses its own device,
+//! All tests share the process's registry (12 simulated devices of 8 GiB); each test uses its own device,
 //! so the statistics one test reads are not moved by another running at the same time.
 //!
 //! Unsafe here only calls the exported functions as C does (reading and freeing the strings they return),
@@ -11,12 +11,13 @@
 
 use cuvmm_torch::ffi::*;
 use cuvmm_torch::registry::{Backend, Registry, Settings, global};
+use cuvmm_torch::structs::{CBlock, CDeviceStats, COomInfo, CSegment, CSnapshot, CTraceEntry};
 use cuvmm_torch::{AbiError, last_error};
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 
 const GIB: u64 = 1 << 30;
-const DEVICES: usize = 8;
+const DEVICES: usize = 12;
 
 fn setup() {
     // Only the first test to run installs it; the others find it there.
@@ -169,6 +170,22 @@ fn devices_out_of_range_are_refused_by_every_function() {
         // SAFETY: `path` is a NUL-terminated string that outlives the call.
         assert_eq!(unsafe { cuvmm_dump_snapshot(device, path.as_ptr()) }, -1);
         assert_failed(&what, "out of range");
+        let mut out = CDeviceStats::default();
+        // SAFETY: `out` is a valid place for one struct.
+        assert_eq!(unsafe { cuvmm_get_device_stats(device, &mut out) }, -1);
+        assert_failed(&what, "out of range");
+        assert_eq!(cuvmm_reset_peak_stats(device), -1);
+        assert_failed(&what, "out of range");
+        assert_eq!(cuvmm_reset_accumulated_stats(device), -1);
+        assert_failed(&what, "out of range");
+        assert_eq!(cuvmm_set_memory_fraction(device, 0.5), -1);
+        assert_failed(&what, "out of range");
+        assert_eq!(cuvmm_memory_fraction(device), -1.0);
+        assert_failed(&what, "out of range");
+        assert_eq!(cuvmm_record_history(device, 10), -1);
+        assert_failed(&what, "out of range");
+        assert!(cuvmm_snapshot_take(device).is_null());
+        assert_failed(&what, "out of range");
     }
 }
 
@@ -299,7 +316,7 @@ unsafe extern "C" fn only_stream(context: *mut c_void, stream: *mut c_void) -> s
 #[test]
 fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
     setup();
-    let device = 6;
+    let device = 9;
     let capture = stream(0x51);
     // SAFETY: `only_stream` may be called from any thread with this context (it only compares pointers).
     let begun = unsafe { cuvmm_begin_allocate_to_pool(device, 1, 0, Some(only_stream), capture) };
@@ -307,13 +324,38 @@ fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
     let temp = cuvmm_malloc(4 << 20, device, capture);
     assert!(!temp.is_null(), "{:?}", last_error());
     cuvmm_free(temp, 4 << 20, device, capture);
-    assert_eq!(cuvmm_end_allocate_to_pool(device, 1, 0), 0, "{:?}", last_error());
+    assert_eq!(
+        cuvmm_end_allocate_to_pool(device, 1, 0),
+        0,
+        "{:?}",
+        last_error()
+    );
     assert_eq!(stat(device, "cuvmm.graph_pools"), 1);
+    let taken = cuvmm_snapshot_take(device);
+    assert!(!taken.is_null(), "{:?}", last_error());
+    // SAFETY: a non-null result of cuvmm_snapshot_take points to a snapshot whose segment array holds
+    // `num_segments` elements until cuvmm_snapshot_free.
+    let pools: Vec<(u64, u64)> = unsafe {
+        let s = &*taken;
+        std::slice::from_raw_parts(s.segments, s.num_segments)
+            .iter()
+            .map(|seg| (seg.pool_a, seg.pool_b))
+            .collect()
+    };
+    // SAFETY: `taken` came from cuvmm_snapshot_take and is freed once.
+    unsafe { cuvmm_snapshot_free(taken) };
+    assert!(
+        pools.contains(&(1, 0)),
+        "no segment of the pool in the snapshot: {pools:?}"
+    );
     // The same size on the same stream, outside the pool: other memory.
     let eager = cuvmm_malloc(4 << 20, device, capture);
     assert!(!eager.is_null());
     let (t, e) = (temp.addr(), eager.addr());
-    assert!(e + (4 << 20) <= t || t + (4 << 20) <= e, "pool memory handed out");
+    assert!(
+        e + (4 << 20) <= t || t + (4 << 20) <= e,
+        "pool memory handed out"
+    );
     cuvmm_free(eager, 4 << 20, device, capture);
     assert_eq!(cuvmm_release_pool(device, 1, 0), 0, "{:?}", last_error());
     assert_eq!(stat(device, "cuvmm.graph_pools"), 0);
@@ -322,10 +364,109 @@ fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
     check_invariants(device);
 }
 
+/// What `cuvmm_torch.h` lays out, computed by hand from its declarations (x86-64 / aarch64 Linux); the C++
+/// layer asserts the same sizes against the header, so a field added on one side only fails both.
+#[test]
+fn the_structs_have_the_headers_layout() {
+    use std::mem::{offset_of, size_of};
+    assert_eq!(
+        size_of::<CDeviceStats>(),
+        9 * 3 * 32 + 2 * 8 + 2 * 32 + 5 * 8
+    );
+    assert_eq!(offset_of!(CDeviceStats, num_alloc_retries), 9 * 3 * 32);
+    assert_eq!(offset_of!(CDeviceStats, largest_free_block), 976);
+    assert_eq!(size_of::<COomInfo>(), 7 * 8);
+    assert_eq!(size_of::<CSegment>(), 88);
+    assert_eq!(offset_of!(CSegment, pool_a), 56);
+    assert_eq!(size_of::<CBlock>(), 32);
+    assert_eq!(size_of::<CTraceEntry>(), 32);
+    assert_eq!(size_of::<CSnapshot>(), 48);
+}
+
+fn device_stats(device: i32) -> CDeviceStats {
+    let mut out = CDeviceStats::default();
+    // SAFETY: `out` is a valid place for one struct.
+    let status = unsafe { cuvmm_get_device_stats(device, &mut out) };
+    assert_eq!(status, 0, "{:?}", last_error());
+    out
+}
+
+#[test]
+fn device_stats_follow_the_json_and_reset_their_peaks_and_totals() {
+    setup();
+    let device = 6;
+    let small = cuvmm_malloc(1000, device, ptr::null_mut());
+    let large = cuvmm_malloc(30 << 20, device, ptr::null_mut());
+    assert!(!small.is_null() && !large.is_null(), "{:?}", last_error());
+    let c = device_stats(device);
+    let json = stats(device);
+    let key = |k: &str| json[k].as_u64().unwrap() as i64;
+    assert_eq!(
+        c.allocated_bytes.all.current,
+        key("allocated_bytes.all.current")
+    );
+    assert_eq!(c.allocated_bytes.small_pool.current, 1024);
+    assert_eq!(c.allocated_bytes.large_pool.current, 30 << 20);
+    assert_eq!(c.reserved_bytes.all.peak, key("reserved_bytes.all.peak"));
+    assert_eq!(
+        c.requested_bytes.all.allocated,
+        key("requested_bytes.all.allocated")
+    );
+    assert_eq!(c.allocation.all.current, 2);
+    assert_eq!(c.segment.all.current, key("segment.all.current"));
+    assert_eq!(c.num_device_alloc, key("num_device_alloc"));
+    assert_eq!(c.max_split_size, -1);
+    assert!(c.largest_free_block >= 0);
+    // SAFETY: a null `out` is allowed (refused with -1).
+    let status = unsafe { cuvmm_get_device_stats(device, ptr::null_mut()) };
+    assert_eq!(status, -1);
+    assert_failed("null out", "null out");
+
+    cuvmm_free(large, 30 << 20, device, ptr::null_mut());
+    assert_eq!(
+        device_stats(device).allocated_bytes.all.peak,
+        1024 + (30 << 20)
+    );
+    assert_eq!(cuvmm_reset_peak_stats(device), 0, "{:?}", last_error());
+    let c = device_stats(device);
+    assert_eq!(c.allocated_bytes.all.peak, 1024);
+    assert_eq!(c.allocated_bytes.large_pool.peak, 0);
+    assert_eq!(c.reserved_bytes.all.peak, c.reserved_bytes.all.current);
+    assert_eq!(
+        c.allocated_bytes.all.allocated,
+        1024 + (30 << 20),
+        "totals survive a peak reset"
+    );
+
+    assert_eq!(
+        cuvmm_reset_accumulated_stats(device),
+        0,
+        "{:?}",
+        last_error()
+    );
+    let c = device_stats(device);
+    assert_eq!(
+        (c.allocated_bytes.all.allocated, c.allocated_bytes.all.freed),
+        (0, 0)
+    );
+    assert_eq!(
+        (c.num_device_alloc, c.num_device_free, c.num_ooms),
+        (0, 0, 0)
+    );
+    assert_eq!(
+        c.allocated_bytes.all.current, 1024,
+        "current values survive"
+    );
+    assert_eq!(c.allocated_bytes.all.peak, 1024);
+    cuvmm_free(small, 1000, device, ptr::null_mut());
+    assert_eq!(device_stats(device).allocated_bytes.all.freed, 1024);
+    check_invariants(device);
+}
+
 #[test]
 fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
     setup();
-    let device = 7;
+    let device = 10;
     // SAFETY: a null filter is refused before anything is called.
     let null_filter = unsafe { cuvmm_begin_allocate_to_pool(device, 2, 0, None, ptr::null_mut()) };
     assert_eq!(null_filter, -1);
@@ -345,5 +486,139 @@ fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
     assert_failed("a negative peer", "invalid peer");
     assert_eq!(cuvmm_add_peer(device, 1), 0, "{:?}", last_error());
     assert_eq!(cuvmm_add_peer(99, 1), -1);
+    check_invariants(device);
+}
+
+#[test]
+fn a_memory_fraction_limits_growth_and_its_oom_is_flagged_with_numbers() {
+    setup();
+    let device = 7;
+    assert_eq!(
+        cuvmm_memory_fraction(device),
+        1.0,
+        "no limit: 1, as PyTorch"
+    );
+    for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+        assert_eq!(cuvmm_set_memory_fraction(device, bad), -1, "{bad}");
+        assert_failed(&format!("fraction {bad}"), "per_process_memory_fraction");
+    }
+    assert_eq!(
+        cuvmm_set_memory_fraction(device, 0.25),
+        0,
+        "{:?}",
+        last_error()
+    );
+    assert_eq!(cuvmm_memory_fraction(device), 0.25);
+    let fits = cuvmm_malloc(1 << 30, device, ptr::null_mut());
+    assert!(!fits.is_null(), "{:?}", last_error());
+    // SAFETY: null `out` is allowed.
+    let flagged = unsafe { cuvmm_last_oom(ptr::null_mut()) };
+    assert_eq!(flagged, 0, "success is no OOM");
+    assert!(cuvmm_malloc(3 << 30, device, ptr::null_mut()).is_null());
+    let mut oom = COomInfo::default();
+    // SAFETY: `oom` is a valid place for one struct.
+    assert_eq!(unsafe { cuvmm_last_oom(&mut oom) }, 1);
+    assert_eq!(oom.allowed, 2 * GIB);
+    assert_eq!(oom.requested, 3 << 30);
+    assert_eq!(oom.device_total, 8 * GIB);
+    assert_eq!(oom.allocated, 1 << 30);
+    assert_failed("over the limit", "out of memory");
+    // Reading the OOM leaves the record; the next call clears it, and other errors are no OOM.
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuvmm_last_oom(&mut oom) }, 1);
+    assert!(cuvmm_malloc(0, device, ptr::null_mut()).is_null());
+    // SAFETY: as above.
+    let flagged = unsafe { cuvmm_last_oom(&mut oom) };
+    assert_eq!(flagged, 0, "a bad size is no OOM");
+    assert_eq!(cuvmm_set_memory_fraction(device, 1.0), 0);
+    let now_fits = cuvmm_malloc(3 << 30, device, ptr::null_mut());
+    assert!(!now_fits.is_null(), "{:?}", last_error());
+    for p in [fits, now_fits] {
+        cuvmm_free(p, 0, device, ptr::null_mut());
+    }
+    check_invariants(device);
+}
+
+#[test]
+fn free_any_frees_on_the_device_that_handed_the_address_out() {
+    setup();
+    // Through the C function: nothing to free, and an address no device handed out.
+    cuvmm_free_any(ptr::null_mut());
+    assert!(last_error().is_none());
+    cuvmm_free_any(stream(0x1234_5000));
+    assert_failed("foreign pointer", "0x12345000");
+    // Simulated devices hand out the same addresses, so the search is shown on a registry of its own
+    // where only device 2 holds memory (device 0 is built, and empty).
+    let registry = Registry::new(Settings::sim(GIB, 3));
+    let empty = registry.allocator(0).unwrap();
+    let holder = registry.allocator(2).unwrap();
+    let p = holder.alloc_raw(4096, cuvmm::StreamId(1)).unwrap();
+    cuvmm_torch::ops::free_any(&registry, p).unwrap();
+    assert_eq!(holder.stats().allocation.current, 0);
+    assert_eq!(empty.stats().allocation.allocated, 0);
+    let again = cuvmm_torch::ops::free_any(&registry, p).unwrap_err();
+    assert!(again.to_string().contains("double free"), "{again}");
+    cuvmm_torch::ops::free_any(&registry, 0).unwrap();
+}
+
+#[test]
+fn snapshots_list_segments_blocks_and_recorded_events() {
+    setup();
+    let device = 8;
+    assert_eq!(cuvmm_record_history(device, 100), 0, "{:?}", last_error());
+    let a = cuvmm_malloc(3 << 20, device, stream(5));
+    let b = cuvmm_malloc(2048, device, stream(5));
+    assert!(!a.is_null() && !b.is_null());
+    cuvmm_free(b, 2048, device, stream(5));
+    assert!(last_error().is_none(), "{:?}", last_error());
+
+    let taken = cuvmm_snapshot_take(device);
+    assert!(!taken.is_null(), "{:?}", last_error());
+    // SAFETY: a non-null result of cuvmm_snapshot_take points to a snapshot, and its arrays to as many
+    // elements as it says, until cuvmm_snapshot_free.
+    let (segments, blocks, traces) = unsafe {
+        let s = &*taken;
+        (
+            std::slice::from_raw_parts(s.segments, s.num_segments).to_vec(),
+            std::slice::from_raw_parts(s.blocks, s.num_blocks).to_vec(),
+            std::slice::from_raw_parts(s.traces, s.num_traces).to_vec(),
+        )
+    };
+    // SAFETY: `taken` came from cuvmm_snapshot_take and is freed once.
+    unsafe { cuvmm_snapshot_free(taken) };
+    // SAFETY: null is allowed.
+    unsafe { cuvmm_snapshot_free(ptr::null_mut()) };
+
+    assert!(!segments.is_empty());
+    for seg in &segments {
+        let own = &blocks[seg.first_block..seg.first_block + seg.num_blocks];
+        assert_eq!(own.first().unwrap().address, seg.address);
+        assert_eq!(
+            own.iter().map(|b| b.size).sum::<u64>(),
+            seg.total_size,
+            "blocks tile it"
+        );
+        assert_eq!(seg.stream, stream(5));
+        assert_eq!((seg.is_expandable, seg.pool_a, seg.pool_b), (1, 0, 0));
+    }
+    let live: Vec<_> = blocks.iter().filter(|b| b.state == 1).collect();
+    assert_eq!(live.len(), 1);
+    assert_eq!(
+        (live[0].address, live[0].requested_size),
+        (a.addr() as u64, 3 << 20)
+    );
+    assert_eq!(
+        segments.iter().map(|s| s.allocated_size).sum::<u64>(),
+        3 << 20
+    );
+    let actions: Vec<_> = traces
+        .iter()
+        .filter(|t| t.action <= 2)
+        .map(|t| (t.action, t.addr))
+        .collect();
+    let (a, b) = (a.addr() as u64, b.addr() as u64);
+    assert_eq!(actions, [(0, a), (0, b), (1, b), (2, b)], "{traces:?}");
+    assert_eq!(cuvmm_record_history(device, 0), 0);
+    cuvmm_free(stream(a as usize), 0, device, ptr::null_mut());
     check_invariants(device);
 }

@@ -83,6 +83,26 @@ struct Counters {
     released: u64,
     synchronizations: u64,
     handles_reused: u64,
+    /// `created` and `released` at the last `reset_accumulated_stats`: the statistics report the handles
+    /// created and released since, while the invariants check the totals.
+    device_counts_base: (u64, u64),
+}
+
+impl Counters {
+    /// Every statistic kept per pool, for the resets.
+    fn stat_arrays_mut(&mut self) -> [&mut StatArray; 9] {
+        [
+            &mut self.allocated,
+            &mut self.active,
+            &mut self.requested,
+            &mut self.allocation,
+            &mut self.active_count,
+            &mut self.mapped,
+            &mut self.segment,
+            &mut self.inactive_split,
+            &mut self.inactive_split_count,
+        ]
+    }
 }
 
 /// cuvmm's allocator: per-(stream, pool) virtual segments whose pages are mapped on demand.
@@ -527,8 +547,8 @@ impl<D: Driver> Strategy for Expandable<D> {
             segment: c.segment.all,
             num_alloc_retries: c.retries,
             num_ooms: c.ooms,
-            num_device_alloc: c.created,
-            num_device_free: c.released,
+            num_device_alloc: c.created - c.device_counts_base.0,
+            num_device_free: c.released - c.device_counts_base.1,
             num_synchronizations: c.synchronizations,
             largest_free_block: self.largest_free_block(),
             idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
@@ -578,6 +598,52 @@ impl<D: Driver> Strategy for Expandable<D> {
 
     fn copy_to_host(&mut self, addr: u64, out: &mut [u8]) -> Result<(), Error> {
         Ok(self.driver.copy_to_host(addr, out)?)
+    }
+
+    fn reset_peak_stats(&mut self) -> Result<(), Error> {
+        let c = &mut self.counters;
+        for array in c.stat_arrays_mut() {
+            array.all.reset_peak();
+            array.pool.iter_mut().for_each(Stat::reset_peak);
+        }
+        c.reserved.reset_peak();
+        c.oversize_allocations.reset_peak();
+        Ok(())
+    }
+
+    fn reset_accumulated_stats(&mut self) -> Result<(), Error> {
+        let forget = |stat: &mut Stat| (stat.allocated, stat.freed) = (0, 0);
+        let c = &mut self.counters;
+        for array in c.stat_arrays_mut() {
+            forget(&mut array.all);
+            array.pool.iter_mut().for_each(forget);
+        }
+        forget(&mut c.reserved);
+        forget(&mut c.oversize_allocations);
+        (c.retries, c.ooms, c.synchronizations) = (0, 0, 0);
+        c.device_counts_base = (c.created, c.released);
+        Ok(())
+    }
+
+    /// Also lowers the growth budget to the new limit when it is below it.
+    fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), Error> {
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(ConfigError::BadValue {
+                key: "per_process_memory_fraction".into(),
+                value: fraction.to_string(),
+                expected: "a fraction in [0, 1]",
+            }
+            .into());
+        }
+        let limit = (fraction * self.device_total as f64) as u64;
+        self.limit = Some(limit);
+        self.budget = self.budget.min(limit);
+        Ok(())
+    }
+
+    fn memory_fraction(&self) -> Option<f64> {
+        let total = self.device_total.max(1) as f64;
+        self.limit.map(|limit| limit as f64 / total)
     }
 }
 

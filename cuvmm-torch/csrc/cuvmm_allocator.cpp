@@ -1,0 +1,488 @@
+// cuvmm as PyTorch's CUDA allocator: a c10::cuda::CUDACachingAllocator::CUDAAllocator whose every method
+// forwards to libcuvmm_torch.so's C ABI (cuvmm_torch.h). No allocation logic lives here: this file turns
+// PyTorch's types into the C ABI's and cuvmm's failures into PyTorch's exceptions.
+//
+// Built against the user's PyTorch by python/cuvmm_torch.py (torch.utils.cpp_extension.load); see
+// docs/DESIGN.md, "The C++ layer". The library is opened with dlopen and its functions looked up by name,
+// so a library older than this file fails at install with the names it lacks, and the same library
+// (one registry of allocators) serves this layer and cuvmm_torch's ctypes calls.
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/extension.h>
+
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_set>
+#include <vector>
+
+#include "cuvmm_torch.h"
+
+// The header's layout, as tests/abi.rs checks it on the Rust side.
+static_assert(sizeof(cuvmm_device_stats) == 984, "cuvmm_device_stats: header and Rust disagree");
+static_assert(sizeof(cuvmm_segment_info) == 88, "cuvmm_segment_info: header and Rust disagree");
+static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 32, "block/trace layout");
+static_assert(sizeof(cuvmm_oom_info) == 56 && sizeof(cuvmm_snapshot) == 48, "oom/snapshot layout");
+
+namespace cuvmm_torch {
+
+namespace CCA = c10::cuda::CUDACachingAllocator;
+namespace CDA = c10::CachingDeviceAllocator;
+using c10::DeviceIndex;
+using c10::MempoolId_t;
+
+// The C functions, required ones then those a library may lack (graph pools, peers: PyTorch's calls
+// that need them fail with a clear error there).
+#define CUVMM_REQUIRED(X)                                                                        \
+  X(cuvmm_malloc) X(cuvmm_free_any) X(cuvmm_record_stream) X(cuvmm_empty_cache)                 \
+  X(cuvmm_get_device_stats) X(cuvmm_reset_peak_stats) X(cuvmm_reset_accumulated_stats)              \
+  X(cuvmm_set_memory_fraction) X(cuvmm_memory_fraction) X(cuvmm_record_history)                 \
+  X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)
+#define CUVMM_OPTIONAL(X)                                                                        \
+  X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool) X(cuvmm_release_pool)           \
+  X(cuvmm_add_peer)
+
+struct Api {
+#define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
+  CUVMM_REQUIRED(CUVMM_FIELD)
+  CUVMM_OPTIONAL(CUVMM_FIELD)
+#undef CUVMM_FIELD
+
+  static Api open(const std::string& path) {
+    void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);  // kept open for the process's life
+    TORCH_CHECK(lib, "cuvmm: cannot load ", path, ": ", dlerror());
+    Api api;
+    std::string missing;
+#define CUVMM_LOOKUP(name) api.name = reinterpret_cast<decltype(api.name)>(dlsym(lib, #name));
+#define CUVMM_MISSING(name) \
+  if (!api.name) missing += std::string(missing.empty() ? "" : ", ") + #name;
+    CUVMM_REQUIRED(CUVMM_LOOKUP)
+    CUVMM_OPTIONAL(CUVMM_LOOKUP)
+    CUVMM_REQUIRED(CUVMM_MISSING)
+#undef CUVMM_LOOKUP
+#undef CUVMM_MISSING
+    TORCH_CHECK(missing.empty(), "cuvmm: ", path, " lacks ", missing,
+                ": rebuild it (cargo build --release -p cuvmm-torch)");
+    return api;
+  }
+};
+
+const char* const kIpcUnsupported =
+    "cuvmm: sharing CUDA tensors between processes (torch.multiprocessing, cudaIpc*) is not supported: "
+    "cuvmm's pages come from cuMemCreate without an exportable handle type, which cudaIpcGetMemHandle "
+    "cannot share. Move the tensor to CPU shared memory, or send it with torch.distributed.";
+
+// A filter of beginAllocateToPool, kept on the heap until endAllocateToPool returns (the C ABI's rule).
+struct Filter {
+  std::function<bool(cudaStream_t)> accepts;
+  static int call(void* self, cudaStream_t stream) noexcept {
+    try {
+      return static_cast<Filter*>(self)->accepts(stream) ? 1 : 0;
+    } catch (...) {
+      return 0;  // nothing may unwind into cuvmm
+    }
+  }
+};
+
+// A pool's live allocations at a checkpoint (cudagraph trees' getCheckpointState).
+struct Checkpoint : CCA::AllocatorState {
+  DeviceIndex device;
+  MempoolId_t pool;
+  std::unordered_set<void*> live;
+};
+
+// A snapshot from the C ABI, freed when it goes out of scope.
+using Snapshot = std::unique_ptr<cuvmm_snapshot, void (*)(cuvmm_snapshot*)>;
+
+c10::CachingAllocator::Stat to_stat(const cuvmm_stat& s) {
+  c10::CachingAllocator::Stat out;
+  out.current = s.current;
+  out.peak = s.peak;
+  out.allocated = s.allocated;
+  out.freed = s.freed;
+  return out;
+}
+
+c10::CachingAllocator::StatArray to_array(const cuvmm_stat_array& a) {
+  return {to_stat(a.all), to_stat(a.small_pool), to_stat(a.large_pool)};
+}
+
+class CuvmmAllocator final : public CCA::CUDAAllocator {
+ public:
+  explicit CuvmmAllocator(Api api) : api_(api) {}
+
+  static CuvmmAllocator* instance;  // for the raw deleter, which gets only the pointer
+
+  // ---- allocation ----
+  c10::DataPtr allocate(size_t n) override {
+    DeviceIndex device = c10::cuda::current_device();
+    void* p = n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
+    return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  void* raw_alloc(size_t n) override {
+    DeviceIndex device = c10::cuda::current_device();
+    return n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
+  }
+  void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
+    return n == 0 ? nullptr : malloc_on(n, c10::cuda::current_device(), stream);
+  }
+  void raw_delete(void* p) override {
+    if (p == nullptr) return;
+    api_.cuvmm_free_any(p);
+    if (const char* error = api_.cuvmm_last_error()) TORCH_WARN("cuvmm: ", error);  // never throw in a deleter
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+
+  // ---- set-up and settings ----
+  void init(int device_count) override {
+    device_count_ = device_count;
+    initialized_ = true;
+  }
+  bool initialized() override { return initialized_; }
+  std::string name() override { return "cuvmm"; }
+  void enable(bool /*value*/) override {}
+  bool isEnabled() const override { return true; }
+  double getMemoryFraction(DeviceIndex device) override {
+    double fraction = api_.cuvmm_memory_fraction(device);
+    check(fraction >= 0, "getMemoryFraction");
+    return fraction;
+  }
+  void setMemoryFraction(double fraction, DeviceIndex device) override {
+    TORCH_CHECK(fraction >= 0 && fraction <= 1, "invalid fraction: ", fraction, ". Please set within [0, 1].");
+    use(device);
+    check(api_.cuvmm_set_memory_fraction(device, fraction) == 0, "setMemoryFraction");
+  }
+  void emptyCache(MempoolId_t /*pool: cuvmm gives back every device's idle memory*/) override {
+    for_each_used([&](DeviceIndex d) { api_.cuvmm_empty_cache(d); check(true, "emptyCache"); });
+  }
+  void cacheInfo(DeviceIndex device, size_t* largest) override {
+    *largest = std::max(*largest, static_cast<size_t>(stats(device).largest_free_block));
+  }
+  void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
+  std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex device) override {
+    std::map<std::pair<cudaStream_t, bool>, size_t> sizes;
+    Snapshot s = take(device);
+    for (size_t i = 0; i < s->num_segments; ++i) {
+      const cuvmm_segment_info& seg = s->segments[i];
+      sizes[{seg.stream, !seg.is_large}] += seg.total_size;
+    }
+    std::vector<CCA::StreamSegmentSize> out;
+    for (const auto& [key, size] : sizes) out.emplace_back(key.first, key.second, size);
+    return out;
+  }
+
+  // ---- streams ----
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    if (!ptr.get() || ptr.get_deleter() != &delete_fn) return;  // not ours (from_blob, ...): as PyTorch
+    api_.cuvmm_record_stream(ptr.get(), ptr.device().index(), stream.stream());
+    check(true, "recordStream");
+  }
+
+  // ---- statistics ----
+  CDA::DeviceStats getDeviceStats(DeviceIndex device) override {
+    cuvmm_device_stats s = stats(device);
+    CDA::DeviceStats out;
+    out.allocation = to_array(s.allocation);
+    out.segment = to_array(s.segment);
+    out.active = to_array(s.active);
+    out.inactive_split = to_array(s.inactive_split);
+    out.allocated_bytes = to_array(s.allocated_bytes);
+    out.reserved_bytes = to_array(s.reserved_bytes);
+    out.active_bytes = to_array(s.active_bytes);
+    out.inactive_split_bytes = to_array(s.inactive_split_bytes);
+    out.requested_bytes = to_array(s.requested_bytes);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.oversize_allocations = to_stat(s.oversize_allocations);
+    out.oversize_segments = to_stat(s.oversize_segments);
+    out.num_sync_all_streams = s.num_sync_all_streams;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    out.max_split_size = s.max_split_size;
+    return out;
+  }
+  void resetAccumulatedStats(DeviceIndex device) override {
+    check(api_.cuvmm_reset_accumulated_stats(device) == 0, "resetAccumulatedStats");
+  }
+  void resetPeakStats(DeviceIndex device) override {
+    check(api_.cuvmm_reset_peak_stats(device) == 0, "resetPeakStats");
+  }
+
+  // ---- snapshots and history ----
+  CCA::SnapshotInfo snapshot(MempoolId_t pool, bool include_traces) override {
+    CCA::SnapshotInfo info;
+    info.config_metadata.expandable_segments = true;
+    info.config_metadata.max_split_size = SIZE_MAX;
+    const char* conf = std::getenv("CUVMM_ALLOC_CONF");
+    info.config_metadata.last_allocator_settings = conf ? conf : "";
+    info.device_traces.resize(std::max(device_count_, 1));
+    for_each_used([&](DeviceIndex device) {
+      Snapshot s = take(device);
+      for (size_t i = 0; i < s->num_segments; ++i) {
+        const cuvmm_segment_info& seg = s->segments[i];
+        if (pool != MempoolId_t{0, 0} && MempoolId_t{seg.pool_a, seg.pool_b} != pool) continue;
+        info.segments.push_back(segment_info(device, seg, s->blocks));
+      }
+      if (include_traces && device < static_cast<DeviceIndex>(info.device_traces.size())) {
+        for (size_t i = 0; i < s->num_traces; ++i) {
+          const cuvmm_trace_entry& t = s->traces[i];
+          info.device_traces[device].emplace_back(
+              static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
+              MempoolId_t{0, 0}, c10::getApproximateTime());
+        }
+      }
+    });
+    return info;
+  }
+  bool isHistoryEnabled() override { return history_entries_ > 0; }
+  void recordHistory(bool enabled, CCA::CreateContextFn /*stack traces: not kept*/, size_t max_entries,
+                     CCA::RecordContext /*when*/, bool clear, const std::vector<std::string>& /*skip*/) override {
+    size_t entries = enabled ? std::max<size_t>(max_entries, 1) : 0;
+    history_entries_ = entries;
+    for_each_used([&](DeviceIndex d) {
+      if (clear && entries > 0) api_.cuvmm_record_history(d, 0);
+      check(api_.cuvmm_record_history(d, entries) == 0, "recordHistory");
+    });
+  }
+  void attachOutOfMemoryObserver(CCA::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker /*tracker*/) override {
+    TORCH_WARN_ONCE("cuvmm: allocator trace trackers are not called; use torch.cuda.memory._snapshot()");
+  }
+
+  // ---- CUDA graphs: private pools ----
+  void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, std::function<bool(cudaStream_t)> filter) override {
+    TORCH_CHECK(api_.cuvmm_begin_allocate_to_pool, "cuvmm: this libcuvmm_torch.so has no private pools "
+                "(CUDA graphs, MemPool): rebuild it from a newer cuvmm");
+    use(device);
+    auto box = std::make_unique<Filter>(Filter{std::move(filter)});
+    Filter* raw = box.get();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      filters_[{device, pool.first, pool.second}] = std::move(box);
+    }
+    if (api_.cuvmm_begin_allocate_to_pool(device, pool.first, pool.second, &Filter::call, raw) != 0) {
+      std::string error = last_error("beginAllocateToPool");
+      std::lock_guard<std::mutex> lock(mutex_);
+      filters_.erase({device, pool.first, pool.second});
+      TORCH_CHECK(false, error);
+    }
+  }
+  void endAllocateToPool(DeviceIndex device, MempoolId_t pool) override {
+    TORCH_CHECK(api_.cuvmm_end_allocate_to_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
+    int status = api_.cuvmm_end_allocate_to_pool(device, pool.first, pool.second);
+    std::string error = status == 0 ? "" : last_error("endAllocateToPool");
+    {
+      std::lock_guard<std::mutex> lock(mutex_);  // the filter is no longer called once end returned
+      filters_.erase({device, pool.first, pool.second});
+    }
+    TORCH_CHECK(status == 0, error);
+  }
+  void releasePool(DeviceIndex device, MempoolId_t pool) override {
+    TORCH_CHECK(api_.cuvmm_release_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
+    check(api_.cuvmm_release_pool(device, pool.first, pool.second) == 0, "releasePool");
+  }
+  void createOrIncrefPool(DeviceIndex /*device*/, MempoolId_t /*pool*/,
+                          std::shared_ptr<CCA::CUDAAllocator> allocator) override {
+    // cuvmm makes a pool at its first beginAllocateToPool; a pool served by another allocator cannot be.
+    TORCH_CHECK(!allocator || allocator.get() == this,
+                "cuvmm: a MemPool with an allocator of its own is not supported while cuvmm is installed");
+  }
+  bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t pool,
+                                const std::unordered_set<void*>& expected) override {
+    return pool_live(device, pool) == expected;
+  }
+  std::shared_ptr<CCA::AllocatorState> getCheckpointState(DeviceIndex device, MempoolId_t pool) override {
+    auto state = std::make_shared<Checkpoint>();
+    state->device = device;
+    state->pool = pool;
+    state->live = pool_live(device, pool);
+    return state;
+  }
+  CCA::CheckpointDelta setCheckpointPoolState(DeviceIndex device,
+                                              std::shared_ptr<CCA::AllocatorState> pps) override {
+    auto* state = dynamic_cast<Checkpoint*>(pps.get());
+    TORCH_CHECK(state && state->device == device, "cuvmm: not a checkpoint of cuvmm's for this device");
+    // Nothing to restore when the pool holds what it held then; cuvmm cannot yet re-create blocks at
+    // their old addresses, which is what rewinding a pool to a checkpoint takes.
+    TORCH_CHECK(pool_live(device, state->pool) == state->live,
+                "cuvmm: rewinding a CUDA graph pool to a checkpoint is not supported (cudagraph trees "
+                "re-recording after a divergence). Set torch._inductor.config.triton.cudagraph_trees = False, "
+                "or use PyTorch's own allocator for this model.");
+    return {};
+  }
+
+  // ---- peers, copies, IPC ----
+  void enablePeerAccess(DeviceIndex dev, DeviceIndex dev_to_access) override {
+    c10::cuda::CUDAGuard guard(dev);
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // clear it
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+    TORCH_CHECK(api_.cuvmm_add_peer, "cuvmm: this libcuvmm_torch.so cannot map memory for peers");
+    use(dev_to_access);
+    check(api_.cuvmm_add_peer(dev_to_access, dev) == 0, "enablePeerAccess");
+  }
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) override {
+    // cuMemMap'd memory needs the Peer copy between devices unless peer access is on (see the base class).
+    if (p2p_enabled || dst_device == src_device) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+  CCA::ShareableHandle shareIpcHandle(void* /*ptr*/) override { TORCH_CHECK(false, kIpcUnsupported); }
+  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override { TORCH_CHECK(false, kIpcUnsupported); }
+
+ private:
+  static void delete_fn(void* p) { instance->raw_delete(p); }
+
+  void* malloc_on(size_t n, DeviceIndex device, cudaStream_t stream) {
+    use(device);
+    void* p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);
+    if (p) return p;
+    std::string error = last_error("malloc");
+    cuvmm_oom_info oom{};
+    if (api_.cuvmm_last_oom(&oom)) {
+      std::vector<CCA::OutOfMemoryObserver> observers;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        observers = oom_observers_;
+      }
+      size_t limit = oom.allowed ? oom.allowed : oom.device_total;
+      for (const auto& observer : observers) observer(device, oom.alloc_size, limit, oom.device_free);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, error);
+    }
+    TORCH_CHECK(false, error);
+  }
+
+  // The first use of a device turns on history recording there if it is on.
+  void use(DeviceIndex device) {
+    if (device < 0 || device >= 64) return;
+    uint64_t bit = uint64_t{1} << device;
+    if (used_.load(std::memory_order_relaxed) & bit) return;
+    if (!(used_.fetch_or(bit) & bit) && history_entries_ > 0) api_.cuvmm_record_history(device, history_entries_);
+  }
+  template <typename F>
+  void for_each_used(F f) {
+    uint64_t used = used_.load();
+    for (DeviceIndex d = 0; d < 64; ++d) {
+      if (used & (uint64_t{1} << d)) f(d);
+    }
+  }
+
+  std::string last_error(const char* what) {
+    const char* error = api_.cuvmm_last_error();
+    return std::string("cuvmm: ") + (error ? error : std::string(what) + " failed");
+  }
+  // Throws cuvmm's error if `ok` is false or the call just made recorded one.
+  void check(bool ok, const char* what) {
+    const char* error = api_.cuvmm_last_error();
+    TORCH_CHECK(ok && !error, "cuvmm: ", error ? error : (std::string(what) + " failed").c_str());
+  }
+
+  cuvmm_device_stats stats(DeviceIndex device) {
+    use(device);
+    cuvmm_device_stats s{};
+    check(api_.cuvmm_get_device_stats(device, &s) == 0, "getDeviceStats");
+    return s;
+  }
+  Snapshot take(DeviceIndex device) {
+    Snapshot s(api_.cuvmm_snapshot_take(device), api_.cuvmm_snapshot_free);
+    check(s != nullptr, "snapshot");
+    return s;
+  }
+  static CDA::SegmentInfo segment_info(DeviceIndex device, const cuvmm_segment_info& seg,
+                                       const cuvmm_block_info* blocks) {
+    CDA::SegmentInfo out;
+    out.device = device;
+    out.address = seg.address;
+    out.total_size = seg.total_size;
+    out.requested_size = seg.requested_size;
+    out.allocated_size = seg.allocated_size;
+    out.active_size = seg.active_size;
+    out.stream = seg.stream;
+    out.is_large = seg.is_large != 0;
+    out.is_expandable = seg.is_expandable != 0;
+    out.owner_private_pool_id = {seg.pool_a, seg.pool_b};
+    for (size_t j = seg.first_block; j < seg.first_block + seg.num_blocks; ++j) {
+      CDA::BlockInfo block;
+      block.size = blocks[j].size;
+      block.requested_size = blocks[j].requested_size;
+      block.allocated = blocks[j].state == 1;
+      block.active = blocks[j].state != 0;
+      out.blocks.push_back(block);
+    }
+    return out;
+  }
+  // The allocated blocks of `pool` on `device`.
+  std::unordered_set<void*> pool_live(DeviceIndex device, MempoolId_t pool) {
+    std::unordered_set<void*> live;
+    Snapshot s = take(device);
+    for (size_t i = 0; i < s->num_segments; ++i) {
+      const cuvmm_segment_info& seg = s->segments[i];
+      if (MempoolId_t{seg.pool_a, seg.pool_b} != pool) continue;
+      for (size_t j = seg.first_block; j < seg.first_block + seg.num_blocks; ++j) {
+        if (s->blocks[j].state == 1) live.insert(reinterpret_cast<void*>(s->blocks[j].address));
+      }
+    }
+    return live;
+  }
+
+  Api api_;
+  std::atomic<bool> initialized_{false};
+  int device_count_ = 0;
+  std::atomic<uint64_t> used_{0};  // bit d: device d has been named
+  std::atomic<size_t> history_entries_{0};
+  std::mutex mutex_;  // guards the two below
+  std::vector<CCA::OutOfMemoryObserver> oom_observers_;
+  std::map<std::tuple<DeviceIndex, c10::CaptureId_t, c10::CaptureId_t>, std::unique_ptr<Filter>> filters_;
+};
+
+CuvmmAllocator* CuvmmAllocator::instance = nullptr;
+
+// Makes cuvmm, from the library at `path`, PyTorch's CUDA allocator. PyTorch refuses once its current
+// allocator has been used (the first CUDA tensor).
+void install(const std::string& path) {
+  TORCH_CHECK(CuvmmAllocator::instance == nullptr, "cuvmm: already installed");
+  auto allocator = std::make_shared<CuvmmAllocator>(Api::open(path));
+  CuvmmAllocator::instance = allocator.get();
+  try {
+    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  } catch (...) {
+    CuvmmAllocator::instance = nullptr;
+    throw;
+  }
+}
+
+bool installed() { return CuvmmAllocator::instance != nullptr; }
+
+}  // namespace cuvmm_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "cuvmm as PyTorch's CUDA allocator (the C++ layer of cuvmm-torch)";
+  m.def("install", &cuvmm_torch::install, "Makes cuvmm (libcuvmm_torch.so at `path`) PyTorch's CUDA allocator");
+  m.def("installed", &cuvmm_torch::installed, "Whether install() succeeded in this process");
+}
