@@ -14,14 +14,15 @@ rm -rf "$dir" && mkdir -p "$dir/traces"
 
 cargo build --locked --release --features cuda --bin cuvmm --example service
 cargo build --locked --release -p cuvmm-torch
-# The test binaries' paths, from cargo's JSON messages: the library's unit tests and three integration tests
+# The test binaries' paths, from cargo's JSON messages: the library's unit tests and four integration tests
 # (only those: every test binary of the crate with fat LTO takes many minutes).
 cargo test --locked --release --features cuda --no-run --message-format=json \
-    --lib --test conformance_cuda --test cuda_streams --test conformance_sim 2>/dev/null |
+    --lib --test conformance_cuda --test cuda_streams --test cuda_graphs --test conformance_sim 2>/dev/null |
     python3 -c '
 import json, shutil, sys
 wanted = {("lib", "cuvmm"): "cuvmm-lib", ("test", "conformance_cuda"): "conformance_cuda",
-          ("test", "cuda_streams"): "cuda_streams", ("test", "conformance_sim"): "conformance_sim"}
+          ("test", "cuda_streams"): "cuda_streams", ("test", "cuda_graphs"): "cuda_graphs",
+          ("test", "conformance_sim"): "conformance_sim"}
 found = set()
 for line in sys.stdin:
     message = json.loads(line)
@@ -36,7 +37,7 @@ sys.exit(f"test binaries not built: {sorted(missing)}" if missing else 0)
 ' "$dir"
 cp target/release/cuvmm target/release/examples/service target/release/libcuvmm_torch.so "$dir/"
 strip "$dir"/cuvmm "$dir"/service "$dir"/libcuvmm_torch.so "$dir"/cuvmm-lib "$dir"/conformance_cuda \
-    "$dir"/cuda_streams "$dir"/conformance_sim
+    "$dir"/cuda_streams "$dir"/cuda_graphs "$dir"/conformance_sim
 
 if [ -d ../shared/traces ]; then
     for trace in ../shared/traces/*.pickle ../shared/traces/*.gz; do

@@ -6,6 +6,7 @@
 #   conformance   the CUDA conformance suite (tests/conformance_cuda.rs)
 #   lib           what CudaDriver reads from CUDA (the library's driver::cuda tests)
 #   streams       the caller's streams and threads (tests/cuda_streams.rs)
+#   graphs        record_stream, a memory limit, CUDA graphs replayed, peers, with real kernels (tests/cuda_graphs.rs)
 #   service       the service example: four workers, a kernel on cuvmm memory
 #   driver-bench  driver call costs by page size (JSON and table)
 #   workloads     every built-in workload replayed on the GPU with --touch
@@ -17,10 +18,10 @@
 #                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
 #
-#   OUT=... tools/gpu/run.sh info conformance lib streams service driver-bench
+#   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,20p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -48,6 +49,7 @@ run_step() {
     conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
     lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;
     streams) step streams 300 "$bin/cuda_streams" --test-threads=1 --nocapture ;;
+    graphs) step graphs 300 "$bin/cuda_graphs" --test-threads=1 --nocapture ;;
     service) step service 300 "$bin/service" --backend cuda ;;
     driver-bench)
         step driver-bench 300 "$bin/cuvmm" driver-bench --backend cuda
