@@ -120,6 +120,10 @@ int cuvmm_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned l
  * to the device's common segments as its blocks are freed. */
 int cuvmm_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
 
+/* One more user of the pool without allocating to it (PyTorch's createOrIncrefPool, which a MemPool calls
+ * when made): it stays live until cuvmm_release_pool is called once more. */
+int cuvmm_incref_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
+
 /* ---- Peers ---- */
 
 /* Device `peer` may read and write every range of `device` mapped now and every one mapped later

@@ -315,6 +315,12 @@ impl<S: Strategy> Allocator<S> {
         self.shared.strategy.lock().release_pool(pool)
     }
 
+    /// One more user of `pool` without allocating to it (PyTorch's `createOrIncrefPool`, made by a
+    /// `MemPool`): it stays live until [`release_pool`](Self::release_pool) is called once more.
+    pub fn incref_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        self.shared.strategy.lock().incref_pool(pool)
+    }
+
     /// Lets device `peer` read and write every range mapped now and every one mapped later.
     pub fn add_peer(&self, peer: usize) -> Result<(), Error> {
         self.shared.strategy.lock().add_peer(peer)

@@ -61,6 +61,15 @@ pub trait Strategy {
         Err(self.unsupported("release_pool"))
     }
 
+    /// One more user of `pool` without allocating to it (PyTorch's `createOrIncrefPool`): it stays live
+    /// until [`release_pool`](Strategy::release_pool) has been called once more.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn incref_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        let _ = pool;
+        Err(self.unsupported("incref_pool"))
+    }
+
     /// Lets device `peer` read and write every range mapped now and every one mapped later (PyTorch's
     /// `enablePeerAccess` for expandable segments).
     ///

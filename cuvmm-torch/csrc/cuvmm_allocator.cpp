@@ -55,7 +55,7 @@ using c10::MempoolId_t;
   X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)
 #define CUVMM_OPTIONAL(X)                                                                        \
   X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool) X(cuvmm_release_pool)           \
-  X(cuvmm_add_peer)
+  X(cuvmm_incref_pool) X(cuvmm_add_peer)
 
 struct Api {
 #define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
@@ -298,15 +298,21 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     TORCH_CHECK(status == 0, error);
   }
+  // Called from ~CUDAGraph and ~MemPool: it must not throw. A pool cuvmm does not know as live (released
+  // more often than begun and increfed) is a warning.
   void releasePool(DeviceIndex device, MempoolId_t pool) override {
-    TORCH_CHECK(api_.cuvmm_release_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
-    check(api_.cuvmm_release_pool(device, pool.first, pool.second) == 0, "releasePool");
+    if (!api_.cuvmm_release_pool) return;
+    if (api_.cuvmm_release_pool(device, pool.first, pool.second) != 0) {
+      TORCH_WARN(last_error("releasePool"));
+    }
   }
-  void createOrIncrefPool(DeviceIndex /*device*/, MempoolId_t /*pool*/,
+  void createOrIncrefPool(DeviceIndex device, MempoolId_t pool,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    // cuvmm makes a pool at its first beginAllocateToPool; a pool served by another allocator cannot be.
+    // A pool served by another allocator cannot be cuvmm's.
     TORCH_CHECK(!allocator || allocator.get() == this,
                 "cuvmm: a MemPool with an allocator of its own is not supported while cuvmm is installed");
+    TORCH_CHECK(api_.cuvmm_incref_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
+    check(api_.cuvmm_incref_pool(device, pool.first, pool.second) == 0, "createOrIncrefPool");
   }
   bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t pool,
                                 const std::unordered_set<void*>& expected) override {

@@ -223,6 +223,15 @@ pub extern "C" fn cuvmm_release_pool(device: c_int, pool_a: u64, pool_b: u64) ->
     })
 }
 
+/// One more user of pool `{pool_a, pool_b}` of `device` (PyTorch's `createOrIncrefPool`); 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_incref_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    shell("cuvmm_incref_pool", -1, || {
+        ops::incref_pool(global()?, device, GraphPool(pool_a, pool_b))?;
+        Ok(0)
+    })
+}
+
 /// Device `peer` may reach every range of `device` mapped now and later; 0 or -1.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {

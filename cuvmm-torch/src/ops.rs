@@ -125,6 +125,14 @@ pub fn release_pool(registry: &Registry, device: i32, pool: GraphPool) -> Result
     Ok(registry.allocator(device)?.release_pool(pool)?)
 }
 
+/// One more user of `pool` of `device` (PyTorch's `createOrIncrefPool`).
+///
+/// # Errors
+/// As [`begin_allocate_to_pool`], for pool `{0, 0}`.
+pub fn incref_pool(registry: &Registry, device: i32, pool: GraphPool) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.incref_pool(pool)?)
+}
+
 /// Device `peer` may reach every range of `device` mapped now and later.
 ///
 /// # Errors

@@ -481,7 +481,12 @@ fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
     assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 3, 0, 6), -1);
     assert_failed("a pool begun twice", "already");
     assert_eq!(cuvmm_end_allocate_to_pool(device, 3, 0), 0);
+    // A MemPool's own reference (createOrIncrefPool) keeps the pool live past the graph's release.
+    assert_eq!(cuvmm_incref_pool(device, 3, 0), 0, "{:?}", last_error());
     assert_eq!(cuvmm_release_pool(device, 3, 0), 0);
+    assert_eq!(cuvmm_release_pool(device, 3, 0), 0, "{:?}", last_error());
+    assert_eq!(cuvmm_release_pool(device, 3, 0), -1);
+    assert_eq!(cuvmm_incref_pool(device, 0, 0), -1);
     assert_eq!(cuvmm_add_peer(device, -1), -1);
     assert_failed("a negative peer", "invalid peer");
     assert_eq!(cuvmm_add_peer(device, 1), 0, "{:?}", last_error());

@@ -137,6 +137,21 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
+    /// One more user of `pool` (PyTorch's `createOrIncrefPool`, which a `MemPool` calls when made): it is
+    /// live, and its segments pinned, until released once more.
+    pub(super) fn incref_graph_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        if pool == GraphPool::NONE {
+            return Err(Error::GraphPool {
+                operation: "incref_pool",
+                pool,
+                problem: "{0, 0} names no pool",
+            });
+        }
+        self.graphs.forget_released(pool);
+        *self.graphs.live.entry(pool).or_default() += 1;
+        Ok(())
+    }
+
     /// One graph that used `pool` is gone; once none is left, the pool's segments are unpinned.
     pub(super) fn release_graph_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
         let uses = self.graphs.live.get_mut(&pool).ok_or(Error::GraphPool {

@@ -512,6 +512,10 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.release_graph_pool(pool)
     }
 
+    fn incref_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+        self.incref_graph_pool(pool)
+    }
+
     fn add_peer(&mut self, peer: usize) -> Result<(), Error> {
         self.grant_peer(peer)
     }
