@@ -83,6 +83,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_begin_allocate_to_pool",
                 "cuvmm_begin_allocate_to_pool_capture",
                 "cuvmm_end_allocate_to_pool",
+                "cuvmm_incref_pool",
                 "cuvmm_release_pool",
                 "cuvmm_add_peer",
                 "cuvmm_free_any",
