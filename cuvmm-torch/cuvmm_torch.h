@@ -130,6 +130,26 @@ int cuvmm_incref_pool(int device, unsigned long long pool_a, unsigned long long 
  * (PyTorch's enablePeerAccess for expandable segments). */
 int cuvmm_add_peer(int device, int peer);
 
+/* ---- Sleep and wake: memory given back while its addresses stay reserved ---- */
+
+/* Allocations made by cuvmm_malloc on this thread, on any device, are made under `tag` from now on (NULL:
+ * untagged again). A tag's memory shares no page with other memory. Returns 0, or -1 for a tag that is not
+ * UTF-8. (Python: `with cuvmm_torch.region("kv_cache"): ...`.) */
+int cuvmm_set_tag(const char *tag);
+
+/* Puts `tag` of `device` to sleep: waits for the streams that used its memory (an event query, a
+ * synchronization only of a stream still busy), copies its bytes to host memory if `keep` is nonzero, then
+ * unmaps its pages and gives their physical memory back. Its addresses stay reserved: pointers and captured
+ * CUDA graphs that use them work again after cuvmm_wake. Until then its memory must not be used; freeing
+ * it, or allocating under the tag, fails. Returns the bytes given back (0 if already asleep), or -1 (a
+ * capture underway, a NULL tag, a driver failure: a sleep that failed half way is finished by the next). */
+long long cuvmm_sleep(int device, const char *tag, int keep);
+
+/* Wakes `tag` of `device`: maps memory at the same addresses and puts back the bytes its sleep kept. A tag
+ * awake (or never used) is left as it is. Returns 0, or -1 (out of memory, a capture underway: the tag
+ * stays asleep and a later wake finishes). */
+int cuvmm_wake(int device, const char *tag);
+
 /* ---- The C++ layer: what PyTorch's CUDAAllocator interface needs beyond the above ---- */
 
 /* PyTorch's raw_delete, which names no device: frees `ptr` on whichever device's allocator handed it out

@@ -24,11 +24,13 @@ of the checkout this file is in. The library reads its settings from the environ
 (``CUVMM_BACKEND``, ``CUVMM_ALLOC_CONF``, ... : see ``cuvmm-torch/cuvmm_torch.h``).
 """
 
+import contextlib
 import ctypes
 import importlib
 import json
 import os
 import sys
+import threading
 import warnings
 
 __all__ = [
@@ -50,6 +52,9 @@ __all__ = [
     "reset_accumulated_stats",
     "set_memory_fraction",
     "record_history",
+    "region",
+    "sleep",
+    "wake",
     "last_error",
 ]
 
@@ -183,6 +188,9 @@ def _declare(lib):
         "cuvmm_set_memory_fraction": (c_int, [c_int, ctypes.c_double]),
         "cuvmm_memory_fraction": (ctypes.c_double, [c_int]),
         "cuvmm_record_history": (c_int, [c_int, ctypes.c_size_t]),
+        "cuvmm_set_tag": (c_int, [c_char_p]),
+        "cuvmm_sleep": (ctypes.c_longlong, [c_int, c_char_p, c_int]),
+        "cuvmm_wake": (c_int, [c_int, c_char_p]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -338,6 +346,44 @@ def record_history(max_entries=100_000, device=None):
     :func:`dump_snapshot`; 0 or None stops."""
     status = load().cuvmm_record_history(_device_index(device), int(max_entries or 0))
     _check_status(status, "cuvmm_record_history")
+
+
+_tags = threading.local()
+
+
+@contextlib.contextmanager
+def region(tag):
+    """Allocations made on this thread inside ``with cuvmm_torch.region("kv_cache"):`` are made under the
+    tag ``tag``: memory that :func:`sleep` gives back and :func:`wake` maps again at the same addresses, so
+    tensors and captured CUDA graphs that use it stay valid. Regions nest; the tag in force before is back
+    on exit."""
+    stack = getattr(_tags, "stack", None)
+    if stack is None:
+        stack = _tags.stack = []
+    _check_status(load().cuvmm_set_tag(tag.encode("utf-8")), "cuvmm_set_tag")
+    stack.append(tag)
+    try:
+        yield tag
+    finally:
+        stack.pop()
+        previous = stack[-1].encode("utf-8") if stack else None
+        _check_status(load().cuvmm_set_tag(previous), "cuvmm_set_tag")
+
+
+def sleep(tag, keep=True, device=None):
+    """Puts the memory of ``tag`` to sleep: waits for the streams that used it, copies its bytes to host
+    memory if ``keep`` (weights; a KV cache can pass ``keep=False``), then gives its physical memory back
+    while its addresses stay reserved. Its tensors must not be used, nor freed, until :func:`wake`. Returns
+    the bytes given back (0 if already asleep)."""
+    given = load().cuvmm_sleep(_device_index(device), tag.encode("utf-8"), int(bool(keep)))
+    if given < 0:
+        raise CuvmmError(last_error() or "cuvmm_sleep failed")
+    return given
+
+
+def wake(tag, device=None):
+    """Wakes ``tag``: its memory is mapped again at the same addresses, with its bytes if they were kept."""
+    _check_status(load().cuvmm_wake(_device_index(device), tag.encode("utf-8")), "cuvmm_wake")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import torch_replay  # noqa: E402 (tools/ is not a package: on the path first)
 HEADER = os.path.join(ROOT, "cuvmm-torch", "cuvmm_torch.h")
-DEVICES = 8
+DEVICES = 9
 
 # Set before the library's first call, which reads them; the capacity is `cuvmm compare`'s default.
 os.environ["CUVMM_BACKEND"] = "sim"
@@ -39,7 +39,7 @@ os.environ.pop("CUVMM_ALLOC_CONF", None)
 lib = cuvmm_torch.load()
 
 # Devices by test, so that one test's statistics are not moved by another's allocations.
-THREADS_DEVICE, BAD_INPUT_DEVICE, REPORTS_DEVICE, SETTINGS_DEVICE = 0, 1, 2, 6
+THREADS_DEVICE, BAD_INPUT_DEVICE, REPORTS_DEVICE, SETTINGS_DEVICE, SLEEP_DEVICE = 0, 1, 2, 6, 8
 REPLAY_DEVICES = {"stream-producer-consumer": 3, "transformer-train": 4, "llm-serving": 5}
 
 
@@ -85,6 +85,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_end_allocate_to_pool",
                 "cuvmm_incref_pool",
                 "cuvmm_release_pool",
+                "cuvmm_incref_pool",
                 "cuvmm_add_peer",
                 "cuvmm_free_any",
                 "cuvmm_get_device_stats",
@@ -97,6 +98,9 @@ class Symbols(unittest.TestCase):
                 "cuvmm_snapshot_take",
                 "cuvmm_snapshot_free",
                 "cuvmm_last_error",
+                "cuvmm_set_tag",
+                "cuvmm_sleep",
+                "cuvmm_wake",
             },
         )
         for name in declared:
@@ -195,6 +199,37 @@ class Statistics(unittest.TestCase):
         stats = cuvmm_torch.memory_stats(device)
         self.assertEqual(stats["reserved_bytes.all.current"], 0)
         self.assertEqual(stats["allocated_bytes.all.peak"], before["allocated_bytes.all.peak"] + 1024 + (30 << 20))
+
+
+class SleepAndWake(unittest.TestCase):
+    def test_a_region_tags_allocations_that_sleep_and_wake_at_the_same_address(self):
+        device = SLEEP_DEVICE
+        with cuvmm_torch.region("weights"):
+            with cuvmm_torch.region("kv_cache"):
+                kv = lib.cuvmm_malloc(40 << 20, device, None)
+            weights = lib.cuvmm_malloc(20 << 20, device, None)
+        other = lib.cuvmm_malloc(20 << 20, device, None)
+        self.assertTrue(kv and weights and other, cuvmm_torch.last_error())
+        reserved = cuvmm_torch.memory_stats(device)["reserved_bytes.all.current"]
+        # The simulated devices hold no bytes here, so nothing is kept (tests/sleep_wake.rs checks bytes).
+        self.assertEqual(cuvmm_torch.sleep("kv_cache", keep=False, device=device), 40 << 20)
+        self.assertEqual(cuvmm_torch.sleep("kv_cache", keep=False, device=device), 0)
+        stats = cuvmm_torch.memory_stats(device)
+        self.assertEqual(stats["reserved_bytes.all.current"], reserved - (40 << 20))
+        self.assertEqual(stats["cuvmm.asleep_bytes"], 40 << 20)
+        self.assertIn("tag kv_cache", cuvmm_torch.memory_summary(device))
+        with cuvmm_torch.region("kv_cache"):
+            self.assertIsNone(lib.cuvmm_malloc(4096, device, None))
+            self.assertIn("asleep", cuvmm_torch.last_error())
+        lib.cuvmm_free(kv, 40 << 20, device, None)
+        self.assertIn("asleep", cuvmm_torch.last_error())
+        cuvmm_torch.wake("kv_cache", device=device)
+        cuvmm_torch.wake("kv_cache", device=device)
+        self.assertEqual(cuvmm_torch.memory_stats(device)["cuvmm.asleep_bytes"], 0)
+        for ptr, size in [(kv, 40 << 20), (weights, 20 << 20), (other, 20 << 20)]:
+            lib.cuvmm_free(ptr, size, device, None)
+            self.assertIsNone(cuvmm_torch.last_error())
+        self.assertEqual(cuvmm_torch.memory_stats(device)["allocation.all.current"], 0)
 
 
 class BadInput(unittest.TestCase):

@@ -106,7 +106,7 @@ impl<S: Strategy> Allocator<S> {
     /// Allocates `size` bytes for use on `stream`. The memory may be reused by later work on that stream as
     /// soon as the buffer is dropped.
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
-        let (ptr, in_capture) = self.allocate(size, stream)?;
+        let (ptr, in_capture) = self.allocate(size, stream, None)?;
         Ok(DeviceBuffer {
             allocator: self.clone(),
             ptr,
@@ -119,22 +119,80 @@ impl<S: Strategy> Allocator<S> {
 
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        self.allocate(size, stream).map(|(ptr, _)| ptr)
+        self.allocate(size, stream, None).map(|(ptr, _)| ptr)
     }
 
-    /// Allocates `size` bytes on `stream`; says whether a capture was underway, in which case the memory
-    /// may be a graph pool's and must never enter a stream cache.
-    fn allocate(&self, size: u64, stream: StreamId) -> Result<(u64, bool), Error> {
+    /// Allocates `size` bytes for use on `stream` under the tag `tag`: memory that
+    /// [`sleep`](Self::sleep) can give back while its addresses stay reserved, and [`wake`](Self::wake)
+    /// maps again at the same addresses. Tagged memory shares no page with other memory and never enters
+    /// a stream cache. Refused with [`Error::TagAsleep`] while the tag sleeps.
+    pub fn alloc_tagged(
+        &self,
+        size: u64,
+        stream: StreamId,
+        tag: &str,
+    ) -> Result<DeviceBuffer<S>, Error> {
+        let (ptr, _) = self.allocate(size, stream, Some(tag))?;
+        Ok(DeviceBuffer {
+            allocator: self.clone(),
+            ptr,
+            size,
+            stream,
+            live: true,
+            cacheable: false,
+        })
+    }
+
+    /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
+    /// [`free_raw`](Allocator::free_raw).
+    pub fn alloc_tagged_raw(&self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
+        self.allocate(size, stream, Some(tag)).map(|(ptr, _)| ptr)
+    }
+
+    /// Puts `tag` to sleep: waits for the streams that used its memory (an event query first, a
+    /// synchronization only of a stream still busy), copies its bytes to host memory if `keep`, then
+    /// unmaps its pages and gives their physical memory back. Its virtual addresses stay reserved and no
+    /// other allocation is placed in them; its memory must not be used (nor freed) until
+    /// [`wake`](Self::wake). Returns the bytes given back by this call (0 if already asleep).
+    /// Refused during a CUDA graph capture. See docs/DESIGN.md, "Sleep and wake".
+    pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
+        self.shared.strategy.lock().sleep(tag, keep)
+    }
+
+    /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept, so pointers
+    /// and captured CUDA graphs that use them stay valid. Does nothing for a tag awake.
+    pub fn wake(&self, tag: &str) -> Result<(), Error> {
+        self.shared.strategy.lock().wake(tag)
+    }
+
+    /// The tags asleep and the bytes each gave back, by name.
+    pub fn asleep_tags(&self) -> Vec<(String, u64)> {
+        self.shared.strategy.lock().asleep_tags()
+    }
+
+    /// Allocates `size` bytes on `stream`, under `tag` if given; says whether a capture was underway, in
+    /// which case the memory may be a graph pool's and must never enter a stream cache. Tagged memory never
+    /// comes from (nor goes to) a stream cache.
+    fn allocate(
+        &self,
+        size: u64,
+        stream: StreamId,
+        tag: Option<&str>,
+    ) -> Result<(u64, bool), Error> {
         let shared = &*self.shared;
-        let cacheable = shared.caches.cacheable(size);
+        let cacheable = shared.caches.cacheable(size) && tag.is_none();
         let capturing = shared.capturing.load(Ordering::Acquire) > 0;
         if cacheable && !capturing {
             if let Some(ptr) = shared.caches.take(stream, size) {
                 return Ok((ptr, false));
             }
         }
+        let alloc = |strategy: &mut S| match tag {
+            None => strategy.alloc(size, stream),
+            Some(tag) => strategy.alloc_tagged(size, stream, tag),
+        };
         let mut strategy = self.strategy_for(stream, cacheable);
-        let result = strategy.alloc(size, stream);
+        let result = alloc(&mut strategy);
         // The strategy may have found a capture it was not told of.
         let underway = strategy.captures_underway();
         shared.capturing.store(underway, Ordering::Release);
@@ -143,7 +201,7 @@ impl<S: Strategy> Allocator<S> {
         let result = match result {
             Err(Error::OutOfMemory(_)) if shared.caches.any_held() => {
                 self.drain_caches()?;
-                let retry = shared.strategy.lock().alloc(size, stream);
+                let retry = alloc(&mut shared.strategy.lock());
                 if retry.is_ok() {
                     shared.recovered_ooms.fetch_add(1, Ordering::Relaxed);
                 }
@@ -267,7 +325,8 @@ impl<S: Strategy> Allocator<S> {
     pub fn memory_summary(&self) -> String {
         let stats = self.stats();
         let strategy = self.shared.strategy.lock();
-        crate::summary::memory_summary(&stats, strategy.ordinal(), strategy.name())
+        let asleep = strategy.asleep_tags();
+        crate::summary::memory_summary_asleep(&stats, strategy.ordinal(), strategy.name(), &asleep)
     }
 
     /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)

@@ -75,6 +75,27 @@ pub enum Error {
         /// The operation refused.
         operation: &'static str,
     },
+    /// An allocation under a tag that is asleep, or a free of memory of a sleeping tag: its memory has no
+    /// pages until [`wake`](crate::Allocator::wake). Retry after waking the tag.
+    #[error("{operation}: tag {tag:?} is asleep (wake it first)")]
+    TagAsleep {
+        /// The operation refused (`alloc`, `free`).
+        operation: &'static str,
+        /// The tag.
+        tag: String,
+    },
+    /// A sleep refused because pages of the tag's memory are lent, mapped a second time elsewhere under
+    /// memory pressure: unmapping them would take memory from live allocations of others. Retry once
+    /// those allocations are freed (or with `lend_chunk_pages` off).
+    #[error(
+        "sleep: {pages} pages of tag {tag:?} are mapped elsewhere too (lent under memory pressure)"
+    )]
+    TagPagesLent {
+        /// The tag.
+        tag: String,
+        /// Pages lent.
+        pages: usize,
+    },
     /// A driver call failed for a reason other than running out of memory.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),
@@ -217,6 +238,13 @@ pub enum InvariantViolation {
     )]
     GraphPool {
         /// Address of the segment or block (0 for a pool with no address).
+        addr: u64,
+    },
+    /// A sleeping tag and its segments disagree: a page mapped once it is asleep, a block placed or freed
+    /// while it sleeps, kept bytes that do not match its blocks, or a segment of a tag never named.
+    #[error("sleeping tag at {addr:#x}: its segments, blocks and kept bytes disagree")]
+    Asleep {
+        /// Address of the segment or block (0 for the tag as a whole).
         addr: u64,
     },
     /// A live allocation is indexed but its block is missing or free.

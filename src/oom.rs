@@ -152,6 +152,9 @@ pub struct OutOfMemory {
     pub graph_pool_bytes: u64,
     /// Whether a capture was underway: nothing could be waited for or unmapped to make room.
     pub capturing: bool,
+    /// The tags asleep and the bytes each gave back (`sleep`): memory another job may be using now, that
+    /// their wake needs again.
+    pub asleep: Vec<(String, u64)>,
     /// What the allocator tried for this request, in order.
     pub reclaim: Vec<ReclaimStep>,
 }
@@ -250,6 +253,14 @@ impl fmt::Display for OutOfMemory {
                 "{} is held by CUDA graphs' private pools. ",
                 size(self.graph_pool_bytes)
             )?;
+        }
+        if !self.asleep.is_empty() {
+            write!(f, "Asleep (memory given back, addresses kept):")?;
+            for (i, (tag, bytes)) in self.asleep.iter().enumerate() {
+                let sep = if i == 0 { "" } else { "," };
+                write!(f, "{sep} tag {tag:?} {}", size(*bytes))?;
+            }
+            write!(f, ". ")?;
         }
         if self.capturing {
             write!(

@@ -277,6 +277,24 @@ impl PageMap {
                 self.users[page]
             );
         }
+        self.take_run(pages, out);
+    }
+
+    /// As [`unmap_run`](Self::unmap_run), but the pages may be touched by live blocks, which keep them
+    /// (their users) while unmapped: the pages of a sleeping tag.
+    ///
+    /// # Panics
+    /// If one of the pages is not mapped.
+    pub fn unmap_run_in_use(&mut self, pages: Range<usize>, out: &mut Vec<PhysHandle>) {
+        assert!(
+            pages.end <= self.users.len() && self.mapped.all(pages.clone()),
+            "unmapping unmapped pages in {pages:?}"
+        );
+        self.take_run(pages, out);
+    }
+
+    /// Records that the mapped `pages` were unmapped, appending their handles to `out`.
+    fn take_run(&mut self, pages: Range<usize>, out: &mut Vec<PhysHandle>) {
         out.extend(
             self.handles[pages.clone()]
                 .iter_mut()

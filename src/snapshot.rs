@@ -69,6 +69,11 @@ pub struct SnapshotSegment {
     pub is_expandable: bool,
     /// The CUDA graph pool the segment serves (PyTorch's `segment_pool_id`); `{0, 0}` for none.
     pub graph_pool: GraphPool,
+    /// The tag its allocations were made under (`alloc_tagged`), if any.
+    pub tag: Option<String>,
+    /// Whether the tag sleeps: the segment lists the live blocks of the tag's reservation, whose pages are
+    /// unmapped until the tag wakes (not device memory now).
+    pub asleep: bool,
     /// Its blocks, in address order, tiling it.
     pub blocks: Vec<SnapshotBlock>,
 }
@@ -202,6 +207,8 @@ mod tests {
                 stream: StreamId(0),
                 pool: Pool::Small,
                 graph_pool: GraphPool::NONE,
+                tag: None,
+                asleep: false,
                 is_expandable: false,
                 blocks: vec![block(0x1000, 0x200), block(0x1200, 0x200)],
             }],

@@ -180,6 +180,9 @@ pub struct Stats {
     pub graph_pool_bytes: u64,
     /// Live CUDA graph pools (begun more times than released).
     pub graph_pools: u64,
+    /// Bytes of pages under the live allocations of sleeping tags: unmapped, given back to the device,
+    /// mapped again at the same addresses by `wake`.
+    pub asleep_bytes: u64,
     /// Driver calls and their (estimated) time.
     pub driver: DriverCounters,
     /// Number of live and pending allocations (PyTorch `active`).
@@ -239,6 +242,7 @@ impl Stats {
             ("cuvmm.lent_bytes", self.lent_bytes),
             ("cuvmm.graph_pool_bytes", self.graph_pool_bytes),
             ("cuvmm.graph_pools", self.graph_pools),
+            ("cuvmm.asleep_bytes", self.asleep_bytes),
             ("cuvmm.driver_calls", self.driver.total()),
             ("cuvmm.driver_time_ns", self.driver.time_ns),
         ] {

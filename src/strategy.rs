@@ -79,6 +79,39 @@ pub trait Strategy {
         Err(self.unsupported("add_peer"))
     }
 
+    /// Allocates `size` bytes for use on `stream` under the tag `tag`, whose memory
+    /// [`sleep`](Strategy::sleep) can give back and [`wake`](Strategy::wake) map again at the same
+    /// addresses. Tagged memory shares no page with other memory.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn alloc_tagged(&mut self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
+        let _ = (size, stream, tag);
+        Err(self.unsupported("alloc_tagged"))
+    }
+
+    /// Puts `tag` to sleep: waits for the streams that used its memory, keeps its bytes on the host if
+    /// `keep`, and gives its physical memory back; its addresses stay reserved. Returns the bytes unmapped.
+    /// Idempotent. See docs/DESIGN.md, "Sleep and wake".
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn sleep(&mut self, tag: &str, keep: bool) -> Result<u64, Error> {
+        let _ = (tag, keep);
+        Err(self.unsupported("sleep"))
+    }
+
+    /// Wakes `tag`: maps memory at the same addresses and puts back the bytes kept. Idempotent.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn wake(&mut self, tag: &str) -> Result<(), Error> {
+        let _ = tag;
+        Err(self.unsupported("wake"))
+    }
+
+    /// The tags asleep and the bytes each gave back, by name. The default is none.
+    fn asleep_tags(&self) -> Vec<(String, u64)> {
+        Vec::new()
+    }
+
     /// How many private pools are being allocated to now (captures underway that the allocator knows of).
     /// The facade bypasses its per-stream caches while this is not zero. The default is 0.
     fn captures_underway(&self) -> usize {

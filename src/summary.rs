@@ -16,11 +16,27 @@ const WIDTH: usize = 75;
 
 /// The summary of `strategy` now: [`memory_summary`] of its statistics, its device and its name.
 pub fn summary_of(strategy: &dyn Strategy) -> String {
-    memory_summary(&strategy.stats(), strategy.ordinal(), strategy.name())
+    let asleep = strategy.asleep_tags();
+    memory_summary_asleep(
+        &strategy.stats(),
+        strategy.ordinal(),
+        strategy.name(),
+        &asleep,
+    )
 }
 
 /// The summary table of `stats` for device `device` of the allocator named `allocator`.
 pub fn memory_summary(stats: &Stats, device: usize, allocator: &str) -> String {
+    memory_summary_asleep(stats, device, allocator, &[])
+}
+
+/// [`memory_summary`] with a row per sleeping tag (`(tag, bytes given back)`) when there are any.
+pub fn memory_summary_asleep(
+    stats: &Stats,
+    device: usize,
+    allocator: &str,
+    asleep: &[(String, u64)],
+) -> String {
     let mut lines: Vec<String> = Vec::new();
     let rule = |c: &str| c.repeat(WIDTH);
     lines.push(rule("="));
@@ -68,6 +84,7 @@ pub fn memory_summary(stats: &Stats, device: usize, allocator: &str) -> String {
     }
     lines.push(rule("="));
     lines.extend(own_rows(stats, allocator));
+    lines.extend(asleep_rows(stats, asleep));
     lines.push(rule("="));
     let mut out = String::with_capacity(lines.len() * (WIDTH + 3));
     for line in lines {
@@ -111,6 +128,22 @@ fn own_rows(stats: &Stats, allocator: &str) -> Vec<String> {
             format!("{:.2} ms", stats.driver.time_ns as f64 / 1e6),
         ),
     ];
+    rows.into_iter()
+        .map(|(name, value)| format!(" {name:<21} | {value:<49} "))
+        .collect()
+}
+
+/// A row with the bytes asleep and one per sleeping tag, when a tag sleeps.
+fn asleep_rows(stats: &Stats, asleep: &[(String, u64)]) -> Vec<String> {
+    if asleep.is_empty() {
+        return Vec::new();
+    }
+    let size = |bytes: u64| format!("{} ({bytes} bytes)", format_size(bytes));
+    let mut rows = vec![("Asleep (tags)".to_string(), size(stats.asleep_bytes))];
+    for (tag, bytes) in asleep {
+        let label: String = format!("  tag {tag}").chars().take(21).collect();
+        rows.push((label, size(*bytes)));
+    }
     rows.into_iter()
         .map(|(name, value)| format!(" {name:<21} | {value:<49} "))
         .collect()

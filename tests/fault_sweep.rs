@@ -2,7 +2,8 @@
 //!
 //! For each allocator (cuvmm's `Expandable`, the classic split model and PyTorch's expandable segments) and
 //! each seed, a random sequence of operations (allocations of random sizes, multi-page growths included;
-//! frees; `record_stream`, cuvmm only; `trim`; `empty_cache`) first runs without faults, counting the
+//! frees; `trim`; `empty_cache`; for cuvmm also `record_stream`, allocations under two tags, and `sleep`
+//! (keeping the bytes or not) and `wake` of those tags) first runs without faults, counting the
 //! driver calls of each kind it makes. Then, for each kind of call (reserve, create, map, set_access,
 //! unmap, release, and the other calls each allocator makes) and each call index `n` the sequence reached,
 //! the sequence runs again on a fresh allocator whose `n`th call of that kind fails (`SimDriver::fail_nth`;
@@ -16,7 +17,9 @@
 //!   an out-of-memory `create` or `malloc` inside a successful allocation was retried
 //!   (`num_alloc_retries` went up); every other operation succeeds;
 //! - after every operation: `check_invariants()`, the statistics against the live allocations,
-//!   `reserved_bytes` equal to what the device holds, and every live allocation's bytes;
+//!   `reserved_bytes` equal to what the device holds, and every live allocation's bytes, except those of a
+//!   sleeping tag (asleep, or half way after a failed sleep or wake): after its wake, its bytes are back if
+//!   its sleep kept them; an allocation under, or a free of, a sleeping tag is refused (`TagAsleep`);
 //! - at the end, with faults cleared: the allocator serves new requests (a multi-page one included) and
 //!   their bytes read back; after freeing everything and `empty_cache`, nothing is reserved, no event is
 //!   left, and the device's leak report is empty (no handle, mapping, reservation or `malloc`).
@@ -43,7 +46,7 @@ const OPS: usize = 36;
 /// Bytes of one marker written into live allocations.
 const MARKER: u64 = 16;
 /// The calls a fault is injected into, for every allocator (a kind an allocator never calls is skipped).
-const FAULT_OPS: [Op; 14] = [
+const FAULT_OPS: [Op; 16] = [
     Op::Reserve,
     Op::Create,
     Op::Map,
@@ -58,6 +61,8 @@ const FAULT_OPS: [Op; 14] = [
     Op::QueryEvent,
     Op::DestroyEvent,
     Op::MemInfo,
+    Op::CopyToHost,
+    Op::CopyFromHost,
 ];
 
 /// Which allocator a sweep drives.
@@ -181,6 +186,9 @@ impl Subject {
 #[derive(Clone, Copy, Debug)]
 enum Step {
     Alloc { size: u64, stream: u64 },
+    AllocTagged { size: u64, stream: u64, tag: usize },
+    Sleep { tag: usize, keep: bool },
+    Wake { tag: usize },
     Free { pick: usize },
     RecordStream { pick: usize, stream: u64 },
     Trim { bytes: u64 },
@@ -210,8 +218,10 @@ fn sequence(kind: Kind, seed: u64) -> Vec<Step> {
     let mut rng = Rng(seed.wrapping_mul(0x2545_F491_4F6C_DD1D) ^ kind as u64);
     let page = kind.granularity();
     let (mut live, mut steps) = (0usize, Vec::with_capacity(OPS));
+    // cuvmm also draws tagged allocations, sleeps and wakes.
+    let kinds = if kind == Kind::Cuvmm { 26 } else { 20 };
     while steps.len() < OPS {
-        let step = match rng.below(20) {
+        let step = match rng.below(kinds) {
             0..=8 if live < 8 => {
                 let size = match rng.below(4) {
                     0 => 1 + rng.below(4 * KIB),
@@ -242,6 +252,21 @@ fn sequence(kind: Kind, seed: u64) -> Vec<Step> {
                 bytes: page * rng.below(8),
             },
             18 => Step::EmptyCache,
+            20..=21 if live < 8 => {
+                live += 1;
+                Step::AllocTagged {
+                    size: 1 + rng.below(6 * page),
+                    stream: rng.below(3),
+                    tag: rng.below(2) as usize,
+                }
+            }
+            22..=23 => Step::Sleep {
+                tag: rng.below(2) as usize,
+                keep: rng.below(3) > 0,
+            },
+            24..=25 => Step::Wake {
+                tag: rng.below(2) as usize,
+            },
             _ => continue,
         };
         steps.push(step);
@@ -280,6 +305,42 @@ struct Outcome {
 /// A live allocation: its size and id.
 type Live = BTreeMap<u64, (u64, u64)>;
 
+/// The tags of the sequences.
+const TAGS: [&str; 2] = ["weights", "kv_cache"];
+
+/// What the model knows of tags: each tagged allocation's tag, and the tags asleep (or half way) with
+/// whether their sleep kept the bytes.
+#[derive(Debug, Default)]
+struct Tagged {
+    of: BTreeMap<u64, usize>,
+    asleep: BTreeMap<usize, bool>,
+}
+
+impl Tagged {
+    fn asleep(&self, addr: u64) -> bool {
+        self.of
+            .get(&addr)
+            .is_some_and(|t| self.asleep.contains_key(t))
+    }
+
+    /// Learns which tags sleep from the allocator (a failed sleep or wake may have changed that), noting
+    /// `keep` for a tag that fell asleep now.
+    fn sync(&mut self, subject: &mut Subject, keep: bool) {
+        let Subject::Cuvmm(a) = subject else { return };
+        let now: Vec<String> = a.asleep_tags().into_iter().map(|(t, _)| t).collect();
+        for (tag, name) in TAGS.iter().enumerate() {
+            match now.iter().any(|n| n == name) {
+                true => {
+                    self.asleep.entry(tag).or_insert(keep);
+                }
+                false => {
+                    self.asleep.remove(&tag);
+                }
+            }
+        }
+    }
+}
+
 /// Runs `steps` on a fresh allocator with `fault` planned and checks everything the module docs list.
 fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Outcome, String> {
     let mut subject = Subject::new(kind, seed);
@@ -294,13 +355,21 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
             .is_some_and(|(f, t)| s.sim().counters().get(f.op) >= t)
     };
     let mut live: Live = BTreeMap::new();
+    let mut tagged = Tagged::default();
     let mut outcome = Outcome::default();
     let mut next_id = 0;
     for (i, &step) in steps.iter().enumerate() {
         let was_fired = fired(&subject);
         let retries = subject.strategy().stats().num_alloc_retries;
         let maps_before = subject.sim().counters().get(Op::Map) - start.get(Op::Map);
-        let result = apply(&mut subject, &mut live, &mut next_id, kind, step);
+        let result = apply(
+            &mut subject,
+            &mut live,
+            &mut tagged,
+            &mut next_id,
+            kind,
+            step,
+        );
         let maps_after = subject.sim().counters().get(Op::Map) - start.get(Op::Map);
         outcome.maps.push((maps_before + 1, maps_after));
         let fired_now = !was_fired && fired(&subject);
@@ -312,7 +381,9 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
             Err(err) if !(matches!(err, Error::Driver(_)) || err.is_out_of_memory()) => {
                 return Err(format!("step {i} {step:?}: untyped failure {err:?}"));
             }
-            Ok(()) if fired_now && matches!(step, Step::Alloc { .. }) => {
+            Ok(())
+                if fired_now && matches!(step, Step::Alloc { .. } | Step::AllocTagged { .. }) =>
+            {
                 let f = fault.expect("a fault fired");
                 let retried = subject.strategy().stats().num_alloc_retries > retries;
                 if f.kind == Failure::Before(FaultKind::OutOfMemory) && !retried {
@@ -325,7 +396,8 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
             }
             _ => {}
         }
-        check(&mut subject, &live, kind).map_err(|e| format!("after step {i} {step:?}: {e}"))?;
+        check(&mut subject, &live, &tagged, kind)
+            .map_err(|e| format!("after step {i} {step:?}: {e}"))?;
     }
     for op in FAULT_OPS {
         let calls = subject.sim().counters().get(op) - start.get(op);
@@ -334,7 +406,8 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
     if fault.is_some() && outcome.fired_in.is_none() {
         return Err("the planned fault never fired".into());
     }
-    finish(&mut subject, &mut live, &mut next_id, kind).map_err(|e| format!("cleanup: {e}"))?;
+    finish(&mut subject, &mut live, &mut tagged, &mut next_id, kind)
+        .map_err(|e| format!("cleanup: {e}"))?;
     Ok(outcome)
 }
 
@@ -342,12 +415,65 @@ fn run(kind: Kind, seed: u64, steps: &[Step], fault: Option<Fault>) -> Result<Ou
 fn apply(
     subject: &mut Subject,
     live: &mut Live,
+    tagged: &mut Tagged,
     next_id: &mut u64,
     kind: Kind,
     step: Step,
 ) -> Result<(), Error> {
-    let nth = |live: &Live, pick: usize| live.keys().nth(pick % live.len().max(1)).copied();
+    // Frees and record_stream pick among the allocations of tags awake (and untagged ones).
+    let nth = |live: &Live, pick: usize| {
+        let awake: Vec<u64> = live
+            .keys()
+            .copied()
+            .filter(|&a| !tagged.asleep(a))
+            .collect();
+        awake.get(pick % awake.len().max(1)).copied()
+    };
     match step {
+        Step::AllocTagged { size, stream, tag } => {
+            let Subject::Cuvmm(a) = subject else {
+                unreachable!("tags are cuvmm's")
+            };
+            let result = a.alloc_tagged(size, StreamId(stream), TAGS[tag]);
+            if tagged.asleep.contains_key(&tag) {
+                return match result {
+                    Err(Error::TagAsleep { .. }) => Ok(()),
+                    other => panic!("an allocation under a sleeping tag: {other:?}"),
+                };
+            }
+            let addr = result?;
+            *next_id += 1;
+            stamp(subject, addr, size, *next_id, kind);
+            live.insert(addr, (size, *next_id));
+            tagged.of.insert(addr, tag);
+        }
+        Step::Sleep { tag, keep } => {
+            let Subject::Cuvmm(a) = subject else {
+                unreachable!("tags are cuvmm's")
+            };
+            let result = a.sleep(TAGS[tag], keep);
+            tagged.sync(subject, keep);
+            result?;
+        }
+        Step::Wake { tag } => {
+            let Subject::Cuvmm(a) = subject else {
+                unreachable!("tags are cuvmm's")
+            };
+            let result = a.wake(TAGS[tag]);
+            let kept = tagged.asleep.get(&tag).copied();
+            tagged.sync(subject, false);
+            result?;
+            if kept == Some(false) {
+                // The bytes were not kept: the allocations get new markers.
+                let ids: Vec<(u64, u64, u64)> = (live.iter())
+                    .filter(|(addr, _)| tagged.of.get(addr) == Some(&tag))
+                    .map(|(&addr, &(size, id))| (addr, size, id))
+                    .collect();
+                for (addr, size, id) in ids {
+                    stamp(subject, addr, size, id, kind);
+                }
+            }
+        }
         Step::Alloc { size, stream } => {
             let addr = subject.strategy().alloc(size, StreamId(stream))?;
             *next_id += 1;
@@ -358,6 +484,7 @@ fn apply(
             if let Some(addr) = nth(live, pick) {
                 subject.strategy().free(addr)?;
                 live.remove(&addr);
+                tagged.of.remove(&addr);
             }
         }
         Step::RecordStream { pick, stream } => {
@@ -403,7 +530,7 @@ fn stamp(subject: &mut Subject, addr: u64, size: u64, id: u64, kind: Kind) {
 }
 
 /// The properties that hold after every operation.
-fn check(subject: &mut Subject, live: &Live, kind: Kind) -> Result<(), String> {
+fn check(subject: &mut Subject, live: &Live, tagged: &Tagged, kind: Kind) -> Result<(), String> {
     let strategy = subject.strategy();
     strategy
         .check_invariants()
@@ -426,6 +553,9 @@ fn check(subject: &mut Subject, live: &Live, kind: Kind) -> Result<(), String> {
         ));
     }
     for (&addr, &(size, id)) in live {
+        if tagged.asleep(addr) {
+            continue;
+        }
         for offset in marker_offsets(size, kind.stride()) {
             let want = marker(id, offset, size);
             let got = subject
@@ -447,16 +577,29 @@ fn check(subject: &mut Subject, live: &Live, kind: Kind) -> Result<(), String> {
 fn finish(
     subject: &mut Subject,
     live: &mut Live,
+    tagged: &mut Tagged,
     next_id: &mut u64,
     kind: Kind,
 ) -> Result<(), String> {
     subject.clear_faults();
+    for tag in (0..TAGS.len()).filter(|_| kind == Kind::Cuvmm) {
+        apply(subject, live, tagged, next_id, kind, Step::Wake { tag })
+            .map_err(|e| format!("wake {}: {e:?}", TAGS[tag]))?;
+    }
+    check(subject, live, tagged, kind)?;
     let page = kind.granularity();
     for (size, stream) in [(100, 0), (3 * page + 512, 1), (page, 2)] {
-        apply(subject, live, next_id, kind, Step::Alloc { size, stream })
-            .map_err(|e| format!("a new request of {size} B failed: {e:?}"))?;
+        apply(
+            subject,
+            live,
+            tagged,
+            next_id,
+            kind,
+            Step::Alloc { size, stream },
+        )
+        .map_err(|e| format!("a new request of {size} B failed: {e:?}"))?;
     }
-    check(subject, live, kind)?;
+    check(subject, live, tagged, kind)?;
     for addr in std::mem::take(live).into_keys() {
         subject
             .strategy()
@@ -467,7 +610,7 @@ fn finish(
         .strategy()
         .empty_cache()
         .map_err(|e| format!("empty_cache: {e:?}"))?;
-    check(subject, live, kind)?;
+    check(subject, live, tagged, kind)?;
     let reserved = subject.strategy().stats().reserved_bytes.current;
     if reserved != 0 {
         return Err(format!("{reserved} B still reserved after empty_cache"));
@@ -598,7 +741,11 @@ fn assert_covers(tally: &Tally, ops: &[Op]) {
 #[test]
 fn every_driver_call_of_cuvmm_fails_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), false);
-    assert_covers(&tally, &[&VMM_OPS[..], &[Op::RecordEvent]].concat());
+    let sleep = [Op::CopyToHost, Op::CopyFromHost, Op::Synchronize];
+    assert_covers(
+        &tally,
+        &[&VMM_OPS[..], &[Op::RecordEvent], &sleep[..]].concat(),
+    );
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
 }
 
@@ -619,9 +766,16 @@ fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
 fn every_driver_call_of_cuvmm_fails_after_its_effect_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), true);
     let events = [Op::RecordEvent, Op::QueryEvent, Op::DestroyEvent];
+    let sleep = [Op::CopyToHost, Op::CopyFromHost];
     assert_covers(
         &tally,
-        &[&VMM_OPS[..], &[Op::FreeReservation], &events[..]].concat(),
+        &[
+            &VMM_OPS[..],
+            &[Op::FreeReservation],
+            &events[..],
+            &sleep[..],
+        ]
+        .concat(),
     );
     assert!(tally.halfway_maps > 0, "no map failed half way: {tally:?}");
 }

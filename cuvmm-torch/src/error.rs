@@ -71,6 +71,9 @@ pub enum AbiError {
     /// A path that is not UTF-8.
     #[error("the path is not valid UTF-8")]
     PathNotUtf8,
+    /// A tag that is not UTF-8.
+    #[error("the tag is not valid UTF-8")]
+    TagNotUtf8,
     /// The allocator refused the operation (out of memory, unknown address, double free, ...).
     #[error(transparent)]
     Allocator(#[from] cuvmm::Error),

@@ -232,6 +232,66 @@ pub extern "C" fn cuvmm_incref_pool(device: c_int, pool_a: u64, pool_b: u64) -> 
     })
 }
 
+/// Reads a tag the caller passes: not null, NUL-terminated, UTF-8.
+///
+/// # Safety
+/// `tag` is null (an error) or points to a NUL-terminated string that stays valid during the call.
+unsafe fn tag_arg(tag: *const c_char) -> Result<String, AbiError> {
+    if tag.is_null() {
+        return Err(AbiError::NullArgument { what: "tag" });
+    }
+    // SAFETY: `tag` is not null, and the caller promises a NUL-terminated string valid for the call; it is
+    // only read, and copied before the call returns.
+    let text = unsafe { CStr::from_ptr(tag) };
+    Ok(text.to_str().map_err(|_| AbiError::TagNotUtf8)?.to_owned())
+}
+
+/// This thread's later allocations are made under `tag` (NULL: untagged again); 0 or -1.
+///
+/// # Safety
+/// `tag` is null or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_set_tag(tag: *const c_char) -> c_int {
+    shell("cuvmm_set_tag", -1, || {
+        let tag = match tag.is_null() {
+            true => None,
+            // SAFETY: the caller's promise, passed on.
+            false => Some(unsafe { tag_arg(tag) }?),
+        };
+        ops::set_tag(tag);
+        Ok(0)
+    })
+}
+
+/// Puts `tag` of `device` to sleep (its bytes kept on the host if `keep` is nonzero); returns the bytes
+/// given back, or -1.
+///
+/// # Safety
+/// `tag` is null (an error) or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_sleep(device: c_int, tag: *const c_char, keep: c_int) -> i64 {
+    shell("cuvmm_sleep", -1, || {
+        // SAFETY: the caller's promise, passed on.
+        let tag = unsafe { tag_arg(tag) }?;
+        let bytes = ops::sleep(global()?, device, &tag, keep != 0)?;
+        Ok(i64::try_from(bytes).unwrap_or(i64::MAX))
+    })
+}
+
+/// Wakes `tag` of `device`: its memory is mapped again at the same addresses; 0 or -1.
+///
+/// # Safety
+/// `tag` is null (an error) or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_wake(device: c_int, tag: *const c_char) -> c_int {
+    shell("cuvmm_wake", -1, || {
+        // SAFETY: the caller's promise, passed on.
+        let tag = unsafe { tag_arg(tag) }?;
+        ops::wake(global()?, device, &tag)?;
+        Ok(0)
+    })
+}
+
 /// Device `peer` may reach every range of `device` mapped now and later; 0 or -1.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {

@@ -6,9 +6,39 @@ use crate::error::AbiError;
 use crate::registry::Registry;
 use crate::structs::{CDeviceStats, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
+use std::cell::RefCell;
 use std::path::Path;
 
-/// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream).
+thread_local! {
+    /// The tag this thread's allocations are made under ([`set_tag`]); `None`: untagged.
+    static TAG: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// From now on, this thread's allocations ([`malloc`]) are made under `tag` (`None`: untagged), on every
+/// device: memory that [`sleep`] can give back and [`wake`] map again at the same addresses.
+pub fn set_tag(tag: Option<String>) {
+    TAG.with(|current| *current.borrow_mut() = tag);
+}
+
+/// Puts `tag` of `device` to sleep, keeping its bytes on the host if `keep`; returns the bytes given back.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the allocator's refusal (a capture underway, pages
+/// lent elsewhere, a driver failure).
+pub fn sleep(registry: &Registry, device: i32, tag: &str, keep: bool) -> Result<u64, AbiError> {
+    Ok(registry.allocator(device)?.sleep(tag, keep)?)
+}
+
+/// Wakes `tag` of `device`: its memory is mapped again at the same addresses, with its bytes if kept.
+///
+/// # Errors
+/// As [`sleep`]; out of memory when the device has too little free.
+pub fn wake(registry: &Registry, device: i32, tag: &str) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.wake(tag)?)
+}
+
+/// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream),
+/// under this thread's tag if [`set_tag`] set one.
 ///
 /// # Errors
 /// [`AbiError::BadSize`] for `size <= 0`; [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the
@@ -19,7 +49,11 @@ pub fn malloc(registry: &Registry, size: isize, device: i32, stream: u64) -> Res
         .filter(|&b| b > 0)
         .ok_or(AbiError::BadSize { size })?;
     let allocator = registry.allocator(device)?;
-    Ok(allocator.alloc_raw(bytes, StreamId(stream))?)
+    let tagged = TAG.with(|tag| {
+        (tag.borrow().as_deref())
+            .map(|tag| allocator.alloc_tagged_raw(bytes, StreamId(stream), tag))
+    });
+    Ok(tagged.unwrap_or_else(|| allocator.alloc_raw(bytes, StreamId(stream)))?)
 }
 
 /// Frees `ptr` on `device`. A null pointer is nothing to free (as C's `free(NULL)`). The size and stream

@@ -2,7 +2,7 @@
 //! returns null, -1 or nothing with an error for `cuvmm_last_error`, and leaves the allocator usable (its
 //! invariants hold afterwards).
 //!
-//! All tests share the process's registry (12 simulated devices of 8 GiB); each test uses its own device,
+//! All tests share the process's registry (14 simulated devices of 8 GiB); each test uses its own device,
 //! so the statistics one test reads are not moved by another running at the same time.
 //!
 //! Unsafe here only calls the exported functions as C does (reading and freeing the strings they return),
@@ -17,7 +17,7 @@ use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 
 const GIB: u64 = 1 << 30;
-const DEVICES: usize = 12;
+const DEVICES: usize = 14;
 
 fn setup() {
     // Only the first test to run installs it; the others find it there.
@@ -625,5 +625,68 @@ fn snapshots_list_segments_blocks_and_recorded_events() {
     assert_eq!(actions, [(0, a), (0, b), (1, b), (2, b)], "{traces:?}");
     assert_eq!(cuvmm_record_history(device, 0), 0);
     cuvmm_free(stream(a as usize), 0, device, ptr::null_mut());
+    check_invariants(device);
+}
+
+/// A thread's tag puts its allocations in memory that sleeps and wakes at the same address; what a
+/// sleeping tag refuses returns -1 or nothing with an error, and a NULL tag is refused.
+#[test]
+fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
+    setup();
+    let device = 13;
+    let tag = CString::new("kv_cache").unwrap();
+    // SAFETY: `tag` is a NUL-terminated string valid for the call.
+    assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+    let kv = cuvmm_malloc(60 << 20, device, stream(3));
+    // SAFETY: NULL clears the tag.
+    assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+    let other = cuvmm_malloc(1 << 20, device, stream(3));
+    assert!(!kv.is_null() && !other.is_null(), "{:?}", last_error());
+    let reserved = stat(device, "reserved_bytes.all.current");
+
+    // The registry's simulated devices hold no bytes, so nothing is kept (tests/sleep_wake.rs checks bytes).
+    // SAFETY: `tag` is valid for each call.
+    let given = unsafe { cuvmm_sleep(device, tag.as_ptr(), 0) };
+    assert_eq!(given, 60 << 20, "{:?}", last_error());
+    assert_eq!(
+        stat(device, "reserved_bytes.all.current"),
+        reserved - (60 << 20)
+    );
+    assert_eq!(stat(device, "cuvmm.asleep_bytes"), 60 << 20);
+    // SAFETY: as above.
+    let again = unsafe { cuvmm_sleep(device, tag.as_ptr(), 1) };
+    assert_eq!(again, 0, "idempotent");
+    cuvmm_free(kv, 60 << 20, device, stream(3));
+    assert_failed("free of a sleeping block", "asleep");
+    // SAFETY: `tag` is valid for the calls.
+    unsafe {
+        assert_eq!(cuvmm_set_tag(tag.as_ptr()), 0);
+        assert!(cuvmm_malloc(4096, device, stream(3)).is_null());
+        assert_failed("allocation under a sleeping tag", "asleep");
+        assert_eq!(cuvmm_set_tag(ptr::null()), 0);
+    }
+    let summary = cuvmm_memory_summary(device);
+    // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
+    let text = unsafe { CStr::from_ptr(summary) }
+        .to_str()
+        .unwrap()
+        .to_string();
+    // SAFETY: as above.
+    unsafe { cuvmm_string_free(summary) };
+    assert!(text.contains("tag kv_cache"), "{text}");
+
+    // SAFETY: `tag` is valid for the call; a NULL tag is refused.
+    unsafe {
+        assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0, "{:?}", last_error());
+        assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0);
+        assert_eq!(cuvmm_sleep(device, ptr::null(), 0), -1);
+        assert_failed("a NULL tag", "null tag");
+        assert_eq!(cuvmm_wake(device, ptr::null()), -1);
+    }
+    assert_eq!(stat(device, "cuvmm.asleep_bytes"), 0);
+    cuvmm_free(kv, 60 << 20, device, stream(3));
+    cuvmm_free(other, 1 << 20, device, stream(3));
+    assert!(last_error().is_none());
+    assert_eq!(stat(device, "allocation.all.current"), 0);
     check_invariants(device);
 }

@@ -11,7 +11,7 @@
 //! |---|---|
 //! | `free_reservation`, `release`, `free`, `destroy_event`, `unmap` | the resource is given back; repeating the call reports it gone (`UnknownReservation`, `UnknownHandle`, `UnknownPointer`, `UnknownEvent`, `NotMapped`) |
 //! | `map` | the handle is mapped; a second `map` there is `AlreadyMapped`, an `unmap` of the page succeeds |
-//! | `set_access`, `synchronize`, `event_complete`, `mem_info`, `memset_d8`, `copy_to_host` | done (each is harmless to repeat) |
+//! | `set_access`, `synchronize`, `event_complete`, `mem_info`, `memset_d8`, `copy_to_host`, `copy_from_host` | done (each is harmless to repeat) |
 //! | `reserve`, `create`, `malloc`, `record_event` | made, then given back before the error: a creating call that fails leaves nothing behind (the caller has no name for it), as [`Driver`] asks of every driver |
 //!
 //! The undo of a creating call is a real call of the wrapped driver and is counted there. `create_each`
@@ -216,6 +216,10 @@ impl<D: Driver> Driver for AfterEffect<D> {
     fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
         let result = self.inner.copy_to_host(va, out);
         self.after(Op::CopyToHost, result)
+    }
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        let result = self.inner.copy_from_host(va, data);
+        self.after(Op::CopyFromHost, result)
     }
 }
 

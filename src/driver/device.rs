@@ -268,6 +268,9 @@ impl Driver for Device {
     fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
         forward!(self, d => d.copy_to_host(va, out))
     }
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        forward!(self, d => d.copy_from_host(va, data))
+    }
 }
 
 #[cfg(test)]

@@ -204,6 +204,18 @@ pub trait Driver {
         let _ = (va, out);
         Err(DriverError::Unsupported { op: Op::CopyToHost })
     }
+
+    /// Copies `data` to device address `va` (`cuMemcpyHtoD`), and returns once the bytes are written. The
+    /// same rules as [`memset_d8`](Driver::memset_d8) apply to the range. Used by a wake to put back the
+    /// contents a sleep kept.
+    ///
+    /// The default implementation returns [`DriverError::Unsupported`].
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        let _ = (va, data);
+        Err(DriverError::Unsupported {
+            op: Op::CopyFromHost,
+        })
+    }
 }
 
 /// [`Driver::create_each`] as `count` calls of [`Driver::create`].
@@ -322,5 +334,14 @@ impl<D: Driver + ?Sized> Driver for &mut D {
     }
     fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
         (**self).add_peer(peer)
+    }
+    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
+        (**self).memset_d8(va, size, value)
+    }
+    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
+        (**self).copy_to_host(va, out)
+    }
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        (**self).copy_from_host(va, data)
     }
 }

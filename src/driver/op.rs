@@ -39,13 +39,15 @@ pub enum Op {
     Memset,
     /// `cuMemcpyDtoH`: copies device memory to the host (for `--touch` and tests).
     CopyToHost,
+    /// `cuMemcpyHtoD`: copies host memory to the device (restoring a tag's contents at a wake).
+    CopyFromHost,
     /// `cuStreamGetCaptureInfo`: whether a stream is being captured into a CUDA graph.
     CaptureInfo,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 17] = [
+    pub const ALL: [Op; 18] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -62,6 +64,7 @@ impl Op {
         Op::Synchronize,
         Op::Memset,
         Op::CopyToHost,
+        Op::CopyFromHost,
         Op::CaptureInfo,
     ];
 
@@ -84,6 +87,7 @@ impl Op {
             Op::Synchronize => "synchronize",
             Op::Memset => "memset",
             Op::CopyToHost => "copy_to_host",
+            Op::CopyFromHost => "copy_from_host",
             Op::CaptureInfo => "capture_info",
         }
     }

@@ -2,6 +2,7 @@
 
 use super::segment::Segment;
 use super::streams::StreamUses;
+use super::tag::TagId;
 use super::{Expandable, ROUND, SegmentKey};
 use crate::config::Compaction;
 use crate::driver::{Driver, DriverError, MemInfo, StreamId};
@@ -22,6 +23,7 @@ impl<D: Driver> Expandable<D> {
         size: u64,
         stream: StreamId,
         graph: Option<GraphPool>,
+        tag: Option<TagId>,
     ) -> Result<u64, Error> {
         if size == 0 {
             return Err(Error::ZeroSize);
@@ -41,7 +43,7 @@ impl<D: Driver> Expandable<D> {
             Pool::Large
         };
         let marks = self.reclaim_marks();
-        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool, graph)?;
+        let (slot, addr, borrowed) = self.find_block(rounded, stream, pool, (graph, tag))?;
         let before = self.page_counts(slot);
         self.segment_mut(slot).carve(addr, rounded, size);
         // Counted only once its pages are there: a request that fails must not move a statistic or its
@@ -108,10 +110,10 @@ impl<D: Driver> Expandable<D> {
         size: u64,
         stream: StreamId,
         pool: Pool,
-        graph: Option<GraphPool>,
+        (graph, tag): (Option<GraphPool>, Option<TagId>),
     ) -> Result<(usize, u64, bool), Error> {
         let whole_pages = self.whole_pages(size, pool);
-        let key = (stream, pool, graph);
+        let key = (stream, pool, graph, tag);
         let mut best: Option<((usize, u64), usize, u64)> = None;
         for &slot in self.by_key.get(&key).into_iter().flatten() {
             if self.segment(slot).whole_pages != whole_pages {
@@ -161,9 +163,10 @@ impl<D: Driver> Expandable<D> {
         // Borrowing costs event calls, and saves only pages: under `compaction:pressure` it waits until
         // growing would pass the budget.
         let need = (own_missing as u64).min(size.div_ceil(self.page_size) + 1);
-        // A graph's pool takes no other stream's memory, and a capture allows no event query.
+        // A graph's pool and a tag take no other stream's memory, and a capture allows no event query.
         if self.config.cross_stream_reuse
             && graph.is_none()
+            && tag.is_none()
             && !self.capturing()
             && own_missing > 0
             && self.under_pressure(need.saturating_mul(self.page_size))
@@ -244,6 +247,7 @@ impl<D: Driver> Expandable<D> {
                         && s.stream != stream
                         && s.whole_pages == whole_pages
                         && s.graph.is_none()
+                        && s.tag.is_none()
                 })?;
                 let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
                 Some((block_size, slot, addr))
@@ -279,7 +283,7 @@ impl<D: Driver> Expandable<D> {
         whole_pages: bool,
         min_size: u64,
     ) -> Result<usize, Error> {
-        let (stream, pool, graph) = key;
+        let (stream, pool, graph, tag) = key;
         let wanted = self
             .device_total
             .saturating_mul(self.config.va_factor)
@@ -305,6 +309,7 @@ impl<D: Driver> Expandable<D> {
         };
         let mut segment = Segment::new(va, stream, pool, whole_pages, self.page_size);
         segment.graph = graph;
+        segment.tag = tag;
         self.segments[slot] = Some(segment);
         let at = self.by_addr.partition_point(|&(start, _)| start < va.start);
         self.by_addr.insert(at, (va.start, slot));
@@ -315,7 +320,12 @@ impl<D: Driver> Expandable<D> {
 
     /// Maps the missing pages of the live block `addr .. addr + size` and sets access on its pages.
     /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
-    fn back_with_pages(&mut self, slot: usize, addr: u64, size: u64) -> Result<(), Error> {
+    pub(super) fn back_with_pages(
+        &mut self,
+        slot: usize,
+        addr: u64,
+        size: u64,
+    ) -> Result<(), Error> {
         let pages = self.segment(slot).pages_of(addr, size);
         // Access is set on whole chunks, so the pages of a chunk beyond the block need no call later.
         let mut access = pages.clone();
@@ -495,6 +505,7 @@ impl<D: Driver> Expandable<D> {
             retried,
             graph_pool_bytes: self.graph_pool_bytes().0,
             capturing: self.capturing(),
+            asleep: self.asleep_tags(),
             reclaim,
         }
     }

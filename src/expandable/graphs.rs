@@ -89,10 +89,11 @@ impl<D: Driver> Expandable<D> {
         self.graphs.capturing()
     }
 
-    /// Whether segment `slot` belongs to a live pool: its pages stay mapped where they are and its blocks
-    /// stay the pool's.
+    /// Whether segment `slot` belongs to a live pool (its pages stay mapped where they are and its blocks
+    /// stay the pool's) or to a sleeping tag (`sleep.rs`: nothing of it is taken or placed).
     pub(super) fn pinned(&self, slot: usize) -> bool {
         (self.segment(slot).graph).is_some_and(|pool| self.graphs.is_live(pool))
+            || self.asleep(slot)
     }
 
     /// Starts allocating to `pool` for the streams `filter` accepts.

@@ -11,6 +11,8 @@
 //! 5. Statistics equal what the block list says (active = allocated + pending).
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
 //!    recorded stream uses belong to live blocks and never name the block's own segment stream.
+//! 7. Graph pools (`graphs.rs`) and sleeping tags (`sleep.rs`) agree with their segments; a sleeping tag's
+//!    live blocks are those it fell asleep with, and once asleep none of its pages is mapped.
 
 use super::blocks::{Block, BlockState};
 use super::{Expandable, ROUND};
@@ -82,7 +84,8 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     }
                     for page in seg.pages_of(addr, block.size) {
                         users[page] += 1;
-                        if !seg.pages.is_accessible(page) {
+                        // A sleeping tag's pages are unmapped under its live blocks (`check_sleep`).
+                        if !seg.pages.is_accessible(page) && !a.asleep(slot) {
                             return Err(V::LivePageUnmapped {
                                 page_addr: seg.page_addr(page),
                                 block: addr,
@@ -213,6 +216,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
     check_pending_list(a, pending_blocks as usize)?;
     a.check_graphs()?;
+    a.check_sleep()?;
     let c = &a.counters;
     if held_pages != c.created - c.released {
         return Err(V::HandleCount {

@@ -30,8 +30,10 @@ mod limit;
 mod physical;
 mod segment;
 mod settle;
+mod sleep;
 mod snapshot;
 mod streams;
+mod tag;
 
 pub use segment::ROUND;
 
@@ -150,6 +152,8 @@ pub struct Expandable<D: Driver> {
     pending: PendingFrees,
     /// CUDA graphs' private pools, the captures underway and the frees they defer.
     graphs: graphs::Graphs,
+    /// The tags allocations were made under, and which sleep (`sleep.rs`).
+    tags: sleep::Tags,
     /// Pages touched by active blocks, per pool.
     touched_pages: [usize; 2],
     idle_pages: usize,
@@ -160,8 +164,9 @@ pub struct Expandable<D: Driver> {
     carving: Option<(Pool, u64)>,
 }
 
-/// The segments of one kind: a stream, a pool (small or large), and the private pool they serve, if any.
-type SegmentKey = (StreamId, Pool, Option<GraphPool>);
+/// The segments of one kind: a stream, a pool (small or large), the private pool they serve, if any, and
+/// the tag their allocations were made under, if any.
+type SegmentKey = (StreamId, Pool, Option<GraphPool>, Option<tag::TagId>);
 
 /// The counts of one segment that the allocator-wide totals follow, read before and after a change.
 #[derive(Clone, Copy, Debug)]
@@ -230,6 +235,7 @@ impl<D: Driver> Expandable<D> {
             stream_uses: FxHashMap::default(),
             pending: PendingFrees::default(),
             graphs: graphs::Graphs::default(),
+            tags: sleep::Tags::default(),
             touched_pages: [0; 2],
             idle_pages: 0,
             counters: Counters::default(),
@@ -372,10 +378,30 @@ impl<D: Driver> Expandable<D> {
             .unwrap_or(0)
     }
 
+    /// Allocates `size` bytes on `stream`, under `tag` if given.
+    fn alloc_in(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        tag: Option<tag::TagId>,
+    ) -> Result<u64, Error> {
+        let graph = self.pool_for(stream)?;
+        // Event queries are refused during a capture; pending frees wait until it ends.
+        if !self.capturing() {
+            self.poll_pending()?;
+        }
+        self.allocate(size, stream, graph, tag)
+    }
+
     /// Frees the live block at `addr`: at once if only its segment's stream used it, else parked until
     /// events on the other streams complete.
     fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
+        if let Some(tag) = self.segment(slot).tag
+            && !self.tags.is_awake(tag)
+        {
+            return Err(self.tag_asleep("free", tag));
+        }
         let (size, requested, at) = match self.segment(slot).check_free(addr) {
             FreeOutcome::Freed {
                 size,
@@ -456,12 +482,23 @@ impl<D: Driver> Strategy for Expandable<D> {
     }
 
     fn alloc(&mut self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        let graph = self.pool_for(stream)?;
-        // Event queries are refused during a capture; pending frees wait until it ends.
-        if !self.capturing() {
-            self.poll_pending()?;
-        }
-        self.allocate(size, stream, graph)
+        self.alloc_in(size, stream, None)
+    }
+
+    fn alloc_tagged(&mut self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
+        Expandable::alloc_tagged(self, size, stream, tag)
+    }
+
+    fn sleep(&mut self, tag: &str, keep: bool) -> Result<u64, Error> {
+        Expandable::sleep(self, tag, keep)
+    }
+
+    fn wake(&mut self, tag: &str) -> Result<(), Error> {
+        Expandable::wake(self, tag)
+    }
+
+    fn asleep_tags(&self) -> Vec<(String, u64)> {
+        Expandable::asleep_tags(self)
     }
 
     /// Frees the block at `addr`. Once the block is free this returns `Ok`: if giving idle memory beyond
@@ -561,6 +598,7 @@ impl<D: Driver> Strategy for Expandable<D> {
             lent_bytes: (self.lent_pages[0] + self.lent_pages[1]) as u64 * self.page_size,
             graph_pool_bytes,
             graph_pools,
+            asleep_bytes: self.asleep_bytes(),
             driver: self.driver.counters(),
             active: c.active_count.all,
             inactive_split: c.inactive_split_count.all,

@@ -394,7 +394,7 @@ impl<D: Driver> Expandable<D> {
     /// Unmaps a run of idle pages (whose queued work is known complete) of one segment in one driver call,
     /// appends their single-page handles and lent pieces to `out` and releases the chunks unmapped at home
     /// (a chunk that cannot be released is pooled). Returns the pages gained.
-    fn unmap_run(
+    pub(super) fn unmap_run(
         &mut self,
         slot: usize,
         run: Range<usize>,
@@ -414,8 +414,13 @@ impl<D: Driver> Expandable<D> {
         );
         let mut handles = std::mem::take(&mut self.unmapped_scratch);
         handles.clear();
+        // A sleeping tag's pages are unmapped under its live blocks (`sleep.rs`).
+        let asleep = self.asleep(slot);
         let seg = self.segment_mut(slot);
-        seg.pages.unmap_run(run.clone(), &mut handles);
+        match asleep {
+            false => seg.pages.unmap_run(run.clone(), &mut handles),
+            true => seg.pages.unmap_run_in_use(run.clone(), &mut handles),
+        }
         let pool = seg.pool;
         let mut chunks: Vec<PhysHandle> = Vec::new();
         let lent = self.note_unmapped(slot, run, &handles, out, &mut chunks) as u64;
@@ -453,7 +458,7 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Gives one unmapped handle (a page or a chunk) back to the driver.
-    fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {
+    pub(super) fn release_handle(&mut self, handle: PhysHandle) -> Result<(), Error> {
         self.release_settled(handle)?;
         let pages = match self.chunks.remove(&handle) {
             true => self.chunk_pages as u64,
@@ -528,7 +533,7 @@ impl<D: Driver> Expandable<D> {
             if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
                 continue;
             }
-            let (va, key, pool) = (seg.va, (seg.stream, seg.pool, seg.graph), seg.pool);
+            let (va, key, pool) = (seg.va, (seg.stream, seg.pool, seg.graph, seg.tag), seg.pool);
             self.free_reservation_settled(va)?;
             self.segments[slot] = None;
             self.by_addr.retain(|&(start, _)| start != va.start);

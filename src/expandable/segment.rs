@@ -53,6 +53,8 @@ pub(crate) struct Segment {
     pub pool: Pool,
     /// The private pool (CUDA graph) this segment serves, if any: only its allocations are placed here.
     pub graph: Option<GraphPool>,
+    /// The tag its allocations were made under, if any (`sleep.rs`): only they are placed here.
+    pub tag: Option<super::tag::TagId>,
     /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
     pub whole_pages: bool,
     pub pages: PageMap,
@@ -84,6 +86,7 @@ impl Segment {
             stream,
             pool,
             graph: None,
+            tag: None,
             whole_pages,
             pages,
             last_free: 0,

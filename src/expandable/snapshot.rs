@@ -15,6 +15,10 @@ impl<D: Driver> Expandable<D> {
         let device = self.driver.ordinal();
         let mut segments = Vec::new();
         for seg in self.live_segments() {
+            if seg.tag.is_some_and(|id| !self.tags.is_awake(id)) {
+                segments.extend(self.asleep_segments(seg, device));
+                continue;
+            }
             for run in seg.pages.mapped_runs(0..seg.pages.len()) {
                 let (start, end) = (seg.page_addr(run.start), seg.page_addr(run.end));
                 // A lent page's memory is mapped elsewhere too, and reported there: its lent block ends
@@ -49,12 +53,46 @@ impl<D: Driver> Expandable<D> {
                 }
             }
         }
+        for s in &mut segments {
+            if s.tag.is_none()
+                && let Some(slot) = self.slot_of(s.address)
+                && let Some(id) = self.segment(slot).tag
+            {
+                s.tag = Some(self.tags.name(id).to_owned());
+            }
+        }
         let events = self
             .history
             .as_ref()
             .map(|h| h.entries())
             .unwrap_or_default();
         MemorySnapshot::new(device, segments, events)
+    }
+}
+
+impl<D: Driver> Expandable<D> {
+    /// A sleeping tag's segment as the snapshot shows it: one segment per live block, marked asleep (its
+    /// pages are not mapped, so no run of mapped pages would show it).
+    fn asleep_segments<'a>(
+        &'a self,
+        seg: &'a Segment,
+        device: usize,
+    ) -> impl Iterator<Item = SnapshotSegment> + 'a {
+        seg.blocks().filter_map(move |(addr, block)| {
+            let State::Live { requested } = block.state else {
+                return None;
+            };
+            let blocks = vec![SnapshotBlock {
+                address: addr,
+                size: block.size,
+                requested_size: requested,
+                state: BlockState::ActiveAllocated,
+            }];
+            let mut out = segment(seg, device, addr, addr + block.size, blocks);
+            out.tag = seg.tag.map(|id| self.tags.name(id).to_owned());
+            out.asleep = true;
+            Some(out)
+        })
     }
 }
 
@@ -74,6 +112,8 @@ fn segment(
         pool: seg.pool,
         is_expandable: true,
         graph_pool: seg.graph.unwrap_or_default(),
+        tag: None,
+        asleep: false,
         blocks,
     }
 }

@@ -26,6 +26,7 @@ fn oom(allocator: &'static str) -> OutOfMemory {
         retried: true,
         graph_pool_bytes: 0,
         capturing: false,
+        asleep: Vec::new(),
         reclaim: vec![
             ReclaimStep::ReleaseCache { bytes: 4 * MIB },
             ReclaimStep::Retry,

@@ -217,7 +217,18 @@ fn segment_value(seg: &SnapshotSegment) -> Value {
         crate::pool::Pool::Small => "small",
         crate::pool::Pool::Large => "large",
     };
-    Value::Dict(vec![
+    let mut fields = segment_fields(seg, kind);
+    if let Some(tag) = &seg.tag {
+        // cuvmm's own keys, only for tagged segments (the memory viewer ignores keys it does not know).
+        fields.push(("cuvmm_tag".into(), tag.as_str().into()));
+        fields.push(("cuvmm_asleep".into(), Value::Bool(seg.asleep)));
+    }
+    Value::Dict(fields)
+}
+
+/// The keys PyTorch's snapshot has for a segment.
+fn segment_fields(seg: &SnapshotSegment, kind: &'static str) -> Vec<(String, Value)> {
+    vec![
         ("device".into(), (seg.device as u64).into()),
         ("address".into(), seg.address.into()),
         ("total_size".into(), seg.total_size.into()),
@@ -236,7 +247,7 @@ fn segment_value(seg: &SnapshotSegment) -> Value {
             "blocks".into(),
             Value::List(seg.blocks.iter().map(block_value).collect()),
         ),
-    ])
+    ]
 }
 
 fn block_value(block: &SnapshotBlock) -> Value {

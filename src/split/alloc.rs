@@ -292,6 +292,7 @@ impl<D: Driver> Split<D> {
             retried: true,
             graph_pool_bytes: 0,
             capturing: false,
+            asleep: Vec::new(),
             reclaim,
         }
     }

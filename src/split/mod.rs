@@ -415,6 +415,7 @@ impl<D: Driver> Strategy for Split<D> {
             lent_bytes: 0,
             graph_pool_bytes: 0,
             graph_pools: 0,
+            asleep_bytes: 0,
             driver: self.driver.counters(),
             active: c.allocation.all,
             inactive_split: c.inactive_split.all,

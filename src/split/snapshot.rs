@@ -25,6 +25,8 @@ impl<D: Driver> Split<D> {
                     pool: seg.pool,
                     is_expandable: seg.expandable.is_some(),
                     graph_pool: crate::graph_pool::GraphPool::NONE,
+                    tag: None,
+                    asleep: false,
                     blocks: Vec::new(),
                 });
                 segment.total_size += b.size;

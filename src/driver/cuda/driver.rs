@@ -569,6 +569,18 @@ impl Driver for CudaDriver {
             })
         })
     }
+
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        let len = data.len() as u64;
+        self.counted(Op::CopyFromHost, |d| {
+            d.ledger.check_touchable(Op::CopyFromHost, va, len)?;
+            d.calls.call(Op::CopyFromHost, len, || {
+                // SAFETY: the ledger says every byte of the range is this driver's memory with access set
+                // (point 1).
+                unsafe { result::memcpy_htod(va, data) }
+            })
+        })
+    }
 }
 
 /// Opens libcuda and checks that it exports every entry point cuvmm uses, then initialises the driver.

@@ -46,6 +46,7 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemFree_v2",
     "cuMemsetD8_v2",
     "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
     "cuStreamCreate",
     "cuStreamSynchronize",
     "cuStreamDestroy_v2",
@@ -515,6 +516,20 @@ pub(super) unsafe fn memcpy_dtoh(out: &mut [u8], ptr: sys::CUdeviceptr) -> Resul
     // SAFETY: `out` is valid for writes of `out.len()` bytes for the whole (synchronous) call; the source
     // is the caller's own readable memory (point 1).
     unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, out.len()).result() }
+}
+
+/// Copies `data` to device address `ptr`, after the legacy default stream's earlier work; returns once the
+/// bytes have left `data` (a copy from pageable host memory is staged and complete for the host on return).
+///
+/// See [cuMemcpyHtoD() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g4d32266788c440b0220b1a9ba5795169)
+///
+/// # Safety
+/// 1. `ptr .. ptr + data.len()` is device memory the caller owns, mapped with read-write access for the
+///    current context's device or inside one [`alloc`] allocation. Writing elsewhere faults the context.
+pub(super) unsafe fn memcpy_htod(ptr: sys::CUdeviceptr, data: &[u8]) -> Result<(), CuError> {
+    // SAFETY: `data` is valid for reads of `data.len()` bytes for the whole (synchronous) call; the
+    // destination is the caller's own writable memory (point 1).
+    unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()).result() }
 }
 
 /// Whether `device` can access memory of `peer`.

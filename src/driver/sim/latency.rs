@@ -58,7 +58,7 @@ impl LatencyModel {
     /// | mem_info, record_event, query_event, destroy_event | 1 000 | assumed (no device work) |
     /// | synchronize | 5 000 | assumed (round trip on an idle stream; the simulator runs no kernels) |
     /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
-    /// | copy_to_host | 10 000 | assumed (a small synchronous copy over PCIe) |
+    /// | copy_to_host, copy_from_host | 10 000 | assumed (a small synchronous copy over PCIe) |
     /// | capture_info | 100 | assumed (a host-side query) |
     pub fn a100() -> Self {
         Self::from_parts("a100", |op| {
@@ -71,7 +71,7 @@ impl LatencyModel {
                 Op::Free => 26_000 + 26_000,
                 Op::Reserve | Op::FreeReservation | Op::Synchronize => 5_000,
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
-                Op::Memset | Op::CopyToHost => 10_000,
+                Op::Memset | Op::CopyToHost | Op::CopyFromHost => 10_000,
                 Op::CaptureInfo => 100,
             };
             (0, figure)
@@ -113,7 +113,7 @@ impl LatencyModel {
             Op::QueryEvent | Op::DestroyEvent => (462, 0),
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
-            Op::Memset | Op::CopyToHost => (10_000, 0),
+            Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
             Op::CaptureInfo => (100, 0),
         })
     }
@@ -151,7 +151,7 @@ impl LatencyModel {
             Op::QueryEvent | Op::DestroyEvent => (192, 0),
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
-            Op::Memset | Op::CopyToHost => (10_000, 0),
+            Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
             Op::CaptureInfo => (100, 0),
         })
     }
@@ -306,6 +306,7 @@ fn carries_size(op: Op) -> bool {
             | Op::Free
             | Op::Memset
             | Op::CopyToHost
+            | Op::CopyFromHost
     )
 }
 

@@ -650,4 +650,8 @@ impl Driver for SimDriver {
         out.copy_from_slice(&bytes);
         Ok(())
     }
+    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
+        self.begin(Op::CopyFromHost, data.len() as u64)?;
+        self.write(va, data)
+    }
 }
