@@ -134,7 +134,7 @@ impl<D: Driver> Expandable<D> {
         let before = self.page_counts(slot);
         let size = self.segment_mut(slot).release_pending(addr);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
-        self.count_inactive(pool, size);
+        self.counters.count_inactive(pool, size);
         self.record(TraceAction::FreeCompleted, addr, size, stream);
         self.refresh_page_counts(slot, before);
         size

@@ -18,6 +18,7 @@
 
 #![deny(unsafe_code)]
 
+mod accounting;
 mod alloc;
 mod blocks;
 mod events;
@@ -45,8 +46,9 @@ use crate::error::{Error, InvariantViolation};
 use crate::graph_pool::{GraphPool, StreamFilter};
 use crate::history::{self, History, TraceAction};
 use crate::snapshot::MemorySnapshot;
-use crate::stats::{PoolStats, Stat, StatArray, Stats};
+use crate::stats::Stats;
 use crate::strategy::Strategy;
+use accounting::{Counters, Derived};
 use lender::Lender;
 use rustc_hash::{FxHashMap, FxHashSet};
 use segment::{FreeOutcome, Segment};
@@ -55,57 +57,6 @@ use streams::{PendingFrees, StreamUses};
 /// Most chunks the set of chunk handles has room for when the allocator starts (16,384 chunks of 20 MiB are
 /// 320 GiB); beyond, it grows as it fills.
 const MAX_CHUNKS_RESERVED: u64 = 1 << 14;
-
-/// Counters kept up to date by every operation; [`Expandable::stats`] adds what is derived on demand.
-/// Per-pool statistics are [`StatArray`]s, as PyTorch's.
-#[derive(Debug, Default, Clone)]
-struct Counters {
-    allocated: StatArray,
-    /// Allocated plus pending (freed, waiting for other streams' events) bytes.
-    active: StatArray,
-    requested: StatArray,
-    allocation: StatArray,
-    /// Number of live plus pending blocks.
-    active_count: StatArray,
-    /// Every handle held (mapped or pooled).
-    reserved: Stat,
-    /// Mapped bytes per pool (pooled handles belong to no pool).
-    mapped: StatArray,
-    segment: StatArray,
-    /// Bytes of touched pages that no active block uses.
-    inactive_split: StatArray,
-    /// Free blocks that share a page with an active block.
-    inactive_split_count: StatArray,
-    oversize_allocations: Stat,
-    /// Idle pages unmapped to serve a request (compaction).
-    compacted: u64,
-    retries: u64,
-    ooms: u64,
-    created: u64,
-    released: u64,
-    synchronizations: u64,
-    handles_reused: u64,
-    /// `created` and `released` at the last `reset_accumulated_stats`: the statistics report the handles
-    /// created and released since, while the invariants check the totals.
-    device_counts_base: (u64, u64),
-}
-
-impl Counters {
-    /// Every statistic kept per pool, for the resets.
-    fn stat_arrays_mut(&mut self) -> [&mut StatArray; 9] {
-        [
-            &mut self.allocated,
-            &mut self.active,
-            &mut self.requested,
-            &mut self.allocation,
-            &mut self.active_count,
-            &mut self.mapped,
-            &mut self.segment,
-            &mut self.inactive_split,
-            &mut self.inactive_split_count,
-        ]
-    }
-}
 
 /// cuvmm's allocator: per-(stream, pool) virtual segments whose pages are mapped on demand.
 #[derive(Debug)]
@@ -317,12 +268,6 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// Records an event for snapshots if recording is on.
-    #[inline]
-    fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        history::record(&mut self.history, action, addr, size, stream);
-    }
-
     fn page_counts(&self, slot: usize) -> SlotCounts {
         let seg = self.segment(slot);
         SlotCounts {
@@ -332,35 +277,16 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// Counts a block of `size` bytes in `pool` as live (`live`: allocated and active) or as no longer
-    /// allocated; it stays active until [`count_inactive`](Self::count_inactive), since a pending block
-    /// leaves `allocated` at its free and `active` once its events complete.
+    /// Counts a block as live or no longer allocated ([`Counters::count_block`]).
     fn count_block(&mut self, pool: Pool, size: u64, requested: u64, live: bool) {
-        let c = &mut self.counters;
         let oversize = self.config.max_split_size.is_some_and(|max| size >= max);
-        if live {
-            c.allocated.add(pool, size);
-            c.requested.add(pool, requested);
-            c.allocation.add(pool, 1);
-            c.active.add(pool, size);
-            c.active_count.add(pool, 1);
-            if oversize {
-                c.oversize_allocations.add(1);
-            }
-        } else {
-            c.allocated.sub(pool, size);
-            c.requested.sub(pool, requested);
-            c.allocation.sub(pool, 1);
-            if oversize {
-                c.oversize_allocations.sub(1);
-            }
-        }
+        (self.counters).count_block(pool, size, requested, live, oversize);
     }
 
-    /// A block of `size` bytes in `pool` stops being active (freed, or its pending free completed).
-    fn count_inactive(&mut self, pool: Pool, size: u64) {
-        self.counters.active.sub(pool, size);
-        self.counters.active_count.sub(pool, 1);
+    /// Records an event for snapshots if recording is on.
+    #[inline]
+    fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        history::record(&mut self.history, action, addr, size, stream);
     }
 
     /// The segment whose reservation contains `addr`.
@@ -432,7 +358,7 @@ impl<D: Driver> Expandable<D> {
         seg.free_live(at, addr, size);
         seg.last_free = clock;
         self.count_block(pool, size, requested, false);
-        self.count_inactive(pool, size);
+        self.counters.count_inactive(pool, size);
         self.record(TraceAction::FreeRequested, addr, requested, stream);
         self.record(TraceAction::FreeCompleted, addr, requested, stream);
         self.refresh_page_counts(slot, before);
@@ -563,50 +489,16 @@ impl<D: Driver> Strategy for Expandable<D> {
 
     fn stats(&self) -> Stats {
         let (graph_pool_bytes, graph_pools) = self.graph_pool_bytes();
-        let c = &self.counters;
-        let pool_stats = |pool: Pool| {
-            let i = pool.index();
-            PoolStats {
-                allocated_bytes: c.allocated.pool[i],
-                active_bytes: c.active.pool[i],
-                requested_bytes: c.requested.pool[i],
-                reserved_bytes: c.mapped.pool[i],
-                inactive_split_bytes: c.inactive_split.pool[i],
-                allocation: c.allocation.pool[i],
-                active: c.active_count.pool[i],
-                segment: c.segment.pool[i],
-                inactive_split: c.inactive_split_count.pool[i],
-            }
-        };
-        Stats {
-            allocated_bytes: c.allocated.all,
-            reserved_bytes: c.reserved,
-            active_bytes: c.active.all,
-            requested_bytes: c.requested.all,
-            inactive_split_bytes: c.inactive_split.all,
-            allocation: c.allocation.all,
-            segment: c.segment.all,
-            num_alloc_retries: c.retries,
-            num_ooms: c.ooms,
-            num_device_alloc: c.created - c.device_counts_base.0,
-            num_device_free: c.released - c.device_counts_base.1,
-            num_synchronizations: c.synchronizations,
+        self.counters.stats(Derived {
             largest_free_block: self.largest_free_block(),
             idle_mapped_bytes: self.idle_pages as u64 * self.page_size,
             idle_handle_bytes: self.pooled_pages() as u64 * self.page_size,
-            handles_reused: c.handles_reused,
             lent_bytes: (self.lent_pages[0] + self.lent_pages[1]) as u64 * self.page_size,
             graph_pool_bytes,
             graph_pools,
             asleep_bytes: self.asleep_bytes(),
             driver: self.driver.counters(),
-            active: c.active_count.all,
-            inactive_split: c.inactive_split_count.all,
-            large_pool: pool_stats(Pool::Large),
-            small_pool: pool_stats(Pool::Small),
-            oversize_allocations: c.oversize_allocations,
-            oversize_segments: Stat::default(),
-        }
+        })
     }
 
     fn check_invariants(&self) -> Result<(), InvariantViolation> {
@@ -643,27 +535,12 @@ impl<D: Driver> Strategy for Expandable<D> {
     }
 
     fn reset_peak_stats(&mut self) -> Result<(), Error> {
-        let c = &mut self.counters;
-        for array in c.stat_arrays_mut() {
-            array.all.reset_peak();
-            array.pool.iter_mut().for_each(Stat::reset_peak);
-        }
-        c.reserved.reset_peak();
-        c.oversize_allocations.reset_peak();
+        self.counters.reset_peaks();
         Ok(())
     }
 
     fn reset_accumulated_stats(&mut self) -> Result<(), Error> {
-        let forget = |stat: &mut Stat| (stat.allocated, stat.freed) = (0, 0);
-        let c = &mut self.counters;
-        for array in c.stat_arrays_mut() {
-            forget(&mut array.all);
-            array.pool.iter_mut().for_each(forget);
-        }
-        forget(&mut c.reserved);
-        forget(&mut c.oversize_allocations);
-        (c.retries, c.ooms, c.synchronizations) = (0, 0, 0);
-        c.device_counts_base = (c.created, c.released);
+        self.counters.reset_accumulated();
         Ok(())
     }
 
