@@ -51,9 +51,11 @@ pub enum Command {
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.
     Bench(crate::bench::BenchArgs),
-    /// Measure how the allocator scales with threads, each on its own stream: cached alloc+free pairs per
-    /// second with 1, 2 and 4 threads, and the 99th-percentile latency of a cached allocation while
-    /// another stream grows on a device that sleeps each driver call's modelled latency.
+    /// Measure how the allocator scales with threads through each entry point (DeviceBuffer, alloc_raw /
+    /// free_raw): cached alloc+free pairs per second with 1, 2, 4 and 8 threads each on its own stream and 8
+    /// on 2 streams, and the 99th-percentile latency of a cached allocation while another stream grows (on
+    /// the simulator, a device that sleeps each driver call's modelled latency). With `--backend cuda`,
+    /// real CUDA streams, and cudarc's default, cuMemAllocAsync and cuMemAlloc for comparison.
     BenchThreads(crate::bench_threads::BenchThreadsArgs),
 }
 
