@@ -112,6 +112,10 @@ pub struct CompareArgs {
     /// The device of a multi-device snapshot to replay (default: each device that has events).
     #[arg(long, value_name = "N", requires = "traces", value_parser = parse_trace_device)]
     pub device: Option<usize>,
+    /// An allocator (repeat for several; default: cuvmm, classic, pytorch-expandable). `cuda-async`, CUDA's
+    /// own pool (cuMemAllocAsync), runs only with `--backend cuda`.
+    #[arg(long = "allocator", value_name = "NAME", value_parser = parse_allocator)]
+    pub allocators: Vec<String>,
     /// Where to replay.
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -165,14 +169,15 @@ pub fn parse_workload(name: &str) -> Result<String, String> {
     }
 }
 
-/// An allocator name [`allocators::build`] knows.
+/// An allocator name the tools know ([`allocators::is_known`]: the default ones, and CUDA-only ones).
 pub fn parse_allocator(name: &str) -> Result<String, String> {
-    if allocators::ALLOCATORS.contains(&name) {
+    if allocators::is_known(name) {
         Ok(name.to_string())
     } else {
         Err(format!(
-            "unknown allocator `{name}` (known: {})",
-            allocators::ALLOCATORS.join(", ")
+            "unknown allocator `{name}` (known: {}, {})",
+            allocators::ALLOCATORS.join(", "),
+            allocators::CUDA_ONLY.join(", ")
         ))
     }
 }

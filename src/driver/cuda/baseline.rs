@@ -118,7 +118,12 @@ impl AsyncPool {
             .map_err(|e| cuda_error(Op::Free, &e))
     }
 
-    /// Bytes handed out and not freed.
+    /// The size of the live allocation at `ptr`, if it is one.
+    pub fn size_of(&self, ptr: u64) -> Option<u64> {
+        self.live.get(&ptr).map(|&(size, _)| size)
+    }
+
+    /// Allocations and bytes handed out and not freed.
     pub fn allocated(&self) -> (usize, u64) {
         (
             self.live.len(),
