@@ -215,9 +215,14 @@ impl<S: Strategy> Allocator<S> {
         let recorded = self.forget_recorded(ptr);
         if !recorded && cacheable && shared.caches.cacheable(size) {
             if !shared.caches.is_active(stream) {
-                match shared.strategy.try_lock() {
-                    Some(mut strategy) => return strategy.free(ptr),
-                    None => shared.caches.activate(stream),
+                // Once threads contend (another shard is active), every stream's frees are kept back.
+                if shared.caches.any_active() {
+                    shared.caches.activate(stream);
+                } else {
+                    match shared.strategy.try_lock() {
+                        Some(mut strategy) => return strategy.free(ptr),
+                        None => shared.caches.activate(stream),
+                    }
                 }
             }
             match shared.caches.put(stream, size, ptr) {
@@ -229,14 +234,19 @@ impl<S: Strategy> Allocator<S> {
         shared.strategy.lock().free(ptr)
     }
 
-    /// The strategy, locked. When another thread holds it, the stream's cache turns active (for requests
-    /// that it could serve) before waiting.
+    /// The strategy, locked. When another thread holds it, or threads have contended before (another
+    /// shard is active), the stream's cache turns active (for requests that it could serve).
     fn strategy_for(&self, stream: StreamId, cacheable: bool) -> impl DerefMut<Target = S> + '_ {
+        let caches = &self.shared.caches;
+        let join = cacheable && !caches.is_active(stream) && caches.any_active();
+        if join {
+            caches.activate(stream);
+        }
         if let Some(strategy) = self.shared.strategy.try_lock() {
             return strategy;
         }
         if cacheable {
-            self.shared.caches.activate(stream);
+            caches.activate(stream);
         }
         self.shared.strategy.lock()
     }

@@ -490,3 +490,16 @@ fn a_fixed_raw_sequence_reuses_through_the_cache_and_never_across_streams() {
         "no request was served from a stream cache"
     );
 }
+
+#[test]
+fn once_threads_contend_every_stream_that_reaches_the_strategy_keeps_its_frees() {
+    let alloc = allocator(256, "");
+    activate(&alloc, [S0]);
+    // Stream 1 never found the lock taken (the thread holding it, say): its block is noted and kept back.
+    let ptr = alloc.alloc_raw(8 * KIB, S1).unwrap();
+    alloc.free_raw(ptr).unwrap();
+    assert_eq!(alloc.stream_cached(), (1, 8 * KIB));
+    assert_eq!(alloc.alloc_raw(8 * KIB, S1).unwrap(), ptr);
+    alloc.free_raw(ptr).unwrap();
+    alloc.check_invariants().unwrap();
+}
