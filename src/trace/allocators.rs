@@ -16,6 +16,7 @@ pub const ALLOCATORS: &[&str] = &["cuvmm", "classic", "pytorch-expandable"];
 
 /// CUDA's own stream-ordered pool (cuMemAllocAsync on the device's default pool, kept whole): a comparison
 /// on a GPU only, never in the default list ([`build_cuda_only`]).
+/// (The same as `cuda_async::NAME`, which exists only with the `cuda` feature.)
 pub const CUDA_ASYNC: &str = "cuda-async";
 
 /// Allocators that run only on a CUDA device (`--backend cuda`).

@@ -8,13 +8,16 @@
 //! The pool's blocks are the driver's secret: this allocator has no snapshot, no invariants to walk beyond
 //! its own books, and counts no driver calls (cuvmm's counters see only the calls it makes itself).
 
-use super::allocators::CUDA_ASYNC as NAME;
 use crate::driver::cuda::AsyncPool;
 use crate::driver::{DriverCounters, DriverError, StreamId};
 use crate::error::{Error, InvariantViolation};
 use crate::oom::OutOfMemory;
 use crate::stats::{Stat, Stats};
 use crate::strategy::Strategy;
+
+/// The name it reports, and `--allocator` takes (`allocators::CUDA_ASYNC`, which the tools know without
+/// the `cuda` feature).
+pub const NAME: &str = "cuda-async";
 
 /// CUDA's stream-ordered allocator on one device.
 #[derive(Debug)]
