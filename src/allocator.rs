@@ -13,6 +13,7 @@ use crate::driver::{Driver, StreamId};
 use crate::error::{Error, InvariantViolation};
 use crate::expandable::Expandable;
 use crate::graph_pool::{GraphPool, StreamFilter};
+use crate::raw_book::{RawBlock, RawBook};
 use crate::stats::Stats;
 use crate::strategy::Strategy;
 use crate::stream_cache::{Put, StreamCaches};
@@ -28,6 +29,9 @@ pub const DEFAULT_STREAM_CACHE: u64 = crate::config::DEFAULT_STREAM_CACHE;
 struct Shared<S> {
     strategy: Mutex<S>,
     caches: StreamCaches,
+    /// The size and stream of each live raw allocation that its stream's cache may keep back at its free
+    /// ([`Allocator::alloc_raw`]).
+    raw: RawBook,
     /// Live allocations used on other streams ([`Allocator::record_stream`]): never cached, since their
     /// memory may be reused only once the strategy has seen those streams' work complete.
     recorded: Mutex<FxHashSet<u64>>,
@@ -89,6 +93,7 @@ impl<S: Strategy> Allocator<S> {
             shared: Arc::new(Shared {
                 strategy: Mutex::new(strategy),
                 caches: StreamCaches::new(bytes),
+                raw: RawBook::new(),
                 recorded: Mutex::new(FxHashSet::default()),
                 recorded_len: AtomicUsize::new(0),
                 recovered_ooms: AtomicU64::new(0),
@@ -118,8 +123,20 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
+    /// Once `stream` has contended for the strategy's lock, the allocator notes the block's size and
+    /// stream (in a book sharded by address), so that its free is served by the stream's cache as a
+    /// [`DeviceBuffer`]'s drop is.
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        self.allocate(size, stream, None).map(|(ptr, _)| ptr)
+        let (ptr, in_capture) = self.allocate(size, stream, None)?;
+        let shared = &*self.shared;
+        // Memory allocated during a capture may be a graph pool's: never entered, so never cached.
+        if !in_capture && shared.caches.cacheable(size) && shared.caches.is_active(stream) {
+            if let Some(old) = shared.raw.insert(ptr, RawBlock { size, stream }) {
+                tracing::error!(ptr, ?old, "cuvmm: an address was handed out twice");
+                debug_assert!(false, "address {ptr:#x} handed out twice");
+            }
+        }
+        Ok(ptr)
     }
 
     /// Allocates `size` bytes for use on `stream` under the tag `tag`: memory that
@@ -212,14 +229,23 @@ impl<S: Strategy> Allocator<S> {
         result.map(|ptr| (ptr, in_capture))
     }
 
-    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw). It goes straight to the strategy: the
-    /// stream caches keep only buffers whose size and stream the facade knows ([`DeviceBuffer`]s).
+    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a [`DeviceBuffer`]'s, which must then
+    /// not be dropped). A block whose size and stream the allocator noted goes where a [`DeviceBuffer`]'s
+    /// would, its stream's cache when that is active; any other to the strategy.
+    ///
+    /// A second free of an address is a [`Error::DoubleFree`] when the first has returned; two frees of one
+    /// address racing each other are the caller's bug, found at the latest when the caches are next
+    /// drained.
     pub fn free_raw(&self, ptr: u64) -> Result<(), Error> {
-        if self.shared.caches.holds(ptr) {
+        let shared = &*self.shared;
+        if let Some(block) = shared.raw.remove(ptr) {
+            return self.free_buffer(ptr, block.size, block.stream, true);
+        }
+        if shared.caches.holds(ptr) {
             return Err(Error::DoubleFree { addr: ptr });
         }
         self.forget_recorded(ptr);
-        self.shared.strategy.lock().free(ptr)
+        shared.strategy.lock().free(ptr)
     }
 
     /// Whether `ptr` was used on another stream, forgetting it (it is being freed).
@@ -247,9 +273,14 @@ impl<S: Strategy> Allocator<S> {
         let recorded = self.forget_recorded(ptr);
         if !recorded && cacheable && shared.caches.cacheable(size) {
             if !shared.caches.is_active(stream) {
-                match shared.strategy.try_lock() {
-                    Some(mut strategy) => return strategy.free(ptr),
-                    None => shared.caches.activate(stream),
+                // Once threads contend (another shard is active), every stream's frees are kept back.
+                if shared.caches.any_active() {
+                    shared.caches.activate(stream);
+                } else {
+                    match shared.strategy.try_lock() {
+                        Some(mut strategy) => return strategy.free(ptr),
+                        None => shared.caches.activate(stream),
+                    }
                 }
             }
             match shared.caches.put(stream, size, ptr) {
@@ -261,14 +292,19 @@ impl<S: Strategy> Allocator<S> {
         shared.strategy.lock().free(ptr)
     }
 
-    /// The strategy, locked. When another thread holds it, the stream's cache turns active (for requests
-    /// that it could serve) before waiting.
+    /// The strategy, locked. When another thread holds it, or threads have contended before (another
+    /// shard is active), the stream's cache turns active (for requests that it could serve).
     fn strategy_for(&self, stream: StreamId, cacheable: bool) -> impl DerefMut<Target = S> + '_ {
+        let caches = &self.shared.caches;
+        let join = cacheable && !caches.is_active(stream) && caches.any_active();
+        if join {
+            caches.activate(stream);
+        }
         if let Some(strategy) = self.shared.strategy.try_lock() {
             return strategy;
         }
         if cacheable {
-            self.shared.caches.activate(stream);
+            caches.activate(stream);
         }
         self.shared.strategy.lock()
     }
@@ -401,6 +437,12 @@ impl<S: Strategy> Allocator<S> {
     /// drained, the strategy's.
     pub fn check_invariants(&self) -> Result<(), InvariantViolation> {
         self.shared.caches.check_invariants()?;
+        // A block in the raw book is live: no cache may hold its address.
+        if let Some(addr) =
+            (self.shared.raw.addresses().into_iter()).find(|&a| self.shared.caches.holds(a))
+        {
+            return Err(InvariantViolation::StreamCache { addr });
+        }
         self.drain_caches_deferring();
         self.shared.strategy.lock().check_invariants()
     }

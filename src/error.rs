@@ -253,8 +253,9 @@ pub enum InvariantViolation {
         /// Address of the allocation.
         addr: u64,
     },
-    /// A stream cache holds an address twice, or in the shard of another stream.
-    #[error("stream cache entry {addr:#x} is held twice or in the wrong shard")]
+    /// A stream cache holds an address twice, in the shard of another stream, or while it is a live raw
+    /// allocation.
+    #[error("stream cache entry {addr:#x} is held twice, in the wrong shard, or while live")]
     StreamCache {
         /// The cached address.
         addr: u64,

@@ -28,6 +28,7 @@ pub mod history;
 pub mod oom;
 pub mod page_map;
 pub mod pool;
+mod raw_book;
 pub mod size;
 pub mod snapshot;
 #[cfg(feature = "lab")]

@@ -11,7 +11,9 @@
 //!
 //! A shard starts *inactive*: its streams' frees go straight to the strategy, so a program that never
 //! contends sees exactly the strategy's behaviour. The first time one of its streams finds the strategy's
-//! lock taken, the shard turns active and keeps freed buffers from then on.
+//! lock taken, the shard turns active and keeps freed buffers from then on; so does the shard of any stream
+//! that reaches the strategy once another shard is active (threads contend: the stream that held the lock
+//! never finds it taken, and would otherwise stay on the strategy's path while the other's cache serves it).
 //!
 //! Streams share a shard when their ids hash alike; that costs contention on the shard's lock, never
 //! correctness, since entries carry their stream.
@@ -208,6 +210,12 @@ impl StreamCaches {
                 shard.len.load(Ordering::Relaxed) != 0
                     && shard.held.lock().entries.iter().any(|e| e.ptr == ptr)
             })
+    }
+
+    /// Whether any shard is active: threads have contended for the strategy's lock.
+    #[inline]
+    pub(crate) fn any_active(&self) -> bool {
+        self.active_shards.load(Ordering::Relaxed) != 0
     }
 
     /// Whether any shard holds a buffer.

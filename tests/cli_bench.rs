@@ -137,18 +137,32 @@ fn bench_threads_reports_pairs_per_thread_count_and_cached_allocation_latency() 
     ]);
     let report = json(&out);
     let threads = report["threads"].as_array().unwrap();
-    let counts: Vec<u64> = threads
-        .iter()
-        .map(|t| t["threads"].as_u64().unwrap())
-        .collect();
-    assert_eq!(counts, [1, 2, 4]);
-    let one = threads[0]["pairs_per_second"].as_f64().unwrap();
-    for t in threads {
-        let rate = t["pairs_per_second"].as_f64().unwrap();
-        assert!(rate > 0.0, "{t}");
-        let speedup = t["speedup"].as_f64().unwrap();
-        assert!((speedup - rate / one).abs() < 1e-9 * speedup, "{t}");
+    for entry in ["DeviceBuffer", "alloc_raw/free_raw"] {
+        let series: Vec<_> = threads.iter().filter(|t| t["entry"] == entry).collect();
+        let scenarios: Vec<(u64, u64)> = series
+            .iter()
+            .map(|t| {
+                (
+                    t["threads"].as_u64().unwrap(),
+                    t["streams"].as_u64().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            scenarios,
+            [(1, 1), (2, 2), (4, 4), (8, 8), (8, 2)],
+            "{entry}"
+        );
+        let one = series[0]["pairs_per_second"].as_f64().unwrap();
+        for t in series {
+            let rate = t["pairs_per_second"].as_f64().unwrap();
+            assert!(rate > 0.0, "{t}");
+            let speedup = t["speedup"].as_f64().unwrap();
+            assert!((speedup - rate / one).abs() < 1e-9 * speedup, "{t}");
+            assert_eq!(t["size_bytes"], 65536, "{t}");
+        }
     }
+    assert_eq!(report["backend"], "sim");
     for when in ["during_growth", "idle"] {
         let from_arrival = report[format!("cached_alloc_p99_ns_{when}")]
             .as_u64()

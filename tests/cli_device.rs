@@ -206,3 +206,46 @@ fn driver_bench_rejects_zero_repetitions() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert_eq!(stderr(&out).lines().count(), 1, "{}", stderr(&out));
 }
+
+/// `cuda-async`, CUDA's own pool, is a comparison on a GPU only: on the simulated device (the default
+/// backend, and the only one of capacity and frontier) it is refused before anything runs.
+#[test]
+fn cuda_async_on_the_simulator_is_one_line_and_status_2() {
+    for args in [
+        &["compare", "--allocator", "cuda-async", "--workload", "moe"][..],
+        &[
+            "compare",
+            "--allocator",
+            "cuvmm",
+            "--allocator",
+            "cuda-async",
+        ],
+        &["capacity", "--allocator", "cuda-async", "--workload", "moe"],
+        &["frontier", "--allocator", "cuda-async", "--workload", "moe"],
+    ] {
+        refused(args, "cuda-async");
+    }
+}
+
+/// `--allocator` picks what compare replays; an unknown name lists the known ones, GPU-only included.
+#[test]
+fn compare_replays_the_allocators_named() {
+    let out = cuvmm(&[
+        "compare",
+        "--allocator",
+        "classic",
+        "--workload",
+        "moe",
+        "--format",
+        "json",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("\"classic\"") && !text.contains("\"cuvmm\""),
+        "{text}"
+    );
+    let out = cuvmm(&["compare", "--allocator", "bogus"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("cuda-async"), "{}", stderr(&out));
+}

@@ -53,6 +53,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "src/allocator.rs",
             "src/stream_cache.rs",
+            "src/raw_book.rs",
             "src/cuda_buffer.rs",
             "src/summary.rs",
             "src/summary/",

@@ -6,14 +6,16 @@
 //! `Mutex` around the strategy; stream cache shards (two in loom builds), each a `Mutex` around its kept-back
 //! buffers plus two relaxed atomics (whether the shard is active, and its length, read without the lock: a
 //! stale value only sends a request or a free the slow way); a `Mutex` and an atomic length for the addresses
-//! used on other streams; and a `Mutex` around the errors that `DeviceBuffer::drop` could not return. No path
+//! used on other streams; the book of raw allocations' sizes and streams (two shards, each a `Mutex`, and a
+//! relaxed flag); and a `Mutex` around the errors that `DeviceBuffer::drop` could not return. No path
 //! holds two of these locks at once, except `with_strategy`, whose closure may free buffers into a shard
 //! while the strategy's lock is held; nothing waits for the strategy's lock while holding another (draining
 //! takes each shard's entries, releases it, then frees under the strategy's lock), so no cycle can form. What
 //! could go wrong is what these models check in every interleaving: a deadlock (loom reports one), a free
 //! lost or applied twice, a cached buffer handed out twice or lost by a drain, a deferred error lost, the
 //! strategy dropped while a handle lives or never dropped (loom reports a leaked `Arc`), invariants broken or
-//! statistics seen half-updated. One model runs with a bug planted in the stream cache
+//! statistics seen half-updated, a raw free served through a stream cache reused on another stream or after
+//! a `record_stream` while the other stream's work is pending. One model runs with a bug planted in the stream cache
 //! (`Allocator::seed_stream_cache_bug`) and must fail.
 //!
 //! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/sync.rs` swaps in loom's `Mutex`, `Arc` and atomics:
@@ -251,6 +253,56 @@ fn frees_on_two_streams_under_contention_are_kept_back_and_given_back_whole() {
         );
         assert_drained(&alloc);
         assert_eq!(alloc.stream_cached(), (0, 0));
+        assert!(alloc.take_deferred_errors().is_empty());
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn raw_frees_through_the_caches_are_reused_only_on_their_stream_and_never_after_a_record_stream() {
+    let runs = explore("raw path: free + alloc on two streams", || {
+        // Streams whose ids hash to one cache shard: a shard's entries must be told apart by stream.
+        let (s0, s1) = (StreamId(0), StreamId(13));
+        let alloc = allocator();
+        // Both streams have contended once: their caches are active, and raw blocks are noted at alloc.
+        for stream in [s0, s1] {
+            let buffer = alloc.alloc_on(PAGE, stream).expect("room");
+            alloc.with_strategy(|_| drop(buffer));
+        }
+        let _ = alloc.stats();
+        let a = alloc.alloc_raw(PAGE, s0).expect("room");
+        let b = alloc.alloc_raw(PAGE, s1).expect("room");
+        // Work on stream 0 that never completes in this model uses both; `b` is recorded as used there.
+        let ranges = [a, b].map(|ptr| cuvmm::driver::VaRange::new(ptr, PAGE));
+        alloc.with_strategy(|s| s.driver_mut().launch(s0, &ranges).expect("launch"));
+        alloc.record_stream(b, s0).expect("record_stream");
+        let workers: Vec<_> = [a, b]
+            .into_iter()
+            .map(|ptr| {
+                let alloc = alloc.clone();
+                thread::spawn(move || {
+                    alloc.free_raw(ptr).expect("free");
+                    alloc.alloc_raw(PAGE, s1).expect("room")
+                })
+            })
+            .collect();
+        let got: Vec<u64> = workers
+            .into_iter()
+            .map(|w| w.join().expect("worker"))
+            .collect();
+        // Stream 13 gets neither `a` (stream 0's, used by its pending work) nor `b` (used by stream 0).
+        for ptr in &got {
+            assert!(
+                ![a, b].contains(ptr),
+                "{ptr:#x} reused on stream 13 while stream 0 uses it"
+            );
+        }
+        assert_ne!(got[0], got[1], "one block handed out twice");
+        for ptr in got {
+            alloc.free_raw(ptr).expect("free");
+        }
+        alloc.with_strategy(|s| s.driver_mut().complete_stream(s0));
+        assert_drained(&alloc);
         assert!(alloc.take_deferred_errors().is_empty());
     });
     assert!(runs > 1, "loom explored only {runs} interleaving");

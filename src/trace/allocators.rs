@@ -2,6 +2,7 @@
 
 use crate::config::Config;
 use crate::driver::Driver;
+use crate::driver::device::DeviceSpec;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::error::Error;
 use crate::expandable::Expandable;
@@ -13,13 +14,36 @@ use crate::strategy::Strategy;
 /// "pytorch-expandable" the model of PyTorch with `expandable_segments:True`.
 pub const ALLOCATORS: &[&str] = &["cuvmm", "classic", "pytorch-expandable"];
 
+/// CUDA's own stream-ordered pool (cuMemAllocAsync on the device's default pool, kept whole): a comparison
+/// on a GPU only, never in the default list ([`build_cuda_only`]).
+/// (The same as `cuda_async::NAME`, which exists only with the `cuda` feature.)
+pub const CUDA_ASYNC: &str = "cuda-async";
+
+/// Allocators that run only on a CUDA device (`--backend cuda`).
+pub const CUDA_ONLY: &[&str] = &[CUDA_ASYNC];
+
+/// Why a CUDA-only allocator cannot run on the simulated device, in one line.
+pub const NEEDS_GPU: &str =
+    "is CUDA's own pool (cuMemAllocAsync) and runs only on a GPU (--backend cuda)";
+
+/// Whether `name` is an allocator the tools know, default or CUDA-only.
+pub fn is_known(name: &str) -> bool {
+    ALLOCATORS.contains(&name) || CUDA_ONLY.contains(&name)
+}
+
 /// An allocator that cannot be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
     /// No allocator has that name.
-    #[error("unknown allocator `{name}` (known: {})", ALLOCATORS.join(", "))]
+    #[error("unknown allocator `{name}` (known: {}, {})", ALLOCATORS.join(", "), CUDA_ONLY.join(", "))]
     Unknown {
         /// The name given.
+        name: String,
+    },
+    /// A CUDA-only allocator was asked for on the simulated device.
+    #[error("allocator `{name}` {NEEDS_GPU}")]
+    NeedsGpu {
+        /// The allocator.
         name: String,
     },
     /// The allocator rejected the device it was given.
@@ -82,6 +106,31 @@ pub fn build_on<D: Driver + 'static>(
             ))
         }
         _ => Err(BuildError::Unknown {
+            name: name.to_string(),
+        }),
+    }
+}
+
+/// The CUDA-only allocator called `name` ([`CUDA_ONLY`]) on `backend`.
+///
+/// # Errors
+/// [`BuildError::NeedsGpu`] on the simulated device (or a build without the `cuda` feature);
+/// [`BuildError::Strategy`] if the device cannot be used; [`BuildError::Unknown`] for another name.
+pub fn build_cuda_only(name: &str, backend: &DeviceSpec) -> Result<Box<dyn Strategy>, BuildError> {
+    if !CUDA_ONLY.contains(&name) {
+        return Err(BuildError::Unknown {
+            name: name.to_string(),
+        });
+    }
+    match backend {
+        #[cfg(feature = "cuda")]
+        DeviceSpec::Cuda { ordinal } => super::cuda_async::CudaAsync::new(*ordinal)
+            .map(|s| Box::new(s) as Box<dyn Strategy>)
+            .map_err(|source| BuildError::Strategy {
+                name: name.to_string(),
+                source,
+            }),
+        _ => Err(BuildError::NeedsGpu {
             name: name.to_string(),
         }),
     }

@@ -133,12 +133,16 @@ pub fn compare_observed<O: ReplayObserver + ?Sized>(
     {
         return Err(CompareError::UnknownWorkload { name: name.clone() });
     }
-    if let Some(name) = options
-        .allocators
-        .iter()
-        .find(|a| !allocators::ALLOCATORS.contains(&a.as_str()))
-    {
+    if let Some(name) = options.allocators.iter().find(|a| !allocators::is_known(a)) {
         return Err(BuildError::Unknown { name: name.clone() }.into());
+    }
+    // A GPU-only allocator on the simulator is refused before anything runs.
+    if let Some(name) =
+        (options.allocators.iter()).find(|a| allocators::CUDA_ONLY.contains(&a.as_str()))
+    {
+        if options.backend == DeviceSpec::Sim {
+            return Err(BuildError::NeedsGpu { name: name.clone() }.into());
+        }
     }
     let sim = SimConfig::default()
         .with_latency(options.latency.clone())
@@ -175,8 +179,12 @@ fn replay_all<O: ReplayObserver + ?Sized>(
     observer: &mut O,
 ) -> Result<(), CompareError> {
     for allocator in &options.allocators {
-        let device = options.backend.open_for_replay(sim.clone())?;
-        let mut strategy = allocators::build_on(allocator, device, config.clone())?;
+        let mut strategy = if allocators::CUDA_ONLY.contains(&allocator.as_str()) {
+            allocators::build_cuda_only(allocator, &options.backend)?
+        } else {
+            let device = options.backend.open_for_replay(sim.clone())?;
+            allocators::build_on(allocator, device, config.clone())?
+        };
         let result = replay_observed(strategy.as_mut(), trace, &options.replay, observer).map_err(
             |source| CompareError::Replay {
                 workload: trace.name.clone(),

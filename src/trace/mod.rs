@@ -12,6 +12,8 @@ pub mod bench;
 pub mod builder;
 pub mod capacity;
 pub mod compare;
+#[cfg(feature = "cuda")]
+pub mod cuda_async;
 pub mod event;
 pub mod fidelity;
 pub mod frontier;

@@ -51,9 +51,11 @@ pub enum Command {
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.
     Bench(crate::bench::BenchArgs),
-    /// Measure how the allocator scales with threads, each on its own stream: cached alloc+free pairs per
-    /// second with 1, 2 and 4 threads, and the 99th-percentile latency of a cached allocation while
-    /// another stream grows on a device that sleeps each driver call's modelled latency.
+    /// Measure how the allocator scales with threads through each entry point (DeviceBuffer, alloc_raw /
+    /// free_raw): cached alloc+free pairs per second with 1, 2, 4 and 8 threads each on its own stream and 8
+    /// on 2 streams, and the 99th-percentile latency of a cached allocation while another stream grows (on
+    /// the simulator, a device that sleeps each driver call's modelled latency). With `--backend cuda`,
+    /// real CUDA streams, and cudarc's default, cuMemAllocAsync and cuMemAlloc for comparison.
     BenchThreads(crate::bench_threads::BenchThreadsArgs),
 }
 
@@ -110,6 +112,10 @@ pub struct CompareArgs {
     /// The device of a multi-device snapshot to replay (default: each device that has events).
     #[arg(long, value_name = "N", requires = "traces", value_parser = parse_trace_device)]
     pub device: Option<usize>,
+    /// An allocator (repeat for several; default: cuvmm, classic, pytorch-expandable). `cuda-async`, CUDA's
+    /// own pool (cuMemAllocAsync), runs only with `--backend cuda`.
+    #[arg(long = "allocator", value_name = "NAME", value_parser = parse_allocator)]
+    pub allocators: Vec<String>,
     /// Where to replay.
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -163,14 +169,15 @@ pub fn parse_workload(name: &str) -> Result<String, String> {
     }
 }
 
-/// An allocator name [`allocators::build`] knows.
+/// An allocator name the tools know ([`allocators::is_known`]: the default ones, and CUDA-only ones).
 pub fn parse_allocator(name: &str) -> Result<String, String> {
-    if allocators::ALLOCATORS.contains(&name) {
+    if allocators::is_known(name) {
         Ok(name.to_string())
     } else {
         Err(format!(
-            "unknown allocator `{name}` (known: {})",
-            allocators::ALLOCATORS.join(", ")
+            "unknown allocator `{name}` (known: {}, {})",
+            allocators::ALLOCATORS.join(", "),
+            allocators::CUDA_ONLY.join(", ")
         ))
     }
 }

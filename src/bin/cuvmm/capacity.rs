@@ -7,7 +7,7 @@ use crate::progress::CapacityProgress;
 use clap::Args;
 use cuvmm::size::format_size;
 use cuvmm::trace::Trace;
-use cuvmm::trace::allocators::ALLOCATORS;
+use cuvmm::trace::allocators::{ALLOCATORS, CUDA_ONLY, NEEDS_GPU};
 use cuvmm::trace::capacity::{self, CapacityOptions, CapacityResult};
 use cuvmm::trace::{load, workload};
 use serde::Serialize;
@@ -66,6 +66,13 @@ impl SearchArgs {
                 eprintln!("cuvmm: {line}");
                 ExitCode::from(USAGE)
             })?;
+        // capacity and frontier replay on the simulated device: a GPU-only allocator cannot take part.
+        if let Some(name) = (self.allocators.iter()).find(|a| CUDA_ONLY.contains(&a.as_str())) {
+            eprintln!(
+                "cuvmm: allocator `{name}` {NEEDS_GPU}; capacity and frontier run on the simulated device"
+            );
+            return Err(ExitCode::from(USAGE));
+        }
         let allocators = if self.allocators.is_empty() {
             ALLOCATORS.iter().map(|a| a.to_string()).collect()
         } else {

@@ -39,6 +39,9 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
             .unwrap_or_default(),
         ..CompareOptions::default()
     };
+    if !args.allocators.is_empty() {
+        options.allocators = args.allocators;
+    }
     // Without --workload: every workload, unless trace files are given.
     if !args.workloads.is_empty() || !options.traces.is_empty() {
         options.workloads = args.workloads;

@@ -585,7 +585,7 @@ impl Driver for CudaDriver {
 
 /// Opens libcuda and checks that it exports every entry point cuvmm uses, then initialises the driver.
 /// Until this succeeds no `sys` call may be made: cudarc panics on a library or symbol it cannot load.
-fn load_driver() -> Result<(), DriverError> {
+pub(super) fn load_driver() -> Result<(), DriverError> {
     if !result::culib_present() {
         return Err(DriverError::NoDriver {
             reason:

@@ -12,7 +12,9 @@
 //! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
 //!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
 //! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
-//! - `driver.rs`: [`CudaDriver`], the safe type.
+//! - `driver.rs`: [`CudaDriver`], the safe type;
+//! - `baseline.rs`: what cuvmm is measured against (cudarc's default allocation, cuMemAllocAsync on the
+//!   device's default pool), as safe calls.
 //!
 //! cudarc is built with `dynamic-loading`: libcuda is opened at run time, and any `sys` call panics if it
 //! cannot be. [`CudaDriver::new`] therefore checks `sys::is_culib_present()` and every entry point it
@@ -21,6 +23,7 @@
 
 #![allow(unsafe_code)]
 
+mod baseline;
 mod calls;
 mod driver;
 mod give_back;
@@ -30,5 +33,6 @@ mod ledger;
 mod result;
 mod streams;
 
+pub use baseline::{AsyncPool, cudarc_alloc};
 pub use calls::keeping_current_context;
 pub use driver::CudaDriver;

@@ -87,6 +87,9 @@ use store::{ByteStore, Owner};
 use streams::Streams;
 use vmm::Vmm;
 
+/// Modelled latencies shorter than this are waited out by spinning (see `SimDriver::sleep`).
+const SPIN_BELOW_NS: u64 = 20_000;
+
 /// A simulated device.
 pub struct SimDriver {
     config: SimConfig,
@@ -327,11 +330,22 @@ impl SimDriver {
         }
     }
 
-    /// Sleeps `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on.
+    /// Waits `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on: spinning below
+    /// [`SPIN_BELOW_NS`], where the operating system's sleep would overshoot many times over (a 100 ns capture
+    /// query slept for tens of microseconds), sleeping above.
     #[cold]
     fn sleep(&self, ns: u64) {
-        if self.config.sleep_latency && ns > 0 {
-            std::thread::sleep(std::time::Duration::from_nanos(ns));
+        if !self.config.sleep_latency || ns == 0 {
+            return;
+        }
+        let wait = std::time::Duration::from_nanos(ns);
+        if ns < SPIN_BELOW_NS {
+            let start = std::time::Instant::now();
+            while start.elapsed() < wait {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::sleep(wait);
         }
     }
 
