@@ -17,11 +17,14 @@
 #   torch-suite   PyTorch's uses of its allocator (record_stream, a memory limit, CUDA graphs, torch.compile,
 #                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
+#   bench-cuda    cached alloc+free pairs per entry point at 1-8 threads on real streams, against cudarc's
+#                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals)
+#   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
 #
 #   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,21p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -46,6 +49,12 @@ run_step() {
         step info 60 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
         step info 60 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
         step info 60 cat "$bin/COMMIT" ;;
+    bench-cuda)
+        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB
+        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json ;;
+    cuda-async)
+        step cuda-async 540 "$bin/cuvmm" compare --backend cuda --allocator cuda-async --allocator cuvmm --quiet \
+            --format json ;;
     conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
     lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;
     streams) step streams 300 "$bin/cuda_streams" --test-threads=1 --nocapture ;;

@@ -9,6 +9,7 @@ does not apply; any other exception is classified by ``torch_suite.classify_exce
 
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -801,3 +802,76 @@ def transformers_case(ctx):
         bad.append("generate returned tokens outside the vocabulary")
     check(not bad, "; ".join(bad))
     return f"6 steps, losses match the CPU's, generate gave {generated.shape[1] - 8} tokens"
+
+
+# --- 12. sleep and wake (cuvmm only; issue 33) ---------------------------------------------------------------
+
+_OTHER_JOB = """
+import sys, torch
+t = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
+t.fill_(7)
+torch.cuda.synchronize()
+print(int(t[-1].item()))
+"""
+
+
+@case("sleep_wake", "weights and a KV cache under cuvmm tags, a graph captured using them; sleep with contents "
+      "kept raises cudaMemGetInfo's free memory by their bytes, another process allocates and fills that "
+      "memory, wake, and the replay equals the output before the sleep; a kernel still running on the tags' "
+      "stream at the sleep reads the right values", timeout=180, fresh=True, allocators=("cuvmm",))
+def sleep_wake(ctx):
+    torch, cuvmm, dev = ctx.torch, ctx.cuvmm, ctx.device
+    if not hasattr(cuvmm, "region"):
+        raise SkipCase("cuvmm_torch has no region/sleep/wake")
+    n = 4096
+    with cuvmm.region("weights"):
+        w = torch.randn(n, n, device=dev)  # 64 MiB
+    with cuvmm.region("kv_cache"):
+        kv = torch.randn(16, n, n // 4, device=dev)  # 256 MiB
+    x = torch.randn(n, n, device=dev)
+    tagged = w.numel() * 4 + kv.numel() * 4
+
+    def step():
+        return (x @ w) + kv[:, :, :1].sum()
+
+    _warm_up(torch, [step])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    before = y.clone()
+    w_copy = w.clone()
+
+    # A kernel still running on the tags' stream when they go to sleep: it must finish reading first.
+    torch.cuda._sleep(SLEEP_CYCLES)
+    z = w * 2
+    free_before = torch.cuda.mem_get_info(0)[0]
+    began = time.monotonic()
+    released = cuvmm.sleep("weights", keep=True) + cuvmm.sleep("kv_cache", keep=True)
+    sleep_s = time.monotonic() - began
+    torch.cuda.synchronize()
+    free_after = torch.cuda.mem_get_info(0)[0]
+    gained = free_after - free_before
+    ctx.figures.update(tagged_bytes=tagged, released_bytes=released, free_gain_bytes=gained, sleep_s=sleep_s)
+    check(released >= tagged, f"sleep gave back {released} bytes of {tagged}")
+    check(gained >= tagged * 9 // 10, f"free device memory rose by {gained} bytes, the tags hold {tagged}")
+
+    other = subprocess.run([sys.executable, "-c", _OTHER_JOB, str(gained * 9 // 10)], capture_output=True,
+                           text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")})
+    check(other.returncode == 0 and other.stdout.strip() == "7",
+          f"the other job could not use the memory: {other.stderr.strip()[-300:]}")
+
+    began = time.monotonic()
+    cuvmm.wake("weights")
+    cuvmm.wake("kv_cache")
+    ctx.figures.update(wake_s=time.monotonic() - began)
+    check(torch.equal(w, w_copy), "the weights' contents did not survive the sleep")
+    check(torch.equal(z, w_copy * 2), "a kernel running at the sleep read memory that was already gone")
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = _max_diff(torch, y, before)
+    ctx.figures.update(replay_max_abs_diff=diff)
+    check(diff <= TOLERANCE, f"the replay after wake differs from before the sleep by {diff:.3g}")
+    return f"{released / MIB:.0f} MiB slept and woke, free memory +{gained / MIB:.0f} MiB, replay equal"
