@@ -112,14 +112,19 @@ impl<S: Strategy> Allocator<S> {
     /// soon as the buffer is dropped.
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
         let (ptr, in_capture) = self.allocate(size, stream, None)?;
-        Ok(DeviceBuffer {
+        Ok(self.buffer(ptr, size, stream, !in_capture))
+    }
+
+    /// The guard of a live allocation; `cacheable`: its free may keep it in its stream's cache.
+    fn buffer(&self, ptr: u64, size: u64, stream: StreamId, cacheable: bool) -> DeviceBuffer<S> {
+        DeviceBuffer {
             allocator: self.clone(),
             ptr,
             size,
             stream,
             live: true,
-            cacheable: !in_capture,
-        })
+            cacheable,
+        }
     }
 
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
@@ -150,14 +155,7 @@ impl<S: Strategy> Allocator<S> {
         tag: &str,
     ) -> Result<DeviceBuffer<S>, Error> {
         let (ptr, _) = self.allocate(size, stream, Some(tag))?;
-        Ok(DeviceBuffer {
-            allocator: self.clone(),
-            ptr,
-            size,
-            stream,
-            live: true,
-            cacheable: false,
-        })
+        Ok(self.buffer(ptr, size, stream, false))
     }
 
     /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
