@@ -96,6 +96,13 @@ fn a_free_of_a_block_used_on_another_stream_waits_until_the_capture_ends() {
     );
     a.check_invariants().unwrap();
     end(&mut a, capture, pool);
+    // Freed twice, or used again, before the deferred free ran: typed errors, and nothing breaks later.
+    assert!(matches!(a.free(x), Err(Error::DoubleFree { .. })));
+    assert!(matches!(
+        a.record_stream(x, side),
+        Err(Error::UnknownAddress { .. })
+    ));
+    a.check_invariants().unwrap();
     // After the capture the next allocation records the event; the side stream is still busy.
     let z = a.alloc(8 * PAGE, main).unwrap();
     assert!(!overlaps(

@@ -15,6 +15,10 @@ impl<D: Driver> Expandable<D> {
     /// the block's segment, whose reuse is stream-ordered, and for a stream already recorded.
     pub(super) fn record_stream_use(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
         let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
+        // A block whose free was deferred during a capture is freed already.
+        if self.graphs.deferred.contains(&addr) {
+            return Err(Error::UnknownAddress { addr });
+        }
         // A live block must start at `addr`: found by its start, with no search for the block around it.
         if !(self.segment(slot).block_at(addr)).is_some_and(|block| block.is_live()) {
             return Err(Error::UnknownAddress { addr });

@@ -337,18 +337,21 @@ impl<D: Driver> Expandable<D> {
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        if !self.stream_uses.is_empty() && self.stream_uses.contains_key(&addr) {
+        // A block whose free was deferred is freed, though still live until its events are recorded.
+        if !self.graphs.deferred.is_empty() && self.graphs.deferred.contains(&addr) {
+            return Err(Error::DoubleFree { addr });
+        }
+        if !self.stream_uses.is_empty() {
             if self.capturing() {
                 // No event may be recorded or queried now: the block stays live, with its streams, until
                 // no capture is underway (`graphs.rs`).
-                if self.graphs.deferred.contains(&addr) {
-                    return Err(Error::DoubleFree { addr });
+                if self.stream_uses.contains_key(&addr) {
+                    self.graphs.deferred.push(addr);
+                    return Ok(());
                 }
-                self.graphs.deferred.push(addr);
-                return Ok(());
+            } else if let Some(streams) = self.stream_uses.remove(&addr) {
+                return self.park_block(slot, addr, streams);
             }
-            let streams = self.stream_uses.remove(&addr).expect("checked above");
-            return self.park_block(slot, addr, streams);
         }
         let before = self.page_counts(slot);
         let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
