@@ -46,7 +46,7 @@
 use crate::driver::device::Device;
 use crate::driver::sim::LatencyModel;
 use crate::driver::{Driver, DriverError, Op};
-use crate::size::{MIB, format_size};
+use crate::base::size::{MIB, format_size};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

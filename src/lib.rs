@@ -11,45 +11,31 @@
 //! allocates turns default features off and compiles the allocator's own dependencies alone. See
 //! `docs/DESIGN.md`.
 
-pub mod allocator;
-mod bit_words;
-mod bits;
-pub mod config;
-#[cfg(feature = "cuda")]
-pub mod cuda_buffer;
-mod divisor;
+// The folders are the layers, lowest first (docs/DESIGN.md's map; tests/layering.rs checks it):
+mod base;
 pub mod driver;
+pub mod page_map;
+pub mod strategy;
+pub mod expandable;
+mod facade;
 #[cfg(feature = "lab")]
 pub mod driver_bench;
-pub mod error;
-pub mod expandable;
-pub mod graph_pool;
-pub mod history;
-pub mod oom;
-pub mod page_map;
-pub mod pool;
-mod raw_book;
-pub mod size;
-pub mod snapshot;
 #[cfg(feature = "lab")]
 pub mod split;
-pub mod stats;
-pub mod strategy;
-mod stream_cache;
-pub mod summary;
-mod sync;
 #[cfg(feature = "lab")]
 pub mod trace;
 
-pub use allocator::{Allocator, DeviceBuffer};
-pub use config::{Config, ConfigError};
+pub use base::size;
 #[cfg(feature = "cuda")]
-pub use cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
+pub use facade::cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
+pub use facade::{allocator, allocator::Allocator, allocator::DeviceBuffer, summary};
 pub use driver::{Driver, DriverError, StreamId};
-pub use error::{Error, InvariantViolation, OutOfMemory};
-pub use graph_pool::{GraphPool, StreamFilter};
-pub use stats::{Stat, Stats};
+pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
 pub use strategy::Strategy;
+pub use strategy::config::{Config, ConfigError};
+pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
+pub use strategy::graph_pool::{GraphPool, StreamFilter};
+pub use strategy::stats::{Stat, Stats};
 
 /// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
 #[cfg(all(doctest, feature = "lab"))]

@@ -10,9 +10,9 @@
 
 #![deny(unsafe_code)]
 
-use crate::bit_words::{count_in, first_bit, for_each_word};
-use crate::bits::Bits;
-use crate::divisor::Divisor;
+use crate::base::bit_words::{count_in, first_bit, for_each_word};
+use crate::base::bits::Bits;
+use crate::base::divisor::Divisor;
 use crate::driver::PhysHandle;
 use std::ops::Range;
 

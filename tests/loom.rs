@@ -2,7 +2,7 @@
 //! below with at most three preemptions each (`PREEMPTIONS`), at every lock acquisition, atomic access and
 //! `Arc` reference count change, is run.
 //!
-//! The facade (`src/allocator.rs`, `src/stream_cache.rs`): an `Arc` shared by every handle and buffer; one
+//! The facade (`src/facade/allocator.rs`, `src/facade/stream_cache.rs`): an `Arc` shared by every handle and buffer; one
 //! `Mutex` around the strategy; stream cache shards (two in loom builds), each a `Mutex` around its kept-back
 //! buffers plus two relaxed atomics (whether the shard is active, and its length, read without the lock: a
 //! stale value only sends a request or a free the slow way); a `Mutex` and an atomic length for the addresses
@@ -18,7 +18,7 @@
 //! a `record_stream` while the other stream's work is pending. One model runs with a bug planted in the stream cache
 //! (`Allocator::seed_stream_cache_bug`) and must fail.
 //!
-//! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/sync.rs` swaps in loom's `Mutex`, `Arc` and atomics:
+//! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/base/sync.rs` swaps in loom's `Mutex`, `Arc` and atomics:
 //! `RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom --target-dir target/loom`
 //! (what `.ci/run` runs; without the `cli` feature the binary and clap are not built).
 //! Each model prints how many interleavings it explored.

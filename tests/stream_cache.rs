@@ -1,4 +1,4 @@
-//! The facade's stream caches (`src/stream_cache.rs`, docs/DESIGN.md "Locking"): a program that never
+//! The facade's stream caches (`src/facade/stream_cache.rs`, docs/DESIGN.md "Locking"): a program that never
 //! contends sees exactly the strategy; once a stream finds the strategy's lock taken, its small freed
 //! buffers are kept back and reused on that stream without the lock; every exact view (statistics,
 //! snapshots, `empty_cache`, invariants, an out-of-memory retry) gives them back first.

@@ -3,8 +3,8 @@
 //! nothing of segments or the driver.
 
 use crate::driver::DriverCounters;
-use crate::pool::Pool;
-use crate::stats::{PoolStats, Stat, StatArray, Stats};
+use crate::strategy::pool::Pool;
+use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
 
 /// Counters kept up to date by every operation; [`Counters::stats`] adds what is derived on demand.
 /// Per-pool statistics are [`StatArray`]s, as PyTorch's.

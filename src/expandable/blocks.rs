@@ -8,8 +8,8 @@
 
 #![deny(unsafe_code)]
 
-use crate::bits::Bits;
-use crate::divisor::Divisor;
+use crate::base::bits::Bits;
+use crate::base::divisor::Divisor;
 use rustc_hash::FxHashMap;
 
 /// No node.

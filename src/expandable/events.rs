@@ -6,8 +6,8 @@ use super::Expandable;
 use super::segment::FreeOutcome;
 use super::streams::{Parked, StreamUses};
 use crate::driver::{Driver, EventId, StreamId};
-use crate::error::Error;
-use crate::history::TraceAction;
+use crate::strategy::error::Error;
+use crate::strategy::history::TraceAction;
 use std::collections::hash_map::Entry;
 
 impl<D: Driver> Expandable<D> {

@@ -1,4 +1,4 @@
-//! CUDA graphs: private pools and the captures that allocate to them (see [`crate::graph_pool`]).
+//! CUDA graphs: private pools and the captures that allocate to them (see [`crate::strategy::graph_pool`]).
 //!
 //! While a pool is begun (a capture is *underway*), the allocator makes no driver call that CUDA refuses
 //! during a capture or that would invalidate it: no event query, no synchronization, no unmap or release.
@@ -19,8 +19,8 @@
 
 use super::Expandable;
 use crate::driver::{CaptureStatus, Driver, StreamId};
-use crate::error::{Error, InvariantViolation};
-use crate::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use rustc_hash::FxHashMap;
 
 /// A pool being allocated to.

@@ -17,8 +17,8 @@
 use super::blocks::{Block, BlockState};
 use super::{Expandable, ROUND};
 use crate::driver::Driver;
-use crate::error::InvariantViolation as V;
-use crate::pool::Pool;
+use crate::strategy::error::InvariantViolation as V;
+use crate::strategy::pool::Pool;
 use std::collections::{HashMap, HashSet};
 
 /// What the block list says, per pool.

@@ -21,7 +21,7 @@ use super::Expandable;
 use super::lender::Lender;
 use super::physical::{Compacting, Wait};
 use crate::driver::{Driver, PhysHandle, PhysPage};
-use crate::error::Error;
+use crate::strategy::error::Error;
 use std::ops::Range;
 
 impl<D: Driver> Expandable<D> {

@@ -38,15 +38,15 @@ mod tag;
 
 pub use segment::ROUND;
 
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 
-use crate::config::{Compaction, Config, ConfigError};
+use crate::strategy::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, PhysPage, StreamId};
-use crate::error::{Error, InvariantViolation};
-use crate::graph_pool::{GraphPool, StreamFilter};
-use crate::history::{self, History, TraceAction};
-use crate::snapshot::MemorySnapshot;
-use crate::stats::Stats;
+use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::history::{self, History, TraceAction};
+use crate::strategy::snapshot::MemorySnapshot;
+use crate::strategy::stats::Stats;
 use crate::strategy::Strategy;
 use accounting::{Counters, Derived};
 use lender::Lender;

@@ -9,10 +9,10 @@
 //! before any blocking, an event query shows the stream has finished its queued work.
 
 use super::Expandable;
-use crate::config::Compaction;
+use crate::strategy::config::Compaction;
 use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
-use crate::error::Error;
-use crate::history::TraceAction;
+use crate::strategy::error::Error;
+use crate::strategy::history::TraceAction;
 use std::ops::Range;
 
 /// How a compaction learns that an idle page's last use is complete.

@@ -10,9 +10,9 @@
 use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
-use crate::graph_pool::GraphPool;
+use crate::strategy::graph_pool::GraphPool;
 use crate::page_map::PageMap;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use std::ops::Range;
 
 /// Every request is rounded up to a multiple of this many bytes, as in PyTorch.

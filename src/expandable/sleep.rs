@@ -29,7 +29,7 @@ use super::blocks::BlockState;
 use super::physical::Wait;
 use super::tag::TagId;
 use crate::driver::{Driver, PhysPage, StreamId};
-use crate::error::{Error, InvariantViolation};
+use crate::strategy::error::{Error, InvariantViolation};
 use std::collections::HashSet;
 
 /// Where a tag is between sleep and wake.

@@ -5,7 +5,7 @@ use super::Expandable;
 use super::blocks::BlockState as State;
 use super::segment::Segment;
 use crate::driver::Driver;
-use crate::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
+use crate::strategy::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
 
 impl<D: Driver> Expandable<D> {
     /// The snapshot: for every run of mapped pages of every reservation, a segment whose blocks are the

@@ -7,7 +7,7 @@
 //! pointers.
 
 use crate::driver::StreamId;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One block: a piece of a segment, live (allocated) or cached (free).

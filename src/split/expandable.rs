@@ -13,8 +13,8 @@ use super::expandable_segment::ExpandableSegment;
 use super::rules;
 use super::{SegmentAction, Split};
 use crate::driver::{Driver, StreamId};
-use crate::error::Error;
-use crate::pool::Pool;
+use crate::strategy::error::Error;
+use crate::strategy::pool::Pool;
 
 impl<D: Driver> Split<D> {
     /// PyTorch's `try_allocate_expandable_block`: maps enough pages at the lowest address of a segment of

@@ -3,7 +3,7 @@
 //! `expandable.rs`'s.
 
 use crate::driver::{Driver, PhysHandle, StreamId, VaRange};
-use crate::error::Error;
+use crate::strategy::error::Error;
 
 /// The pages of one reservation (PyTorch's `ExpandableSegment`).
 #[derive(Debug)]

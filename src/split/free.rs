@@ -3,8 +3,8 @@
 
 use super::Split;
 use crate::driver::Driver;
-use crate::error::Error;
-use crate::history::TraceAction;
+use crate::strategy::error::Error;
+use crate::strategy::history::TraceAction;
 
 impl<D: Driver> Split<D> {
     /// PyTorch's `free`: frees the live block that starts at `addr`.

@@ -9,8 +9,8 @@
 use super::Split;
 use super::rules::MIN_BLOCK_SIZE;
 use crate::driver::Driver;
-use crate::error::InvariantViolation as V;
-use crate::pool::Pool;
+use crate::strategy::error::InvariantViolation as V;
+use crate::strategy::pool::Pool;
 
 /// What the block list says for one pool.
 #[derive(Default)]

@@ -32,13 +32,13 @@ mod snapshot;
 
 pub use seed::{SeedBlock, SeedError, SeedSegment};
 
-use crate::config::{Config, ConfigError};
+use crate::strategy::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
-use crate::error::{Error, InvariantViolation, OutOfMemory};
-use crate::history::{self, History, TraceAction, TraceEntry};
-use crate::pool::Pool;
-use crate::snapshot::MemorySnapshot;
-use crate::stats::{PoolStats, Stat, StatArray, Stats};
+use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
+use crate::strategy::history::{self, History, TraceAction, TraceEntry};
+use crate::strategy::pool::Pool;
+use crate::strategy::snapshot::MemorySnapshot;
+use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
 use crate::strategy::Strategy;
 use block::{BlockPool, Blocks};
 use expandable_segment::ExpandableSegment;

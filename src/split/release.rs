@@ -6,8 +6,8 @@ use super::alloc::Request;
 use super::block::SizeKey;
 use super::{SegmentAction, Split};
 use crate::driver::Driver;
-use crate::error::Error;
-use crate::pool::Pool;
+use crate::strategy::error::Error;
+use crate::strategy::pool::Pool;
 
 impl<D: Driver> Split<D> {
     /// PyTorch's `release_block`: `cudaFree`s the cached segment whose only block is at `addr`.

@@ -5,8 +5,8 @@ use super::Split;
 use super::block::Block;
 use super::rules::MIN_BLOCK_SIZE;
 use crate::driver::{Driver, StreamId};
-use crate::error::Error;
-use crate::pool::Pool;
+use crate::strategy::error::Error;
+use crate::strategy::pool::Pool;
 
 /// A live block of a [`SeedSegment`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 
 use super::Split;
 use crate::driver::Driver;
-use crate::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
+use crate::strategy::snapshot::{BlockState, MemorySnapshot, SnapshotBlock, SnapshotSegment};
 
 impl<D: Driver> Split<D> {
     /// The snapshot of every segment, with the events recorded so far.
@@ -24,7 +24,7 @@ impl<D: Driver> Split<D> {
                     stream: seg.stream,
                     pool: seg.pool,
                     is_expandable: seg.expandable.is_some(),
-                    graph_pool: crate::graph_pool::GraphPool::NONE,
+                    graph_pool: crate::strategy::graph_pool::GraphPool::NONE,
                     tag: None,
                     asleep: false,
                     blocks: Vec::new(),

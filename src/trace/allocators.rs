@@ -1,10 +1,10 @@
 //! Every allocator the tools can compare, built by name in one place.
 
-use crate::config::Config;
+use crate::strategy::config::Config;
 use crate::driver::Driver;
 use crate::driver::device::DeviceSpec;
 use crate::driver::sim::{SimConfig, SimDriver};
-use crate::error::Error;
+use crate::strategy::error::Error;
 use crate::expandable::Expandable;
 use crate::split::Split;
 use crate::strategy::Strategy;

@@ -8,8 +8,8 @@
 
 use super::pytorch::{self, PytorchTrace, SnapshotError, TraceOp};
 use crate::driver::sim::{SimConfig, SimDriver};
-use crate::error::Error;
-use crate::size::{GIB, MIB};
+use crate::strategy::error::Error;
+use crate::base::size::{GIB, MIB};
 use crate::split::{SeedError, SegmentAction, SegmentEvent, Split};
 use crate::strategy::Strategy;
 use serde::Serialize;

@@ -12,7 +12,7 @@ use super::capacity::{self, CapacityError, CapacityOptions, lower_bound, replay_
 use super::event::Trace;
 use super::observe::NoObserver;
 use super::replay::ByModel;
-use crate::size::{GIB, format_size, round_up};
+use crate::base::size::{GIB, format_size, round_up};
 use serde::Serialize;
 use std::fmt::Write;
 
@@ -263,7 +263,7 @@ fn escape(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::size::MIB;
+    use crate::base::size::MIB;
 
     #[test]
     fn capacities_run_from_the_lower_bound_to_80_gib_with_each_min_capacity() {

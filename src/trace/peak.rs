@@ -10,9 +10,9 @@
 use super::event::Trace;
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use crate::driver::{DriverCounters, StreamId};
-use crate::error::{Error, InvariantViolation};
-use crate::snapshot::MemorySnapshot;
-use crate::stats::Stats;
+use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::snapshot::MemorySnapshot;
+use crate::strategy::stats::Stats;
 use crate::strategy::Strategy;
 
 /// Where the peak was: the operation (counted from 1) after which reserved bytes first reached `reserved`.

@@ -5,7 +5,7 @@
 //! and every element a test needs to find says what it is (`class`, `data-*`).
 
 use super::sample::Series;
-use crate::size::{GIB, format_size};
+use crate::base::size::{GIB, format_size};
 use std::fmt::Write;
 
 /// Width of the picture, in pixels.

@@ -5,7 +5,7 @@ use super::id_table::{IdTable, Slot};
 use super::observe::{NoObserver, ReplayObserver};
 use crate::driver::sim::{Calibration, LatencyModel};
 use crate::driver::{DriverCounters, Op};
-use crate::error::{Error, InvariantViolation, OutOfMemory};
+use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
 use serde::Serialize;
 use std::time::Instant;

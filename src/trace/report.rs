@@ -2,7 +2,7 @@
 
 use super::replay::ReplayResult;
 use crate::driver::sim::LATENCY_SOURCES;
-use crate::size::format_size;
+use crate::base::size::format_size;
 use serde::Serialize;
 
 const HEADERS: [&str; 9] = [

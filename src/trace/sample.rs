@@ -8,7 +8,7 @@
 
 use super::event::Trace;
 use super::observe::ReplayObserver;
-use crate::stats::Stats;
+use crate::strategy::stats::Stats;
 use crate::strategy::Strategy;
 
 /// The statistics after some events of a replay.

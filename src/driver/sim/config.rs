@@ -1,7 +1,7 @@
 //! How a simulated device is built.
 
 use super::LatencyModel;
-use crate::size::{GIB, MIB};
+use crate::base::size::{GIB, MIB};
 
 /// How a simulated device is built.
 #[derive(Debug, Clone, PartialEq)]

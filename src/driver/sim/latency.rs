@@ -16,7 +16,7 @@
 //! model ([`crate::trace::replay::ByModel`]).
 
 use crate::driver::{DriverCounters, Op};
-use crate::size::MIB;
+use crate::base::size::MIB;
 
 /// The size one unit of [`LatencyModel::per_unit_ns`] stands for: one 2 MiB page.
 pub const LATENCY_UNIT_BYTES: u64 = 2 * MIB;

@@ -2,7 +2,7 @@
 
 use super::va::VaRegion;
 use crate::driver::{DriverError, Op, VaRange};
-use crate::size::MIB;
+use crate::base::size::MIB;
 use std::collections::BTreeMap;
 
 /// Where `malloc` addresses start (below the reservations, which start at `0x7f00_0000_0000`).

@@ -12,7 +12,7 @@ use super::granules::Granules;
 use super::handles::Handles;
 use super::mappings::{Mappings, Record};
 use super::va::VaRegion;
-use crate::divisor::Divisor;
+use crate::base::divisor::Divisor;
 use crate::driver::{DriverError, Op, PhysHandle, PhysPage, VaRange};
 use std::collections::BTreeMap;
 use std::ops::Range;

@@ -11,14 +11,14 @@ pub mod releases;
 mod requests;
 mod settings;
 pub mod snapshot;
-/// The snapshot pickle writer, at its old path: it lives with the facade's snapshot (`crate::snapshot::pickle`).
-pub use crate::snapshot::pickle as writer;
+/// The snapshot pickle writer, at its old path: it lives with the facade's snapshot (`crate::strategy::snapshot::pickle`).
+pub use crate::strategy::snapshot::pickle as writer;
 
 pub use snapshot::SnapshotError;
 
-use crate::config::Config;
+use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use crate::split::{SeedBlock, SeedSegment, SegmentEvent};
 use std::path::Path;
 

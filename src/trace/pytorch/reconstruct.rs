@@ -10,9 +10,9 @@
 use super::releases::{self, Context};
 use super::snapshot::{Entry, RawEntry, RawSegment, RawSnapshot, SnapshotError};
 use super::{InitialSegment, PytorchTrace};
-use crate::config::Config;
+use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
 use crate::split::{SeedBlock, SegmentAction, SegmentEvent};
 use std::collections::{BTreeMap, HashSet};

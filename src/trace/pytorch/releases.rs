@@ -32,9 +32,9 @@
 
 use super::TraceOp;
 use super::snapshot::Entry;
-use crate::config::Config;
+use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 

@@ -1,7 +1,7 @@
 //! The allocator settings a snapshot records, as a [`Config`].
 
 use super::snapshot::SnapshotError;
-use crate::config::{Config, RoundupDivisions};
+use crate::strategy::config::{Config, RoundupDivisions};
 use serde_pickle::Value;
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -12,7 +12,7 @@ use super::super::builder::TraceBuilder;
 use super::super::event::Trace;
 use super::super::rng::Rng;
 use crate::driver::StreamId;
-use crate::size::{GIB, KIB, MIB};
+use crate::base::size::{GIB, KIB, MIB};
 use std::collections::VecDeque;
 
 /// The workload's name.

@@ -1,9 +1,9 @@
 //! Errors at the API boundary, and the typed report of a broken invariant.
 
-use crate::config::ConfigError;
+use crate::strategy::config::ConfigError;
 use crate::driver::DriverError;
 
-pub use crate::oom::{OutOfMemory, ReclaimStep, Suggestion};
+pub use crate::strategy::oom::{OutOfMemory, ReclaimStep, Suggestion};
 
 /// What an allocator operation can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -61,7 +61,7 @@ pub enum Error {
         /// The operation (`begin_allocate_to_pool`, `end_allocate_to_pool`, `release_pool`).
         operation: &'static str,
         /// The pool named.
-        pool: crate::graph_pool::GraphPool,
+        pool: crate::strategy::graph_pool::GraphPool,
         /// What is wrong with it.
         problem: &'static str,
     },

@@ -8,9 +8,9 @@
 pub mod pickle;
 
 use crate::driver::StreamId;
-use crate::graph_pool::GraphPool;
-use crate::history::TraceEntry;
-use crate::pool::Pool;
+use crate::strategy::graph_pool::GraphPool;
+use crate::strategy::history::TraceEntry;
+use crate::strategy::pool::Pool;
 
 /// What a block of a snapshot segment holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! [`Config::from_alloc_conf`] accepts the keys of PyTorch's `PYTORCH_CUDA_ALLOC_CONF` with PyTorch's rules
 //! for their values, plus cuvmm's own keys; the parser and the list of keys live in `config/parse.rs`.
 
-use crate::size::MIB;
+use crate::base::size::MIB;
 
 mod parse;
 #[cfg(test)]

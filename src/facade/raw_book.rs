@@ -14,7 +14,7 @@
 //! strategy's.
 
 use crate::driver::StreamId;
-use crate::sync::{AtomicBool, Mutex};
+use crate::base::sync::{AtomicBool, Mutex};
 use rustc_hash::FxHashMap;
 use std::sync::atomic::Ordering;
 

@@ -8,8 +8,8 @@
 //! are written in batches of 1,000 items, as Python's pickler does, so the viewer never spreads a huge
 //! array into one call.
 
-use crate::history::TraceEntry;
-use crate::snapshot::{MemorySnapshot, SnapshotBlock, SnapshotSegment};
+use crate::strategy::history::TraceEntry;
+use crate::strategy::snapshot::{MemorySnapshot, SnapshotBlock, SnapshotSegment};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
@@ -214,8 +214,8 @@ pub fn snapshot_value(snapshot: &MemorySnapshot) -> Value {
 
 fn segment_value(seg: &SnapshotSegment) -> Value {
     let kind = match seg.pool {
-        crate::pool::Pool::Small => "small",
-        crate::pool::Pool::Large => "large",
+        crate::strategy::pool::Pool::Small => "small",
+        crate::strategy::pool::Pool::Large => "large",
     };
     let mut fields = segment_fields(seg, kind);
     if let Some(tag) = &seg.tag {

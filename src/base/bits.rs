@@ -14,7 +14,7 @@
 
 #![deny(unsafe_code)]
 
-use crate::bit_words::WordsMut;
+use crate::base::bit_words::WordsMut;
 use bitvec::prelude::{BitVec, Lsb0};
 use std::ops::Range;
 
@@ -456,7 +456,7 @@ impl Iterator for Runs<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bit_words::{count_in, for_each_word};
+    use crate::base::bit_words::{count_in, for_each_word};
 
     /// The same operations on `Bits` and on a `Vec<bool>` agree, across word and summary boundaries.
     #[test]

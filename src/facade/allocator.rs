@@ -4,27 +4,27 @@
 //! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
 //! `parking_lot::Mutex` guards the strategy: every operation on it holds the lock for a few microseconds of
 //! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-stream
-//! caches ([`crate::stream_cache`]) keep freed buffers back for their stream once threads have contended
+//! caches ([`crate::facade::stream_cache`]) keep freed buffers back for their stream once threads have contended
 //! for that lock, so that steady-state reuse on one stream never waits for another stream's driver calls
 //! (docs/DESIGN.md, "Locking").
 
-use crate::config::Config;
+use crate::strategy::config::Config;
 use crate::driver::{Driver, StreamId};
-use crate::error::{Error, InvariantViolation};
+use crate::strategy::error::{Error, InvariantViolation};
 use crate::expandable::Expandable;
-use crate::graph_pool::{GraphPool, StreamFilter};
-use crate::raw_book::{RawBlock, RawBook};
-use crate::stats::Stats;
+use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::facade::raw_book::{RawBlock, RawBook};
+use crate::strategy::stats::Stats;
 use crate::strategy::Strategy;
-use crate::stream_cache::{Put, StreamCaches};
-use crate::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
+use crate::facade::stream_cache::{Put, StreamCaches};
+use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
 use rustc_hash::FxHashSet;
 use std::fmt;
 use std::ops::DerefMut;
 use std::sync::atomic::Ordering;
 
 /// Bytes each stream cache shard may hold unless configured (`stream_cache_mb`).
-pub const DEFAULT_STREAM_CACHE: u64 = crate::config::DEFAULT_STREAM_CACHE;
+pub const DEFAULT_STREAM_CACHE: u64 = crate::strategy::config::DEFAULT_STREAM_CACHE;
 
 struct Shared<S> {
     strategy: Mutex<S>,
@@ -355,18 +355,18 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// The statistics as PyTorch's `torch.cuda.memory_summary()` table, plus cuvmm's own rows
-    /// ([`summary::memory_summary`](crate::summary::memory_summary)).
+    /// ([`summary::memory_summary`](crate::facade::summary::memory_summary)).
     pub fn memory_summary(&self) -> String {
         let stats = self.stats();
         let strategy = self.shared.strategy.lock();
         let asleep = strategy.asleep_tags();
-        crate::summary::memory_summary_asleep(&stats, strategy.ordinal(), strategy.name(), &asleep)
+        crate::facade::summary::memory_summary_asleep(&stats, strategy.ordinal(), strategy.name(), &asleep)
     }
 
     /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
     /// (PyTorch's `torch.cuda.memory._snapshot()`); `snapshot::pickle` pickles it for PyTorch's
     /// memory viewer.
-    pub fn snapshot(&self) -> Result<crate::snapshot::MemorySnapshot, Error> {
+    pub fn snapshot(&self) -> Result<crate::strategy::snapshot::MemorySnapshot, Error> {
         self.drain_caches()?;
         self.shared.strategy.lock().snapshot()
     }
@@ -381,7 +381,7 @@ impl<S: Strategy> Allocator<S> {
     /// memory stays where it is and is reused by nothing else while a graph uses it (PyTorch's
     /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
     /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
-    /// no call CUDA refuses during a capture. See [`crate::graph_pool`].
+    /// no call CUDA refuses during a capture. See [`crate::strategy::graph_pool`].
     pub fn begin_allocate_to_pool(
         &self,
         pool: GraphPool,

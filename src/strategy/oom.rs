@@ -8,7 +8,7 @@
 //! tried (compaction, releasing its cache, a retry) and one thing to do about it.
 
 use crate::driver::StreamId;
-use crate::size::{GIB, KIB, MIB};
+use crate::base::size::{GIB, KIB, MIB};
 use std::fmt;
 
 /// Something the allocator did to find memory for the failed request before giving up.

@@ -7,8 +7,8 @@
 //! from 750,000 up (`_format_count`), whole numbers rounded down. A person who reads PyTorch's summary
 //! reads this one; a script that parses it keeps working.
 
-use crate::size::format_size;
-use crate::stats::{Stat, Stats};
+use crate::base::size::format_size;
+use crate::strategy::stats::{Stat, Stats};
 use crate::strategy::Strategy;
 
 /// Width of every line, frame excluded.

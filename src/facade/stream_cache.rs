@@ -19,9 +19,9 @@
 //! correctness, since entries carry their stream.
 
 use crate::driver::StreamId;
-use crate::error::InvariantViolation;
-use crate::size::MIB;
-use crate::sync::{AtomicBool, AtomicUsize, Mutex};
+use crate::strategy::error::InvariantViolation;
+use crate::base::size::MIB;
+use crate::base::sync::{AtomicBool, AtomicUsize, Mutex};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 

@@ -6,7 +6,7 @@
 //! where C++'s `stoull` would take `"-5"` (wrapping it) or the `"64"` of `"64abc"`.
 
 use super::{Budget, Compaction, Config, ConfigError, RoundupDivisions};
-use crate::size::{KIB, MIB};
+use crate::base::size::{KIB, MIB};
 
 /// PyTorch's `kLargeBuffer` (20 MiB): the smallest `max_split_size_mb` and `max_non_split_rounding_mb`.
 pub(super) const LARGE_BUFFER: u64 = 20 * MIB;

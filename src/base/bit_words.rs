@@ -1,5 +1,5 @@
 //! Updating bit vectors a word at a time: the words a range of bits touches, counting the bits of a word,
-//! and a [`Bits`](crate::bits::Bits)' words borrowed for several updates. The page map updates its mapped,
+//! and a [`Bits`](crate::base::bits::Bits)' words borrowed for several updates. The page map updates its mapped,
 //! accessible and idle bits over a block's or a chunk's pages with these, in one pass per vector: going
 //! through `Bits::fill`, `take_ones` or one bit at a time cost several times the instructions
 //! (`docs/performance.md`).

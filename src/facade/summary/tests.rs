@@ -1,5 +1,5 @@
 use super::*;
-use crate::size::{GIB, KIB, MIB};
+use crate::base::size::{GIB, KIB, MIB};
 
 #[test]
 fn sizes_take_the_unit_of_the_all_row() {

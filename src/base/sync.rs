@@ -1,4 +1,4 @@
-//! The synchronization primitives of the facade ([`crate::allocator`], [`crate::stream_cache`]) in one
+//! The synchronization primitives of the facade ([`crate::facade::allocator`], [`crate::facade::stream_cache`]) in one
 //! place: `parking_lot`'s `Mutex`, std's `Arc` and atomics in every build, loom's under `--cfg loom`, so
 //! `tests/loom.rs` can model-check every interleaving of the facade's locking (see `docs/reliability.md`).
 //! Nothing else in the crate locks.

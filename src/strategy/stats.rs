@@ -1,7 +1,7 @@
 //! Statistics in the shape of PyTorch's `torch.cuda.memory_stats()`, plus what PyTorch lacks.
 
 use crate::driver::DriverCounters;
-use crate::pool::Pool;
+use crate::strategy::pool::Pool;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

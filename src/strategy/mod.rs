@@ -1,11 +1,20 @@
 //! The interface every allocation strategy offers, so the facade, the replay engine and the tests can drive
 //! any of them: cuvmm's expandable allocator, and (later) the classic split model and PyTorch's expandable mode.
 
+pub mod config;
+pub mod error;
+pub mod graph_pool;
+pub mod history;
+pub mod oom;
+pub mod pool;
+pub mod snapshot;
+pub mod stats;
+
 use crate::driver::{DriverCounters, DriverError, Op, StreamId};
-use crate::error::{Error, InvariantViolation};
-use crate::graph_pool::{GraphPool, StreamFilter};
-use crate::snapshot::MemorySnapshot;
-use crate::stats::Stats;
+use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::snapshot::MemorySnapshot;
+use crate::strategy::stats::Stats;
 
 /// An allocator's state machine: plain `&mut self`, no locks (the facade adds them).
 pub trait Strategy {
@@ -31,7 +40,7 @@ pub trait Strategy {
     }
 
     /// From now on, allocations on the streams `filter` accepts come from the private pool `pool` (PyTorch's
-    /// `beginAllocateToPool`, called before a CUDA graph capture begins). See [`crate::graph_pool`].
+    /// `beginAllocateToPool`, called before a CUDA graph capture begins). See [`crate::strategy::graph_pool`].
     ///
     /// The default implementation returns [`Error::Unsupported`].
     fn begin_allocate_to_pool(

@@ -1,5 +1,5 @@
 use super::*;
-use crate::size::{GIB, KIB};
+use crate::base::size::{GIB, KIB};
 use proptest::prelude::*;
 
 fn parse(s: &str) -> Config {

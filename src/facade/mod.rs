@@ -1,0 +1,9 @@
+//! Layer 5, what a program holds: the thread-safe [`Allocator`](allocator::Allocator), buffers that free on
+//! drop, the per-stream caches in front of the lock, and `memory_summary()`.
+
+pub mod allocator;
+#[cfg(feature = "cuda")]
+pub mod cuda_buffer;
+mod raw_book;
+mod stream_cache;
+pub mod summary;
