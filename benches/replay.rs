@@ -6,8 +6,9 @@
 //! Runtime is kept short: 1 s warm-up, 3 s of measurement, 10 samples per benchmark.
 
 use criterion::{BatchSize, BenchmarkId, Criterion, Throughput};
-use cuvmm::trace::replay::{ReplayOptions, replay};
-use cuvmm::trace::{allocators, workload};
+use cuvmm::lab::replay::allocators;
+use cuvmm::lab::replay::{ReplayOptions, replay};
+use cuvmm::lab::workload;
 use std::time::Duration;
 
 const CAPACITY: u64 = 80 << 30;

@@ -5,37 +5,32 @@
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
 //! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategy [`expandable`], and
-//! the facade ([`Allocator`]). The laboratory around them is behind the `lab` feature (on by default, and
-//! needed by the `cli` feature): `split`, the model of PyTorch's caching allocator cuvmm is measured against,
-//! and the tools, `trace` (formats, replay, comparison, workloads) and `driver_bench`. A program that only
-//! allocates turns default features off and compiles the allocator's own dependencies alone. See
-//! `docs/DESIGN.md`.
+//! the facade ([`Allocator`]). The laboratory around them, `lab` (trace formats, workloads, replay,
+//! experiments, reports, and the models of PyTorch's allocators cuvmm is measured against), is behind the
+//! `lab` feature (on by default, and needed by the `cli` feature). A program that only allocates turns
+//! default features off and compiles the allocator's own dependencies alone. See `docs/DESIGN.md`.
 
 // The folders are the layers, lowest first (docs/DESIGN.md's map; tests/layering.rs checks it):
 mod base;
 pub mod driver;
-pub mod page_map;
-pub mod strategy;
 pub mod expandable;
 mod facade;
 #[cfg(feature = "lab")]
-pub mod driver_bench;
-#[cfg(feature = "lab")]
-pub mod split;
-#[cfg(feature = "lab")]
-pub mod trace;
+pub mod lab;
+pub mod page_map;
+pub mod strategy;
 
 pub use base::size;
+pub use driver::{Driver, DriverError, StreamId};
 #[cfg(feature = "cuda")]
 pub use facade::cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
 pub use facade::{allocator, allocator::Allocator, allocator::DeviceBuffer, summary};
-pub use driver::{Driver, DriverError, StreamId};
-pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
 pub use strategy::Strategy;
 pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
 pub use strategy::graph_pool::{GraphPool, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
+pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
 
 /// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
 #[cfg(all(doctest, feature = "lab"))]

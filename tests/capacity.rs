@@ -5,11 +5,16 @@
 #![cfg(feature = "lab")]
 
 use cuvmm::StreamId;
+use cuvmm::lab::experiments::capacity::{self, CapacityOptions, CapacityResult};
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::allocators::{self, ALLOCATORS};
+use cuvmm::lab::replay::observe::NoObserver;
+use cuvmm::lab::replay::replay;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::TraceBuilder;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::workload;
 use cuvmm::size::MIB;
-use cuvmm::trace::allocators::{self, ALLOCATORS};
-use cuvmm::trace::capacity::{self, CapacityOptions, CapacityResult};
-use cuvmm::trace::observe::NoObserver;
-use cuvmm::trace::{ReplayOptions, Trace, TraceBuilder, load, replay, workload};
 use std::path::{Path, PathBuf};
 
 /// Replays `trace` through `allocator` on `capacity` bytes, checking the invariants every few thousand
@@ -228,7 +233,7 @@ fn a_bad_configuration_or_allocator_is_a_usage_error() {
 #[test]
 fn a_trace_no_program_could_make_is_a_usage_error_naming_the_event() {
     let mut trace = single(MIB);
-    trace.events.push(cuvmm::trace::Event::Free { id: 99 });
+    trace.events.push(cuvmm::lab::trace::Event::Free { id: 99 });
     let err = capacity::search(
         &trace,
         "cuvmm",

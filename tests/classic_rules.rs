@@ -5,8 +5,8 @@
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
+use cuvmm::lab::pytorch_model::{SegmentAction, SegmentEvent, Split};
 use cuvmm::size::{GIB, MIB};
-use cuvmm::split::{SegmentAction, SegmentEvent, Split};
 use cuvmm::{Error, Strategy};
 
 const S: StreamId = StreamId::DEFAULT;

@@ -1,8 +1,8 @@
 //! The `cuvmm` binary: exit statuses, messages on stderr, results on stdout.
 #![cfg(feature = "cli")]
 
-use cuvmm::trace::allocators::ALLOCATORS;
-use cuvmm::trace::workload::BUILTIN;
+use cuvmm::lab::replay::allocators::ALLOCATORS;
+use cuvmm::lab::workload::BUILTIN;
 mod common;
 
 use common::{cuvmm, stderr};

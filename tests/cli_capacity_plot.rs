@@ -79,7 +79,7 @@ fn capacity_prints_json_per_trace_and_allocator() {
         .iter()
         .map(|r| r["allocator"].as_str().unwrap())
         .collect();
-    assert_eq!(allocators, cuvmm::trace::allocators::ALLOCATORS);
+    assert_eq!(allocators, cuvmm::lab::replay::allocators::ALLOCATORS);
     for r in results {
         assert_eq!(r["trace"], "tiny.pickle");
         assert_eq!(r["peak_live_bytes"], 7 * MIB);

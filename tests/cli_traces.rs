@@ -10,8 +10,10 @@ mod common;
 
 use common::snapshot::{dict, pickle, s};
 use common::{cuvmm, stderr};
-use cuvmm::trace::allocators::ALLOCATORS;
-use cuvmm::trace::{rmm, text, workload};
+use cuvmm::lab::replay::allocators::ALLOCATORS;
+use cuvmm::lab::trace::rmm;
+use cuvmm::lab::trace::text;
+use cuvmm::lab::workload;
 use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
 
@@ -458,7 +460,7 @@ fn compare_replays_a_shared_pytorch_snapshot() {
         println!("skipped: {} is absent", path.display());
         return;
     }
-    let loaded = cuvmm::trace::load::load(&path, None).unwrap();
+    let loaded = cuvmm::lab::trace::load::load(&path, None).unwrap();
     assert_eq!(loaded.len(), 1);
     let results = json(&[
         "compare",
@@ -510,7 +512,7 @@ fn workload_converts_a_trace_file_to_cuvmms_format() {
             "{}",
             stderr(&out)
         );
-        let loaded = cuvmm::trace::load::load(&path, Some(device)).unwrap();
+        let loaded = cuvmm::lab::trace::load::load(&path, Some(device)).unwrap();
         assert!(text::read(&out_path).unwrap() == loaded[0]);
     }
     // Without `--device`: the first device with events, and a note naming the choice.
@@ -538,7 +540,7 @@ fn workload_converts_a_trace_file_to_cuvmms_format() {
     let c = converted.to_str().unwrap();
     let out = cuvmm(&["workload", "--trace", shared.to_str().unwrap(), "-o", c]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
-    let loaded = cuvmm::trace::load::load(&shared, None).unwrap();
+    let loaded = cuvmm::lab::trace::load::load(&shared, None).unwrap();
     let read = text::read(&converted).unwrap();
     assert!(read.events == loaded[0].events);
     assert_eq!(read.name, loaded[0].name);

@@ -15,7 +15,7 @@
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Op, StreamId, VaRange};
 use cuvmm::expandable::Expandable;
-use cuvmm::split::Split;
+use cuvmm::lab::pytorch_model::Split;
 use cuvmm::{Allocator, Config, DeviceBuffer, Strategy};
 
 const KIB: u64 = 1 << 10;

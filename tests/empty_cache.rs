@@ -11,11 +11,13 @@
 mod common;
 
 use common::snapshot::{block, dict, entry};
-use cuvmm::trace::allocators;
-use cuvmm::trace::fidelity::fidelity;
-use cuvmm::trace::pytorch::{self, TraceOp, writer};
-use cuvmm::trace::replay::{ReplayOptions, replay};
-use cuvmm::trace::{Event, load, workload};
+use cuvmm::lab::experiments::fidelity::fidelity;
+use cuvmm::lab::replay::allocators;
+use cuvmm::lab::replay::{ReplayOptions, replay};
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::trace::pytorch::{self, TraceOp, writer};
+use cuvmm::lab::workload;
 use serde_pickle::Value as V;
 use std::path::PathBuf;
 
@@ -330,7 +332,7 @@ fn every_empty_cache_of_a_workload_is_found_in_the_models_snapshot() {
         let plain = &load::load(&path, None).unwrap()[0];
         assert_eq!(plain.empty_cache_count(), made, "{allocator}");
         // The same requests, in the same order, with the releases at the same places.
-        let shape = |t: &cuvmm::trace::Trace| -> Vec<u8> {
+        let shape = |t: &cuvmm::lab::trace::Trace| -> Vec<u8> {
             t.events
                 .iter()
                 .map(|e| match e {
@@ -355,7 +357,7 @@ fn every_empty_cache_of_a_workload_is_found_in_the_models_snapshot() {
 fn every_allocator_grows_again_after_empty_cache() {
     let gib = 1 << 30;
     let trace = |empty: bool| {
-        let mut t = cuvmm::trace::Trace::new("t");
+        let mut t = cuvmm::lab::trace::Trace::new("t");
         let stream = cuvmm::driver::StreamId::DEFAULT;
         for (id, size) in [(0, gib), (1, 3 * gib / 2)] {
             t.events.push(Event::Alloc { id, size, stream });
@@ -367,7 +369,7 @@ fn every_allocator_grows_again_after_empty_cache() {
         t
     };
     for name in allocators::ALLOCATORS {
-        let run = |t: &cuvmm::trace::Trace| {
+        let run = |t: &cuvmm::lab::trace::Trace| {
             let mut strategy = allocators::build(name, 80 << 30, 2 << 20).unwrap();
             let options = ReplayOptions {
                 check_invariants_every: Some(1),

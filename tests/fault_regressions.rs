@@ -8,7 +8,7 @@ use cuvmm::config::Config;
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
-use cuvmm::split::{SegmentAction, Split};
+use cuvmm::lab::pytorch_model::{SegmentAction, Split};
 use cuvmm::{Error, Strategy, StreamId};
 
 const MIB: u64 = 1 << 20;

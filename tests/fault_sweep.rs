@@ -33,7 +33,7 @@ use cuvmm::driver::Op;
 use cuvmm::driver::after_effect::AfterEffect;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
-use cuvmm::split::Split;
+use cuvmm::lab::pytorch_model::Split;
 use cuvmm::{Driver as _, Error, Strategy, StreamId};
 use std::collections::BTreeMap;
 

@@ -6,8 +6,8 @@
 mod common;
 
 use common::snapshot::{block, dict, entry};
-use cuvmm::trace::fidelity::{FidelityError, fidelity};
-use cuvmm::trace::pytorch::{self, SnapshotError, TraceOp};
+use cuvmm::lab::experiments::fidelity::{FidelityError, fidelity};
+use cuvmm::lab::trace::pytorch::{self, SnapshotError, TraceOp};
 use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
 

@@ -2,9 +2,11 @@
 //! valid trace whose counts match what the traces' README says of the file, and replays through cuvmm.
 #![cfg(feature = "lab")]
 
-use cuvmm::trace::allocators;
-use cuvmm::trace::load::{self, LoadError};
-use cuvmm::trace::{Event, ReplayOptions, replay};
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::allocators;
+use cuvmm::lab::replay::replay;
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::load::{self, LoadError};
 use std::path::{Path, PathBuf};
 
 const FILE: &str = "kineto_resnet50_v100_memory_events.pt.trace.json.gz";

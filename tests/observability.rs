@@ -6,14 +6,15 @@ use cuvmm::driver::StreamId;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::error::{Error, OutOfMemory, ReclaimStep, Suggestion};
 use cuvmm::history::TraceAction;
+use cuvmm::lab::replay::allocators::{self, ALLOCATORS};
+use cuvmm::lab::replay::peak::{find_peak, replay_capturing};
+use cuvmm::lab::replay::{ReplayOptions, replay};
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::pytorch::writer::{self, op};
+use cuvmm::lab::workload;
 use cuvmm::size::{GIB, MIB};
 use cuvmm::snapshot::{BlockState, MemorySnapshot};
 use cuvmm::strategy::Strategy;
-use cuvmm::trace::allocators::{self, ALLOCATORS};
-use cuvmm::trace::peak::{find_peak, replay_capturing};
-use cuvmm::trace::pytorch::writer::{self, op};
-use cuvmm::trace::replay::{ReplayOptions, replay};
-use cuvmm::trace::{Trace, workload};
 use cuvmm::{Allocator, Config};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -141,7 +142,7 @@ fn the_pickle_uses_only_memoryviz_opcodes_and_reads_back() {
         writer::write_file(&path, &snap).unwrap();
 
         // cuvmm's own reader reads it back, blocks tiling their segments.
-        let raw = cuvmm::trace::pytorch::snapshot::read(&path).unwrap();
+        let raw = cuvmm::lab::trace::pytorch::snapshot::read(&path).unwrap();
         assert_eq!(raw.segments.len(), snap.segments.len(), "{name}");
         for (seg, ours) in raw.segments.iter().zip(&snap.segments) {
             assert_eq!(
@@ -250,7 +251,7 @@ fn the_peak_state_is_captured_where_reserved_memory_peaked() {
 #[test]
 fn the_memory_summary_has_pools_that_add_up() {
     let allocator = Allocator::new(
-        cuvmm::split::Split::new(
+        cuvmm::lab::pytorch_model::Split::new(
             SimDriver::new(SimConfig::default().with_capacity(GIB)),
             Config::default(),
         )
@@ -327,7 +328,7 @@ fn a_full_device_says_how_many_bytes_are_missing() {
 #[test]
 fn classic_fragmentation_suggests_expandable_segments() {
     let sim = SimDriver::new(SimConfig::default().with_capacity(40 * MIB));
-    let mut classic = cuvmm::split::Split::new(sim, Config::default()).unwrap();
+    let mut classic = cuvmm::lab::pytorch_model::Split::new(sim, Config::default()).unwrap();
     classic.record_history(Some(100)).unwrap();
     // Two 20 MiB segments split into 6 + 6 + 8 MiB blocks; the free ones cannot be given back.
     let a1 = classic.alloc(6 * MIB, S).unwrap();

@@ -133,7 +133,7 @@ fn snapshot_writes_a_pickle_that_cuvmm_reads_back() {
         "{}",
         stdout(&out)
     );
-    let raw = cuvmm::trace::pytorch::snapshot::read(&path).unwrap();
+    let raw = cuvmm::lab::trace::pytorch::snapshot::read(&path).unwrap();
     assert_eq!(raw.device_traces[0].as_ref().unwrap().len(), 500);
     for seg in &raw.segments {
         let end: u64 = seg.blocks.iter().map(|b| b.size).sum::<u64>() + seg.address;

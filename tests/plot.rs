@@ -3,12 +3,15 @@
 //! and every point inside its plot area at the height its value gives on the GiB axis.
 #![cfg(feature = "lab")]
 
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::allocators::{self, ALLOCATORS};
+use cuvmm::lab::replay::observe::ReplayObserver;
+use cuvmm::lab::replay::replay_observed;
+use cuvmm::lab::reports::plot::render_svg;
+use cuvmm::lab::reports::sample::{Sample, Sampler, Series};
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::workload;
 use cuvmm::size::GIB;
-use cuvmm::trace::allocators::{self, ALLOCATORS};
-use cuvmm::trace::observe::ReplayObserver;
-use cuvmm::trace::plot::render_svg;
-use cuvmm::trace::sample::{Sample, Sampler, Series};
-use cuvmm::trace::{ReplayOptions, Trace, replay_observed, workload};
 use cuvmm::{Strategy, StreamId};
 use roxmltree::{Document, Node};
 
@@ -32,7 +35,7 @@ impl ReplayObserver for Recorder {
 }
 
 fn small_trace() -> Trace {
-    let mut b = cuvmm::trace::TraceBuilder::new("small");
+    let mut b = cuvmm::lab::trace::TraceBuilder::new("small");
     let mut ids = Vec::new();
     for i in 0..40u64 {
         ids.push(b.alloc((i % 7 + 1) << 20, StreamId::DEFAULT));

@@ -4,9 +4,9 @@
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
+use cuvmm::lab::pytorch_model::{SegmentAction, Split};
 use cuvmm::pool::Pool;
 use cuvmm::size::{GIB, MIB};
-use cuvmm::split::{SegmentAction, Split};
 use cuvmm::{Error, Strategy};
 
 const S: StreamId = StreamId::DEFAULT;

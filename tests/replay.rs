@@ -4,10 +4,14 @@
 
 use cuvmm::driver::{DriverCounters, DriverError, Op, StreamId};
 use cuvmm::error::{Error, InvariantViolation, OutOfMemory};
+use cuvmm::lab::replay::ReplayError;
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::replay;
+use cuvmm::lab::replay::touch_byte;
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::Trace;
 use cuvmm::stats::Stats;
 use cuvmm::strategy::Strategy;
-use cuvmm::trace::replay::touch_byte;
-use cuvmm::trace::{Event, ReplayError, ReplayOptions, Trace, replay};
 use std::collections::HashMap;
 
 /// A bump allocator that never reuses memory and fails with out-of-memory above `limit` live bytes. Each
@@ -258,8 +262,8 @@ fn json_has_the_stable_field_names() {
 
 #[test]
 fn replaying_a_builtin_workload_reaches_its_peak_live_bytes() {
-    for name in cuvmm::trace::workload::BUILTIN {
-        let t = cuvmm::trace::workload::generate(name, 3).unwrap();
+    for name in cuvmm::lab::workload::BUILTIN {
+        let t = cuvmm::lab::workload::generate(name, 3).unwrap();
         let mut bump = Bump::new(u64::MAX / 2);
         let result = replay(&mut bump, &t, &ReplayOptions::default()).unwrap();
         assert_eq!(result.ooms, 0, "{name}");

@@ -15,8 +15,8 @@
 
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::lab::pytorch_model::Split;
 use cuvmm::size::MIB;
-use cuvmm::split::Split;
 use cuvmm::{Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

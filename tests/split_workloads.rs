@@ -5,10 +5,10 @@
 use cuvmm::Strategy;
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::lab::pytorch_model::Split;
+use cuvmm::lab::replay::{ReplayOptions, replay};
+use cuvmm::lab::workload::{self, BUILTIN};
 use cuvmm::size::GIB;
-use cuvmm::split::Split;
-use cuvmm::trace::replay::{ReplayOptions, replay};
-use cuvmm::trace::workload::{self, BUILTIN};
 
 fn check(expandable: bool) {
     for name in BUILTIN {

@@ -7,11 +7,14 @@
 #![cfg(feature = "lab")]
 
 use cuvmm::StreamId;
-use cuvmm::trace::event::MAX_SIZE;
-use cuvmm::trace::load::{self, LoadError};
-use cuvmm::trace::rmm::{self, RmmError, RowProblem};
-use cuvmm::trace::text::{self, LineProblem, TextError};
-use cuvmm::trace::{Event, Trace, TraceError, workload};
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::TraceError;
+use cuvmm::lab::trace::event::MAX_SIZE;
+use cuvmm::lab::trace::load::{self, LoadError};
+use cuvmm::lab::trace::rmm::{self, RmmError, RowProblem};
+use cuvmm::lab::trace::text::{self, LineProblem, TextError};
+use cuvmm::lab::workload;
 use proptest::prelude::*;
 use std::path::Path;
 
@@ -587,7 +590,7 @@ fn load_reads_each_format_and_names_the_trace_after_the_file() {
 /// serde-pickle (`trace/pytorch/guard.rs`), with the file named and the opcode's offset.
 #[test]
 fn snapshot_pickles_that_would_exhaust_the_decoder_are_refused() {
-    use cuvmm::trace::pytorch::{self, SnapshotError};
+    use cuvmm::lab::trace::pytorch::{self, SnapshotError};
     let nested = |levels: usize| {
         let mut b = b"\x80\x02".to_vec();
         b.extend(std::iter::repeat_n(*b"](", levels).flatten());
@@ -668,7 +671,7 @@ fn snapshot_pickles_that_would_exhaust_the_decoder_are_refused() {
 /// and decoding walks at most 2.8 value nodes per byte (`-- --nocapture` prints each).
 #[test]
 fn shared_snapshots_are_far_inside_the_pickle_guard() {
-    use cuvmm::trace::pytorch::guard::{self, MAX_DEPTH};
+    use cuvmm::lab::trace::pytorch::guard::{self, MAX_DEPTH};
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/traces");
     let Ok(entries) = std::fs::read_dir(&dir) else {
         println!("skipped: {} is absent", dir.display());

@@ -2,9 +2,10 @@
 #![cfg(feature = "lab")]
 
 use cuvmm::driver::StreamId;
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::workload::{self, BUILTIN, DEFAULT_SEED};
 use cuvmm::size::{GIB, KIB};
-use cuvmm::trace::workload::{self, BUILTIN, DEFAULT_SEED};
-use cuvmm::trace::{Event, Trace};
 use std::collections::HashMap;
 
 fn all(seed: u64) -> Vec<Trace> {

@@ -11,9 +11,14 @@
 
 use cuvmm::Config;
 use cuvmm::config::Compaction;
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::allocators;
+use cuvmm::lab::replay::replay;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::workload;
 use cuvmm::size::GIB;
 use cuvmm::size::{MIB, round_up};
-use cuvmm::trace::{ReplayOptions, Trace, allocators, load, replay, workload};
 use std::path::Path;
 
 const PAGE: u64 = 2 * MIB;

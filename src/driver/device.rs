@@ -1,4 +1,4 @@
-//! Which device to run on: `--backend sim|cuda[:N]`, parsed in one place for every tool.
+//! Which device to run on: the simulated one or a CUDA device (`cuvmm --backend sim|cuda[:N]`).
 //!
 //! [`DeviceSpec`] is what the user asked for; [`DeviceSpec::open`] turns it into a [`Device`], one type that
 //! is either backend and implements [`Driver`] by forwarding, so the strategies, the replay engine and
@@ -12,7 +12,6 @@ use super::{
     StreamId, VaRange,
 };
 use std::fmt;
-use std::str::FromStr;
 
 /// A device named on the command line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,15 +26,9 @@ pub enum DeviceSpec {
     },
 }
 
-/// Why a device could not be named or opened.
+/// Why a device could not be opened.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DeviceError {
-    /// The text is not `sim`, `cuda` or `cuda:N`.
-    #[error("invalid device `{text}` (expected sim, cuda or cuda:N)")]
-    Parse {
-        /// The text given.
-        text: String,
-    },
     /// A CUDA device was asked for, but this build has no CUDA backend.
     #[error(
         "no CUDA driver found: cuvmm was built without CUDA support; rebuild with --features cuda"
@@ -45,29 +38,6 @@ pub enum DeviceError {
     /// failed setup call.
     #[error(transparent)]
     Driver(#[from] DriverError),
-}
-
-impl FromStr for DeviceSpec {
-    type Err = DeviceError;
-
-    /// `sim`, `cuda` (device 0) or `cuda:N`.
-    fn from_str(text: &str) -> Result<Self, Self::Err> {
-        let bad = || DeviceError::Parse {
-            text: text.to_string(),
-        };
-        match text {
-            "sim" => Ok(DeviceSpec::Sim),
-            "cuda" => Ok(DeviceSpec::Cuda { ordinal: 0 }),
-            _ => {
-                let digits = text.strip_prefix("cuda:").ok_or_else(bad)?;
-                if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(bad());
-                }
-                let ordinal = digits.parse().map_err(|_| bad())?;
-                Ok(DeviceSpec::Cuda { ordinal })
-            }
-        }
-    }
 }
 
 impl fmt::Display for DeviceSpec {
@@ -276,27 +246,6 @@ impl Driver for Device {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_sim_cuda_and_cuda_n_and_prints_them_back() {
-        assert_eq!("sim".parse(), Ok(DeviceSpec::Sim));
-        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda { ordinal: 0 }));
-        assert_eq!("cuda:3".parse(), Ok(DeviceSpec::Cuda { ordinal: 3 }));
-        assert_eq!(DeviceSpec::Cuda { ordinal: 3 }.to_string(), "cuda:3");
-        assert_eq!(DeviceSpec::Sim.to_string(), "sim");
-        for bad in [
-            "", "gpu", "cuda:", "cuda:x", "cuda:-1", "cuda:+1", "cuda:1:2", "SIM", "cuda0",
-        ] {
-            let err = bad.parse::<DeviceSpec>().unwrap_err();
-            assert_eq!(
-                err,
-                DeviceError::Parse {
-                    text: bad.to_string()
-                }
-            );
-            assert!(err.to_string().contains("sim, cuda or cuda:N"), "{err}");
-        }
-    }
 
     #[test]
     fn sim_always_opens_and_cuda_needs_the_feature() {

@@ -8,7 +8,7 @@ use crate::input::Input;
 use cuvmm::driver::sim::{FaultKind, SimDriver};
 use cuvmm::driver::{DriverCounters, Op};
 use cuvmm::expandable::Expandable;
-use cuvmm::split::Split;
+use cuvmm::lab::pytorch_model::Split;
 use cuvmm::{Error, Strategy};
 use std::collections::BTreeMap;
 use std::fmt;

@@ -10,7 +10,7 @@
 //! - each device's trace is valid and replays (`trace_replay::check`).
 
 use crate::trace_replay;
-use cuvmm::trace::pytorch::{self, PytorchTrace};
+use cuvmm::lab::trace::pytorch::{self, PytorchTrace};
 use std::path::Path;
 
 /// The name the snapshot goes by in traces and errors.

@@ -9,7 +9,9 @@
 //!   first, and that cuvmm's own format writes and reads back unchanged.
 
 use crate::trace_replay;
-use cuvmm::trace::{Event, rmm, text};
+use cuvmm::lab::trace::Event;
+use cuvmm::lab::trace::rmm;
+use cuvmm::lab::trace::text;
 use std::path::Path;
 
 /// The name the log goes by in traces and errors.

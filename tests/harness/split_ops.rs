@@ -33,8 +33,8 @@ use crate::ops_common::{
 use crate::split_input::{Action, GRANULE, MIB, Setup, decode};
 use cuvmm::config::RoundupDivisions;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::lab::pytorch_model::{Split, rules};
 use cuvmm::pool::Pool;
-use cuvmm::split::{Split, rules};
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use std::collections::BTreeSet;
 

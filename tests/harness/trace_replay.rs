@@ -3,9 +3,12 @@
 
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
+use cuvmm::lab::replay::ReplayError;
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::replay;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::event::MAX_SIZE;
 use cuvmm::size::{GIB, MIB};
-use cuvmm::trace::event::MAX_SIZE;
-use cuvmm::trace::{ReplayError, ReplayOptions, Trace, replay};
 use cuvmm::{Config, Error};
 
 /// Traces longer than this are checked but not replayed, so every input runs in milliseconds.
@@ -20,7 +23,7 @@ pub fn check(trace: &Trace) -> Result<(), String> {
         .validate()
         .map_err(|e| format!("{}: invalid trace: {e}", trace.name))?;
     for event in &trace.events {
-        if let cuvmm::trace::Event::Alloc { size, .. } = event {
+        if let cuvmm::lab::trace::Event::Alloc { size, .. } = event {
             if !(1..=MAX_SIZE).contains(size) {
                 return Err(format!("{}: allocation of {size} bytes", trace.name));
             }

@@ -1,10 +1,12 @@
 //! Command-line arguments.
 
+use crate::backend::{parse_backend, parse_device};
 use crate::capacity::CapacityArgs;
 use clap::{ArgAction, Args, Parser, Subcommand, ValueEnum};
 use cuvmm::driver::device::DeviceSpec;
 use cuvmm::driver::sim::{LATENCY_MODELS, LatencyModel};
-use cuvmm::trace::{allocators, workload};
+use cuvmm::lab::replay::allocators;
+use cuvmm::lab::workload;
 
 /// Replays allocation workloads through CUDA allocators on a simulated device and compares them.
 #[derive(Debug, Parser)]
@@ -182,8 +184,7 @@ pub fn parse_allocator(name: &str) -> Result<String, String> {
     }
 }
 
-/// A `--backend` value this build can run on: `cuda` is refused here, with the reason, when the `cuda`
-/// feature is off.
+/// A `--latency-model` value: one of the simulator's latency models.
 fn parse_latency_model(text: &str) -> Result<LatencyModel, String> {
     LatencyModel::named(text).ok_or_else(|| {
         format!(
@@ -191,14 +192,6 @@ fn parse_latency_model(text: &str) -> Result<LatencyModel, String> {
             LATENCY_MODELS.join(", ")
         )
     })
-}
-
-fn parse_backend(text: &str) -> Result<DeviceSpec, String> {
-    let spec: DeviceSpec = text
-        .parse()
-        .map_err(|e: cuvmm::driver::device::DeviceError| e.to_string())?;
-    spec.check_supported().map_err(|e| e.to_string())?;
-    Ok(spec)
 }
 
 /// A `--device` value: a trace device's index. `sim` or `cuda` get a pointer to `--backend`, which took
@@ -209,7 +202,7 @@ fn parse_trace_device(text: &str) -> Result<usize, String> {
             return Ok(n);
         }
     }
-    if text.parse::<DeviceSpec>().is_ok() {
+    if parse_device(text).is_ok() {
         return Err(format!(
             "--device is a trace's device index; to run on {text}, use --backend {text}"
         ));

@@ -3,9 +3,11 @@
 use crate::args::{Format, parse_workload};
 use crate::commands::{USAGE, emit};
 use clap::Args;
-use cuvmm::trace::allocators::ALLOCATORS;
-use cuvmm::trace::bench::{BenchOptions, bench, render_table};
-use cuvmm::trace::{Trace, load, workload};
+use cuvmm::lab::experiments::bench::{BenchOptions, bench, render_table};
+use cuvmm::lab::replay::allocators::ALLOCATORS;
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::workload;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

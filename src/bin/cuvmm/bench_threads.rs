@@ -38,7 +38,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 #[cfg(feature = "cuda")]
-#[path = "bench_threads/cuda.rs"]
 mod cuda;
 
 /// The (threads, streams) of the throughput measurement: each thread on its own stream, then 8 threads

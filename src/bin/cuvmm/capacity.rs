@@ -5,11 +5,12 @@ use crate::args::{Format, parse_allocator, parse_nonzero_size, parse_workload};
 use crate::commands::{USAGE, emit};
 use crate::progress::CapacityProgress;
 use clap::Args;
+use cuvmm::lab::experiments::capacity::{self, CapacityOptions, CapacityResult};
+use cuvmm::lab::replay::allocators::{ALLOCATORS, CUDA_ONLY, NEEDS_GPU};
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::workload;
 use cuvmm::size::format_size;
-use cuvmm::trace::Trace;
-use cuvmm::trace::allocators::{ALLOCATORS, CUDA_ONLY, NEEDS_GPU};
-use cuvmm::trace::capacity::{self, CapacityOptions, CapacityResult};
-use cuvmm::trace::{load, workload};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -211,5 +212,5 @@ fn render_table(results: &[CapacityResult]) -> String {
             ]
         })
         .collect();
-    cuvmm::trace::report::aligned(HEADERS, &rows)
+    cuvmm::lab::reports::table::aligned(HEADERS, &rows)
 }

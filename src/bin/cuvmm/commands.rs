@@ -6,13 +6,14 @@ use crate::progress::CompareProgress;
 use cuvmm::driver::DriverError;
 use cuvmm::driver::device::DeviceError;
 use cuvmm::driver::sim::SimConfig;
-use cuvmm::driver_bench::{self, BenchOptions};
+use cuvmm::lab::experiments::compare::{CompareOptions, compare_observed};
+use cuvmm::lab::experiments::driver_bench::{self, BenchOptions};
+use cuvmm::lab::experiments::fidelity::fidelity;
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::reports::sample::Sampler;
+use cuvmm::lab::reports::table;
+use cuvmm::lab::workload;
 use cuvmm::size::format_size;
-use cuvmm::trace::compare::{CompareOptions, compare_observed};
-use cuvmm::trace::fidelity::fidelity;
-use cuvmm::trace::replay::ReplayOptions;
-use cuvmm::trace::sample::Sampler;
-use cuvmm::trace::{report, workload};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -75,8 +76,8 @@ pub fn run_compare(args: CompareArgs) -> ExitCode {
         }
     }
     match args.format {
-        Format::Table => emit(&report::render_table(&results)),
-        Format::Json => match report::render_json(&results) {
+        Format::Table => emit(&table::render_table(&results)),
+        Format::Json => match table::render_json(&results) {
             Ok(json) => emit(&format!("{json}\n")),
             Err(e) => {
                 eprintln!("cuvmm: cannot write JSON: {e}");
@@ -160,7 +161,6 @@ pub fn emit(text: &str) -> ExitCode {
 fn device_error_status(e: &DeviceError) -> u8 {
     match e {
         DeviceError::Driver(DriverError::NoDriver { .. }) | DeviceError::NoCudaSupport => USAGE,
-        DeviceError::Parse { .. } => USAGE,
         DeviceError::Driver(_) => 1,
     }
 }

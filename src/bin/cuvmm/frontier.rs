@@ -6,8 +6,8 @@ use crate::capacity::SearchArgs;
 use crate::commands::{USAGE, emit};
 use clap::Args;
 
-use cuvmm::trace::frontier::{self, FrontierPoint};
-use cuvmm::trace::report::LATENCY_NOTE;
+use cuvmm::lab::experiments::frontier::{self, FrontierPoint};
+use cuvmm::lab::reports::table::LATENCY_NOTE;
 use serde::Serialize;
 use std::io::Write;
 use std::path::PathBuf;

@@ -2,8 +2,8 @@
 //! written is reported at once (status 2), and the picture written once they are done.
 
 use crate::commands::USAGE;
-use cuvmm::trace::plot::render_svg;
-use cuvmm::trace::sample::Series;
+use cuvmm::lab::reports::plot::render_svg;
+use cuvmm::lab::reports::sample::Series;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -5,10 +5,10 @@
 //! [`CHECK_EVERY`] events, so the replay loop pays a decrement and a branch per event.
 
 use cuvmm::Strategy;
+use cuvmm::lab::experiments::capacity::{Bracket, CapacityObserver};
+use cuvmm::lab::replay::observe::ReplayObserver;
+use cuvmm::lab::trace::Trace;
 use cuvmm::size::format_size;
-use cuvmm::trace::Trace;
-use cuvmm::trace::capacity::{Bracket, CapacityObserver};
-use cuvmm::trace::observe::ReplayObserver;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};

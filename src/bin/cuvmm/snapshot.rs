@@ -4,8 +4,8 @@
 use crate::commands::emit;
 use crate::source::{Failure, SourceArgs, first_line, report_oom};
 use clap::Args;
-use cuvmm::trace::pytorch::writer;
-use cuvmm::trace::replay::{ReplayOptions, replay};
+use cuvmm::lab::replay::{ReplayOptions, replay};
+use cuvmm::lab::trace::pytorch::writer;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -6,10 +6,12 @@ use crate::commands::USAGE;
 use clap::Args;
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::lab::replay::ReplayResult;
+use cuvmm::lab::replay::allocators::{self, ALLOCATORS};
+use cuvmm::lab::trace::Trace;
+use cuvmm::lab::trace::load;
+use cuvmm::lab::workload;
 use cuvmm::strategy::Strategy;
-use cuvmm::trace::allocators::{self, ALLOCATORS};
-use cuvmm::trace::replay::ReplayResult;
-use cuvmm::trace::{Trace, load, workload};
 use std::path::{Path, PathBuf};
 
 /// The trace to replay and the allocator to replay it through.

@@ -3,11 +3,11 @@
 use crate::commands::emit;
 use crate::source::{Failure, SourceArgs, report_oom};
 use clap::Args;
+use cuvmm::lab::replay::ReplayOptions;
+use cuvmm::lab::replay::peak::{find_peak, replay_capturing};
 use cuvmm::size::format_size;
 use cuvmm::strategy::Strategy;
 use cuvmm::summary::summary_of;
-use cuvmm::trace::peak::{find_peak, replay_capturing};
-use cuvmm::trace::replay::ReplayOptions;
 use std::process::ExitCode;
 
 /// Options of `summary`.

@@ -5,7 +5,8 @@ use crate::args::parse_workload;
 use crate::commands::{USAGE, one_line};
 use crate::source::load_one;
 use clap::Args;
-use cuvmm::trace::{text, workload};
+use cuvmm::lab::trace::text;
+use cuvmm::lab::workload;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
