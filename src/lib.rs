@@ -10,7 +10,8 @@
 //! `lab` feature (on by default, and needed by the `cli` feature). A program that only allocates turns
 //! default features off and compiles the allocator's own dependencies alone. See `docs/DESIGN.md`.
 
-// The folders are the layers, lowest first (docs/DESIGN.md's map; tests/layering.rs checks it):
+// The folders are the layers; lowest first: base, driver, page_map, strategy, expandable, facade, lab
+// (docs/DESIGN.md's map; tests/layering.rs checks it).
 mod base;
 pub mod driver;
 pub mod expandable;
