@@ -33,6 +33,8 @@ mod rmm_csv;
 mod split_input;
 #[path = "harness/split_ops.rs"]
 mod split_ops;
+#[path = "harness/strategy_ops.rs"]
+mod strategy_ops;
 #[path = "harness/trace_replay.rs"]
 mod trace_replay;
 

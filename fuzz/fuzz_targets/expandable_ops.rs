@@ -1,5 +1,6 @@
-//! Fuzzes `Expandable<SimDriver>` with allocator operations and injected driver faults; the properties
-//! are listed in `tests/harness/expandable_ops.rs`, which `tests/fuzz_corpus.rs` also runs.
+//! Fuzzes `Expandable<SimDriver>`, cuvmm's own allocator, with allocator operations and injected driver
+//! faults: the generic ops harness (`tests/harness/strategy_ops.rs`) with this strategy. The properties are listed in
+//! `tests/harness/expandable_ops.rs`; `tests/fuzz_corpus.rs` runs the same code.
 #![no_main]
 
 #[path = "../../tests/harness/expandable_input.rs"]
@@ -10,9 +11,10 @@ mod expandable_ops;
 mod input;
 #[path = "../../tests/harness/ops_common.rs"]
 mod ops_common;
+#[path = "../../tests/harness/strategy_ops.rs"]
+mod strategy_ops;
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    if let Err(failure) = expandable_ops::run(data) {
-        panic!("{failure}");
-    }
-});
+use cuvmm::driver::sim::SimDriver;
+use cuvmm::expandable::Expandable;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| strategy_ops::fuzz::<Expandable<SimDriver>>(data));

@@ -1,6 +1,7 @@
 //! Fuzzes `Split<SimDriver>`, the model of PyTorch's allocator (classic and expandable segments), with
-//! allocator operations and injected driver faults; the properties are listed in
-//! `tests/harness/split_ops.rs`, which `tests/fuzz_corpus.rs` also runs.
+//! allocator operations and injected driver faults: the generic ops harness
+//! (`tests/harness/strategy_ops.rs`) with this strategy. The properties are listed in
+//! `tests/harness/split_ops.rs`; `tests/fuzz_corpus.rs` runs the same code.
 #![no_main]
 
 #[path = "../../tests/harness/input.rs"]
@@ -11,9 +12,10 @@ mod ops_common;
 mod split_input;
 #[path = "../../tests/harness/split_ops.rs"]
 mod split_ops;
+#[path = "../../tests/harness/strategy_ops.rs"]
+mod strategy_ops;
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    if let Err(failure) = split_ops::run(data) {
-        panic!("{failure}");
-    }
-});
+use cuvmm::driver::sim::SimDriver;
+use cuvmm::lab::pytorch_model::Split;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| strategy_ops::fuzz::<Split<SimDriver>>(data));

@@ -1,7 +1,8 @@
 //! The `expandable_ops` harness: fuzzer bytes decoded into allocator operations, some with a driver fault
 //! armed, applied to an `Expandable<SimDriver>` with the backing store on, and checked against a model of
-//! the live allocations. The fuzz target and `tests/fuzz_corpus.rs` both run [`run`]. The input format is
-//! [`crate::expandable_input`]'s; the code shared with `split_ops` is in [`crate::ops_common`].
+//! the live allocations. The fuzz target runs it through the generic [`crate::strategy_ops`],
+//! `tests/fuzz_corpus.rs` through [`run`]. The input format is [`crate::expandable_input`]'s; the code
+//! shared with `split_ops` is in [`crate::ops_common`].
 //!
 //! Properties checked after every operation:
 //! - `check_invariants()` holds;
@@ -27,9 +28,8 @@
 //!
 
 use crate::expandable_input::{Action, PAGE, Setup, decode};
-use crate::ops_common::{
-    Content, Failure, Faults, Live, LiveSet, Model, check_bad_free, run_model,
-};
+use crate::ops_common::{Content, Failure, Faults, Live, LiveSet, Model, check_bad_free};
+use crate::strategy_ops::{self, OpsHarness};
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
@@ -43,6 +43,7 @@ const CONTENT: Content = Content {
 };
 
 /// What one input exercised, so the corpus test can tell a meaningful corpus from an empty one.
+#[allow(dead_code)] // Read by tests/fuzz_corpus.rs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Summary {
     /// Operations applied.
@@ -58,11 +59,10 @@ pub struct Summary {
 }
 
 /// Decodes `data`, applies every operation and checks the properties listed in the module docs.
+#[allow(dead_code)] // tests/fuzz_corpus.rs's; the fuzz target runs `strategy_ops::fuzz`.
 pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
-    let (setup, actions) = decode(data);
-    let mut state = State::new(&setup);
-    let count = actions.len();
-    run_model(&mut state, setup, actions)?;
+    let count = decode(data).1.len();
+    let state = strategy_ops::run::<Expandable<SimDriver>>(data)?;
     Ok(Summary {
         actions: count,
         faults_fired: state.faults.fired,
@@ -70,8 +70,21 @@ pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
         ..state.summary
     })
 }
+
+impl OpsHarness for Expandable<SimDriver> {
+    type Setup = Setup;
+    type Model = State;
+
+    fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
+        decode(data)
+    }
+
+    fn model(setup: &Setup) -> State {
+        State::new(setup)
+    }
+}
 /// The allocator, the model of its live allocations, and the faults armed but not fired yet.
-struct State {
+pub struct State {
     alloc: Expandable<SimDriver>,
     faults: Faults,
     capacity: u64,

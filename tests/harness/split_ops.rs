@@ -1,8 +1,8 @@
 //! The `split_ops` harness: fuzzer bytes decoded into allocator operations, some with a driver fault armed,
 //! applied to the model of PyTorch's allocator (`Split<SimDriver>`, classic or `expandable_segments:True`)
-//! with the backing store on, and checked against a model of the live allocations. The fuzz target and
-//! `tests/fuzz_corpus.rs` both run [`run`]. The input format is [`crate::split_input`]'s; the code shared
-//! with `expandable_ops` is in [`crate::ops_common`].
+//! with the backing store on, and checked against a model of the live allocations. The fuzz target runs it
+//! through the generic [`crate::strategy_ops`], `tests/fuzz_corpus.rs` through [`run`]. The input format
+//! is [`crate::split_input`]'s; the code shared with `expandable_ops` is in [`crate::ops_common`].
 //!
 //! Properties checked after every operation:
 //! - `check_invariants()` holds;
@@ -27,10 +27,9 @@
 //!   segment, and the simulated driver reports no leak.
 //!
 
-use crate::ops_common::{
-    Content, Failure, Faults, Live, LiveSet, Model, check_bad_free, run_model,
-};
+use crate::ops_common::{Content, Failure, Faults, Live, LiveSet, Model, check_bad_free};
 use crate::split_input::{Action, GRANULE, MIB, Setup, decode};
+use crate::strategy_ops::{self, OpsHarness};
 use cuvmm::config::RoundupDivisions;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::lab::pytorch_model::{Split, rules};
@@ -48,6 +47,7 @@ const CONTENT: Content = Content {
 };
 
 /// What one input exercised, so the corpus test can tell a meaningful corpus from an empty one.
+#[allow(dead_code)] // Read by tests/fuzz_corpus.rs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Summary {
     /// Operations applied.
@@ -65,11 +65,10 @@ pub struct Summary {
 }
 
 /// Decodes `data`, applies every operation and checks the properties listed in the module docs.
+#[allow(dead_code)] // tests/fuzz_corpus.rs's; the fuzz target runs `strategy_ops::fuzz`.
 pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
-    let (setup, actions) = decode(data);
-    let mut state = State::new(&setup);
-    let count = actions.len();
-    run_model(&mut state, setup, actions)?;
+    let count = decode(data).1.len();
+    let state = strategy_ops::run::<Split<SimDriver>>(data)?;
     Ok(Summary {
         actions: count,
         faults_fired: state.faults.fired,
@@ -78,8 +77,21 @@ pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
     })
 }
 
+impl OpsHarness for Split<SimDriver> {
+    type Setup = Setup;
+    type Model = State;
+
+    fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
+        decode(data)
+    }
+
+    fn model(setup: &Setup) -> State {
+        State::new(setup)
+    }
+}
+
 /// The allocator, the model of its live allocations, and the faults armed but not fired yet.
-struct State {
+pub struct State {
     alloc: Split<SimDriver>,
     faults: Faults,
     /// The most the allocator may hold: the device, or the memory fraction of it.
