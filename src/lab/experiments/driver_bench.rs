@@ -14,7 +14,7 @@
 //! default stream: a synchronization with nothing queued, an event record and an event query.
 //!
 //! One repetition is run first and thrown away (first calls pay for lazy driver set-up). Each call's time is
-//! the change in the driver's [`DriverCounters::time_ns`] across it: **measured** with `Instant` on a CUDA
+//! the change in the driver's [`DriverCounters::time_ns`](crate::driver::DriverCounters::time_ns) across it: **measured** with `Instant` on a CUDA
 //! device, **estimated** from the [`LatencyModel`] on the simulated one (the report then includes the
 //! model). Reported figures are medians over the repetitions (map, set_access and unmap have two samples
 //! per repetition, one per slot), in microseconds.

@@ -1,7 +1,7 @@
 //! Replaying a trace through an allocator, and the result a replay reports.
 //!
 //! [`replay`] runs a [`Trace`] through a [`Strategy`]; [`allocators`] builds every allocator by name (with
-//! [`cuda_async`], CUDA's own, on a GPU); [`observe`] watches a replay while it runs; [`peak`] finds the
+//! `cuda_async`, CUDA's own, on a GPU); [`observe`] watches a replay while it runs; [`peak`] finds the
 //! allocator's state at its peak.
 
 pub mod allocators;

@@ -4,7 +4,7 @@
 //! A replay is deterministic, so two passes find it without slowing the replay loop: the first watches
 //! [`Strategy::reserved_bytes`] after every operation and notes the first one at the maximum; the second,
 //! on a fresh allocator, stops for a moment right after that operation to let the caller look at the
-//! strategy (its `memory_summary`, its snapshot), then finishes. Both passes wrap the strategy in [`Watch`],
+//! strategy (its `memory_summary`, its snapshot), then finishes. Both passes wrap the strategy in `Watch`,
 //! which forwards every call and counts the operations (alloc, free, record_stream).
 
 use super::{ReplayError, ReplayOptions, ReplayResult, replay};

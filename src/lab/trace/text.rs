@@ -11,7 +11,7 @@
 //! empty_cache
 //! ```
 //!
-//! [`write`] then [`parse`] gives back the same [`Trace`], name included. [`parse`] refuses what no program
+//! [`write`](fn@write) then [`parse`] gives back the same [`Trace`], name included. [`parse`] refuses what no program
 //! could have produced (a free of an id that is not live, a zero-byte allocation, ...), naming the line.
 
 use super::event::{Event, MAX_SIZE, Trace, TraceError};
