@@ -10,8 +10,8 @@
 use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
-use crate::strategy::graph_pool::GraphPool;
 use crate::page_map::PageMap;
+use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::pool::Pool;
 use std::ops::Range;
 
@@ -54,7 +54,7 @@ pub(crate) struct Segment {
     /// The private pool (CUDA graph) this segment serves, if any: only its allocations are placed here.
     pub graph: Option<GraphPool>,
     /// The tag its allocations were made under, if any (`sleep.rs`): only they are placed here.
-    pub tag: Option<super::tag::TagId>,
+    pub tag: Option<super::tags::TagId>,
     /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
     pub whole_pages: bool,
     pub pages: PageMap,
