@@ -322,10 +322,10 @@ fn impl_header(t: &[Token], mut i: usize) -> (String, bool, usize) {
                 }
                 break;
             }
-            Token::Ident(s) if depth == 0 && (name.is_empty() || t[i - 1] == Token::Path) => {
-                if s != "dyn" {
-                    name = s.clone();
-                }
+            Token::Ident(s)
+                if depth == 0 && s != "dyn" && (name.is_empty() || t[i - 1] == Token::Path) =>
+            {
+                name = s.clone();
             }
             _ => {}
         }

@@ -3,9 +3,9 @@
 //! `record_stream` notes another stream's use.
 
 use super::accounting::SlotCounts;
+use super::segment::TagId;
 use super::segment::{FreeOutcome, Segment};
 use super::segments::SegmentKey;
-use super::tags::TagId;
 use super::{Expandable, ROUND};
 use crate::base::size::round_up;
 use crate::driver::{Driver, MemInfo, StreamId};

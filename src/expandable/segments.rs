@@ -4,7 +4,7 @@
 
 use super::accounting::{Books, SlotCounts};
 use super::segment::Segment;
-use super::tags::TagId;
+use super::segment::TagId;
 use crate::driver::StreamId;
 use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::history::TraceAction;

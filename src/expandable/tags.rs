@@ -1,15 +1,15 @@
 //! Tags: the names allocations are made under (`alloc_tagged`), and whether each is awake, asleep or half way
 //! (`sleep.rs` puts them to sleep and wakes them). A part that owns its state: a segment key carries a
-//! [`TagId`], so it is small and `Copy`; what a sleeping tag had live, and kept, is here.
+//! [`TagId`], (`segment.rs`), small and `Copy`; what a sleeping tag had live, and kept, is here.
 
 use super::blocks::BlockState;
+use super::segment::TagId;
 use super::segments::Segments;
 use crate::strategy::error::{Error, InvariantViolation};
 use std::collections::HashSet;
 
-/// The index of a tag in the allocator's list of tags.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct TagId(pub u32);
+/// A sleeping tag's live blocks `(address, size)` and their bytes, if kept.
+type Slept = (Vec<(u64, u64)>, Option<Vec<Vec<u8>>>);
 
 /// Where a tag is between sleep and wake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,7 +117,7 @@ impl Tags {
     }
 
     /// Marks tag `id` half way to waking and hands over its live blocks and kept bytes.
-    pub(super) fn start_waking(&mut self, id: TagId) -> (Vec<(u64, u64)>, Option<Vec<Vec<u8>>>) {
+    pub(super) fn start_waking(&mut self, id: TagId) -> Slept {
         let t = self.get_mut(id);
         t.state = State::Sleeping;
         (std::mem::take(&mut t.blocks), t.kept.take())
