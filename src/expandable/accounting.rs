@@ -1,8 +1,11 @@
 //! Accounting: the counters every operation keeps up to date, and the [`Stats`] made from them with what the
-//! allocator derives on demand (PyTorch's `memory_stats` shapes). A part that owns its state: it knows
-//! nothing of segments or the driver.
+//! allocator derives on demand (PyTorch's `memory_stats` shapes), kept in [`Books`] with the page counts and
+//! the history. A part that owns its state: it reads a segment's counts when told one changed, and knows
+//! nothing of the driver.
 
-use crate::driver::DriverCounters;
+use super::segment::Segment;
+use crate::driver::{DriverCounters, StreamId};
+use crate::strategy::history::{self, History, TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
 use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
 
@@ -179,4 +182,154 @@ pub(super) struct Derived {
     pub graph_pools: u64,
     pub asleep_bytes: u64,
     pub driver: DriverCounters,
+}
+
+/// The counts of one segment that the allocator-wide totals follow, read before and after a change.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SlotCounts {
+    touched: usize,
+    idle: usize,
+    straddling: usize,
+}
+
+impl SlotCounts {
+    /// The counts of `seg` now.
+    pub(super) fn of(seg: &Segment) -> Self {
+        Self {
+            touched: seg.pages.touched_count(),
+            idle: seg.pages.idle_count(),
+            straddling: seg.straddling_count(),
+        }
+    }
+}
+
+/// The books: the counters, the page counts the statistics derive from (touched, idle and lent pages), the
+/// block being carved, and the history recorded for snapshots.
+#[derive(Debug)]
+pub(super) struct Books {
+    /// The counters; a plain record every operation updates.
+    pub(super) counters: Counters,
+    /// Pages touched by active blocks, per pool.
+    touched_pages: [usize; 2],
+    idle_pages: usize,
+    /// Lent pages per pool of their home segment (touched there by their lent block, which uses nothing).
+    lent_pages: [usize; 2],
+    /// The block being backed with pages (pool, bytes): carved, not yet counted as allocated.
+    carving: Option<(Pool, u64)>,
+    /// Events recorded for snapshots, when recording is on.
+    history: Option<History>,
+    page_size: u64,
+    /// [`Config::max_split_size`](crate::Config): a block at least this large is oversize.
+    max_split_size: Option<u64>,
+}
+
+impl Books {
+    /// Empty books for pages of `page_size` bytes.
+    pub(super) fn open(page_size: u64, max_split_size: Option<u64>) -> Self {
+        Self {
+            counters: Counters::default(),
+            touched_pages: [0; 2],
+            idle_pages: 0,
+            lent_pages: [0; 2],
+            carving: None,
+            history: None,
+            page_size,
+            max_split_size,
+        }
+    }
+
+    /// Re-reads the touched and idle page counts and the straddling free blocks of `seg` after it changed,
+    /// keeping the allocator-wide counts and the non-releasable (inactive split) statistics of its pool in
+    /// step: bytes of touched pages that no active (live or pending) block uses, and the free blocks that
+    /// share such pages.
+    pub(super) fn refresh(&mut self, seg: &Segment, before: SlotCounts) {
+        let after = SlotCounts::of(seg);
+        let pool = seg.pool;
+        let p = pool.index();
+        self.touched_pages[p] = self.touched_pages[p] + after.touched - before.touched;
+        self.idle_pages = self.idle_pages + after.idle - before.idle;
+        let carving = match self.carving {
+            Some((carving_pool, bytes)) if carving_pool == pool => bytes,
+            _ => 0,
+        };
+        let stranded = ((self.touched_pages[p] - self.lent_pages[p]) as u64 * self.page_size)
+            .saturating_sub(self.counters.active.of(pool) + carving);
+        self.counters.inactive_split.set(pool, stranded);
+        if after.straddling != before.straddling {
+            let count = self.counters.inactive_split_count.of(pool) + after.straddling as u64
+                - before.straddling as u64;
+            self.counters.inactive_split_count.set(pool, count);
+        }
+    }
+
+    /// Counts a block as live or no longer allocated ([`Counters::count_block`]).
+    pub(super) fn count_block(&mut self, pool: Pool, size: u64, requested: u64, live: bool) {
+        let oversize = self.max_split_size.is_some_and(|max| size >= max);
+        (self.counters).count_block(pool, size, requested, live, oversize);
+    }
+
+    /// Records an event for snapshots if recording is on.
+    #[inline]
+    pub(super) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        history::record(&mut self.history, action, addr, size, stream);
+    }
+
+    /// Records an out-of-memory of a request of `size` bytes, if recording is on.
+    pub(super) fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
+        if let Some(history) = &mut self.history {
+            history.push(TraceEntry {
+                action: TraceAction::Oom,
+                addr: 0,
+                size,
+                stream,
+                device_free: Some(device_free),
+            });
+        }
+    }
+
+    /// Starts (`Some(max_entries)`) or stops recording history.
+    pub(super) fn record_history(&mut self, max_entries: Option<usize>) {
+        self.history = max_entries.map(History::new);
+    }
+
+    /// The history recorded, oldest first.
+    pub(super) fn history_entries(&self) -> Vec<TraceEntry> {
+        self.history
+            .as_ref()
+            .map(|h| h.entries())
+            .unwrap_or_default()
+    }
+
+    /// The block being backed with pages, if any (pool, bytes).
+    pub(super) fn set_carving(&mut self, carving: Option<(Pool, u64)>) {
+        self.carving = carving;
+    }
+
+    /// Idle pages, allocator-wide.
+    pub(super) fn idle_pages(&self) -> usize {
+        self.idle_pages
+    }
+
+    /// Pages touched by active blocks in `pool`.
+    pub(super) fn touched_pages(&self, pool: Pool) -> usize {
+        self.touched_pages[pool.index()]
+    }
+
+    /// Lent pages per pool.
+    pub(super) fn lent_pages(&self) -> [usize; 2] {
+        self.lent_pages
+    }
+
+    /// One more page of a chunk in `pool` lent (`up`) or back home.
+    pub(super) fn count_lent(&mut self, pool: Pool, up: bool) {
+        match up {
+            true => self.lent_pages[pool.index()] += 1,
+            false => self.lent_pages[pool.index()] -= 1,
+        }
+    }
+
+    /// Forgets every lent page (teardown).
+    pub(super) fn forget_lent(&mut self) {
+        self.lent_pages = [0; 2];
+    }
 }

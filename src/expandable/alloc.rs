@@ -1,22 +1,39 @@
-//! The allocation path: round, pick a block, carve it, and back its pages with physical memory.
+//! The block path: an allocation rounds, picks a block (or reserves a segment), carves it and backs its
+//! pages (`grow.rs`); a free frees the block at once or parks it behind events (`streams.rs`); a
+//! `record_stream` notes another stream's use.
 
-use super::segment::Segment;
-use super::streams::StreamUses;
-use super::tag::TagId;
-use super::{Expandable, ROUND, SegmentKey};
+use super::accounting::SlotCounts;
+use super::segment::TagId;
+use super::segment::{FreeOutcome, Segment};
+use super::segments::SegmentKey;
+use super::{Expandable, ROUND};
+use crate::base::size::round_up;
+use crate::driver::{Driver, MemInfo, StreamId};
 use crate::strategy::config::Compaction;
-use crate::driver::{Driver, DriverError, MemInfo, StreamId};
 use crate::strategy::error::{Error, OutOfMemory, ReclaimStep};
 use crate::strategy::graph_pool::GraphPool;
-use crate::strategy::history::{TraceAction, TraceEntry};
+use crate::strategy::history::TraceAction;
 use crate::strategy::pool::Pool;
-use crate::base::size::round_up;
-use std::ops::Range;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.
 const FIT_CANDIDATES: usize = 8;
 
 impl<D: Driver> Expandable<D> {
+    /// Allocates `size` bytes on `stream`, under `tag` if given.
+    pub(super) fn alloc_in(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        tag: Option<TagId>,
+    ) -> Result<u64, Error> {
+        let graph = self.graphs.pool_for(&mut self.driver, stream)?;
+        // Event queries are refused during a capture; pending frees wait until it ends.
+        if !self.graphs.capturing() {
+            self.poll_pending()?;
+        }
+        self.allocate(size, stream, graph, tag)
+    }
+
     /// Allocates `size` bytes on `stream`.
     pub(super) fn allocate(
         &mut self,
@@ -44,50 +61,42 @@ impl<D: Driver> Expandable<D> {
         };
         let marks = self.reclaim_marks();
         let (slot, addr, borrowed) = self.find_block(rounded, stream, pool, (graph, tag))?;
-        let before = self.page_counts(slot);
-        self.segment_mut(slot).carve(addr, rounded, size);
+        let before = SlotCounts::of(self.segments.at(slot));
+        self.segments.at_mut(slot).carve(addr, rounded, size);
         // Counted only once its pages are there: a request that fails must not move a statistic or its
         // peak (PyTorch counts a block when it hands it out). Meanwhile it is `carving`, so the
         // non-releasable bytes of its pages stay right.
-        self.carving = Some((pool, rounded));
-        self.refresh_page_counts(slot, before);
+        self.books.set_carving(Some((pool, rounded)));
+        self.books.refresh(self.segments.at(slot), before);
         let backed = self.back_with_pages(slot, addr, rounded);
-        self.carving = None;
+        self.books.set_carving(None);
         match backed {
             Ok(()) => {
-                self.count_block(pool, rounded, size, true);
+                self.books.count_block(pool, rounded, size, true);
                 if borrowed {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
-                    self.stream_uses.insert(addr, StreamUses::new(stream));
+                    self.waits.add_use(addr, stream);
                 }
-                self.record(TraceAction::Alloc, addr, size, stream);
+                self.books.record(TraceAction::Alloc, addr, size, stream);
                 Ok(addr)
             }
             Err(err) => {
-                let before = self.page_counts(slot);
-                self.segment_mut(slot).free_live_at_addr(addr, rounded);
-                self.refresh_page_counts(slot, before);
+                let before = SlotCounts::of(self.segments.at(slot));
+                self.segments.at_mut(slot).free_live_at_addr(addr, rounded);
+                self.books.refresh(self.segments.at(slot), before);
                 if !err.is_out_of_memory() {
                     return Err(err);
                 }
                 // Under memory pressure nothing idle is worth keeping: give it all back before reporting
                 // (not during a capture, which forbids the waits and unmaps that takes).
-                if !self.capturing()
+                if !self.graphs.capturing()
                     && let Err(release_err) = self.release_cache()
                 {
                     tracing::warn!(%release_err, "cuvmm: releasing the cache after out-of-memory failed");
                 }
-                self.counters.ooms += 1;
+                self.books.counters.ooms += 1;
                 let oom = self.out_of_memory(size, rounded, stream, marks);
-                if let Some(history) = &mut self.history {
-                    history.push(TraceEntry {
-                        action: TraceAction::Oom,
-                        addr: 0,
-                        size: rounded,
-                        stream,
-                        device_free: Some(oom.device_free),
-                    });
-                }
+                self.books.record_oom(rounded, stream, oom.device_free);
                 tracing::info!(
                     requested = size,
                     stream = stream.0,
@@ -115,12 +124,14 @@ impl<D: Driver> Expandable<D> {
         let whole_pages = self.whole_pages(size, pool);
         let key = (stream, pool, graph, tag);
         let mut best: Option<((usize, u64), usize, u64)> = None;
-        for &slot in self.by_key.get(&key).into_iter().flatten() {
-            if self.segment(slot).whole_pages != whole_pages {
+        for slot in self.segments.of_key(&key) {
+            if self.segments.at(slot).whole_pages != whole_pages {
                 continue;
             }
             if let Some((missing, block_size, addr)) =
-                self.segment(slot).mapped_fit(size, FIT_CANDIDATES, false)
+                self.segments
+                    .at(slot)
+                    .mapped_fit(size, FIT_CANDIDATES, false)
                 && best.is_none_or(|(key, ..)| (missing, block_size) < key)
             {
                 best = Some(((missing, block_size), slot, addr));
@@ -130,10 +141,12 @@ impl<D: Driver> Expandable<D> {
             // Pages mapped in the other segments serve it where they are, on whole pages of a free block
             // (so it still shares no page), rather than be unmapped and mapped again.
             let mut in_place: Option<(u64, usize, u64)> = None;
-            for &slot in self.by_key.get(&key).into_iter().flatten() {
-                if !self.segment(slot).whole_pages
+            for slot in self.segments.of_key(&key) {
+                if !self.segments.at(slot).whole_pages
                     && let Some((0, block_size, addr)) =
-                        self.segment(slot).mapped_fit(size, FIT_CANDIDATES, true)
+                        self.segments
+                            .at(slot)
+                            .mapped_fit(size, FIT_CANDIDATES, true)
                     && in_place.is_none_or(|(smallest, ..)| block_size < smallest)
                 {
                     in_place = Some((block_size, slot, addr));
@@ -147,12 +160,15 @@ impl<D: Driver> Expandable<D> {
         if own_missing > 0
             && own_missing != usize::MAX
             && self.config.compaction == Compaction::Pressure
-            && self.under_pressure(own_missing as u64 * self.page_size)
+            && self.physical.under_pressure(
+                self.books.counters.reserved.current,
+                own_missing as u64 * self.page_size,
+            )
         {
             // Growing would pass the budget: every free block is worth comparing by the pages it needs.
-            for &slot in self.by_key.get(&key).into_iter().flatten() {
+            for slot in self.segments.of_key(&key) {
                 if let Some((missing, block_size, addr)) =
-                    self.segment(slot).mapped_fit(size, usize::MAX, false)
+                    self.segments.at(slot).mapped_fit(size, usize::MAX, false)
                     && best.is_none_or(|(key, ..)| (missing, block_size) < key)
                 {
                     best = Some(((missing, block_size), slot, addr));
@@ -167,9 +183,12 @@ impl<D: Driver> Expandable<D> {
         if self.config.cross_stream_reuse
             && graph.is_none()
             && tag.is_none()
-            && !self.capturing()
+            && !self.graphs.capturing()
             && own_missing > 0
-            && self.under_pressure(need.saturating_mul(self.page_size))
+            && self.physical.under_pressure(
+                self.books.counters.reserved.current,
+                need.saturating_mul(self.page_size),
+            )
             && let Some((slot, addr)) = self.borrow_block(size, stream, pool)?
         {
             return Ok((slot, addr, true));
@@ -179,7 +198,8 @@ impl<D: Driver> Expandable<D> {
         }
         let slot = self.reserve_segment(key, whole_pages, size)?;
         let (_, addr) = self
-            .segment(slot)
+            .segments
+            .at(slot)
             .best_fit(size)
             .expect("a new segment fits the request it was sized for");
         Ok((slot, addr, false))
@@ -201,23 +221,23 @@ impl<D: Driver> Expandable<D> {
         let Some((_, slot, addr)) = self.borrow_candidates(size, stream, pool).min() else {
             return Ok(None);
         };
-        let busy = self.segment(slot).stream;
-        if self.stream_idle(busy)? {
+        let busy = self.segments.at(slot).stream;
+        if self.waits.stream_idle(&mut self.driver, busy)? {
             return Ok(Some((slot, addr)));
         }
         // Its stream is busy: the other streams' candidates by size, each stream checked once.
         let mut candidates: Vec<(u64, usize, u64)> = self
             .borrow_candidates(size, stream, pool)
-            .filter(|&(_, slot, _)| self.segment(slot).stream != busy)
+            .filter(|&(_, slot, _)| self.segments.at(slot).stream != busy)
             .collect();
         candidates.sort_unstable();
         let mut checked: Vec<(StreamId, bool)> = Vec::new();
         for (.., slot, addr) in candidates {
-            let owner = self.segment(slot).stream;
+            let owner = self.segments.at(slot).stream;
             let idle = match checked.iter().find(|(s, _)| *s == owner) {
                 Some(&(_, idle)) => idle,
                 None => {
-                    let idle = self.stream_idle(owner)?;
+                    let idle = self.waits.stream_idle(&mut self.driver, owner)?;
                     checked.push((owner, idle));
                     idle
                 }
@@ -238,20 +258,17 @@ impl<D: Driver> Expandable<D> {
         pool: Pool,
     ) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
         let whole_pages = self.whole_pages(size, pool);
-        self.segments
-            .iter()
-            .enumerate()
-            .filter_map(move |(slot, seg)| {
-                let seg = seg.as_ref().filter(|s| {
-                    s.pool == pool
-                        && s.stream != stream
-                        && s.whole_pages == whole_pages
-                        && s.graph.is_none()
-                        && s.tag.is_none()
-                })?;
-                let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
-                Some((block_size, slot, addr))
-            })
+        self.segments.slotted().filter_map(move |(slot, seg)| {
+            let seg = Some(seg).filter(|s| {
+                s.pool == pool
+                    && s.stream != stream
+                    && s.whole_pages == whole_pages
+                    && s.graph.is_none()
+                    && s.tag.is_none()
+            })?;
+            let (block_size, addr) = seg.cached_fit(size, FIT_CANDIDATES)?;
+            Some((block_size, slot, addr))
+        })
     }
 
     /// Whether a request of `size` bytes (rounded) in `pool` goes to the segments of whole-page requests
@@ -263,17 +280,6 @@ impl<D: Driver> Expandable<D> {
         self.config.compaction == Compaction::Eager
             && pool == Pool::Large
             && size % self.page_size == 0
-    }
-
-    /// Whether `stream` has no queued work left: an event recorded on it now has already completed. An
-    /// event that cannot be destroyed is destroyed again at the next poll.
-    pub(super) fn stream_idle(&mut self, stream: StreamId) -> Result<bool, Error> {
-        let event = self.driver.record_event(stream)?;
-        let complete = self.driver.event_complete(event);
-        let destroyed = self.destroy_event(event);
-        let complete = complete?;
-        destroyed?;
-        Ok(complete)
     }
 
     /// Reserves a segment for `(stream, pool)` large enough for `min_size` bytes.
@@ -300,162 +306,121 @@ impl<D: Driver> Expandable<D> {
             stream = stream.0,
             "cuvmm: reserved segment"
         );
-        let slot = match self.segments.iter().position(Option::is_none) {
-            Some(slot) => slot,
-            None => {
-                self.segments.push(None);
-                self.segments.len() - 1
-            }
-        };
         let mut segment = Segment::new(va, stream, pool, whole_pages, self.page_size);
         segment.graph = graph;
         segment.tag = tag;
-        self.segments[slot] = Some(segment);
-        let at = self.by_addr.partition_point(|&(start, _)| start < va.start);
-        self.by_addr.insert(at, (va.start, slot));
-        self.by_key.entry(key).or_default().push(slot);
-        self.counters.segment.add(pool, 1);
+        let slot = self.segments.add_segment(key, segment);
+        self.books.counters.segment.add(pool, 1);
         Ok(slot)
     }
 
-    /// Maps the missing pages of the live block `addr .. addr + size` and sets access on its pages.
-    /// On failure every handle obtained is kept in the pool and the page map says what is mapped.
-    pub(super) fn back_with_pages(
-        &mut self,
-        slot: usize,
-        addr: u64,
-        size: u64,
-    ) -> Result<(), Error> {
-        let pages = self.segment(slot).pages_of(addr, size);
-        // Access is set on whole chunks, so the pages of a chunk beyond the block need no call later.
-        let mut access = pages.clone();
-        // Most requests find every page mapped: one search says so, and nothing is counted or collected.
-        let all_mapped = || {
-            self.segment(slot)
-                .pages
-                .first_unmapped(pages.clone())
-                .is_none()
+    /// Frees the live block at `addr`: at once if only its segment's stream used it, else parked until
+    /// events on the other streams complete.
+    pub(super) fn free_block(&mut self, addr: u64) -> Result<(), Error> {
+        let slot = self
+            .segments
+            .slot_of(addr)
+            .ok_or(Error::UnknownAddress { addr })?;
+        if let Some(tag) = self.segments.at(slot).tag
+            && !self.tags.is_awake(tag)
+        {
+            return Err(self.tags.asleep_error("free", tag));
+        }
+        let (size, requested, at) = match self.segments.at(slot).check_free(addr) {
+            FreeOutcome::Freed {
+                size,
+                requested,
+                at,
+            } => (size, requested, at),
+            FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
+            FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        let mut need = None;
-        let chunked = self.chunk_pages > 1 && self.segment(slot).pool == Pool::Large;
-        if chunked {
-            if all_mapped() {
-                need = Some(0);
-            } else {
-                access = self.map_chunks(slot, pages.clone())?;
+        // A block whose free was deferred is freed, though still live until its events are recorded.
+        if self.graphs.is_deferred(addr) {
+            return Err(Error::DoubleFree { addr });
+        }
+        if self.waits.any_uses() {
+            if self.graphs.capturing() {
+                // No event may be recorded or queried now: the block stays live, with its streams, until
+                // no capture is underway (`graphs.rs`).
+                if self.waits.used_elsewhere(addr) {
+                    self.graphs.defer(addr);
+                    return Ok(());
+                }
+            } else if let Some(streams) = self.waits.take_uses(addr) {
+                return self.park_block(slot, addr, streams);
             }
         }
-        let lending = self.lending;
-        let mut mapped = self.map_missing(slot, pages.clone(), need);
-        if mapped.is_err() && lending && !self.lending {
-            // The driver cannot map part of a handle: the lent pages went home; mapped without them.
-            mapped = self.map_missing(slot, pages, None);
+        let before = SlotCounts::of(self.segments.at(slot));
+        let (pool, stream) = (self.segments.at(slot).pool, self.segments.at(slot).stream);
+        let clock = self.segments.tick_free_clock();
+        let seg = self.segments.at_mut(slot);
+        seg.free_live(at, addr, size);
+        seg.last_free = clock;
+        self.books.count_block(pool, size, requested, false);
+        self.books.counters.count_inactive(pool, size);
+        self.books
+            .record(TraceAction::FreeRequested, addr, requested, stream);
+        self.books
+            .record(TraceAction::FreeCompleted, addr, requested, stream);
+        self.books.refresh(self.segments.at(slot), before);
+        Ok(())
+    }
+
+    /// Gives idle memory beyond `max_idle_bytes` back to the driver. A failure keeps the memory idle (the next
+    /// free or poll tries again) and is reported through `tracing`: it must not fail the free that caused it.
+    pub(super) fn release_excess_idle(&mut self) {
+        if self.graphs.capturing() {
+            // Releasing unmaps, which a capture forbids: the next free after it ends does it.
+            return;
         }
-        mapped?;
-        if self.segment(slot).pages.inaccessible_count() == 0 {
-            // Every mapped page of the segment has access: the usual case, with nothing left to do.
-            return Ok(());
-        }
-        if chunked {
-            // A chunk whose access failed earlier gets it now, whole: access is set on whole mappings. (The
-            // pages `map_missing` mapped are single pages or lent pieces, which widen nothing: the same
-            // range as before it.)
-            access = self.widen_to_chunks(slot, access);
-        }
-        let mut pos = access.start;
-        while let Some(run) = self
-            .segment(slot)
-            .pages
-            .first_inaccessible_run(pos..access.end)
+        let excess = self.idle_bytes().saturating_sub(self.config.max_idle_bytes);
+        if excess > 0
+            && let Err(err) = self.release_idle(excess)
         {
-            let va = self.segment(slot).page_addr(run.start);
-            self.driver
-                .set_access(va, run.len() as u64 * self.page_size)?;
-            pos = run.end;
-            self.segment_mut(slot).pages.set_accessible(run);
+            tracing::warn!(%err, excess, "cuvmm: releasing idle memory beyond max_idle_bytes failed; kept idle");
+        }
+    }
+
+    /// Frees the pending blocks whose events completed, then keeps idle memory within its limit.
+    fn poll_pending(&mut self) -> Result<(), Error> {
+        if self.graphs.any_deferred() {
+            self.insert_deferred_events()?;
+        }
+        if self.poll_events()? > 0 {
+            self.release_excess_idle();
         }
         Ok(())
     }
 
-    /// Maps the missing pages of `pages` of segment `slot`: pooled, unmapped, lent or new ones. On failure
-    /// every page obtained and not mapped is put back, and the page map says what is mapped; a lent page the
-    /// driver cannot map (it cannot map part of a handle) turns lending off.
-    /// `need`: the missing pages, if known.
-    fn map_missing(
-        &mut self,
-        slot: usize,
-        pages: Range<usize>,
-        need: Option<usize>,
-    ) -> Result<(), Error> {
-        let need = need.unwrap_or_else(|| self.segment(slot).pages.unmapped_count(pages.clone()));
-        if need > 0 {
-            // The handles, new ones first, in a buffer kept from one request to the next.
-            let mut queue = std::mem::take(&mut self.handle_queue);
-            queue.clear();
-            let reused = self.obtain_handles(need, &mut queue)? as u64;
-            let (pool, stream) = (self.segment(slot).pool, self.segment(slot).stream);
-            tracing::debug!(
-                pages = need,
-                reused,
-                created = need as u64 - reused,
-                "cuvmm: mapping pages"
-            );
-            // Each run of missing pages: one `map` call per page, then the page map and the statistics
-            // once for the run, and one `segment_map` event.
-            let mut taken = 0;
-            let mut pos = pages.start;
-            while let Some(start) = self.segment(slot).pages.first_unmapped(pos..pages.end) {
-                let end = (self.segment(slot).pages)
-                    .first_mapped(start..pages.end)
-                    .unwrap_or(pages.end);
-                let run = &queue[taken..taken + (end - start)];
-                let va = self.segment(slot).page_addr(start);
-                let (done, failure) = match self.driver.map_each(va, self.page_size, run) {
-                    Ok(()) => (run.len(), None),
-                    Err((done, err)) => (done, Some(err)),
-                };
-                (self.segment_mut(slot).pages).map_run(start, run[..done].iter().map(|p| p.handle));
-                let lent = self.note_mapped(slot, start, &run[..done]);
-                taken += done;
-                if done > 0 {
-                    let bytes = done as u64 * self.page_size;
-                    // A lent page's memory is counted at home.
-                    (self.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
-                    self.record(TraceAction::SegmentMap, va, bytes, stream);
-                }
-                if let Some(err) = failure {
-                    // A driver without partial mappings refuses a lent page: with `Unsupported` (the
-                    // trait's default), or, at offset 0, as a mapping smaller than its handle.
-                    if matches!(
-                        err,
-                        DriverError::Unsupported { .. } | DriverError::SizeMismatch { .. }
-                    ) && self.chunks.contains(&queue[taken].handle)
-                    {
-                        self.lending = false;
-                    }
-                    // The failed map may have mapped its page anyway (`settle.rs`): undone. The page that
-                    // failed and those not used yet are put back.
-                    self.undo_failed_map(va + done as u64 * self.page_size, self.page_size);
-                    let unused = queue.split_off(taken);
-                    self.handle_queue = queue;
-                    self.put_back(unused);
-                    return Err(err.into());
-                }
-                pos = end;
-            }
-            debug_assert_eq!(taken, queue.len(), "one handle per missing page");
-            self.handle_queue = queue;
-            self.counters.handles_reused += reused;
+    /// Records that the live block at `addr` is used by work on `stream` too. A no-op for the stream of
+    /// the block's segment, whose reuse is stream-ordered, and for a stream already recorded.
+    pub(super) fn record_stream_use(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
+        let slot = self
+            .segments
+            .slot_of(addr)
+            .ok_or(Error::UnknownAddress { addr })?;
+        // A block whose free was deferred during a capture is freed already.
+        if self.graphs.is_deferred(addr) {
+            return Err(Error::UnknownAddress { addr });
         }
+        // A live block must start at `addr`: found by its start, with no search for the block around it.
+        if !(self.segments.at(slot).block_at(addr)).is_some_and(|block| block.is_live()) {
+            return Err(Error::UnknownAddress { addr });
+        }
+        if stream == self.segments.at(slot).stream {
+            return Ok(());
+        }
+        self.waits.add_use(addr, stream);
         Ok(())
     }
 
     /// The counters that say which reclaim steps ran, read when a request starts.
     fn reclaim_marks(&self) -> ReclaimMarks {
         ReclaimMarks {
-            compacted: self.counters.compacted,
-            released: self.counters.released,
-            retries: self.counters.retries,
+            compacted: self.books.counters.compacted,
+            released: self.books.counters.released,
+            retries: self.books.counters.retries,
         }
     }
 
@@ -472,7 +437,7 @@ impl<D: Driver> Expandable<D> {
             free: 0,
             total: self.device_total,
         });
-        let c = &self.counters;
+        let c = &self.books.counters;
         let mut reclaim = Vec::new();
         if c.compacted > marks.compacted {
             reclaim.push(ReclaimStep::Compaction {
@@ -496,21 +461,20 @@ impl<D: Driver> Expandable<D> {
             stream,
             device_total: info.total,
             device_free: info.free,
-            allowed: self.limit,
+            allowed: self.physical.limit(),
             allocated: c.allocated.current(),
             reserved: c.reserved.current,
             idle: self.idle_bytes(),
-            idle_handles: self.pooled_pages() as u64 * self.page_size,
-            largest_free_block: self.largest_free_block(),
+            idle_handles: self.physical.pooled_pages() as u64 * self.page_size,
+            largest_free_block: self.segments.largest_free_mapped_block(),
             retried,
-            graph_pool_bytes: self.graph_pool_bytes().0,
-            capturing: self.capturing(),
-            asleep: self.asleep_tags(),
+            graph_pool_bytes: self.graphs.pool_bytes(&self.segments, self.page_size).0,
+            capturing: self.graphs.capturing(),
+            asleep: self.tags.asleep_list(&self.segments, self.page_size),
             reclaim,
         }
     }
 }
-
 /// Counters read when a request starts, to tell which reclaim steps it ran.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct ReclaimMarks {

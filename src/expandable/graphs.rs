@@ -17,7 +17,8 @@
 //! for programs), by a capture query of the allocating stream: its allocations go to an *implicit* pool,
 //! never released, since the allocator cannot know when the graph dies.
 
-use super::Expandable;
+use super::segments::Segments;
+use super::streams::StreamWaits;
 use crate::driver::{CaptureStatus, Driver, StreamId};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
@@ -42,9 +43,9 @@ pub(super) struct Graphs {
     /// Released pools whose segments still exist: forgotten once the last is freed.
     released: Vec<GraphPool>,
     /// Live blocks freed during a capture whose other streams' events wait until no capture is underway.
-    pub(super) deferred: Vec<u64>,
+    deferred: Vec<u64>,
     /// Whether an allocation asks the driver if its stream is capturing (captures not announced).
-    pub(super) detect: bool,
+    detect: bool,
 }
 
 impl Graphs {
@@ -60,13 +61,45 @@ impl Graphs {
     }
 
     /// Whether `pool` is live: begun more times than released. Its segments are pinned.
-    pub(super) fn is_live(&self, pool: GraphPool) -> bool {
+    pub(super) fn pool_is_live(&self, pool: GraphPool) -> bool {
         self.live.contains_key(&pool)
     }
 
     /// Whether `pool` is known: live, or released with segments left.
     pub(super) fn is_known(&self, pool: GraphPool) -> bool {
-        self.is_live(pool) || self.released.contains(&pool)
+        self.pool_is_live(pool) || self.released.contains(&pool)
+    }
+
+    /// Turns the capture query at each allocation on or off.
+    pub(super) fn set_detect(&mut self, on: bool) {
+        self.detect = on;
+    }
+
+    /// Whether the free of the live block at `addr` was deferred during a capture.
+    #[inline]
+    pub(super) fn is_deferred(&self, addr: u64) -> bool {
+        !self.deferred.is_empty() && self.deferred.contains(&addr)
+    }
+
+    /// Whether any free is deferred.
+    #[inline]
+    pub(super) fn any_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// Defers the free of the live block at `addr` until no capture is underway.
+    pub(super) fn defer(&mut self, addr: u64) {
+        self.deferred.push(addr);
+    }
+
+    /// The last deferred free, if any.
+    pub(super) fn last_deferred(&self) -> Option<u64> {
+        self.deferred.last().copied()
+    }
+
+    /// Forgets the last deferred free, done.
+    pub(super) fn deferred_done(&mut self) {
+        self.deferred.pop();
     }
 
     /// Forgets the released `pool`, whose last segment is gone.
@@ -75,27 +108,7 @@ impl Graphs {
     }
 }
 
-impl<D: Driver> Expandable<D> {
-    /// Turns on (or off) the capture query at each allocation, which finds captures the allocator was not
-    /// told of: their allocations go to an implicit pool that is never released. Off by default (a trace
-    /// replay has no captures); the facade turns it on.
-    pub fn detect_captures(&mut self, on: bool) {
-        self.graphs.detect = on;
-    }
-
-    /// Whether any capture is underway (some pool is being allocated to).
-    #[inline]
-    pub(super) fn capturing(&self) -> bool {
-        self.graphs.capturing()
-    }
-
-    /// Whether segment `slot` belongs to a live pool (its pages stay mapped where they are and its blocks
-    /// stay the pool's) or to a sleeping tag (`sleep.rs`: nothing of it is taken or placed).
-    pub(super) fn pinned(&self, slot: usize) -> bool {
-        (self.segment(slot).graph).is_some_and(|pool| self.graphs.is_live(pool))
-            || self.asleep(slot)
-    }
-
+impl Graphs {
     /// Starts allocating to `pool` for the streams `filter` accepts.
     pub(super) fn begin_pool(
         &mut self,
@@ -111,12 +124,12 @@ impl<D: Driver> Expandable<D> {
         if pool == GraphPool::NONE {
             return Err(refuse("{0, 0} names no pool"));
         }
-        if self.graphs.underway.iter().any(|u| u.pool == pool) {
+        if self.underway.iter().any(|u| u.pool == pool) {
             return Err(refuse("the pool is already being allocated to"));
         }
-        self.graphs.forget_released(pool);
-        *self.graphs.live.entry(pool).or_default() += 1;
-        self.graphs.underway.push(Underway {
+        self.forget_released(pool);
+        *self.live.entry(pool).or_default() += 1;
+        self.underway.push(Underway {
             pool,
             filter,
             revealed_by,
@@ -127,20 +140,19 @@ impl<D: Driver> Expandable<D> {
 
     /// Stops allocating to `pool`.
     pub(super) fn end_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
-        let at =
-            (self.graphs.underway.iter().position(|u| u.pool == pool)).ok_or(Error::GraphPool {
-                operation: "end_allocate_to_pool",
-                pool,
-                problem: "the pool is not being allocated to",
-            })?;
-        self.graphs.underway.remove(at);
+        let at = (self.underway.iter().position(|u| u.pool == pool)).ok_or(Error::GraphPool {
+            operation: "end_allocate_to_pool",
+            pool,
+            problem: "the pool is not being allocated to",
+        })?;
+        self.underway.remove(at);
         tracing::debug!(%pool, "cuvmm: stopped allocating to a graph pool");
         Ok(())
     }
 
     /// One more user of `pool` (PyTorch's `createOrIncrefPool`, which a `MemPool` calls when made): it is
     /// live, and its segments pinned, until released once more.
-    pub(super) fn incref_graph_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+    pub(super) fn incref_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
         if pool == GraphPool::NONE {
             return Err(Error::GraphPool {
                 operation: "incref_pool",
@@ -148,23 +160,27 @@ impl<D: Driver> Expandable<D> {
                 problem: "{0, 0} names no pool",
             });
         }
-        self.graphs.forget_released(pool);
-        *self.graphs.live.entry(pool).or_default() += 1;
+        self.forget_released(pool);
+        *self.live.entry(pool).or_default() += 1;
         Ok(())
     }
 
     /// One graph that used `pool` is gone; once none is left, the pool's segments are unpinned.
-    pub(super) fn release_graph_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
-        let uses = self.graphs.live.get_mut(&pool).ok_or(Error::GraphPool {
+    pub(super) fn drop_pool_use(
+        &mut self,
+        pool: GraphPool,
+        segments: &Segments,
+    ) -> Result<(), Error> {
+        let uses = self.live.get_mut(&pool).ok_or(Error::GraphPool {
             operation: "release_pool",
             pool,
             problem: "the pool is not live (never begun, or released as often as begun)",
         })?;
         *uses -= 1;
         if *uses == 0 {
-            self.graphs.live.remove(&pool);
-            if self.live_segments().any(|seg| seg.graph == Some(pool)) {
-                self.graphs.released.push(pool);
+            self.live.remove(&pool);
+            if segments.any_of_graph(pool) {
+                self.released.push(pool);
             }
             tracing::debug!(%pool, "cuvmm: graph pool released");
         }
@@ -174,35 +190,39 @@ impl<D: Driver> Expandable<D> {
     /// The pool an allocation on `stream` goes to, if any: the first pool underway whose filter accepts the
     /// stream; with capture detection on, an implicit pool for a capture not announced. Ends the implicit
     /// pools whose capture has ended.
-    pub(super) fn pool_for(&mut self, stream: StreamId) -> Result<Option<GraphPool>, Error> {
-        if !self.graphs.detect && !self.graphs.capturing() {
+    pub(super) fn pool_for<D: Driver>(
+        &mut self,
+        driver: &mut D,
+        stream: StreamId,
+    ) -> Result<Option<GraphPool>, Error> {
+        if !self.detect && !self.capturing() {
             return Ok(None);
         }
         // The stream's capture status, asked once, when a filter or the detection needs it.
         let mut status: Option<CaptureStatus> = None;
-        self.end_finished_implicit_pools()?;
-        for i in 0..self.graphs.underway.len() {
-            let accepts = match &self.graphs.underway[i].filter {
+        self.end_finished_implicit_pools(driver)?;
+        for i in 0..self.underway.len() {
+            let accepts = match &self.underway[i].filter {
                 StreamFilter::Streams(streams) => streams.contains(&stream),
                 StreamFilter::Custom(accepts) => accepts(stream),
                 &StreamFilter::Capture(id) => {
                     let now = match status {
                         Some(now) => now,
-                        None => *status.insert(self.driver.capture_status(stream)?),
+                        None => *status.insert(driver.capture_status(stream)?),
                     };
                     matches!(now, CaptureStatus::Active { id: active, .. } if active == id)
                 }
             };
             if accepts {
-                return Ok(Some(self.graphs.underway[i].pool));
+                return Ok(Some(self.underway[i].pool));
             }
         }
-        if !self.graphs.detect {
+        if !self.detect {
             return Ok(None);
         }
         let now = match status {
             Some(now) => now,
-            None => self.driver.capture_status(stream)?,
+            None => driver.capture_status(stream)?,
         };
         let CaptureStatus::Active { id, .. } = now else {
             return Ok(None);
@@ -219,18 +239,18 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Ends the implicit pools whose capture is over (their stream no longer captures with that id).
-    fn end_finished_implicit_pools(&mut self) -> Result<(), Error> {
+    fn end_finished_implicit_pools<D: Driver>(&mut self, driver: &mut D) -> Result<(), Error> {
         let mut i = 0;
-        while i < self.graphs.underway.len() {
-            let underway = &self.graphs.underway[i];
+        while i < self.underway.len() {
+            let underway = &self.underway[i];
             if let (Some(stream), StreamFilter::Capture(id)) =
                 (underway.revealed_by, &underway.filter)
             {
                 let id = *id;
-                let still = matches!(self.driver.capture_status(stream)?,
+                let still = matches!(driver.capture_status(stream)?,
                     CaptureStatus::Active { id: active, .. } if active == id);
                 if !still {
-                    self.graphs.underway.remove(i);
+                    self.underway.remove(i);
                     continue;
                 }
             }
@@ -239,62 +259,33 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// Frees the blocks whose free was deferred during a capture: records events on their other streams
-    /// and parks them. Only once no capture is underway.
-    pub(super) fn insert_deferred_events(&mut self) -> Result<(), Error> {
-        while let Some(&addr) = self.graphs.deferred.last() {
-            let slot = self.slot_of(addr).ok_or(Error::UnknownAddress { addr })?;
-            let streams =
-                (self.stream_uses.remove(&addr)).expect("a deferred free keeps its streams");
-            // On failure the block stays live with its streams, and stays deferred.
-            self.park_block(slot, addr, streams)?;
-            self.graphs.deferred.pop();
-        }
-        Ok(())
-    }
-
-    /// Lets device `peer` reach every range mapped now and every one mapped later.
-    pub(super) fn grant_peer(&mut self, peer: usize) -> Result<(), Error> {
-        self.driver.add_peer(peer)?;
-        let mut runs = Vec::new();
-        for seg in self.live_segments() {
-            for run in seg.pages.accessible_runs(0..seg.pages.len()) {
-                runs.push((seg.page_addr(run.start), run.len() as u64 * self.page_size));
-            }
-        }
-        for (va, size) in runs {
-            self.driver.set_access(va, size)?;
-        }
-        tracing::info!(peer, "cuvmm: peer device given access");
-        Ok(())
-    }
-
     /// The graph part of `check_invariants()`: every segment's pool is live or released (and a released
     /// pool still has a segment), every pool being allocated to is live, and every deferred free is of a
     /// distinct live block that still has its streams.
-    pub(super) fn check_graphs(&self) -> Result<(), InvariantViolation> {
+    pub(super) fn check_graphs(
+        &self,
+        segments: &Segments,
+        waits: &StreamWaits,
+    ) -> Result<(), InvariantViolation> {
         let broken = |addr| InvariantViolation::GraphPool { addr };
-        for seg in self.live_segments() {
-            if seg.graph.is_some_and(|pool| !self.graphs.is_known(pool)) {
+        for seg in segments.live() {
+            if seg.graph.is_some_and(|pool| !self.is_known(pool)) {
                 return Err(broken(seg.va.start));
             }
         }
-        for &pool in &self.graphs.released {
-            if self.graphs.is_live(pool) || !self.live_segments().any(|s| s.graph == Some(pool)) {
+        for &pool in &self.released {
+            if self.pool_is_live(pool) || !segments.any_of_graph(pool) {
                 return Err(broken(0));
             }
         }
-        if (self.graphs.underway.iter()).any(|u| !self.graphs.is_live(u.pool)) {
+        if (self.underway.iter()).any(|u| !self.pool_is_live(u.pool)) {
             return Err(broken(0));
         }
-        for (i, &addr) in self.graphs.deferred.iter().enumerate() {
-            let live = self.slot_of(addr).is_some_and(|slot| {
-                (self.segment(slot).block_at(addr)).is_some_and(|block| block.is_live())
+        for (i, &addr) in self.deferred.iter().enumerate() {
+            let live = segments.slot_of(addr).is_some_and(|slot| {
+                (segments.at(slot).block_at(addr)).is_some_and(|block| block.is_live())
             });
-            if !live
-                || !self.stream_uses.contains_key(&addr)
-                || self.graphs.deferred[..i].contains(&addr)
-            {
+            if !live || !waits.used_elsewhere(addr) || self.deferred[..i].contains(&addr) {
                 return Err(broken(addr));
             }
         }
@@ -302,12 +293,12 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Mapped bytes of live pools' segments, and how many pools are live.
-    pub(super) fn graph_pool_bytes(&self) -> (u64, u64) {
-        let bytes = self
-            .live_segments()
-            .filter(|seg| seg.graph.is_some_and(|pool| self.graphs.is_live(pool)))
-            .map(|seg| seg.pages.mapped_count() as u64 * self.page_size)
+    pub(super) fn pool_bytes(&self, segments: &Segments, page_size: u64) -> (u64, u64) {
+        let bytes = segments
+            .live()
+            .filter(|seg| seg.graph.is_some_and(|pool| self.pool_is_live(pool)))
+            .map(|seg| seg.pages.mapped_count() as u64 * page_size)
             .sum();
-        (bytes, self.graphs.live.len() as u64)
+        (bytes, self.live.len() as u64)
     }
 }

@@ -44,8 +44,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     // Lent blocks found, per chunk: (segment start, page).
     let mut lent_blocks: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
     let mut lent_per_pool = [0usize; 2];
-    for (slot, seg) in a.segments.iter().enumerate() {
-        let Some(seg) = seg else { continue };
+    for (slot, seg) in a.segments.slotted() {
         let t = &mut totals[seg.pool.index()];
         t.segments += 1;
         t.mapped += seg.pages.mapped_count() as u64;
@@ -74,18 +73,18 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                         t.allocated += block.size;
                         t.requested += req;
                         t.live += 1;
-                        check_stream_uses(a, addr, seg.stream)?;
                     } else {
                         t.pending += block.size;
                         t.pending_blocks += 1;
-                        if a.pending.outstanding.get(&addr).is_none_or(|p| p.left == 0) {
+                        if !a.waits.is_parked(addr) {
                             return Err(V::PendingFree { addr });
                         }
                     }
                     for page in seg.pages_of(addr, block.size) {
                         users[page] += 1;
                         // A sleeping tag's pages are unmapped under its live blocks (`check_sleep`).
-                        if !seg.pages.is_accessible(page) && !a.asleep(slot) {
+                        if !seg.pages.is_accessible(page) && !a.tags.sleeps(a.segments.at(slot).tag)
+                        {
                             return Err(V::LivePageUnmapped {
                                 page_addr: seg.page_addr(page),
                                 block: addr,
@@ -97,7 +96,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     prev_free = None;
                     let pages = seg.pages_of(addr, block.size);
                     let page = pages.start;
-                    let handle = seg.pages.handle(page).filter(|h| a.chunks.contains(h));
+                    let handle = seg.pages.handle(page).filter(|&h| a.physical.is_chunk(h));
                     if block.size != a.page_size || seg.page_addr(page) != addr {
                         return Err(V::Misaligned {
                             addr,
@@ -157,16 +156,20 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             let Some(handle) = seg.pages.handle(page) else {
                 continue;
             };
-            if let Some(piece) = a.aliases.get(&seg.page_addr(page)) {
+            if let Some(piece) = a.lending.alias_at(seg.page_addr(page)) {
                 // A second mapping: its memory is held at home.
-                check_alias(a, piece, handle, seg.page_addr(page))?;
+                (a.lending).check_alias(
+                    &a.segments,
+                    (a.page_size, a.physical.chunk_pages()),
+                    (piece, handle, seg.page_addr(page)),
+                )?;
                 t.mapped -= 1;
                 continue;
             }
             held_pages += 1;
-            if a.chunks.contains(&handle) {
+            if a.physical.is_chunk(handle) {
                 // A chunk is inserted at the first page of its group, and every page of the group holds it.
-                let k = a.chunk_pages;
+                let k = a.physical.chunk_pages();
                 let group = page - page % k;
                 let whole = group + k <= seg.pages.len()
                     && (group..group + k).all(|p| seg.pages.handle(p) == Some(handle));
@@ -190,43 +193,55 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();
     }
-    check_lenders(a, &lent_blocks, lent_per_pool)?;
+    (a.lending).check_lenders(
+        &a.segments,
+        a.physical.chunk_pages(),
+        &lent_blocks,
+        lent_per_pool,
+        a.books.lent_pages(),
+    )?;
     let mapped = held_pages;
-    for handle in &a.pooled {
-        if a.chunks.contains(handle) || !held.insert(handle.0) {
+    let (pooled, pooled_chunks) = a.physical.pooled();
+    for handle in pooled {
+        if a.physical.is_chunk(*handle) || !held.insert(handle.0) {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
         held_pages += 1;
     }
-    for handle in &a.pooled_chunks {
-        if !a.chunks.contains(handle) || !held.insert(handle.0) {
+    for handle in pooled_chunks {
+        if !a.physical.is_chunk(*handle) || !held.insert(handle.0) {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
         chunks_seen += 1;
-        held_pages += a.chunk_pages as u64;
+        held_pages += a.physical.chunk_pages() as u64;
     }
-    if chunks_seen != a.chunks.len() || (a.chunk_pages == 1 && !a.chunks.is_empty()) {
+    let chunks = a.physical.chunks();
+    if chunks_seen != chunks.len() || (a.physical.chunk_pages() == 1 && !chunks.is_empty()) {
         return Err(V::HandleCount {
             mapped,
-            pooled: a.pooled_pages() as u64,
+            pooled: a.physical.pooled_pages() as u64,
             created: chunks_seen as u64,
-            released: a.chunks.len() as u64,
+            released: chunks.len() as u64,
         });
     }
     let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
-    check_pending_list(a, pending_blocks as usize)?;
-    a.check_graphs()?;
-    a.check_sleep()?;
-    let c = &a.counters;
+    a.waits.check_waits(&a.segments, pending_blocks as usize)?;
+    a.graphs.check_graphs(&a.segments, &a.waits)?;
+    a.tags.check_tags(&a.segments)?;
+    let c = &a.books.counters;
     if held_pages != c.created - c.released {
         return Err(V::HandleCount {
             mapped,
-            pooled: a.pooled_pages() as u64,
+            pooled: a.physical.pooled_pages() as u64,
             created: c.created,
             released: c.released,
         });
     }
-    if let Some(limit) = a.limit.filter(|&limit| c.reserved.current > limit) {
+    if let Some(limit) = a
+        .physical
+        .limit()
+        .filter(|&limit| c.reserved.current > limit)
+    {
         return Err(V::OverLimit {
             reserved: c.reserved.current,
             limit,
@@ -238,12 +253,12 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             c.reserved.current,
             held_pages * a.page_size,
         ),
-        ("idle_pages", a.idle_pages as u64, idle as u64),
+        ("idle_pages", a.books.idle_pages() as u64, idle as u64),
     ])?;
     for pool in [Pool::Small, Pool::Large] {
         let t = &totals[pool.index()];
         let i = pool.index();
-        let stranded = ((t.touched - a.lent_pages[i] as u64) * a.page_size)
+        let stranded = ((t.touched - a.books.lent_pages()[i] as u64) * a.page_size)
             .saturating_sub(t.allocated + t.pending);
         V::check_stats(&[
             ("allocated_bytes", c.allocated.pool[i].current, t.allocated),
@@ -265,7 +280,11 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 t.mapped * a.page_size,
             ),
             ("segment", c.segment.pool[i].current, t.segments),
-            ("touched_pages", a.touched_pages[i] as u64, t.touched),
+            (
+                "touched_pages",
+                a.books.touched_pages(pool) as u64,
+                t.touched,
+            ),
             (
                 "inactive_split_bytes",
                 c.inactive_split.pool[i].current,
@@ -290,7 +309,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         (
             "inactive_split_bytes",
             c.inactive_split.current(),
-            (totals.iter().zip(a.lent_pages))
+            (totals.iter().zip(a.books.lent_pages()))
                 .map(|(t, lent)| {
                     ((t.touched - lent as u64) * a.page_size)
                         .saturating_sub(t.allocated + t.pending)
@@ -298,113 +317,4 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 .sum(),
         ),
     ])
-}
-
-/// A lent page mapped at `addr`: the page map holds its chunk, and its chunk lends the page.
-fn check_alias<D: Driver>(
-    a: &Expandable<D>,
-    piece: &crate::driver::PhysPage,
-    handle: crate::driver::PhysHandle,
-    addr: u64,
-) -> Result<(), V> {
-    let lends = a.lenders.get(&piece.handle).is_some_and(|lender| {
-        let page = lender.group + (piece.offset / a.page_size) as usize;
-        piece.offset % a.page_size == 0
-            && piece.offset < (a.chunk_pages as u64) * a.page_size
-            && a.segments
-                .get(lender.slot)
-                .and_then(Option::as_ref)
-                .is_some_and(|home| {
-                    home.block_at(home.page_addr(page)).map(|b| b.state) == Some(BlockState::Lent)
-                })
-    });
-    if piece.handle != handle || !lends {
-        return Err(V::LentPage { addr });
-    }
-    Ok(())
-}
-
-/// The lenders against the lent blocks: each chunk with lent blocks has a lender at their group, counting
-/// them, and as many second mappings of it; per pool, the lent page counts match.
-fn check_lenders<D: Driver>(
-    a: &Expandable<D>,
-    lent_blocks: &HashMap<u64, Vec<(usize, usize)>>,
-    lent_per_pool: [usize; 2],
-) -> Result<(), V> {
-    let mut aliases_per_chunk: HashMap<u64, usize> = HashMap::new();
-    for piece in a.aliases.values() {
-        *aliases_per_chunk.entry(piece.handle.0).or_default() += 1;
-    }
-    for (handle, lender) in &a.lenders {
-        let blocks = lent_blocks.get(&handle.0).map_or(&[][..], Vec::as_slice);
-        let at_home = blocks.iter().all(|&(slot, page)| {
-            slot == lender.slot && page - page % a.chunk_pages == lender.group
-        });
-        let addr = a.segment(lender.slot).page_addr(lender.group);
-        if !at_home
-            || blocks.len() != lender.lent
-            || aliases_per_chunk.get(&handle.0) != Some(&lender.lent)
-        {
-            return Err(V::LentPage { addr });
-        }
-    }
-    if lent_blocks.len() != a.lenders.len()
-        || aliases_per_chunk.len() != a.lenders.len()
-        || lent_per_pool != a.lent_pages
-    {
-        let addr = a.aliases.keys().min().copied().unwrap_or(0);
-        return Err(V::LentPage { addr });
-    }
-    Ok(())
-}
-
-/// The streams recorded for the live block at `addr` (if any): not empty, no duplicate, not `own`.
-fn check_stream_uses<D: Driver>(
-    a: &Expandable<D>,
-    addr: u64,
-    own: crate::driver::StreamId,
-) -> Result<(), V> {
-    let Some(streams) = a.stream_uses.get(&addr) else {
-        return Ok(());
-    };
-    let distinct: HashSet<_> = streams.iter().collect();
-    if distinct.len() != streams.iter().count() || distinct.contains(&own) {
-        return Err(V::StreamUse { addr });
-    }
-    Ok(())
-}
-
-/// The pending list against the blocks: every recorded stream use is of a live block, every event is
-/// counted once for its block, and there are as many parked blocks as pending blocks.
-fn check_pending_list<D: Driver>(a: &Expandable<D>, pending_blocks: usize) -> Result<(), V> {
-    for &addr in a.stream_uses.keys() {
-        let live = a.slot_of(addr).is_some_and(|slot| {
-            a.segment(slot)
-                .block_at(addr)
-                .is_some_and(|block| block.is_live())
-        });
-        if !live {
-            return Err(V::StreamUse { addr });
-        }
-    }
-    let mut events: HashMap<u64, usize> = HashMap::new();
-    for &(_, addr) in a.pending.queued() {
-        *events.entry(addr).or_default() += 1;
-    }
-    for (&addr, parked) in &a.pending.outstanding {
-        if events.get(&addr) != Some(&parked.left) || a.slot_of(addr) != Some(parked.slot) {
-            return Err(V::PendingFree { addr });
-        }
-    }
-    if let Some(&addr) = events
-        .keys()
-        .find(|addr| !a.pending.outstanding.contains_key(addr))
-    {
-        return Err(V::PendingFree { addr });
-    }
-    if a.pending.outstanding.len() != pending_blocks {
-        let addr = a.pending.outstanding.keys().min().copied().unwrap_or(0);
-        return Err(V::PendingFree { addr });
-    }
-    Ok(())
 }

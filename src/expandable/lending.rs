@@ -16,91 +16,76 @@
 //! (as for any page taken by a compaction). Mapping it elsewhere costs one `map` per page, as a single page
 //! does. Physical memory is counted once, at home: the second mapping adds nothing to `mapped_bytes` or
 //! `reserved_bytes`.
+//!
+//! A part that owns its state ([`Lending`]): which chunks lend pages, and where each lent page is mapped a
+//! second time. The orchestrator (`reclaim.rs`) chooses the pages, changes their blocks and maps them.
 
-use super::Expandable;
-use super::lender::Lender;
-use super::physical::{Compacting, Wait};
-use crate::driver::{Driver, PhysHandle, PhysPage};
-use crate::strategy::error::Error;
+use super::blocks::BlockState;
+use super::segment::Segment;
+use super::segments::Segments;
+use crate::driver::{PhysHandle, PhysPage};
+use crate::strategy::error::InvariantViolation as V;
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::HashMap;
 use std::ops::Range;
 
-impl<D: Driver> Expandable<D> {
-    /// Lends up to `count` idle pages of chunks that a live block still touches, appending them to `out` as
-    /// pieces of their chunks; returns the pages lent. Segments are taken as by
-    /// [`steal_idle`](Self::steal_idle) (oldest last free first), and only those whose stream `wait` shows
-    /// done with its queued work.
-    pub(super) fn lend_stranded(
+/// A chunk with pages lent: where it is mapped at home, and how many of its pages are lent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Lender {
+    /// The segment of the chunk's home mapping.
+    slot: usize,
+    /// The first page of the chunk's group there.
+    group: usize,
+    /// Pages lent: mapped elsewhere, or on their way to a mapping.
+    lent: usize,
+}
+
+/// The chunks that lend pages and the second mappings of those pages.
+#[derive(Debug)]
+pub(super) struct Lending {
+    /// The chunks with pages lent, and where each is mapped at home.
+    lenders: FxHashMap<PhysHandle, Lender>,
+    /// Lent pages mapped a second time, by address: the piece of its chunk each maps.
+    aliases: FxHashMap<u64, PhysPage>,
+    /// Whether idle pages of chunks in use may be lent: false once the driver has said it cannot map part
+    /// of a handle.
+    enabled: bool,
+}
+
+impl Lending {
+    /// Nothing lent; lending allowed if `enabled`.
+    pub(super) fn allowed(enabled: bool) -> Self {
+        Self {
+            lenders: FxHashMap::default(),
+            aliases: FxHashMap::default(),
+            enabled,
+        }
+    }
+
+    /// Whether idle pages of chunks in use may be lent.
+    pub(super) fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// The driver cannot map part of a handle: lend no more.
+    pub(super) fn disable(&mut self) {
+        self.enabled = false;
+    }
+
+    /// Whether the page at `addr` holds a lent page (a second mapping of a chunk's page).
+    #[inline]
+    pub(super) fn is_alias(&self, addr: u64) -> bool {
+        !self.aliases.is_empty() && self.aliases.contains_key(&addr)
+    }
+
+    /// Lends `page` of segment `slot`, in the chunk `handle` mapped at home at the group from `group`:
+    /// returns its piece of the chunk.
+    pub(super) fn lend_piece(
         &mut self,
-        count: usize,
-        out: &mut Vec<PhysPage>,
-        wait: Wait,
-        compacting: &mut Compacting,
-    ) -> Result<usize, Error> {
-        if self.chunks.is_empty() || !self.lending {
-            return Ok(0);
-        }
-        let order = self.segments_with_idle_pages();
-        let mut lent = 0;
-        for slot in order {
-            if lent >= count {
-                break;
-            }
-            let pages = self.lendable(slot, count - lent);
-            if pages.is_empty() || !self.stream_done(self.segment(slot).stream, wait, compacting)? {
-                continue;
-            }
-            for page in pages {
-                self.lend(slot, page, out);
-                lent += 1;
-            }
-        }
-        if lent > 0 {
-            tracing::debug!(pages = lent, "cuvmm: lent idle pages of chunks in use");
-        }
-        Ok(lent)
-    }
-
-    /// Up to `count` idle pages of segment `slot` that lie in chunks, highest first. (Idle pages in chunks
-    /// that no live block touches are taken whole by `steal_idle` before any is lent.)
-    fn lendable(&self, slot: usize, count: usize) -> Vec<usize> {
-        let pages = &self.segment(slot).pages;
-        let mut found = Vec::new();
-        let mut end = pages.len();
-        while found.len() < count
-            && let Some(run) = pages.last_idle_run_before(end)
-        {
-            end = run.start;
-            found.extend(
-                run.rev()
-                    .filter(|&page| self.chunk_at(slot, page).is_some())
-                    .take(count - found.len()),
-            );
-        }
-        found
-    }
-
-    /// Whether `page` of segment `slot` holds a lent page (a second mapping of a chunk's page).
-    pub(super) fn is_alias(&self, slot: usize, page: usize) -> bool {
-        !self.aliases.is_empty()
-            && self
-                .aliases
-                .contains_key(&self.segment(slot).page_addr(page))
-    }
-
-    /// Lends idle `page` of segment `slot`, which holds a chunk at home: its addresses become a lent block
-    /// and its piece of the chunk goes to `out`.
-    fn lend(&mut self, slot: usize, page: usize, out: &mut Vec<PhysPage>) {
-        let group = (self.chunk_at(slot, page))
-            .expect("a page to lend holds a chunk at home")
-            .start;
-        let handle = (self.segment(slot).pages.handle(page)).expect("a chunk's page is mapped");
-        let before = self.page_counts(slot);
-        let addr = self.segment(slot).page_addr(page);
-        let page_size = self.page_size;
-        self.segment_mut(slot).lend(addr, page_size);
-        let pool = self.segment(slot).pool;
-        self.lent_pages[pool.index()] += 1;
-        self.refresh_page_counts(slot, before);
+        handle: PhysHandle,
+        (slot, group, page): (usize, usize, usize),
+        page_size: u64,
+    ) -> PhysPage {
         self.lenders
             .entry(handle)
             .or_insert(Lender {
@@ -109,15 +94,14 @@ impl<D: Driver> Expandable<D> {
                 lent: 0,
             })
             .lent += 1;
-        out.push(PhysPage {
+        PhysPage {
             handle,
-            offset: (page - group) as u64 * self.page_size,
-        });
+            offset: (page - group) as u64 * page_size,
+        }
     }
 
-    /// Takes a lent page, mapped nowhere else now, back home: its lent block is freed and the page is idle
-    /// there again.
-    fn return_home(&mut self, piece: PhysPage) {
+    /// Takes a lent piece, mapped nowhere else now, back: returns the slot and page of its home.
+    pub(super) fn return_piece(&mut self, piece: PhysPage, page_size: u64) -> (usize, usize) {
         let lender = self
             .lenders
             .get_mut(&piece.handle)
@@ -127,36 +111,33 @@ impl<D: Driver> Expandable<D> {
         if lender.lent == 0 {
             self.lenders.remove(&piece.handle);
         }
-        let page = group + (piece.offset / self.page_size) as usize;
-        let before = self.page_counts(slot);
-        let addr = self.segment(slot).page_addr(page);
-        self.segment_mut(slot).unlend(addr);
-        let pool = self.segment(slot).pool;
-        self.lent_pages[pool.index()] -= 1;
-        self.refresh_page_counts(slot, before);
+        (slot, group + (piece.offset / page_size) as usize)
     }
 
-    /// Puts pages not mapped anywhere back: single-page handles into the pool, lent pieces of chunks home.
-    pub(super) fn put_back(&mut self, pages: impl IntoIterator<Item = PhysPage>) {
-        for page in pages {
-            if self.chunks.contains(&page.handle) {
-                self.return_home(page);
-            } else {
-                self.pooled.push(page.handle);
-            }
-        }
+    /// Pages of the segments `slots` lent elsewhere.
+    pub(super) fn lent_from(&self, slots: &[usize]) -> usize {
+        (self.lenders.values())
+            .filter(|l| slots.contains(&l.slot))
+            .map(|l| l.lent)
+            .sum()
     }
 
-    /// Records that `pages` (pieces, one per page) were mapped at the pages from `start` of segment `slot`:
-    /// the lent ones as second mappings. Returns how many were lent.
-    pub(super) fn note_mapped(&mut self, slot: usize, start: usize, pages: &[PhysPage]) -> usize {
+    /// Records that `pages` (pieces, one per page) were mapped at the pages from `start` of `seg`: the lent
+    /// ones (pieces of `chunks`) as second mappings. Returns how many were lent.
+    pub(super) fn note_mapped(
+        &mut self,
+        chunks: &FxHashSet<PhysHandle>,
+        seg: &Segment,
+        start: usize,
+        pages: &[PhysPage],
+    ) -> usize {
         if self.lenders.is_empty() {
             return 0;
         }
         let mut lent = 0;
         for (i, page) in pages.iter().enumerate() {
-            if self.chunks.contains(&page.handle) {
-                let addr = self.segment(slot).page_addr(start + i);
+            if chunks.contains(&page.handle) {
+                let addr = seg.page_addr(start + i);
                 self.aliases.insert(addr, *page);
                 lent += 1;
             }
@@ -164,35 +145,104 @@ impl<D: Driver> Expandable<D> {
         lent
     }
 
-    /// Records that the pages `run` of segment `slot` were unmapped, their handles `handles` (in page order,
-    /// as the page map gave them): appends single pages and lent pieces to `out`, appends each chunk unmapped
-    /// at home once to `chunks`. Returns how many were lent pieces.
+    /// Records that the pages `run` of `seg` were unmapped, their handles `handles` (in page order, as the
+    /// page map gave them): appends single pages and lent pieces to `out`, appends each chunk unmapped at home
+    /// once to `unmapped_chunks`. Returns how many were lent pieces.
     pub(super) fn note_unmapped(
         &mut self,
-        slot: usize,
-        run: Range<usize>,
-        handles: &[PhysHandle],
+        chunks: &FxHashSet<PhysHandle>,
+        seg: &Segment,
+        (run, handles): (Range<usize>, &[PhysHandle]),
         out: &mut Vec<PhysPage>,
-        chunks: &mut Vec<PhysHandle>,
+        unmapped_chunks: &mut Vec<PhysHandle>,
     ) -> usize {
-        if self.chunks.is_empty() {
+        if chunks.is_empty() {
             out.extend(handles.iter().copied().map(PhysPage::from));
             return 0;
         }
         let mut lent = 0;
         for (page, &handle) in run.zip(handles) {
-            if !self.chunks.contains(&handle) {
+            if !chunks.contains(&handle) {
                 out.push(PhysPage::from(handle));
             } else if let Some(piece) = (!self.aliases.is_empty())
-                .then(|| self.aliases.remove(&self.segment(slot).page_addr(page)))
+                .then(|| self.aliases.remove(&seg.page_addr(page)))
                 .flatten()
             {
                 out.push(piece);
                 lent += 1;
-            } else if chunks.last() != Some(&handle) {
-                chunks.push(handle);
+            } else if unmapped_chunks.last() != Some(&handle) {
+                unmapped_chunks.push(handle);
             }
         }
         lent
+    }
+
+    /// Forgets every lent page (teardown).
+    pub(super) fn forget_all(&mut self) {
+        self.aliases.clear();
+        self.lenders.clear();
+    }
+
+    /// The lent piece mapped at `addr`, if any.
+    pub(super) fn alias_at(&self, addr: u64) -> Option<&PhysPage> {
+        self.aliases.get(&addr)
+    }
+
+    /// A lent page mapped at `addr`: the page map holds its chunk, and its chunk lends the page.
+    pub(super) fn check_alias(
+        &self,
+        segments: &Segments,
+        (page_size, chunk_pages): (u64, usize),
+        (piece, handle, addr): (&PhysPage, PhysHandle, u64),
+    ) -> Result<(), V> {
+        let lends = self.lenders.get(&piece.handle).is_some_and(|lender| {
+            let page = lender.group + (piece.offset / page_size) as usize;
+            piece.offset % page_size == 0
+                && piece.offset < (chunk_pages as u64) * page_size
+                && segments.try_at(lender.slot).is_some_and(|home| {
+                    home.block_at(home.page_addr(page)).map(|b| b.state) == Some(BlockState::Lent)
+                })
+        });
+        if piece.handle != handle || !lends {
+            return Err(V::LentPage { addr });
+        }
+        Ok(())
+    }
+
+    /// The lenders against the lent blocks: each chunk with lent blocks has a lender at their group, counting
+    /// them, and as many second mappings of it; per pool, the lent page counts match.
+    pub(super) fn check_lenders(
+        &self,
+        segments: &Segments,
+        chunk_pages: usize,
+        lent_blocks: &HashMap<u64, Vec<(usize, usize)>>,
+        lent_per_pool: [usize; 2],
+        lent_pages: [usize; 2],
+    ) -> Result<(), V> {
+        let mut aliases_per_chunk: HashMap<u64, usize> = HashMap::new();
+        for piece in self.aliases.values() {
+            *aliases_per_chunk.entry(piece.handle.0).or_default() += 1;
+        }
+        for (handle, lender) in &self.lenders {
+            let blocks = lent_blocks.get(&handle.0).map_or(&[][..], Vec::as_slice);
+            let at_home = blocks.iter().all(|&(slot, page)| {
+                slot == lender.slot && page - page % chunk_pages == lender.group
+            });
+            let addr = segments.at(lender.slot).page_addr(lender.group);
+            if !at_home
+                || blocks.len() != lender.lent
+                || aliases_per_chunk.get(&handle.0) != Some(&lender.lent)
+            {
+                return Err(V::LentPage { addr });
+            }
+        }
+        if lent_blocks.len() != self.lenders.len()
+            || aliases_per_chunk.len() != self.lenders.len()
+            || lent_per_pool != lent_pages
+        {
+            let addr = self.aliases.keys().min().copied().unwrap_or(0);
+            return Err(V::LentPage { addr });
+        }
+        Ok(())
     }
 }

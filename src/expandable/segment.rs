@@ -10,8 +10,8 @@
 use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
-use crate::strategy::graph_pool::GraphPool;
 use crate::page_map::PageMap;
+use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::pool::Pool;
 use std::ops::Range;
 
@@ -28,6 +28,10 @@ const LARGER_BLOCKS: usize = 32;
 
 /// A placement inside a free block must save this fraction (1 / n) of a request's pages ([`Segment::min_saving`]).
 const INNER_PLACEMENT_DIVISOR: usize = 8;
+
+/// The index of a tag (`tags.rs`) in the allocator's list of tags: a segment's key carries it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct TagId(pub u32);
 
 /// What a free of an address inside this segment found there.
 #[derive(Debug, PartialEq, Eq)]
@@ -54,7 +58,7 @@ pub(crate) struct Segment {
     /// The private pool (CUDA graph) this segment serves, if any: only its allocations are placed here.
     pub graph: Option<GraphPool>,
     /// The tag its allocations were made under, if any (`sleep.rs`): only they are placed here.
-    pub tag: Option<super::tag::TagId>,
+    pub tag: Option<TagId>,
     /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
     pub whole_pages: bool,
     pub pages: PageMap,

@@ -16,97 +16,90 @@
 //!   `AlreadyMapped` and is undone the same way.
 //! - An event whose `destroy_event` failed is kept and destroyed again at the next poll (nothing counts
 //!   events and nothing queries that one again, so it can wait); `UnknownEvent` then means the first
-//!   destroy had worked ([`Expandable::destroy_undestroyed`]).
+//!   destroy had worked ([`StreamWaits::destroy_undestroyed`](super::streams::StreamWaits::destroy_undestroyed)).
 //! - `set_access`, `synchronize`, `event_complete` need nothing: repeating them is harmless (the next block
 //!   that touches a page without its `accessible` bit sets access again). A creating call (`reserve`,
 //!   `create`, `record_event`) that fails leaves nothing behind, by the contract.
 
-use super::Expandable;
 use crate::driver::{Driver, DriverError, EventId, PhysHandle, VaRange};
 
-impl<D: Driver> Expandable<D> {
-    /// `unmap(va, size)`, settled: `Ok` once the range is unmapped, whichever call did it.
-    pub(super) fn unmap_settled(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        let Err(first) = self.driver.unmap(va, size) else {
-            return Ok(());
-        };
-        match self.driver.unmap(va, size) {
-            Ok(()) | Err(DriverError::NotMapped { .. }) => {
-                tracing::warn!(%first, va, size, "cuvmm: unmap failed; made again, the range is unmapped");
-                Ok(())
-            }
-            Err(_) => Err(first),
+/// `unmap(va, size)`, settled: `Ok` once the range is unmapped, whichever call did it.
+pub(super) fn unmap_settled<D: Driver>(
+    driver: &mut D,
+    va: u64,
+    size: u64,
+) -> Result<(), DriverError> {
+    let Err(first) = driver.unmap(va, size) else {
+        return Ok(());
+    };
+    match driver.unmap(va, size) {
+        Ok(()) | Err(DriverError::NotMapped { .. }) => {
+            tracing::warn!(%first, va, size, "cuvmm: unmap failed; made again, the range is unmapped");
+            Ok(())
         }
+        Err(_) => Err(first),
     }
+}
 
-    /// `release(handle)`, settled: `Ok` once the handle is released, whichever call did it.
-    pub(super) fn release_settled(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        let Err(first) = self.driver.release(handle) else {
-            return Ok(());
-        };
-        match self.driver.release(handle) {
-            Ok(()) | Err(DriverError::UnknownHandle { .. }) => {
-                tracing::warn!(%first, %handle, "cuvmm: release failed; made again, the handle is released");
-                Ok(())
-            }
-            Err(_) => Err(first),
+/// `release(handle)`, settled: `Ok` once the handle is released, whichever call did it.
+pub(super) fn release_settled<D: Driver>(
+    driver: &mut D,
+    handle: PhysHandle,
+) -> Result<(), DriverError> {
+    let Err(first) = driver.release(handle) else {
+        return Ok(());
+    };
+    match driver.release(handle) {
+        Ok(()) | Err(DriverError::UnknownHandle { .. }) => {
+            tracing::warn!(%first, %handle, "cuvmm: release failed; made again, the handle is released");
+            Ok(())
         }
+        Err(_) => Err(first),
     }
+}
 
-    /// `free_reservation(va)`, settled: `Ok` once the reservation is freed, whichever call did it.
-    pub(super) fn free_reservation_settled(&mut self, va: VaRange) -> Result<(), DriverError> {
-        let Err(first) = self.driver.free_reservation(va) else {
-            return Ok(());
-        };
-        match self.driver.free_reservation(va) {
-            Ok(()) | Err(DriverError::UnknownReservation { .. }) => {
-                tracing::warn!(%first, start = va.start, "cuvmm: free_reservation failed; made again, the reservation is freed");
-                Ok(())
-            }
-            Err(_) => Err(first),
+/// `free_reservation(va)`, settled: `Ok` once the reservation is freed, whichever call did it.
+pub(super) fn free_reservation_settled<D: Driver>(
+    driver: &mut D,
+    va: VaRange,
+) -> Result<(), DriverError> {
+    let Err(first) = driver.free_reservation(va) else {
+        return Ok(());
+    };
+    match driver.free_reservation(va) {
+        Ok(()) | Err(DriverError::UnknownReservation { .. }) => {
+            tracing::warn!(%first, start = va.start, "cuvmm: free_reservation failed; made again, the reservation is freed");
+            Ok(())
         }
+        Err(_) => Err(first),
     }
+}
 
-    /// Undoes a `map` of `size` bytes at `va` (a page, or a chunk) that failed, in case it had mapped them anyway.
-    pub(super) fn undo_failed_map(&mut self, va: u64, size: u64) {
-        match self.driver.unmap(va, size) {
-            // The usual case: the failed map had no effect.
-            Err(DriverError::NotMapped { .. }) => {}
-            Ok(()) => tracing::warn!(va, "cuvmm: a map that failed had mapped its page; unmapped"),
-            Err(err) => tracing::warn!(
-                %err,
-                va,
-                "cuvmm: undoing a failed map failed; a later map there will undo it again"
-            ),
-        }
+/// Undoes a `map` of `size` bytes at `va` (a page, or a chunk) that failed, in case it had mapped them anyway.
+pub(super) fn undo_failed_map<D: Driver>(driver: &mut D, va: u64, size: u64) {
+    match driver.unmap(va, size) {
+        // The usual case: the failed map had no effect.
+        Err(DriverError::NotMapped { .. }) => {}
+        Ok(()) => tracing::warn!(va, "cuvmm: a map that failed had mapped its page; unmapped"),
+        Err(err) => tracing::warn!(
+            %err,
+            va,
+            "cuvmm: undoing a failed map failed; a later map there will undo it again"
+        ),
     }
+}
 
-    /// Destroys the events whose `destroy_event` failed earlier. One that the driver no longer knows
-    /// (`UnknownEvent`) was destroyed by that earlier call; one that fails again is kept for the next try.
-    /// Returns the first failure, after trying them all.
-    pub(super) fn destroy_undestroyed(&mut self) -> Result<(), DriverError> {
-        let mut first = None;
-        for event in std::mem::take(&mut self.pending.undestroyed) {
-            match self.driver.destroy_event(event) {
-                Ok(()) | Err(DriverError::UnknownEvent { .. }) => {}
-                Err(err) => {
-                    self.pending.undestroyed.push(event);
-                    first.get_or_insert(err);
-                }
-            }
-        }
-        first.map_or(Ok(()), Err)
-    }
-
-    /// Destroys `event` on the way out (drop), where there is no later poll: a failure is retried at once,
-    /// and `UnknownEvent` on the retry means the first call had destroyed it.
-    pub(super) fn destroy_event_settled(&mut self, event: EventId) -> Result<(), DriverError> {
-        let Err(first) = self.driver.destroy_event(event) else {
-            return Ok(());
-        };
-        match self.driver.destroy_event(event) {
-            Ok(()) | Err(DriverError::UnknownEvent { .. }) => Ok(()),
-            Err(_) => Err(first),
-        }
+/// Destroys `event` on the way out (drop), where there is no later poll: a failure is retried at once,
+/// and `UnknownEvent` on the retry means the first call had destroyed it.
+pub(super) fn destroy_event_settled<D: Driver>(
+    driver: &mut D,
+    event: EventId,
+) -> Result<(), DriverError> {
+    let Err(first) = driver.destroy_event(event) else {
+        return Ok(());
+    };
+    match driver.destroy_event(event) {
+        Ok(()) | Err(DriverError::UnknownEvent { .. }) => Ok(()),
+        Err(_) => Err(first),
     }
 }

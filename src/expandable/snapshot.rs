@@ -14,8 +14,8 @@ impl<D: Driver> Expandable<D> {
     pub(super) fn memory_snapshot(&self) -> MemorySnapshot {
         let device = self.driver.ordinal();
         let mut segments = Vec::new();
-        for seg in self.live_segments() {
-            if seg.tag.is_some_and(|id| !self.tags.is_awake(id)) {
+        for seg in self.segments.live() {
+            if self.tags.sleeps(seg.tag) {
                 segments.extend(self.asleep_segments(seg, device));
                 continue;
             }
@@ -55,17 +55,13 @@ impl<D: Driver> Expandable<D> {
         }
         for s in &mut segments {
             if s.tag.is_none()
-                && let Some(slot) = self.slot_of(s.address)
-                && let Some(id) = self.segment(slot).tag
+                && let Some(slot) = self.segments.slot_of(s.address)
+                && let Some(id) = self.segments.at(slot).tag
             {
                 s.tag = Some(self.tags.name(id).to_owned());
             }
         }
-        let events = self
-            .history
-            .as_ref()
-            .map(|h| h.entries())
-            .unwrap_or_default();
+        let events = self.books.history_entries();
         MemorySnapshot::new(device, segments, events)
     }
 }
