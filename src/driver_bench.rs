@@ -43,10 +43,10 @@
 //! 2 MiB unit (`cuvmm driver-bench --latency-model h100` for the measured H100's); all three are `null` on a
 //! CUDA device.
 
+use crate::base::size::{MIB, format_size};
 use crate::driver::device::Device;
 use crate::driver::sim::LatencyModel;
 use crate::driver::{Driver, DriverError, Op};
-use crate::base::size::{MIB, format_size};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;

@@ -13,11 +13,17 @@
 
 // The folders are the layers, lowest first (docs/DESIGN.md's map; tests/layering.rs checks it):
 mod base;
+
 pub mod driver;
+
 pub mod page_map;
+
 pub mod strategy;
+
 pub mod expandable;
+
 mod facade;
+
 #[cfg(feature = "lab")]
 pub mod driver_bench;
 #[cfg(feature = "lab")]
@@ -26,16 +32,16 @@ pub mod split;
 pub mod trace;
 
 pub use base::size;
+pub use driver::{Driver, DriverError, StreamId};
 #[cfg(feature = "cuda")]
 pub use facade::cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
 pub use facade::{allocator, allocator::Allocator, allocator::DeviceBuffer, summary};
-pub use driver::{Driver, DriverError, StreamId};
-pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
 pub use strategy::Strategy;
 pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
 pub use strategy::graph_pool::{GraphPool, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
+pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
 
 /// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
 #[cfg(all(doctest, feature = "lab"))]

@@ -578,7 +578,10 @@ fn the_reader_finds_arrows_and_cycles() {
     assert!(!edges[&index("src/strategy/stats.rs")].contains(&index("src/expandable/mod.rs")));
 
     let mut planted = edges.clone();
-    let (a, b) = (index("src/strategy/stats.rs"), index("src/strategy/pool.rs"));
+    let (a, b) = (
+        index("src/strategy/stats.rs"),
+        index("src/strategy/pool.rs"),
+    );
     planted.entry(a).or_default().insert(b);
     planted.entry(b).or_default().insert(a);
     assert!(

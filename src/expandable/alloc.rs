@@ -4,13 +4,13 @@ use super::segment::Segment;
 use super::streams::StreamUses;
 use super::tag::TagId;
 use super::{Expandable, ROUND, SegmentKey};
-use crate::strategy::config::Compaction;
+use crate::base::size::round_up;
 use crate::driver::{Driver, DriverError, MemInfo, StreamId};
+use crate::strategy::config::Compaction;
 use crate::strategy::error::{Error, OutOfMemory, ReclaimStep};
 use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::history::{TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
-use crate::base::size::round_up;
 use std::ops::Range;
 
 /// How many of the best-fitting free blocks are compared by the pages they would need mapped.

@@ -40,14 +40,14 @@ pub use segment::ROUND;
 
 use crate::strategy::pool::Pool;
 
-use crate::strategy::config::{Compaction, Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, PhysHandle, PhysPage, StreamId};
+use crate::strategy::Strategy;
+use crate::strategy::config::{Compaction, Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::history::{self, History, TraceAction};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
-use crate::strategy::Strategy;
 use accounting::{Counters, Derived};
 use lender::Lender;
 use rustc_hash::{FxHashMap, FxHashSet};

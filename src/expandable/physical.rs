@@ -9,8 +9,8 @@
 //! before any blocking, an event query shows the stream has finished its queued work.
 
 use super::Expandable;
-use crate::strategy::config::Compaction;
 use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
+use crate::strategy::config::Compaction;
 use crate::strategy::error::Error;
 use crate::strategy::history::TraceAction;
 use std::ops::Range;

@@ -10,8 +10,8 @@
 use super::blocks::{Block, BlockRef, BlockState, Blocks};
 use super::free_index::FreeIndex;
 use crate::driver::{StreamId, VaRange};
-use crate::strategy::graph_pool::GraphPool;
 use crate::page_map::PageMap;
+use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::pool::Pool;
 use std::ops::Range;
 

@@ -8,16 +8,16 @@
 //! for that lock, so that steady-state reuse on one stream never waits for another stream's driver calls
 //! (docs/DESIGN.md, "Locking").
 
-use crate::strategy::config::Config;
-use crate::driver::{Driver, StreamId};
-use crate::strategy::error::{Error, InvariantViolation};
-use crate::expandable::Expandable;
-use crate::strategy::graph_pool::{GraphPool, StreamFilter};
-use crate::facade::raw_book::{RawBlock, RawBook};
-use crate::strategy::stats::Stats;
-use crate::strategy::Strategy;
-use crate::facade::stream_cache::{Put, StreamCaches};
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
+use crate::driver::{Driver, StreamId};
+use crate::expandable::Expandable;
+use crate::facade::raw_book::{RawBlock, RawBook};
+use crate::facade::stream_cache::{Put, StreamCaches};
+use crate::strategy::Strategy;
+use crate::strategy::config::Config;
+use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::stats::Stats;
 use rustc_hash::FxHashSet;
 use std::fmt;
 use std::ops::DerefMut;
@@ -360,7 +360,12 @@ impl<S: Strategy> Allocator<S> {
         let stats = self.stats();
         let strategy = self.shared.strategy.lock();
         let asleep = strategy.asleep_tags();
-        crate::facade::summary::memory_summary_asleep(&stats, strategy.ordinal(), strategy.name(), &asleep)
+        crate::facade::summary::memory_summary_asleep(
+            &stats,
+            strategy.ordinal(),
+            strategy.name(),
+            &asleep,
+        )
     }
 
     /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)

@@ -24,11 +24,11 @@
 //! `let (ptr, _record) = view.device_ptr_mut(&stream); builder.arg(&ptr);` — the guard records the use
 //! once the launch is queued.
 
-use crate::facade::allocator::{Allocator, DeviceBuffer};
 use crate::driver::StreamId;
 use crate::driver::cuda::keeping_current_context;
-use crate::strategy::error::Error;
+use crate::facade::allocator::{Allocator, DeviceBuffer};
 use crate::strategy::Strategy;
+use crate::strategy::error::Error;
 use cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop, sys,
 };

@@ -13,8 +13,8 @@
 //! allocating on different streams (hence different addresses) rarely share a lock, and never the
 //! strategy's.
 
-use crate::driver::StreamId;
 use crate::base::sync::{AtomicBool, Mutex};
+use crate::driver::StreamId;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::Ordering;
 

@@ -18,10 +18,10 @@
 //! Streams share a shard when their ids hash alike; that costs contention on the shard's lock, never
 //! correctness, since entries carry their stream.
 
-use crate::driver::StreamId;
-use crate::strategy::error::InvariantViolation;
 use crate::base::size::MIB;
 use crate::base::sync::{AtomicBool, AtomicUsize, Mutex};
+use crate::driver::StreamId;
+use crate::strategy::error::InvariantViolation;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 

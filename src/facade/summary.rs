@@ -8,8 +8,8 @@
 //! reads this one; a script that parses it keeps working.
 
 use crate::base::size::format_size;
-use crate::strategy::stats::{Stat, Stats};
 use crate::strategy::Strategy;
+use crate::strategy::stats::{Stat, Stats};
 
 /// Width of every line, frame excluded.
 const WIDTH: usize = 75;

@@ -5,10 +5,10 @@ use super::block::Block;
 use super::rules;
 use super::{SegmentAction, Split};
 use crate::driver::{Driver, StreamId};
+use crate::strategy::Strategy;
 use crate::strategy::error::{Error, OutOfMemory, ReclaimStep};
 use crate::strategy::history::TraceAction;
 use crate::strategy::pool::Pool;
-use crate::strategy::Strategy;
 
 /// One request, as PyTorch's `AllocParams` carries it.
 #[derive(Clone, Copy, Debug)]

@@ -32,14 +32,14 @@ mod snapshot;
 
 pub use seed::{SeedBlock, SeedError, SeedSegment};
 
-use crate::strategy::config::{Config, ConfigError};
 use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
+use crate::strategy::Strategy;
+use crate::strategy::config::{Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::history::{self, History, TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
-use crate::strategy::Strategy;
 use block::{BlockPool, Blocks};
 use expandable_segment::ExpandableSegment;
 use serde::Serialize;

@@ -3,9 +3,9 @@
 //! Each function mirrors one of `c10/cuda/CUDACachingAllocator.cpp` (`round_size`,
 //! `roundup_power2_next_division`, `get_pool`, `get_allocation_size`, `should_split`) and carries its name.
 
+use crate::base::size::MIB;
 use crate::strategy::config::RoundupDivisions;
 use crate::strategy::pool::Pool;
-use crate::base::size::MIB;
 
 /// Every block is a multiple of this many bytes (PyTorch's `kMinBlockSize`).
 pub const MIN_BLOCK_SIZE: u64 = 512;

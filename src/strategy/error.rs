@@ -1,7 +1,7 @@
 //! Errors at the API boundary, and the typed report of a broken invariant.
 
-use crate::strategy::config::ConfigError;
 use crate::driver::DriverError;
+use crate::strategy::config::ConfigError;
 
 pub use crate::strategy::oom::{OutOfMemory, ReclaimStep, Suggestion};
 

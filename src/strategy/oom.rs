@@ -7,8 +7,8 @@
 //! (allocated, reserved but unallocated, idle handles, the largest free block), what the allocator already
 //! tried (compaction, releasing its cache, a retry) and one thing to do about it.
 
-use crate::driver::StreamId;
 use crate::base::size::{GIB, KIB, MIB};
+use crate::driver::StreamId;
 use std::fmt;
 
 /// Something the allocator did to find memory for the failed request before giving up.

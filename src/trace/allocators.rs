@@ -1,13 +1,13 @@
 //! Every allocator the tools can compare, built by name in one place.
 
-use crate::strategy::config::Config;
 use crate::driver::Driver;
 use crate::driver::device::DeviceSpec;
 use crate::driver::sim::{SimConfig, SimDriver};
-use crate::strategy::error::Error;
 use crate::expandable::Expandable;
 use crate::split::Split;
 use crate::strategy::Strategy;
+use crate::strategy::config::Config;
+use crate::strategy::error::Error;
 
 /// Names of the allocators [`build`] knows, in the order reports list them.
 /// "cuvmm" is cuvmm's allocator; "classic" the model of PyTorch's native caching allocator;

@@ -11,9 +11,9 @@
 use super::allocators::{self, BuildError};
 use super::event::Trace;
 use super::replay::{ReplayError, ReplayOptions, replay};
-use crate::strategy::config::Config;
-use crate::driver::sim::{SimConfig, SimDriver};
 use crate::base::size::{GIB, MIB};
+use crate::driver::sim::{SimConfig, SimDriver};
+use crate::strategy::config::Config;
 use serde::Serialize;
 use std::time::Instant;
 

@@ -19,9 +19,9 @@ use super::allocators::{self, BuildError};
 use super::event::Trace;
 use super::observe::{NoObserver, ReplayObserver};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay_observed};
+use crate::base::size::{MIB, round_up};
 use crate::strategy::config::{Config, ConfigError};
 use crate::strategy::error::Error;
-use crate::base::size::{MIB, round_up};
 use serde::Serialize;
 use std::time::Instant;
 

@@ -6,11 +6,11 @@ use super::load::{self, LoadError};
 use super::observe::{NoObserver, ReplayObserver};
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay_observed};
 use super::workload;
-use crate::strategy::config::{Config, ConfigError};
+use crate::base::size::{GIB, MIB};
 use crate::driver::DriverError;
 use crate::driver::device::{DeviceError, DeviceSpec};
 use crate::driver::sim::{LatencyModel, SimConfig};
-use crate::base::size::{GIB, MIB};
+use crate::strategy::config::{Config, ConfigError};
 use std::path::PathBuf;
 
 /// What to compare and on which device.

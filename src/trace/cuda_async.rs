@@ -10,10 +10,10 @@
 
 use crate::driver::cuda::AsyncPool;
 use crate::driver::{DriverCounters, DriverError, StreamId};
+use crate::strategy::Strategy;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::oom::OutOfMemory;
 use crate::strategy::stats::{Stat, Stats};
-use crate::strategy::Strategy;
 
 /// The name it reports, and `--allocator` takes (`allocators::CUDA_ASYNC`, which the tools know without
 /// the `cuda` feature).

@@ -7,11 +7,11 @@
 //! value consistent with every recorded `cudaMalloc` succeeding and the failed one failing.
 
 use super::pytorch::{self, PytorchTrace, SnapshotError, TraceOp};
-use crate::driver::sim::{SimConfig, SimDriver};
-use crate::strategy::error::Error;
 use crate::base::size::{GIB, MIB};
+use crate::driver::sim::{SimConfig, SimDriver};
 use crate::split::{SeedError, SegmentAction, SegmentEvent, Split};
 use crate::strategy::Strategy;
+use crate::strategy::error::Error;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;

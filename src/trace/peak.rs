@@ -10,10 +10,10 @@
 use super::event::Trace;
 use super::replay::{ReplayError, ReplayOptions, ReplayResult, replay};
 use crate::driver::{DriverCounters, StreamId};
+use crate::strategy::Strategy;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
-use crate::strategy::Strategy;
 
 /// Where the peak was: the operation (counted from 1) after which reserved bytes first reached `reserved`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

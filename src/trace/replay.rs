@@ -5,8 +5,8 @@ use super::id_table::{IdTable, Slot};
 use super::observe::{NoObserver, ReplayObserver};
 use crate::driver::sim::{Calibration, LatencyModel};
 use crate::driver::{DriverCounters, Op};
-use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::Strategy;
+use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
 use serde::Serialize;
 use std::time::Instant;
 

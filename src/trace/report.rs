@@ -1,8 +1,8 @@
 //! Rendering replay results: an aligned table for people, JSON for programs.
 
 use super::replay::ReplayResult;
-use crate::driver::sim::LATENCY_SOURCES;
 use crate::base::size::format_size;
+use crate::driver::sim::LATENCY_SOURCES;
 use serde::Serialize;
 
 const HEADERS: [&str; 9] = [

@@ -8,8 +8,8 @@
 
 use super::event::Trace;
 use super::observe::ReplayObserver;
-use crate::strategy::stats::Stats;
 use crate::strategy::Strategy;
+use crate::strategy::stats::Stats;
 
 /// The statistics after some events of a replay.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

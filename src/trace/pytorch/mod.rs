@@ -16,10 +16,10 @@ pub use crate::strategy::snapshot::pickle as writer;
 
 pub use snapshot::SnapshotError;
 
-use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::strategy::pool::Pool;
 use crate::split::{SeedBlock, SeedSegment, SegmentEvent};
+use crate::strategy::config::Config;
+use crate::strategy::pool::Pool;
 use std::path::Path;
 
 /// One request of a recorded trace.

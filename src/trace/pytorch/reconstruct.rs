@@ -10,11 +10,11 @@
 use super::releases::{self, Context};
 use super::snapshot::{Entry, RawEntry, RawSegment, RawSnapshot, SnapshotError};
 use super::{InitialSegment, PytorchTrace};
-use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::strategy::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
 use crate::split::{SeedBlock, SegmentAction, SegmentEvent};
+use crate::strategy::config::Config;
+use crate::strategy::pool::Pool;
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 

@@ -32,10 +32,10 @@
 
 use super::TraceOp;
 use super::snapshot::Entry;
-use crate::strategy::config::Config;
 use crate::driver::StreamId;
-use crate::strategy::pool::Pool;
 use crate::split::rules::{self, SMALL_BUFFER};
+use crate::strategy::config::Config;
+use crate::strategy::pool::Pool;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 /// What a burst of releases was.

@@ -11,8 +11,8 @@
 use super::super::builder::TraceBuilder;
 use super::super::event::Trace;
 use super::super::rng::Rng;
-use crate::driver::StreamId;
 use crate::base::size::{GIB, KIB, MIB};
+use crate::driver::StreamId;
 use std::collections::VecDeque;
 
 /// The workload's name.
