@@ -15,6 +15,7 @@ mod counters;
 pub mod cuda;
 pub mod device;
 mod error;
+pub mod forward;
 mod op;
 pub mod sim;
 mod types;
@@ -245,103 +246,4 @@ pub fn map_each_by_calls<D: Driver + ?Sized>(
         (driver.map_from(at, size, page.handle, page.offset)).map_err(|err| (i, err))?;
     }
     Ok(())
-}
-
-/// A borrowed driver is a driver, so a test can build an allocator on `&mut SimDriver` and inspect the
-/// device after the allocator is dropped (its leak report, its pending work).
-impl<D: Driver + ?Sized> Driver for &mut D {
-    fn granularity(&self) -> u64 {
-        (**self).granularity()
-    }
-    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
-        (**self).reserve(size)
-    }
-    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
-        (**self).free_reservation(range)
-    }
-    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
-        (**self).create(size)
-    }
-    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        (**self).release(handle)
-    }
-    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
-        (**self).map(va, size, handle)
-    }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
-        (**self).map_from(va, size, handle, offset)
-    }
-    fn create_each(
-        &mut self,
-        size: u64,
-        count: usize,
-        out: &mut Vec<PhysHandle>,
-    ) -> Result<(), DriverError> {
-        (**self).create_each(size, count, out)
-    }
-    fn map_each(
-        &mut self,
-        va: u64,
-        size: u64,
-        pages: &[PhysPage],
-    ) -> Result<(), (usize, DriverError)> {
-        (**self).map_each(va, size, pages)
-    }
-    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        (**self).set_access(va, size)
-    }
-    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        (**self).unmap(va, size)
-    }
-    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
-        (**self).mem_info()
-    }
-    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
-        (**self).malloc(size)
-    }
-    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        (**self).free(ptr)
-    }
-    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
-        (**self).record_event(stream)
-    }
-    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
-        (**self).event_complete(event)
-    }
-    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
-        (**self).destroy_event(event)
-    }
-    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
-        (**self).synchronize(stream)
-    }
-    fn counters(&self) -> DriverCounters {
-        (**self).counters()
-    }
-    fn ordinal(&self) -> usize {
-        (**self).ordinal()
-    }
-    fn maps_parts_of_handles(&self) -> bool {
-        (**self).maps_parts_of_handles()
-    }
-    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        (**self).capture_status(stream)
-    }
-    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
-        (**self).add_peer(peer)
-    }
-    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
-        (**self).memset_d8(va, size, value)
-    }
-    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
-        (**self).copy_to_host(va, out)
-    }
-    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
-        (**self).copy_from_host(va, data)
-    }
 }
