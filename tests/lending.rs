@@ -6,7 +6,7 @@
 mod common;
 
 use common::pattern;
-use cuvmm::driver::forward::Forward;
+use cuvmm::driver::Forward;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, DriverError, Op, PhysHandle, StreamId};
 use cuvmm::expandable::Expandable;

@@ -103,8 +103,8 @@ impl<D: Driver> AfterEffect<D> {
 }
 
 /// Every call passes to `D`; those that can fail after their effect are overridden (the rest, such as
-/// `granularity`, `counters` or `capture_status`, are [`Forward`](super::forward::Forward)'s defaults).
-impl<D: Driver> super::forward::Forward for AfterEffect<D> {
+/// `granularity`, `counters` or `capture_status`, are [`Forward`](super::Forward)'s defaults).
+impl<D: Driver> super::Forward for AfterEffect<D> {
     type Inner = D;
     fn inner(&self) -> &D {
         &self.inner

@@ -6,7 +6,7 @@
 //! [`DeviceError::NoCudaSupport`]; with it, a machine without libcuda or without a device gives
 //! [`DriverError::NoDriver`], never a panic.
 
-use super::forward::Forward;
+use super::Forward;
 use super::sim::{SimConfig, SimDriver};
 use super::{Driver, DriverError};
 use std::fmt;
