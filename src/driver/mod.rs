@@ -226,6 +226,18 @@ driver_trait! {
     }
 }
 
+/// A borrowed driver is a driver, so a test can build an allocator on `&mut SimDriver` and inspect the
+/// device after the allocator is dropped (its leak report, its pending work).
+impl<D: Driver + ?Sized> Forward for &mut D {
+    type Inner = D;
+    fn inner(&self) -> &D {
+        self
+    }
+    fn inner_mut(&mut self) -> &mut D {
+        self
+    }
+}
+
 /// [`Driver::create_each`] as `count` calls of [`Driver::create`].
 pub fn create_each_by_calls<D: Driver + ?Sized>(
     driver: &mut D,
