@@ -49,7 +49,7 @@ impl AsyncPool {
     /// # Errors
     /// [`DriverError::NoDriver`] without libcuda, a device or the calls; a driver failure.
     pub fn new(ordinal: usize) -> Result<Self, DriverError> {
-        super::driver::load_driver()?;
+        super::open::load_driver()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| setup("cuDevicePrimaryCtxRetain", &e))?;
         ctx.bind_to_thread()
             .map_err(|e| setup("cuCtxSetCurrent", &e))?;

@@ -30,6 +30,7 @@ mod give_back;
 #[cfg(test)]
 mod give_back_tests;
 mod ledger;
+mod open;
 mod result;
 mod streams;
 
