@@ -1,6 +1,7 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
 use super::calls::{Calls, bytes, cuda_error, raw_stream};
+use super::errors;
 use super::ledger::Ledger;
 use super::open::{self, load_driver, peer_device, setup};
 use super::result;
@@ -199,7 +200,7 @@ impl CudaDriver {
             // SAFETY: as above (point 1).
             unsafe { result::stream_capture_info(raw_stream(raw)) }.map(|(_, id)| id)
         });
-        began.map_err(|e| result::on_capture(e, stream, false))
+        began.map_err(|e| errors::on_capture(e, stream, false))
     }
 
     /// Ends the capture of `stream` (`cuStreamEndCapture`) and destroys the graph it made. For tests. Not
@@ -214,7 +215,7 @@ impl CudaDriver {
             // SAFETY: the graph was just made by the capture's end and nothing else holds it (points 1-2).
             unsafe { result::graph_destroy(graph) }
         });
-        ended.map_err(|e| result::on_capture(e, stream, true))
+        ended.map_err(|e| errors::on_capture(e, stream, true))
     }
 
     /// Runs one operation, counting it once with the driver time its calls took.
@@ -432,13 +433,13 @@ impl Driver for CudaDriver {
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.counted(Op::RecordEvent, |d| {
             let raw = d.stream(Op::RecordEvent, stream)?;
-            (d.ledger.record_event(&mut d.calls, raw)).map_err(|e| result::on_stream(e, stream))
+            (d.ledger.record_event(&mut d.calls, raw)).map_err(|e| errors::on_stream(e, stream))
         })
     }
 
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.counted(Op::QueryEvent, |d| {
-            (d.ledger.event_complete(&mut d.calls, event)).map_err(|e| result::on_event(e, event))
+            (d.ledger.event_complete(&mut d.calls, event)).map_err(|e| errors::on_event(e, event))
         })
     }
 
@@ -456,7 +457,7 @@ impl Driver for CudaDriver {
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_synchronize(raw_stream(raw)) }
             });
-            synchronized.map_err(|e| result::on_stream(e, stream))
+            synchronized.map_err(|e| errors::on_stream(e, stream))
         })
     }
 
@@ -477,7 +478,7 @@ impl Driver for CudaDriver {
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_capture_info(raw_stream(raw)) }
             });
-            let (status, id) = info.map_err(|e| result::on_stream(e, stream))?;
+            let (status, id) = info.map_err(|e| errors::on_stream(e, stream))?;
             Ok(match status {
                 Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
                 Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
@@ -550,7 +551,7 @@ impl Driver for CudaDriver {
 
 /// Logs a call that failed while the driver was being dropped.
 fn log_drop_error(op: Op, err: &CuError) {
-    let (code, name) = result::code_and_name(err);
+    let (code, name) = errors::code_and_name(err);
     tracing::error!(%op, code, %name, "cuvmm: CUDA call failed while dropping CudaDriver");
 }
 

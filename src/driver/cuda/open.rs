@@ -1,6 +1,7 @@
 //! Opening a CUDA device: loading libcuda, checking the device (its virtual-memory support, its
 //! granularities) and the peers that may reach its memory.
 
+use super::errors;
 use super::result::{self, Granularity};
 use crate::driver::DriverError;
 use cudarc::driver::CudaContext;
@@ -94,8 +95,8 @@ pub(super) fn load_driver() -> Result<(), DriverError> {
         });
     }
     cudarc::driver::result::init().map_err(|e| {
-        let (code, name) = result::code_and_name(&e);
-        let what = if result::is_no_device(&e) {
+        let (code, name) = errors::code_and_name(&e);
+        let what = if errors::is_no_device(&e) {
             "no CUDA-capable device is present"
         } else {
             "the driver could not be initialised"
@@ -132,6 +133,6 @@ pub(super) fn peer_device(
 
 /// A failed setup call.
 pub(super) fn setup(call: &'static str, err: &CuError) -> DriverError {
-    let (code, name) = result::code_and_name(err);
+    let (code, name) = errors::code_and_name(err);
     DriverError::CudaSetup { call, code, name }
 }
