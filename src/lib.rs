@@ -16,7 +16,10 @@ mod base;
 
 pub mod driver;
 
+#[cfg(feature = "testing")]
 pub mod page_map;
+#[cfg(not(feature = "testing"))]
+pub(crate) mod page_map;
 
 pub mod strategy;
 

@@ -9,6 +9,7 @@
 //! fails a test instead. The real CUDA backend, `cuda::CudaDriver`, lives in `driver/cuda/` behind the
 //! `cuda` feature; [`device`] picks one of them from a `--backend sim|cuda[:N]` string.
 
+#[cfg(any(test, feature = "testing"))]
 pub mod after_effect;
 mod counters;
 #[cfg(feature = "cuda")]
@@ -51,7 +52,7 @@ driver_trait! {
     ///   call made again reports the resource gone ([`DriverError::UnknownReservation`],
     ///   [`DriverError::UnknownHandle`], [`DriverError::UnknownPointer`], [`DriverError::UnknownEvent`],
     ///   [`DriverError::NotMapped`]), and after a `map` that failed, unmapping its range succeeds.
-    ///   [`after_effect::AfterEffect`] injects such failures; `docs/reliability.md` says how cuvmm settles them.
+    ///   `after_effect::AfterEffect` (feature `testing`) injects such failures; `docs/reliability.md` says how cuvmm settles them.
     /// - Out-of-memory is reported as [`DriverError::OutOfMemory`] and nothing else, so callers can reclaim and retry.
     /// - [`counters`](Driver::counters) counts every call, failed ones included.
     pub trait Driver {

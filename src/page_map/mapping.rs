@@ -10,6 +10,7 @@ impl PageMap {
     ///
     /// # Panics
     /// If the page is already mapped: the caller lost track of a mapping.
+    #[cfg(any(test, feature = "testing"))]
     pub fn map(&mut self, page: usize, handle: PhysHandle) {
         self.check(page);
         self.map_chunk(page..page + 1, handle);

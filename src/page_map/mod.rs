@@ -69,6 +69,7 @@ impl PageMap {
     }
 
     /// Whether the map has no pages.
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_empty(&self) -> bool {
         self.pages == 0
     }
@@ -110,6 +111,7 @@ impl PageMap {
     }
 
     /// Whether page `page` is mapped and touched by no live block.
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_idle(&self, page: usize) -> bool {
         self.idle.get(page)
     }

@@ -16,6 +16,7 @@ impl PageMap {
     }
 
     /// Maximal runs of unmapped pages inside `pages`, in address order.
+    #[cfg(any(test, feature = "testing"))]
     pub fn unmapped_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         self.mapped.runs(pages, false).collect()
     }
@@ -31,6 +32,7 @@ impl PageMap {
     }
 
     /// Maximal runs of mapped pages without access inside `pages`, in address order.
+    #[cfg(any(test, feature = "testing"))]
     pub fn inaccessible_runs(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         let mut out = Vec::new();
         let mut pos = pages.start;
@@ -65,6 +67,7 @@ impl PageMap {
     }
 
     /// Maximal runs of idle pages, in address order.
+    #[cfg(any(test, feature = "testing"))]
     pub fn idle_runs(&self) -> Vec<Range<usize>> {
         self.idle_runs_lazy().collect()
     }
@@ -87,11 +90,13 @@ impl PageMap {
     }
 
     /// Maximal runs of idle pages inside `pages`, in address order.
+    #[cfg(any(test, feature = "testing"))]
     pub fn idle_runs_in(&self, pages: Range<usize>) -> Vec<Range<usize>> {
         self.idle.runs(pages, true).collect()
     }
 
     /// Idle pages from the highest address down.
+    #[cfg(any(test, feature = "testing"))]
     pub fn idle_pages_rev(&self) -> impl Iterator<Item = usize> + '_ {
         self.idle_runs().into_iter().rev().flat_map(Iterator::rev)
     }
