@@ -4,7 +4,7 @@
 //! so free space is never stranded by splitting, and idle physical pages are unmapped and reused wherever the
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
-//! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategy [`expandable`], and
+//! Layers, from the bottom: [`driver`] (the seam to the device), `page_map`, the strategy [`expandable`], and
 //! the facade ([`Allocator`]). The laboratory around them is behind the `lab` feature (on by default, and
 //! needed by the `cli` feature): `split`, the model of PyTorch's caching allocator cuvmm is measured against,
 //! and the tools, `trace` (formats, replay, comparison, workloads) and `driver_bench`. A program that only

@@ -88,7 +88,7 @@ impl DeviceSpec {
     }
 
     /// Opens the device for a program: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the
-    /// CUDA device on the caller's streams: a [`StreamId`] is the program's own `CUstream`, on which events
+    /// CUDA device on the caller's streams: a [`StreamId`](super::StreamId) is the program's own `CUstream`, on which events
     /// are recorded and which is synchronized, so memory is reused only once the program's work on it is
     /// done.
     pub fn open(&self, sim: SimConfig) -> Result<Device, DeviceError> {

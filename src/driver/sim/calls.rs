@@ -260,7 +260,7 @@ impl Driver for SimDriver {
         self.begin(Op::CaptureInfo, 0)?;
         Ok(self.captures.status(stream))
     }
-    /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`]) is
+    /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`](super::SimConfig::devices)) is
     /// [`DriverError::PeerAccess`]. Not counted: it makes no driver call, it configures later
     /// `set_access` calls.
     fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {

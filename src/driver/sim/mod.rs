@@ -55,6 +55,7 @@
 //! - **Leaks.** [`SimDriver::leak_report`] lists what is still held; dropping a device that still holds
 //!   something logs the report with `tracing::warn!` (it never panics).
 //!
+//! [`Driver::add_peer`]: super::Driver::add_peer
 //! [`Driver::capture_status`]: super::Driver::capture_status
 //! [`Driver::copy_to_host`]: super::Driver::copy_to_host
 //! [`Driver::mem_info`]: super::Driver::mem_info
