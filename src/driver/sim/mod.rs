@@ -261,7 +261,7 @@ impl SimDriver {
         self.captures.invalidated()
     }
     /// Whether device `peer` may read and write the mapping at `va`: for this device (0), whether its
-    /// access was set; for a peer, whether a `set_access` made after [`Driver::add_peer`] of it covered
+    /// access was set; for a peer, whether a `set_access` made after [`Driver::add_peer`](super::Driver::add_peer) of it covered
     /// the mapping. `false` where nothing is mapped (unmapping forgets the access).
     pub fn peer_access(&self, va: u64, peer: usize) -> bool {
         let Some((_, mapping)) = self.vmm.mapping_at(va) else {
