@@ -4,22 +4,31 @@
 //! so free space is never stranded by splitting, and idle physical pages are unmapped and reused wherever the
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
-//! Layers, from the bottom: [`driver`] (the seam to the device), [`page_map`], the strategy [`expandable`], and
+//! Layers, from the bottom: [`driver`] (the seam to the device), `page_map`, the strategy [`expandable`], and
 //! the facade ([`Allocator`]). The laboratory around them, `lab` (trace formats, workloads, replay,
 //! experiments, reports, and the models of PyTorch's allocators cuvmm is measured against), is behind the
 //! `lab` feature (on by default, and needed by the `cli` feature). A program that only allocates turns
 //! default features off and compiles the allocator's own dependencies alone. See `docs/DESIGN.md`.
 
-// The folders are the layers; lowest first: base, driver, page_map, strategy, expandable, facade, lab
-// (docs/DESIGN.md's map; tests/layering.rs checks it).
+// The folders are the layers, lowest first, one group per layer (docs/DESIGN.md's map; tests/layering.rs
+// checks it).
 mod base;
+
 pub mod driver;
+
+#[cfg(feature = "testing")]
+pub mod page_map;
+#[cfg(not(feature = "testing"))]
+pub(crate) mod page_map;
+
+pub mod strategy;
+
 pub mod expandable;
+
 mod facade;
+
 #[cfg(feature = "lab")]
 pub mod lab;
-pub mod page_map;
-pub mod strategy;
 
 pub use base::size;
 pub use driver::{Driver, DriverError, StreamId};

@@ -6,10 +6,9 @@
 mod common;
 
 use common::pattern;
+use cuvmm::driver::Forward;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
-use cuvmm::driver::{
-    Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, StreamId, VaRange,
-};
+use cuvmm::driver::{Driver, DriverError, Op, PhysHandle, StreamId};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy};
 
@@ -199,57 +198,28 @@ fn keep_the_middle<D: Driver>(a: &mut Expandable<D>) -> u64 {
 #[derive(Debug)]
 struct WholeOnly(SimDriver);
 
-impl Driver for WholeOnly {
-    fn granularity(&self) -> u64 {
-        self.0.granularity()
+impl Forward for WholeOnly {
+    type Inner = SimDriver;
+    fn inner(&self) -> &SimDriver {
+        &self.0
     }
-    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
-        self.0.reserve(size)
-    }
-    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
-        self.0.free_reservation(range)
-    }
-    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
-        self.0.create(size)
-    }
-    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        self.0.release(handle)
+    fn inner_mut(&mut self) -> &mut SimDriver {
+        &mut self.0
     }
     fn maps_parts_of_handles(&self) -> bool {
-        true // but `map_from` is the trait's default, which refuses an offset
+        true // but `map_from` refuses an offset, as the trait's default does
     }
-    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
+    fn map_from(
+        &mut self,
+        va: u64,
+        size: u64,
+        handle: PhysHandle,
+        offset: u64,
+    ) -> Result<(), DriverError> {
+        if offset != 0 {
+            return Err(DriverError::Unsupported { op: Op::Map });
+        }
         self.0.map(va, size, handle)
-    }
-    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        self.0.set_access(va, size)
-    }
-    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        self.0.unmap(va, size)
-    }
-    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
-        self.0.mem_info()
-    }
-    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
-        self.0.malloc(size)
-    }
-    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        self.0.free(ptr)
-    }
-    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
-        self.0.record_event(stream)
-    }
-    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
-        self.0.event_complete(event)
-    }
-    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
-        self.0.destroy_event(event)
-    }
-    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
-        self.0.synchronize(stream)
-    }
-    fn counters(&self) -> DriverCounters {
-        self.0.counters()
     }
 }
 

@@ -18,8 +18,8 @@
 //! and `map_each` are made call by call while a failure is planned, so each call can fail.
 
 use super::{
-    CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage,
-    StreamId, VaRange, create_each_by_calls, map_each_by_calls,
+    Driver, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
+    create_each_by_calls, map_each_by_calls,
 };
 
 /// A [`Driver`] that passes every call to `D` and fails the planned ones after they took effect.
@@ -102,9 +102,15 @@ impl<D: Driver> AfterEffect<D> {
     }
 }
 
-impl<D: Driver> Driver for AfterEffect<D> {
-    fn granularity(&self) -> u64 {
-        self.inner.granularity()
+/// Every call passes to `D`; those that can fail after their effect are overridden (the rest, such as
+/// `granularity`, `counters` or `capture_status`, are [`Forward`](super::Forward)'s defaults).
+impl<D: Driver> super::Forward for AfterEffect<D> {
+    type Inner = D;
+    fn inner(&self) -> &D {
+        &self.inner
+    }
+    fn inner_mut(&mut self) -> &mut D {
+        &mut self.inner
     }
     fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
         let result = self.inner.reserve(size);
@@ -193,21 +199,6 @@ impl<D: Driver> Driver for AfterEffect<D> {
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         let result = self.inner.synchronize(stream);
         self.after(Op::Synchronize, result)
-    }
-    fn counters(&self) -> DriverCounters {
-        self.inner.counters()
-    }
-    fn ordinal(&self) -> usize {
-        self.inner.ordinal()
-    }
-    fn maps_parts_of_handles(&self) -> bool {
-        self.inner.maps_parts_of_handles()
-    }
-    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        self.inner.capture_status(stream)
-    }
-    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
-        self.inner.add_peer(peer)
     }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         let result = self.inner.memset_d8(va, size, value);

@@ -6,11 +6,9 @@
 //! [`DeviceError::NoCudaSupport`]; with it, a machine without libcuda or without a device gives
 //! [`DriverError::NoDriver`], never a panic.
 
+use super::Forward;
 use super::sim::{SimConfig, SimDriver};
-use super::{
-    CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, PhysHandle, PhysPage,
-    StreamId, VaRange,
-};
+use super::{Driver, DriverError};
 use std::fmt;
 
 /// A device named on the command line.
@@ -60,7 +58,7 @@ impl DeviceSpec {
     }
 
     /// Opens the device for a program: a fresh [`SimDriver`] built from `sim` (ignored for CUDA), or the
-    /// CUDA device on the caller's streams: a [`StreamId`] is the program's own `CUstream`, on which events
+    /// CUDA device on the caller's streams: a [`StreamId`](super::StreamId) is the program's own `CUstream`, on which events
     /// are recorded and which is synchronized, so memory is reused only once the program's work on it is
     /// done.
     pub fn open(&self, sim: SimConfig) -> Result<Device, DeviceError> {
@@ -135,111 +133,22 @@ impl Device {
     }
 }
 
-/// Forwards one call to whichever driver `self` holds.
-macro_rules! forward {
-    ($self:ident, $d:ident => $call:expr) => {
-        match $self {
-            Device::Sim($d) => $call,
+/// Every call goes to whichever driver the device holds.
+impl Forward for Device {
+    type Inner = dyn Driver;
+    fn inner(&self) -> &Self::Inner {
+        match self {
+            Device::Sim(sim) => sim,
             #[cfg(feature = "cuda")]
-            Device::Cuda($d) => $call,
+            Device::Cuda(cuda) => cuda,
         }
-    };
-}
-
-impl Driver for Device {
-    fn granularity(&self) -> u64 {
-        forward!(self, d => d.granularity())
     }
-    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
-        forward!(self, d => d.reserve(size))
-    }
-    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
-        forward!(self, d => d.free_reservation(range))
-    }
-    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
-        forward!(self, d => d.create(size))
-    }
-    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        forward!(self, d => d.release(handle))
-    }
-    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
-        forward!(self, d => d.map(va, size, handle))
-    }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
-        forward!(self, d => d.map_from(va, size, handle, offset))
-    }
-    fn create_each(
-        &mut self,
-        size: u64,
-        count: usize,
-        out: &mut Vec<PhysHandle>,
-    ) -> Result<(), DriverError> {
-        forward!(self, d => d.create_each(size, count, out))
-    }
-    fn map_each(
-        &mut self,
-        va: u64,
-        size: u64,
-        pages: &[PhysPage],
-    ) -> Result<(), (usize, DriverError)> {
-        forward!(self, d => d.map_each(va, size, pages))
-    }
-    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        forward!(self, d => d.set_access(va, size))
-    }
-    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        forward!(self, d => d.unmap(va, size))
-    }
-    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
-        forward!(self, d => d.mem_info())
-    }
-    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
-        forward!(self, d => d.malloc(size))
-    }
-    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        forward!(self, d => d.free(ptr))
-    }
-    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
-        forward!(self, d => d.record_event(stream))
-    }
-    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
-        forward!(self, d => d.event_complete(event))
-    }
-    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
-        forward!(self, d => d.destroy_event(event))
-    }
-    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
-        forward!(self, d => d.synchronize(stream))
-    }
-    fn counters(&self) -> DriverCounters {
-        forward!(self, d => d.counters())
-    }
-    fn ordinal(&self) -> usize {
-        forward!(self, d => d.ordinal())
-    }
-    fn maps_parts_of_handles(&self) -> bool {
-        forward!(self, d => d.maps_parts_of_handles())
-    }
-    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        forward!(self, d => d.capture_status(stream))
-    }
-    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
-        forward!(self, d => d.add_peer(peer))
-    }
-    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
-        forward!(self, d => d.memset_d8(va, size, value))
-    }
-    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
-        forward!(self, d => d.copy_to_host(va, out))
-    }
-    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
-        forward!(self, d => d.copy_from_host(va, data))
+    fn inner_mut(&mut self) -> &mut Self::Inner {
+        match self {
+            Device::Sim(sim) => sim,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(cuda) => cuda,
+        }
     }
 }
 

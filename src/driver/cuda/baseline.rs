@@ -8,6 +8,7 @@
 //! make exactly those calls.
 
 use super::calls::cuda_error;
+use super::errors;
 use super::result;
 use crate::driver::{DriverError, Op, StreamId};
 use cudarc::driver::DriverError as CuError;
@@ -49,7 +50,7 @@ impl AsyncPool {
     /// # Errors
     /// [`DriverError::NoDriver`] without libcuda, a device or the calls; a driver failure.
     pub fn new(ordinal: usize) -> Result<Self, DriverError> {
-        super::driver::load_driver()?;
+        super::open::load_driver()?;
         let ctx = CudaContext::new(ordinal).map_err(|e| setup("cuDevicePrimaryCtxRetain", &e))?;
         ctx.bind_to_thread()
             .map_err(|e| setup("cuCtxSetCurrent", &e))?;
@@ -183,7 +184,7 @@ impl AsyncPool {
     }
 
     fn failure(&self, op: Op, requested: u64, err: &CuError) -> DriverError {
-        if !result::is_out_of_memory(err) {
+        if !errors::is_out_of_memory(err) {
             return cuda_error(op, err);
         }
         let free = result::mem_get_info().map_or(0, |(free, _)| free as u64);
@@ -206,7 +207,7 @@ impl Drop for AsyncPool {
 }
 
 fn setup(call: &'static str, err: &CuError) -> DriverError {
-    let (code, name) = result::code_and_name(err);
+    let (code, name) = errors::code_and_name(err);
     DriverError::CudaSetup { call, code, name }
 }
 

@@ -2,6 +2,7 @@
 //! context for the call and gives the calling thread back the context it had, measures the call, counts the
 //! operation, and turns a `CUresult` into a [`DriverError`].
 
+use super::errors;
 use super::give_back::GiveBackCalls;
 use super::ledger::EventCalls;
 use super::result;
@@ -70,7 +71,7 @@ impl Calls {
         // this driver destroys a context, and the thread's owner keeps its context alive while it is
         // current (point 1).
         if let Err(e) = unsafe { result::ctx_set_current(previous) } {
-            let (code, name) = result::code_and_name(&e);
+            let (code, name) = errors::code_and_name(&e);
             tracing::error!(code, %name, "cuvmm: could not give the calling thread its CUDA context back");
             self.deferred.push(DriverError::CudaSetup {
                 call: "cuCtxSetCurrent",
@@ -100,7 +101,7 @@ impl Calls {
             return;
         }
         if let Err(e) = self.ctx.check_err() {
-            let (code, name) = result::code_and_name(&e);
+            let (code, name) = errors::code_and_name(&e);
             tracing::error!(code, %name, "cuvmm: CUDA error recorded by cudarc {during}");
             self.deferred.push(DriverError::CudaSetup {
                 call: "cudarc drop",
@@ -129,7 +130,7 @@ impl Calls {
 
     /// The error for a failed call of `op` asking for `requested` bytes. Runs in the device's context.
     fn failure(&mut self, op: Op, requested: u64, err: &CuError) -> DriverError {
-        if !result::is_out_of_memory(err) {
+        if !errors::is_out_of_memory(err) {
             return cuda_error(op, err);
         }
         if op == Op::Reserve {
@@ -246,7 +247,7 @@ pub fn keeping_current_context<T>(f: impl FnOnce() -> T) -> T {
             // calls destroy no context that is current on a thread, and the thread's owner keeps its
             // context alive while it is current (point 1).
             if let Err(e) = unsafe { result::ctx_set_current(before) } {
-                let (code, name) = result::code_and_name(&e);
+                let (code, name) = errors::code_and_name(&e);
                 tracing::error!(code, %name, "cuvmm: could not give the calling thread its CUDA context back");
             }
         }
@@ -266,7 +267,7 @@ pub(super) fn raw_stream(stream: u64) -> sys::CUstream {
 
 /// A failed call of `op`.
 pub(super) fn cuda_error(op: Op, err: &CuError) -> DriverError {
-    let (code, name) = result::code_and_name(err);
+    let (code, name) = errors::code_and_name(err);
     DriverError::Cuda { op, code, name }
 }
 

@@ -1,8 +1,10 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
 use super::calls::{Calls, bytes, cuda_error, raw_stream};
+use super::errors;
 use super::ledger::Ledger;
-use super::result::{self, Granularity};
+use super::open::{self, load_driver, peer_device, setup};
+use super::result;
 use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
@@ -11,7 +13,7 @@ use crate::driver::{
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
-use cudarc::driver::sys::{self, CUdevice, CUdevice_attribute};
+use cudarc::driver::sys::{self, CUdevice};
 use std::sync::Arc;
 
 /// A CUDA device, driven through the virtual-memory API.
@@ -111,51 +113,15 @@ impl CudaDriver {
 
     /// Opens the device; leaves its context current.
     fn open(ordinal: usize, peers: &[usize]) -> Result<Self, DriverError> {
-        let count = cudarc::driver::result::device::get_count()
-            .map_err(|e| setup("cuDeviceGetCount", &e))?;
-        let count = usize::try_from(count).unwrap_or(0);
-        for &wanted in std::iter::once(&ordinal).chain(peers) {
-            if wanted >= count {
-                return Err(DriverError::NoDriver {
-                    reason: format!("there is no CUDA device {wanted}: {count} device(s) found"),
-                });
-            }
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| setup("cuDevicePrimaryCtxRetain", &e))?;
-        let name = ctx.name().map_err(|e| setup("cuDeviceGetName", &e))?;
-        // Attribute 102: CUDA calls it VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED; cudarc keeps its older alias.
-        let vmm = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED)
-            .map_err(|e| setup("cuDeviceGetAttribute", &e))?;
-        if vmm == 0 {
-            return Err(DriverError::NoDriver {
-                reason: format!(
-                    "CUDA device {ordinal} ({name}) does not support the virtual memory management API"
-                ),
-            });
-        }
-        let device = ctx.cu_device();
-        let minimum = result::granularity(device, Granularity::Minimum)
-            .map_err(|e| setup("cuMemGetAllocationGranularity", &e))?;
-        let recommended = result::granularity(device, Granularity::Recommended)
-            .map_err(|e| setup("cuMemGetAllocationGranularity", &e))?;
-        let mut access = vec![device];
-        let mut peer_list = Vec::new();
-        for &peer in peers.iter().filter(|&&p| p != ordinal) {
-            let peer_device = peer_device(ordinal, device, peer)?;
-            if !access.contains(&peer_device) {
-                access.push(peer_device);
-                peer_list.push(peer);
-            }
-        }
+        let device = open::open_device(ordinal, peers)?;
         Ok(Self {
-            calls: Calls::new(ctx),
+            calls: Calls::new(device.ctx),
             ordinal,
-            name,
-            granularity: minimum as u64,
-            recommended_granularity: recommended as u64,
-            peers: peer_list,
-            access,
+            name: device.name,
+            granularity: device.granularity,
+            recommended_granularity: device.recommended_granularity,
+            peers: device.peers,
+            access: device.access,
             ledger: Ledger::default(),
             streams: Streams::Caller,
         })
@@ -234,7 +200,7 @@ impl CudaDriver {
             // SAFETY: as above (point 1).
             unsafe { result::stream_capture_info(raw_stream(raw)) }.map(|(_, id)| id)
         });
-        began.map_err(|e| result::on_capture(e, stream, false))
+        began.map_err(|e| errors::on_capture(e, stream, false))
     }
 
     /// Ends the capture of `stream` (`cuStreamEndCapture`) and destroys the graph it made. For tests. Not
@@ -249,7 +215,7 @@ impl CudaDriver {
             // SAFETY: the graph was just made by the capture's end and nothing else holds it (points 1-2).
             unsafe { result::graph_destroy(graph) }
         });
-        ended.map_err(|e| result::on_capture(e, stream, true))
+        ended.map_err(|e| errors::on_capture(e, stream, true))
     }
 
     /// Runs one operation, counting it once with the driver time its calls took.
@@ -467,13 +433,13 @@ impl Driver for CudaDriver {
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.counted(Op::RecordEvent, |d| {
             let raw = d.stream(Op::RecordEvent, stream)?;
-            (d.ledger.record_event(&mut d.calls, raw)).map_err(|e| result::on_stream(e, stream))
+            (d.ledger.record_event(&mut d.calls, raw)).map_err(|e| errors::on_stream(e, stream))
         })
     }
 
     fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
         self.counted(Op::QueryEvent, |d| {
-            (d.ledger.event_complete(&mut d.calls, event)).map_err(|e| result::on_event(e, event))
+            (d.ledger.event_complete(&mut d.calls, event)).map_err(|e| errors::on_event(e, event))
         })
     }
 
@@ -491,7 +457,7 @@ impl Driver for CudaDriver {
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_synchronize(raw_stream(raw)) }
             });
-            synchronized.map_err(|e| result::on_stream(e, stream))
+            synchronized.map_err(|e| errors::on_stream(e, stream))
         })
     }
 
@@ -512,7 +478,7 @@ impl Driver for CudaDriver {
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_capture_info(raw_stream(raw)) }
             });
-            let (status, id) = info.map_err(|e| result::on_stream(e, stream))?;
+            let (status, id) = info.map_err(|e| errors::on_stream(e, stream))?;
             Ok(match status {
                 Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
                 Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
@@ -583,68 +549,9 @@ impl Driver for CudaDriver {
     }
 }
 
-/// Opens libcuda and checks that it exports every entry point cuvmm uses, then initialises the driver.
-/// Until this succeeds no `sys` call may be made: cudarc panics on a library or symbol it cannot load.
-pub(super) fn load_driver() -> Result<(), DriverError> {
-    if !result::culib_present() {
-        return Err(DriverError::NoDriver {
-            reason:
-                "libcuda could not be loaded (is the NVIDIA driver installed, and libcuda.so.1 on \
-                     the library path?)"
-                    .to_string(),
-        });
-    }
-    let missing = result::missing_symbols();
-    if !missing.is_empty() {
-        return Err(DriverError::NoDriver {
-            reason: format!(
-                "libcuda is too old: it lacks {} (a driver for CUDA 12.2 or later is needed)",
-                missing.join(", ")
-            ),
-        });
-    }
-    cudarc::driver::result::init().map_err(|e| {
-        let (code, name) = result::code_and_name(&e);
-        let what = if result::is_no_device(&e) {
-            "no CUDA-capable device is present"
-        } else {
-            "the driver could not be initialised"
-        };
-        DriverError::NoDriver {
-            reason: format!("cuInit failed: {what} (CUDA error {code}, {name})"),
-        }
-    })
-}
-
-/// Device `peer` (an ordinal below the device count), checked to reach the memory of `device`, device
-/// `ordinal`: [`DriverError::PeerAccess`] if it cannot.
-fn peer_device(ordinal: usize, device: CUdevice, peer: usize) -> Result<CUdevice, DriverError> {
-    let peer_i32 = i32::try_from(peer).map_err(|_| DriverError::PeerAccess {
-        device: ordinal,
-        peer,
-    })?;
-    let peer_device =
-        cudarc::driver::result::device::get(peer_i32).map_err(|e| setup("cuDeviceGet", &e))?;
-    let can = result::can_access_peer(peer_device, device)
-        .map_err(|e| setup("cuDeviceCanAccessPeer", &e))?;
-    if !can {
-        return Err(DriverError::PeerAccess {
-            device: ordinal,
-            peer,
-        });
-    }
-    Ok(peer_device)
-}
-
-/// A failed setup call.
-fn setup(call: &'static str, err: &CuError) -> DriverError {
-    let (code, name) = result::code_and_name(err);
-    DriverError::CudaSetup { call, code, name }
-}
-
 /// Logs a call that failed while the driver was being dropped.
 fn log_drop_error(op: Op, err: &CuError) {
-    let (code, name) = result::code_and_name(err);
+    let (code, name) = errors::code_and_name(err);
     tracing::error!(%op, code, %name, "cuvmm: CUDA call failed while dropping CudaDriver");
 }
 

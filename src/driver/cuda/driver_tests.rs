@@ -1,8 +1,8 @@
 //! What `CudaDriver` reads from CUDA, checked on a real device (skipped without one).
 
 use super::*;
+use crate::driver::cuda::errors::says_unknown;
 use crate::driver::cuda::give_back::GiveBackCalls;
-use crate::driver::cuda::result::says_unknown;
 
 /// What `give_back.rs` reads from CUDA, on a real device: the two queries' answers before and after a
 /// resource is given back, and the driver's answer to a call repeated on a resource that is gone (which

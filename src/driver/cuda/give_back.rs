@@ -22,8 +22,8 @@
 //! settle.rs`: one repeat, success or "gone" is done) ends after two calls (and their queries) in every
 //! case, and its books follow the device's. Events follow the same rule in `ledger.rs`.
 
+use super::errors::says_unknown;
 use super::ledger::Ledger;
-use super::result::says_unknown;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
 
 /// Whether `held` (mappings in address order) covers `va .. va + size` exactly, without a gap.

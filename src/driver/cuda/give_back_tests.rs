@@ -1,9 +1,9 @@
 //! Tests of `give_back.rs` without a GPU: a fake device whose calls fail before or after their effect, and
 //! whose queries can fail too, against the allocator's settle rule (one repeat; success or "gone" is done).
 
+use super::errors::says_unknown;
 use super::give_back::GiveBackCalls;
 use super::ledger::Ledger;
-use super::result::says_unknown;
 use crate::driver::{DriverError, Op, PhysHandle, VaRange};
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 

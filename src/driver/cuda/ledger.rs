@@ -13,7 +13,7 @@
 //! forget" is tested here without a GPU. Memory is given back the same way (`give_back.rs`), where a
 //! failure is settled: a resource the driver no longer knows is forgotten and reported gone.
 
-use super::result::says_unknown;
+use super::errors::says_unknown;
 use crate::driver::sim::LeakReport;
 use crate::driver::{DriverError, EventId, Op, PhysHandle, VaRange};
 use std::collections::{BTreeMap, HashMap};

@@ -5,6 +5,8 @@
 //! - `result.rs`: one function per driver call, returning `Result`; a function is `unsafe` when a wrong
 //!   argument could break someone else's memory, with a numbered `# Safety` list and a link to NVIDIA's
 //!   documentation;
+//! - `errors.rs`: what a CUDA error means (its code and name; the errors that name a stream, an event or a
+//!   capture, as the `DriverError` that says so);
 //! - `ledger.rs`: what this driver holds (reservations, handles, mappings, `malloc`s, events), so that each
 //!   safety condition is checked before an `unsafe` call, and so that drop can give everything back;
 //! - `give_back.rs`: how the ledger gives memory back and maps it, and settles a failure: a resource the
@@ -12,6 +14,8 @@
 //! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
 //!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
 //! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
+//! - `open.rs`: opening a device (libcuda and its entry points, the device's virtual-memory support and
+//!   granularities, the peers that may reach its memory);
 //! - `driver.rs`: [`CudaDriver`], the safe type;
 //! - `baseline.rs`: what cuvmm is measured against (cudarc's default allocation, cuMemAllocAsync on the
 //!   device's default pool), as safe calls.
@@ -26,10 +30,12 @@
 mod baseline;
 mod calls;
 mod driver;
+mod errors;
 mod give_back;
 #[cfg(test)]
 mod give_back_tests;
 mod ledger;
+mod open;
 mod result;
 mod streams;
 

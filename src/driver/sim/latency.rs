@@ -15,8 +15,8 @@
 //! compare --latency-model h100` or `h200` for the measured ones); a replay's report gives its calls' estimate under every
 //! model ([`crate::trace::replay::ByModel`]).
 
-use crate::driver::{DriverCounters, Op};
 use crate::base::size::MIB;
+use crate::driver::{DriverCounters, Op};
 
 /// The size one unit of [`LatencyModel::per_unit_ns`] stands for: one 2 MiB page.
 pub const LATENCY_UNIT_BYTES: u64 = 2 * MIB;

@@ -1,8 +1,8 @@
 //! `cuMemAlloc` / `cuMemFree`: mapped, accessible memory in one call, from its own address region.
 
 use super::va::VaRegion;
-use crate::driver::{DriverError, Op, VaRange};
 use crate::base::size::MIB;
+use crate::driver::{DriverError, Op, VaRange};
 use std::collections::BTreeMap;
 
 /// Where `malloc` addresses start (below the reservations, which start at `0x7f00_0000_0000`).

@@ -54,7 +54,15 @@
 //!   machine has [`SimConfig::devices`] devices; this one is device 0.
 //! - **Leaks.** [`SimDriver::leak_report`] lists what is still held; dropping a device that still holds
 //!   something logs the report with `tracing::warn!` (it never panics).
+//!
+//! [`Driver::add_peer`]: super::Driver::add_peer
+//! [`Driver::capture_status`]: super::Driver::capture_status
+//! [`Driver::copy_to_host`]: super::Driver::copy_to_host
+//! [`Driver::mem_info`]: super::Driver::mem_info
+//! [`Driver::memset_d8`]: super::Driver::memset_d8
+//! [`Driver::synchronize`]: super::Driver::synchronize
 
+mod calls;
 mod capture;
 mod config;
 mod faults;
@@ -74,10 +82,7 @@ pub use faults::FaultKind;
 pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
 
-use super::{
-    CaptureMode, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
-    PhysHandle, PhysPage, StreamId, VaRange,
-};
+use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaRange};
 use capture::Captures;
 use faults::Faults;
 use malloc::Mallocs;
@@ -86,9 +91,6 @@ use std::fmt;
 use store::{ByteStore, Owner};
 use streams::Streams;
 use vmm::Vmm;
-
-/// Modelled latencies shorter than this are waited out by spinning (see `SimDriver::sleep`).
-const SPIN_BELOW_NS: u64 = 20_000;
 
 /// A simulated device.
 pub struct SimDriver {
@@ -99,7 +101,7 @@ pub struct SimDriver {
     mallocs: Mallocs,
     streams: Streams,
     captures: Captures,
-    /// The peers added ([`Driver::add_peer`]), one bit per device ordinal.
+    /// The peers added ([`Driver::add_peer`](super::Driver::add_peer)), one bit per device ordinal.
     peers: u32,
     store: Option<ByteStore>,
     malloc_plan: VecDeque<(u64, u64)>,
@@ -259,7 +261,7 @@ impl SimDriver {
         self.captures.invalidated()
     }
     /// Whether device `peer` may read and write the mapping at `va`: for this device (0), whether its
-    /// access was set; for a peer, whether a `set_access` made after [`Driver::add_peer`] of it covered
+    /// access was set; for a peer, whether a `set_access` made after [`Driver::add_peer`](super::Driver::add_peer) of it covered
     /// the mapping. `false` where nothing is mapped (unmapping forgets the access).
     pub fn peer_access(&self, va: u64, peer: usize) -> bool {
         let Some((_, mapping)) = self.vmm.mapping_at(va) else {
@@ -330,83 +332,6 @@ impl SimDriver {
         }
     }
 
-    /// Waits `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on: spinning below
-    /// [`SPIN_BELOW_NS`], where the operating system's sleep would overshoot many times over (a 100 ns capture
-    /// query slept for tens of microseconds), sleeping above.
-    #[cold]
-    fn sleep(&self, ns: u64) {
-        if !self.config.sleep_latency || ns == 0 {
-            return;
-        }
-        let wait = std::time::Duration::from_nanos(ns);
-        if ns < SPIN_BELOW_NS {
-            let start = std::time::Instant::now();
-            while start.elapsed() < wait {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::sleep(wait);
-        }
-    }
-
-    /// Charges the mappings a call of `op` covered beyond the first (`begin` charged one): the fixed part
-    /// of `set_access` and `unmap` is paid per mapping.
-    fn more_mappings(&mut self, op: Op, covered: u64) {
-        let extra = covered.saturating_sub(1);
-        if extra == 0 {
-            return;
-        }
-        self.counters.record_extra_mappings(op, extra);
-        let cost = self.config.latency.fixed(op).saturating_mul(extra);
-        self.counters.time_ns = self.counters.time_ns.saturating_add(cost);
-        if self.config.sleep_latency {
-            self.sleep(cost);
-        }
-    }
-
-    /// Counts a call of `op` covering `bytes`, and fails it if a fault is planned for it.
-    // Always inlined: every driver call passes a constant `op`, so the latency model's choice of formula
-    // folds away and what is left is three additions and two tests (callgrind: 69 instructions a call
-    // when it was a function of `op`).
-    #[inline(always)]
-    fn begin(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
-        let (cost, units) = self.config.latency.charge(op, bytes);
-        self.counters.record(op, cost);
-        self.counters.record_units(op, 1, units);
-        if self.config.sleep_latency {
-            self.sleep(cost);
-        }
-        if self.faults.none_planned() {
-            return Ok(());
-        }
-        self.inject(op, bytes)
-    }
-
-    /// Refuses a potentially unsafe call of `op` during a capture that forbids it (`own`: the stream whose
-    /// work the call waits for). Free when no capture is under way.
-    #[inline(always)]
-    fn refuse_in_capture(&mut self, op: Op, own: Option<StreamId>) -> Result<(), DriverError> {
-        if self.captures.idle() {
-            return Ok(());
-        }
-        self.captures.check(op, own)
-    }
-
-    /// The fault planned for the call of `op` just counted, if any.
-    #[inline(never)]
-    fn inject(&mut self, op: Op, bytes: u64) -> Result<(), DriverError> {
-        let call = self.counters.get(op);
-        match self.faults.check(op, call) {
-            None => Ok(()),
-            Some(FaultKind::Error) => Err(DriverError::Injected { op, call }),
-            Some(FaultKind::OutOfMemory) => Err(DriverError::OutOfMemory {
-                op,
-                requested: bytes,
-                free: self.free_bytes(),
-            }),
-        }
-    }
-
     /// Drops the bytes of physical memory that was just freed.
     fn forget(&mut self, owner: Owner) {
         if let Some(store) = &mut self.store {
@@ -468,204 +393,5 @@ impl Drop for SimDriver {
         if !report.is_empty() {
             tracing::warn!("SimDriver dropped while still holding device memory:\n{report}");
         }
-    }
-}
-
-impl Driver for SimDriver {
-    fn granularity(&self) -> u64 {
-        self.config.granularity
-    }
-    fn reserve(&mut self, size: u64) -> Result<VaRange, DriverError> {
-        self.begin(Op::Reserve, size)?;
-        self.vmm.reserve(size)
-    }
-    fn free_reservation(&mut self, range: VaRange) -> Result<(), DriverError> {
-        self.begin(Op::FreeReservation, range.size)?;
-        self.refuse_in_capture(Op::FreeReservation, None)?;
-        self.vmm.free_reservation(range)
-    }
-    fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
-        self.begin(Op::Create, size)?;
-        let free = self.free_bytes();
-        self.vmm.create(size, free)
-    }
-    fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
-        self.begin(Op::Release, self.vmm.handle_size(handle).unwrap_or(0))?;
-        self.refuse_in_capture(Op::Release, None)?;
-        if let Some(freed) = self.vmm.release(handle)? {
-            self.forget(Owner::Handle(freed));
-        }
-        Ok(())
-    }
-    fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
-        self.begin(Op::Map, size)?;
-        self.vmm.map(va, size, handle, None)
-    }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
-        self.begin(Op::Map, size)?;
-        self.vmm.map(va, size, handle, Some(offset))
-    }
-    /// In one pass when no fault is planned and every call would succeed; one by one otherwise, so the
-    /// calls fail exactly as they would.
-    fn create_each(
-        &mut self,
-        size: u64,
-        count: usize,
-        out: &mut Vec<PhysHandle>,
-    ) -> Result<(), DriverError> {
-        if self.faults.none_planned() {
-            let free = self.free_bytes();
-            if self.vmm.create_all(size, count, free, out) {
-                let cost = self.config.latency.cost_ns(Op::Create, size);
-                self.counters.record_many(Op::Create, count as u64, cost);
-                self.sleep(cost * count as u64);
-                let units = LatencyModel::units(Op::Create, size);
-                self.counters.record_units(Op::Create, count as u64, units);
-                return Ok(());
-            }
-        }
-        super::create_each_by_calls(self, size, count, out)
-    }
-    /// In one pass when no fault is planned and every call would succeed, as
-    /// [`create_each`](Driver::create_each).
-    fn map_each(
-        &mut self,
-        va: u64,
-        size: u64,
-        pages: &[PhysPage],
-    ) -> Result<(), (usize, DriverError)> {
-        if self.faults.none_planned() && self.vmm.map_all(va, size, pages) {
-            let cost = self.config.latency.cost_ns(Op::Map, size);
-            self.counters.record_many(Op::Map, pages.len() as u64, cost);
-            self.sleep(cost * pages.len() as u64);
-            let units = LatencyModel::units(Op::Map, size);
-            self.counters
-                .record_units(Op::Map, pages.len() as u64, units);
-            return Ok(());
-        }
-        super::map_each_by_calls(self, va, size, pages)
-    }
-    fn set_access(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        self.begin(Op::SetAccess, size)?;
-        let covered = self.vmm.set_access(va, size, self.peers)?;
-        self.more_mappings(Op::SetAccess, covered);
-        Ok(())
-    }
-    fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
-        self.begin(Op::Unmap, size)?;
-        self.refuse_in_capture(Op::Unmap, None)?;
-        if let Some(&(stream, va)) = self.streams.users_of(va, size).first() {
-            return Err(DriverError::UnmapWhileInUse { va, stream });
-        }
-        let (freed, covered) = self.vmm.unmap(va, size)?;
-        for handle in freed {
-            self.forget(Owner::Handle(handle));
-        }
-        self.more_mappings(Op::Unmap, covered);
-        Ok(())
-    }
-    fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
-        self.begin(Op::MemInfo, 0)?;
-        Ok(MemInfo {
-            free: self.free_bytes(),
-            total: self.config.capacity,
-        })
-    }
-    fn malloc(&mut self, size: u64) -> Result<u64, DriverError> {
-        self.begin(Op::Malloc, size)?;
-        let free = self.free_bytes();
-        let fits = size > 0
-            && size
-                .checked_next_multiple_of(512)
-                .is_some_and(|held| held <= free);
-        let at = if self.malloc_plan.is_empty() || !fits {
-            None
-        } else {
-            self.planned_address(size)
-        };
-        self.mallocs.malloc(size, free, at)
-    }
-    fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
-        self.begin(Op::Free, self.mallocs.size(ptr).unwrap_or(0))?;
-        self.refuse_in_capture(Op::Free, None)?;
-        self.mallocs.free(ptr)?;
-        self.forget(Owner::Malloc(ptr));
-        Ok(())
-    }
-    fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
-        self.begin(Op::RecordEvent, 0)?;
-        if self.captures.is_capturing(stream) {
-            let event = self.streams.record_captured(stream);
-            self.captures.recorded(event, stream);
-            return Ok(event);
-        }
-        Ok(self.streams.record(stream))
-    }
-    fn event_complete(&mut self, event: EventId) -> Result<bool, DriverError> {
-        self.begin(Op::QueryEvent, 0)?;
-        if !self.captures.idle() {
-            self.captures.check_query(event)?;
-        }
-        self.streams.is_complete(event)
-    }
-    fn destroy_event(&mut self, event: EventId) -> Result<(), DriverError> {
-        self.begin(Op::DestroyEvent, 0)?;
-        self.streams.destroy(event)?;
-        self.captures.destroyed(event);
-        Ok(())
-    }
-    fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
-        self.begin(Op::Synchronize, 0)?;
-        self.refuse_in_capture(Op::Synchronize, Some(stream))?;
-        self.streams.complete_stream(stream);
-        Ok(())
-    }
-    fn counters(&self) -> DriverCounters {
-        self.counters
-    }
-    fn maps_parts_of_handles(&self) -> bool {
-        self.config.partial_mappings
-    }
-    fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        self.begin(Op::CaptureInfo, 0)?;
-        Ok(self.captures.status(stream))
-    }
-    /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`]) is
-    /// [`DriverError::PeerAccess`]. Not counted: it makes no driver call, it configures later
-    /// `set_access` calls.
-    fn add_peer(&mut self, peer: usize) -> Result<(), DriverError> {
-        if peer == 0 {
-            return Ok(());
-        }
-        if peer >= self.config.devices {
-            return Err(DriverError::PeerAccess { device: 0, peer });
-        }
-        self.peers |= 1 << peer;
-        Ok(())
-    }
-    fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
-        self.begin(Op::Memset, size)?;
-        let spans = self.spans(va, size)?;
-        let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
-        for span in spans {
-            store.fill(span.owner, span.offset, span.len as u64, value);
-        }
-        Ok(())
-    }
-    fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {
-        self.begin(Op::CopyToHost, out.len() as u64)?;
-        let bytes = self.read(va, out.len())?;
-        out.copy_from_slice(&bytes);
-        Ok(())
-    }
-    fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
-        self.begin(Op::CopyFromHost, data.len() as u64)?;
-        self.write(va, data)
     }
 }

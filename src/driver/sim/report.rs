@@ -1,7 +1,7 @@
 //! The leak report: what a simulated device still holds.
 
-use crate::driver::{PhysHandle, VaRange};
 use crate::base::size::format_size;
+use crate::driver::{PhysHandle, VaRange};
 use std::fmt;
 
 /// How many entries of each kind [`LeakReport`]'s `Display` lists before it summarises the rest.
