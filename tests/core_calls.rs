@@ -421,12 +421,28 @@ fn read(code: &str) -> (Vec<Def>, BTreeSet<Call>) {
     (defs, calls)
 }
 
+/// Method calls the reader cannot tell from a core method of the same name, each read by hand: (file,
+/// method, what it calls). Only these are dropped; any other call of the name from that file still counts.
+const NOT_CORE_CALLS: &[(&str, &str, &str)] = &[(
+    "src/expandable/segment.rs",
+    "page_size",
+    "`self.pages.page_size()`, the page map's, not `Expandable::page_size`",
+)];
+
 /// The arrows between `files` (name, source): for each file, the files its calls may reach.
 fn arrows(files: &[(String, String)]) -> BTreeMap<usize, BTreeSet<usize>> {
     let read: Vec<(Vec<Def>, BTreeSet<Call>)> = files.iter().map(|(_, src)| read(src)).collect();
     let mut edges: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
     for (from, (_, calls)) in read.iter().enumerate() {
         for call in calls {
+            let not_core = |name: &str| {
+                NOT_CORE_CALLS
+                    .iter()
+                    .any(|&(file, method, _)| files[from].0 == file && name == method)
+            };
+            if matches!(call, Call::Method(name) if not_core(name)) {
+                continue;
+            }
             for (to, (defs, _)) in read.iter().enumerate() {
                 let defines = defs.iter().any(|d| match call {
                     Call::Method(name) => d.name == *name && d.owner.is_some() && !d.trait_impl,
@@ -549,10 +565,7 @@ fn no_two_files_of_the_core_call_each_other() {
     );
 }
 
-/// Ignored for now: the only arrow that closes a longer cycle is a false one, `segment.rs` calling
-/// `self.pages.page_size()` (the page map's), which the reader takes for `Expandable::page_size` in `mod.rs`.
 #[test]
-#[ignore]
 fn no_cycle_of_calls_between_files_of_the_core() {
     let files = core_files();
     let edges = arrows(&files);
@@ -624,17 +637,4 @@ fn the_reader_finds_call_cycles() {
     assert!(cycles(3, &edges).is_empty(), "{edges:?}");
     assert_eq!(edges.get(&2), Some(&BTreeSet::from([1])));
     assert_eq!(edges.get(&0), None);
-}
-
-/// Prints the arrows (`cargo test --test core_calls -- --ignored --nocapture`).
-#[test]
-#[ignore]
-fn print_arrows() {
-    let files = core_files();
-    let edges = arrows(&files);
-    for (a, tos) in &edges {
-        let names: Vec<&str> = tos.iter().map(|&b| files[b].0.as_str()).collect();
-        println!("{} -> {}", files[*a].0, names.join(", "));
-    }
-    println!("mutual: {:#?}", mutual(&files, &edges));
 }

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     ("base", &["src/base/"]),
     ("driver seam", &["src/driver/"]),
-    ("page map", &["src/page_map.rs", "src/page_map/"]),
+    ("page map", &["src/page_map/"]),
     ("strategy interface", &["src/strategy/"]),
     ("strategies", &["src/expandable/"]),
     ("facade", &["src/facade/"]),

@@ -556,5 +556,4 @@ fn log_drop_error(op: Op, err: &CuError) {
 }
 
 #[cfg(test)]
-#[path = "driver_tests.rs"]
 mod tests;
