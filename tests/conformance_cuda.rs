@@ -12,7 +12,7 @@ use conformance::Subject;
 use conformance::capture::{self, Capture};
 use cuvmm::driver::cuda::CudaDriver;
 use cuvmm::driver::sim::LeakReport;
-use cuvmm::driver::{CaptureMode, Driver, DriverError, StreamId};
+use cuvmm::driver::{CaptureMode, Driver, DriverError, PhysPage, StreamId};
 
 impl Subject for CudaDriver {
     fn held(&self) -> LeakReport {
@@ -182,12 +182,26 @@ fn cuda_driver_facts_are_recorded() {
         let h = d.create(2 * g).expect("create");
         d.map(r.start, 2 * g, h).expect("map");
         let r2 = d.reserve(2 * g).expect("reserve");
-        let part = d.map_from(r2.start, g, h, 0);
+        let part = d.map_from(
+            r2.start,
+            g,
+            PhysPage {
+                handle: h,
+                offset: 0,
+            },
+        );
         eprintln!(
             "fact: map of the first page of a two-page handle (offset 0): {}",
             outcome(part.clone())
         );
-        let second = d.map_from(r2.start + g, g, h, g);
+        let second = d.map_from(
+            r2.start + g,
+            g,
+            PhysPage {
+                handle: h,
+                offset: g,
+            },
+        );
         eprintln!(
             "fact: map of the second page of a two-page handle (offset one page): {}",
             outcome(second.clone())

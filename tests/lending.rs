@@ -8,7 +8,7 @@ mod common;
 use common::pattern;
 use cuvmm::driver::Forward;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
-use cuvmm::driver::{Driver, DriverError, Op, PhysHandle, StreamId};
+use cuvmm::driver::{Driver, DriverError, Op, PhysPage, StreamId};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy};
 
@@ -209,17 +209,11 @@ impl Forward for WholeOnly {
     fn maps_parts_of_handles(&self) -> bool {
         true // but `map_from` refuses an offset, as the trait's default does
     }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
-        if offset != 0 {
+    fn map_from(&mut self, va: u64, size: u64, page: PhysPage) -> Result<(), DriverError> {
+        if page.offset != 0 {
             return Err(DriverError::Unsupported { op: Op::Map });
         }
-        self.0.map(va, size, handle)
+        self.0.map(va, size, page.handle)
     }
 }
 

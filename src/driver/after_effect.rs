@@ -132,14 +132,8 @@ impl<D: Driver> super::Forward for AfterEffect<D> {
         let result = self.inner.map(va, size, handle);
         self.after(Op::Map, result)
     }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
-        let result = self.inner.map_from(va, size, handle, offset);
+    fn map_from(&mut self, va: u64, size: u64, page: PhysPage) -> Result<(), DriverError> {
+        let result = self.inner.map_from(va, size, page);
         self.after(Op::Map, result)
     }
     fn create_each(

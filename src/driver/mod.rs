@@ -76,24 +76,18 @@ driver_trait! {
         /// [`set_access`](Driver::set_access).
         fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError>;
 
-        /// Maps `size` bytes of `handle` from byte `offset` at `va` (`cuMemMap` with an offset: `va`, `size` and
-        /// `offset` multiples of the granularity, `offset + size` at most the handle's size, as CUDA 12's
-        /// documentation says; older CUDA and HIP require offset 0). One handle may be mapped at several places
+        /// Maps `size` bytes of `page.handle` from byte `page.offset` at `va` (`cuMemMap` with an offset: `va`,
+        /// `size` and the offset multiples of the granularity, offset + `size` at most the handle's size, as
+        /// CUDA 12's documentation says; older CUDA and HIP require offset 0). One handle may be mapped at several places
         /// at once; its memory is freed once it is released and every mapping of it is gone. Counted as a
         /// [`map`](Driver::map) call.
         ///
-        /// The default maps the whole handle when `offset` is 0 (a mapping of the handle's size) and returns
+        /// The default maps the whole handle when the offset is 0 (a mapping of the handle's size) and returns
         /// [`DriverError::Unsupported`] otherwise, so a driver without partial mappings need not implement it;
         /// cuvmm then never maps part of a handle.
-        fn map_from(
-            &mut self,
-            va: u64,
-            size: u64,
-            handle: PhysHandle,
-            offset: u64,
-        ) -> Result<(), DriverError> {
-            if offset == 0 {
-                return self.map(va, size, handle);
+        fn map_from(&mut self, va: u64, size: u64, page: PhysPage) -> Result<(), DriverError> {
+            if page.offset == 0 {
+                return self.map(va, size, page.handle);
             }
             Err(DriverError::Unsupported { op: Op::Map })
         }
@@ -263,7 +257,7 @@ pub fn map_each_by_calls<D: Driver + ?Sized>(
     for (i, page) in pages.iter().enumerate() {
         // Saturating: past the top of the address space is no reservation, and the driver says so.
         let at = va.saturating_add(size.saturating_mul(i as u64));
-        (driver.map_from(at, size, page.handle, page.offset)).map_err(|err| (i, err))?;
+        (driver.map_from(at, size, *page)).map_err(|err| (i, err))?;
     }
     Ok(())
 }

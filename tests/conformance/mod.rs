@@ -26,7 +26,7 @@ pub mod capture;
 
 use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
-use cuvmm::driver::{Driver, DriverError, EventId, Op, PhysHandle, StreamId, VaRange};
+use cuvmm::driver::{Driver, DriverError, EventId, Op, PhysHandle, PhysPage, StreamId, VaRange};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _};
 use proptest::prelude::*;
@@ -465,11 +465,25 @@ fn map_from_offset<D: Subject>(d: &mut D) {
         let h = d.create(2 * g).expect("create two pages");
         rejected(
             "map a handle's second page on its own",
-            d.map_from(r.start, g, h, g),
+            d.map_from(
+                r.start,
+                g,
+                PhysPage {
+                    handle: h,
+                    offset: g,
+                },
+            ),
             |e| matches!(e, DriverError::Unsupported { .. }),
         );
-        d.map_from(r.start, 2 * g, h, 0)
-            .expect("map the whole handle from offset 0");
+        d.map_from(
+            r.start,
+            2 * g,
+            PhysPage {
+                handle: h,
+                offset: 0,
+            },
+        )
+        .expect("map the whole handle from offset 0");
         d.set_access(r.start, 2 * g).expect("set_access");
         d.unmap(r.start, 2 * g).expect("unmap");
         teardown(d, r, &[h]);
@@ -480,8 +494,15 @@ fn map_from_offset<D: Subject>(d: &mut D) {
     let h = d.create(4 * g).expect("create four pages");
     let (whole, part) = (r.start, r.start + 5 * g);
     d.map(whole, 4 * g, h).expect("map the whole handle");
-    d.map_from(part, g, h, 2 * g)
-        .expect("map its third page again, on its own");
+    d.map_from(
+        part,
+        g,
+        PhysPage {
+            handle: h,
+            offset: 2 * g,
+        },
+    )
+    .expect("map its third page again, on its own");
     d.set_access(whole, 4 * g).expect("set_access on the whole");
     d.set_access(part, g).expect("set_access on the part");
     d.memset_d8(whole, 4 * g, 0x21).expect("memset the whole");
@@ -496,12 +517,26 @@ fn map_from_offset<D: Subject>(d: &mut D) {
     expect_bytes(d, whole + g, g as usize, 0x21, "the second page");
     rejected(
         "map past the handle's end",
-        d.map_from(part + g, 2 * g, h, 3 * g),
+        d.map_from(
+            part + g,
+            2 * g,
+            PhysPage {
+                handle: h,
+                offset: 3 * g,
+            },
+        ),
         |e| matches!(e, DriverError::OutsideHandle { .. }),
     );
     rejected(
         "map from an unaligned offset",
-        d.map_from(part + g, g, h, g / 2),
+        d.map_from(
+            part + g,
+            g,
+            PhysPage {
+                handle: h,
+                offset: g / 2,
+            },
+        ),
         |e| matches!(e, DriverError::NotAligned { .. }),
     );
     d.unmap(whole, 4 * g).expect("unmap the whole");

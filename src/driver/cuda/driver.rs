@@ -9,7 +9,7 @@ use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
     CaptureMode, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
-    PhysHandle, StreamId, VaRange,
+    PhysHandle, PhysPage, StreamId, VaRange,
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
@@ -371,14 +371,9 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
+    fn map_from(&mut self, va: u64, size: u64, page: PhysPage) -> Result<(), DriverError> {
         self.counted(Op::Map, |d| {
+            let PhysPage { handle, offset } = page;
             let handle_size = d.ledger.handle_size(Op::Map, handle)?;
             DriverError::check_inside_handle(handle, handle_size, offset, size)?;
             d.ledger.check_reserved(Op::Map, va, size)?;

@@ -125,15 +125,9 @@ impl Driver for SimDriver {
         self.begin(Op::Map, size)?;
         self.vmm.map(va, size, handle, None)
     }
-    fn map_from(
-        &mut self,
-        va: u64,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> Result<(), DriverError> {
+    fn map_from(&mut self, va: u64, size: u64, page: PhysPage) -> Result<(), DriverError> {
         self.begin(Op::Map, size)?;
-        self.vmm.map(va, size, handle, Some(offset))
+        self.vmm.map(va, size, page.handle, Some(page.offset))
     }
     /// In one pass when no fault is planned and every call would succeed; one by one otherwise, so the
     /// calls fail exactly as they would.
