@@ -81,8 +81,14 @@ fn a_ballast_leaves_the_capacity_free_and_gives_it_all_back() {
 
     // More than is free: refused, nothing allocated.
     let err = Ballast::place(&mut driver, 9 * GIB).unwrap_err();
-    assert!(matches!(err, BallastError::AboveFree { free, .. } if free == 8 * GIB), "{err}");
-    assert!(err.to_string().contains("above what the device has free"), "{err}");
+    assert!(
+        matches!(err, BallastError::AboveFree { free, .. } if free == 8 * GIB),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("above what the device has free"),
+        "{err}"
+    );
     assert_eq!(driver.used_bytes(), 0);
     let usage = CapacityError::from(err);
     assert!(usage.is_usage_error());

@@ -84,10 +84,7 @@ fn a_bad_backend_exits_2_naming_it() {
     for bad in ["gpu", "cuda:", "cuda:x", "sim:0"] {
         refused(&["compare", "--backend", bad], bad);
         for command in ["driver-bench", "capacity", "frontier"] {
-            refused(
-                &[command, "--backend", bad],
-                "expected sim, cuda or cuda:N",
-            );
+            refused(&[command, "--backend", bad], "expected sim, cuda or cuda:N");
         }
     }
 }

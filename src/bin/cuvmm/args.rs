@@ -49,8 +49,8 @@ pub enum Command {
     /// ballast allocation.
     Capacity(CapacityArgs),
     /// Replay each trace through each allocator at a handful of device capacities, from the trace's lower
-    /// bound to 80 GiB (with `--backend cuda`, a GPU limited by a ballast, up to what it has free): out-of-memory,
-    /// peak reserved, driver calls, synchronizations, est. driver time.
+    /// bound to 80 GiB (with `--backend cuda`, a GPU limited by a ballast, up to what it has free):
+    /// out-of-memory, peak reserved, driver calls, synchronizations, est. driver time.
     Frontier(crate::frontier::FrontierArgs),
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.

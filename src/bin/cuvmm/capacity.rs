@@ -82,7 +82,9 @@ impl SearchArgs {
         // A GPU-only allocator cannot take part on the simulated device: its policy is the driver's.
         if let Some(name) = (self.allocators.iter()).find(|a| CUDA_ONLY.contains(&a.as_str())) {
             if self.backend == DeviceSpec::Sim {
-                eprintln!("cuvmm: allocator `{name}` {NEEDS_GPU}; its policy is the driver's, not modelled");
+                eprintln!(
+                    "cuvmm: allocator `{name}` {NEEDS_GPU}; its policy is the driver's, not modelled"
+                );
                 return Err(ExitCode::from(USAGE));
             }
         }

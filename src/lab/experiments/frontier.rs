@@ -53,7 +53,9 @@ pub struct FrontierPoint {
 /// The capacities replayed for a trace whose lower bound is `lower`, given each allocator's min capacity,
 /// on a device that offers at most `ceiling` (`None`: any size): sorted, distinct, whole pages.
 pub fn capacities(lower: u64, page: u64, ceiling: Option<u64>, min_capacities: &[u64]) -> Vec<u64> {
-    let top = ceiling.map_or(TOP_CAPACITY, |c| c.min(TOP_CAPACITY)).max(lower);
+    let top = ceiling
+        .map_or(TOP_CAPACITY, |c| c.min(TOP_CAPACITY))
+        .max(lower);
     let mut out = vec![lower, top];
     out.extend(min_capacities.iter().copied());
     for step in STEPS {
