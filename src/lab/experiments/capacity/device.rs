@@ -192,7 +192,8 @@ pub struct CudaBallast {
     spec: DeviceSpec,
     page_size: u64,
     config: Config,
-    holder: Option<crate::driver::device::Device>,
+    /// Boxed: a device is large (it may hold a simulator), and a search opens one.
+    holder: Option<Box<crate::driver::device::Device>>,
 }
 
 impl CudaBallast {
@@ -201,9 +202,9 @@ impl CudaBallast {
         trim_default_pool(self.spec)?;
         let holder = match self.holder.take() {
             Some(holder) => holder,
-            None => self.spec.open_for_replay(SimConfig::default())?,
+            None => Box::new(self.spec.open_for_replay(SimConfig::default())?),
         };
-        Ok(self.holder.insert(holder))
+        Ok(self.holder.insert(holder).as_mut())
     }
 }
 
