@@ -27,7 +27,7 @@ fn refused(args: &[&str], needle: &str) {
     assert!(!err.contains("panicked"), "{args:?}: {err}");
 }
 
-const CUDA_COMMANDS: [&[&str]; 4] = [
+const CUDA_COMMANDS: [&[&str]; 7] = [
     &["compare", "--backend", "cuda"],
     &[
         "compare",
@@ -39,6 +39,21 @@ const CUDA_COMMANDS: [&[&str]; 4] = [
     ],
     &["--backend", "cuda"],
     &["driver-bench", "--backend", "cuda"],
+    &["capacity", "--backend", "cuda", "--workload", "moe"],
+    &[
+        "capacity",
+        "--backend",
+        "cuda:1",
+        "--workload",
+        "moe",
+        "--allocator",
+        "cuvmm",
+        "--allocator",
+        "cuda-async",
+        "--format",
+        "json",
+    ],
+    &["frontier", "--backend", "cuda", "--workload", "moe"],
 ];
 
 #[cfg(not(feature = "cuda"))]
@@ -68,10 +83,9 @@ fn cuda_without_a_driver_exits_2_saying_no_driver_was_found() {
 fn a_bad_backend_exits_2_naming_it() {
     for bad in ["gpu", "cuda:", "cuda:x", "sim:0"] {
         refused(&["compare", "--backend", bad], bad);
-        refused(
-            &["driver-bench", "--backend", bad],
-            "expected sim, cuda or cuda:N",
-        );
+        for command in ["driver-bench", "capacity", "frontier"] {
+            refused(&[command, "--backend", bad], "expected sim, cuda or cuda:N");
+        }
     }
 }
 
@@ -208,7 +222,7 @@ fn driver_bench_rejects_zero_repetitions() {
 }
 
 /// `cuda-async`, CUDA's own pool, is a comparison on a GPU only: on the simulated device (the default
-/// backend, and the only one of capacity and frontier) it is refused before anything runs.
+/// backend) it is refused before anything runs, in compare, capacity and frontier alike.
 #[test]
 fn cuda_async_on_the_simulator_is_one_line_and_status_2() {
     for args in [
@@ -221,9 +235,19 @@ fn cuda_async_on_the_simulator_is_one_line_and_status_2() {
             "cuda-async",
         ],
         &["capacity", "--allocator", "cuda-async", "--workload", "moe"],
+        &[
+            "capacity",
+            "--backend",
+            "sim",
+            "--allocator",
+            "cuvmm",
+            "--allocator",
+            "cuda-async",
+        ],
         &["frontier", "--allocator", "cuda-async", "--workload", "moe"],
     ] {
         refused(args, "cuda-async");
+        refused(args, "runs only on a GPU (--backend cuda)");
     }
 }
 

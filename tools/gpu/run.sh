@@ -20,11 +20,15 @@
 #   bench-cuda    cached alloc+free pairs per entry point at 1-8 threads on real streams, against cudarc's
 #                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
+#   capacity-cuda every shared trace's min capacity on the GPU (a ballast makes each capacity) and peak
+#                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
+#                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
+#                 per trace (default 300)
 #
 #   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,24p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -55,6 +59,15 @@ run_step() {
     cuda-async)
         step cuda-async 540 "$bin/cuvmm" compare --backend cuda --allocator cuda-async --allocator cuvmm --quiet \
             --format json ;;
+    capacity-cuda)
+        # Nothing else may use the GPU meanwhile: a ballast leaves C free at its start, not throughout.
+        for trace in "$bin"/traces/*.pickle "$bin"/traces/*.gz; do
+            [ -e "$trace" ] || continue
+            step capacity-cuda "${CAPACITY_LIMIT:-300}" "$bin/cuvmm" capacity --backend cuda --allocator cuvmm \
+                --allocator pytorch-expandable --allocator cuda-async --quiet --format json --trace "$trace"
+        done
+        python3 tools/gpu/tables.py "$out" capacity-cuda.txt >"$out/capacity-cuda.md" 2>&1
+        echo "capacity-cuda: table in $out/capacity-cuda.md" ;;
     conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
     lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;
     streams) step streams 300 "$bin/cuda_streams" --test-threads=1 --nocapture ;;

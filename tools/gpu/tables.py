@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Markdown tables for docs/gpu-results.md from the files tools/gpu/run.sh wrote (its $OUT folder).
 
-    python3 tools/gpu/tables.py gpu-out
+    python3 tools/gpu/tables.py gpu-out [FILE...]
 
-Reads whichever of traces.txt, workloads.txt, torch.txt, hot.txt, train.txt and driver-bench.txt are there
-and prints one table per file found.
+Reads whichever of traces.txt, workloads.txt, torch.txt, hot.txt, train.txt, driver-bench.txt and
+capacity-cuda.txt are there (or only the FILEs named) and prints one table per file found.
 """
 
 import json
@@ -111,14 +111,43 @@ def driver_bench(path):
             print(f"\n{key}: {json.dumps(value)}")
 
 
-def main(folder):
+def capacity_cuda(path):
+    """cuvmm capacity --backend cuda output: per trace, the min capacity and the peak reserved at it of each
+    allocator (a ballast made each capacity), in GiB; '> X' where nothing up to X (what the GPU had free) fit."""
+    rows = [r for o in objects(path) for r in o.get("results", []) if "min_capacity_bytes" in r]
+    if not rows:
+        return
+    allocators = list(dict.fromkeys(r["allocator"] for r in rows))
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    print("\n### capacity on the GPU (ballast), GiB: min capacity / peak reserved at it")
+    print("\n| trace | peak live | " + " | ".join(allocators) + " |")
+    print("|---" * (len(allocators) + 2) + "|")
+    for trace in traces:
+        mine = {r["allocator"]: r for r in rows if r["trace"] == trace}
+        live = next(iter(mine.values()))["peak_live_bytes"]
+        cells = []
+        for a in allocators:
+            r = mine.get(a)
+            if r is None:
+                cells.append("-")
+            elif r["min_capacity_bytes"] is None:
+                cells.append(f"> {gib(r['searched_up_to_bytes'])}")
+            else:
+                cells.append(f"{gib(r['min_capacity_bytes'])} / {gib(r['peak_reserved_bytes'])}")
+        print(f"| {trace} | {gib(live)} | " + " | ".join(cells) + " |")
+
+
+def main(folder, only=()):
     handlers = {"traces.txt": lambda p: replays(p, "traces"), "workloads.txt": lambda p: replays(p, "workloads"),
-                "torch.txt": torch, "hot.txt": hot, "train.txt": train, "driver-bench.txt": driver_bench}
+                "torch.txt": torch, "hot.txt": hot, "train.txt": train, "driver-bench.txt": driver_bench,
+                "capacity-cuda.txt": capacity_cuda}
     for name, handler in handlers.items():
+        if only and name not in only:
+            continue
         path = os.path.join(folder, name)
         if os.path.exists(path):
             handler(path)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "gpu-out"))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "gpu-out", sys.argv[2:]))

@@ -44,11 +44,13 @@ pub enum Command {
     /// Replay a trace or workload with history recording and write a snapshot pickle for PyTorch's memory
     /// viewer (https://pytorch.org/memory_viz).
     Snapshot(crate::snapshot::SnapshotArgs),
-    /// Find the smallest simulated device on which each allocator replays each trace with no
-    /// out-of-memory, to one page, by bisection.
+    /// Find the smallest device on which each allocator replays each trace with no out-of-memory, to one
+    /// page, by bisection: simulated devices of each size, or with `--backend cuda` a GPU limited by a
+    /// ballast allocation.
     Capacity(CapacityArgs),
     /// Replay each trace through each allocator at a handful of device capacities, from the trace's lower
-    /// bound to 80 GiB: out-of-memory, peak reserved, driver calls, synchronizations, est. driver time.
+    /// bound to 80 GiB (with `--backend cuda`, a GPU limited by a ballast, up to what it has free):
+    /// out-of-memory, peak reserved, driver calls, synchronizations, est. driver time.
     Frontier(crate::frontier::FrontierArgs),
     /// Measure replay speed: each trace replayed N times through each allocator on the simulated device,
     /// median events per second and wall time, and the ratio to classic.

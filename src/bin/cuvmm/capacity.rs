@@ -1,10 +1,12 @@
-//! `cuvmm capacity`: the smallest simulated device on which each allocator replays each trace with no
-//! out-of-memory.
+//! `cuvmm capacity`: the smallest device on which each allocator replays each trace with no
+//! out-of-memory: a simulated device of each size, or a CUDA device limited by a ballast.
 
 use crate::args::{Format, parse_allocator, parse_nonzero_size, parse_workload};
+use crate::backend::parse_backend;
 use crate::commands::{USAGE, emit};
 use crate::progress::CapacityProgress;
 use clap::Args;
+use cuvmm::driver::device::DeviceSpec;
 use cuvmm::lab::experiments::capacity::{self, CapacityOptions, CapacityResult};
 use cuvmm::lab::replay::allocators::{ALLOCATORS, CUDA_ONLY, NEEDS_GPU};
 use cuvmm::lab::trace::Trace;
@@ -15,8 +17,8 @@ use serde::Serialize;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-/// What `capacity` and `frontier` replay, and how: the traces, the allocators, the simulated device's page
-/// size and the allocator configuration.
+/// What `capacity` and `frontier` replay, and how: the traces, the allocators, the device, its page size
+/// and the allocator configuration.
 #[derive(Debug, Args)]
 pub struct SearchArgs {
     /// Trace files (PyTorch memory snapshots, ...); several may follow one flag.
@@ -25,9 +27,18 @@ pub struct SearchArgs {
     /// A built-in workload (repeat for several; default, without --trace: all).
     #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
     pub workloads: Vec<String>,
-    /// An allocator (repeat for several; default: all).
+    /// An allocator (repeat for several; default: cuvmm, classic, pytorch-expandable). `cuda-async`, CUDA's
+    /// own pool (cuMemAllocAsync), runs only with `--backend cuda`.
     #[arg(long = "allocator", value_name = "NAME", value_parser = parse_allocator)]
     pub allocators: Vec<String>,
+    /// Where to replay: sim (a simulated device of each capacity, the default), cuda (CUDA device 0) or
+    /// cuda:N. On CUDA a capacity C is made by a ballast, one cuMemAlloc of all the free memory but C,
+    /// placed before each replay and freed after it; every allocator then sees C bytes free (up to 2 MiB
+    /// more: the ballast is whole 2 MiB pages) and the device's real total. The search stops at what the
+    /// device has free; a trace needing more is refused. A ballast cannot model memory other processes
+    /// take or give back during a replay, nor the driver's own reservations, which come out of C.
+    #[arg(long, value_name = "BACKEND", default_value = "sim", value_parser = parse_backend)]
+    pub backend: DeviceSpec,
     /// Page size, e.g. 2MiB: the simulated device's granularity (and the step of the capacity search).
     #[arg(long, value_name = "SIZE", default_value = "2MiB", value_parser = parse_nonzero_size)]
     pub page_size: u64,
@@ -56,6 +67,7 @@ impl SearchArgs {
                 .alloc_conf
                 .or_else(|| std::env::var(cuvmm::config::ENV_VAR).ok())
                 .unwrap_or_default(),
+            backend: self.backend,
             ..CapacityOptions::default()
         };
         if let Err(e) = capacity::config(&options) {
@@ -67,12 +79,14 @@ impl SearchArgs {
                 eprintln!("cuvmm: {line}");
                 ExitCode::from(USAGE)
             })?;
-        // capacity and frontier replay on the simulated device: a GPU-only allocator cannot take part.
+        // A GPU-only allocator cannot take part on the simulated device: its policy is the driver's.
         if let Some(name) = (self.allocators.iter()).find(|a| CUDA_ONLY.contains(&a.as_str())) {
-            eprintln!(
-                "cuvmm: allocator `{name}` {NEEDS_GPU}; capacity and frontier run on the simulated device"
-            );
-            return Err(ExitCode::from(USAGE));
+            if self.backend == DeviceSpec::Sim {
+                eprintln!(
+                    "cuvmm: allocator `{name}` {NEEDS_GPU}; its policy is the driver's, not modelled"
+                );
+                return Err(ExitCode::from(USAGE));
+            }
         }
         let allocators = if self.allocators.is_empty() {
             ALLOCATORS.iter().map(|a| a.to_string()).collect()

@@ -14,8 +14,18 @@
 //! request fails may fit on a smaller device and not on a slightly larger one, whose extra room changes
 //! what it keeps. So the search does not claim the global minimum. What it guarantees, because it replays
 //! both: the capacity reported replays with no OOM, and one page less OOMs (or is below the lower bound).
+//!
+//! The search is the same on every backend; only how a replay at a capacity runs differs
+//! ([`device::CapacityDevice`]): on the simulator, a simulated device of that size; on a CUDA device, the
+//! device as it is with a [ballast](ballast) taking all free memory but that capacity. There the search
+//! also stops at what the device has free ([`device::CapacityDevice::ceiling`]).
 
-use crate::base::size::{MIB, round_up};
+pub mod ballast;
+pub mod device;
+
+use crate::base::size::{MIB, format_size, round_up};
+use crate::driver::DriverError;
+use crate::driver::device::{DeviceError, DeviceSpec};
 use crate::lab::replay::allocators::{self, BuildError};
 use crate::lab::replay::observe::{NoObserver, ReplayObserver};
 use crate::lab::replay::{ReplayError, ReplayOptions, ReplayResult, replay_observed};
@@ -33,8 +43,11 @@ pub struct CapacityOptions {
     pub page_size: u64,
     /// The allocators' configuration in `CUVMM_ALLOC_CONF` syntax (`key:value,...`); empty for the defaults.
     pub alloc_conf: String,
-    /// The search gives up above this many times the lower bound.
+    /// The search gives up above this many times the lower bound (or, on a CUDA device, above what it
+    /// has free).
     pub max_factor: u64,
+    /// Where to replay: simulated devices of each capacity, or a CUDA device with a ballast.
+    pub backend: DeviceSpec,
 }
 
 impl Default for CapacityOptions {
@@ -44,6 +57,7 @@ impl Default for CapacityOptions {
             page_size: 2 * MIB,
             alloc_conf: String::new(),
             max_factor: 16,
+            backend: DeviceSpec::Sim,
         }
     }
 }
@@ -77,6 +91,12 @@ pub struct CapacityResult {
     pub replays: usize,
     /// Wall time of the search, in seconds.
     pub search_seconds: f64,
+    /// Where it was searched: `sim`, or `cuda:N` with a ballast.
+    pub backend: String,
+    /// With a ballast, what the device had free in the replay at `min_capacity_bytes`: the capacity the
+    /// allocator really had (the ballast is a whole number of 2 MiB pages). Absent on the simulator.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_free_bytes: Option<u64>,
 }
 
 /// Why a search stopped.
@@ -88,6 +108,26 @@ pub enum CapacityError {
     /// An allocator could not be built.
     #[error(transparent)]
     Build(#[from] BuildError),
+    /// The device could not be opened (no CUDA support in this build, no CUDA driver, ...).
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A ballast could not be placed or freed.
+    #[error(transparent)]
+    Ballast(#[from] ballast::BallastError),
+    /// The device has less free memory than the trace's lower bound: no capacity it can offer would do.
+    #[error(
+        "`{trace}` needs at least {} (its peak of live bytes), above the {} the device has free",
+        format_size(*.lower_bound),
+        format_size(*.free)
+    )]
+    TraceAboveFree {
+        /// The trace.
+        trace: String,
+        /// Its lower bound.
+        lower_bound: u64,
+        /// What the device has free.
+        free: u64,
+    },
     /// A replay failed other than by running out of memory.
     #[error("replaying `{trace}` through `{allocator}` on {capacity} bytes: {source}")]
     Replay {
@@ -105,9 +145,14 @@ pub enum CapacityError {
 impl CapacityError {
     /// Whether the caller asked for something that cannot be (an unknown allocator, a bad configuration,
     /// a trace no program could have made: a free or record_stream of an id that is not live, an id
-    /// allocated twice), rather than a replay going wrong.
+    /// allocated twice; a CUDA device on a build or a machine without CUDA; a capacity above what the
+    /// device has free), rather than a replay or a device going wrong.
     pub fn is_usage_error(&self) -> bool {
         match self {
+            CapacityError::Device(DeviceError::Driver(e)) => {
+                matches!(e, DriverError::NoDriver { .. })
+            }
+            CapacityError::Ballast(e) => matches!(e, ballast::BallastError::AboveFree { .. }),
             CapacityError::Replay { source, .. } => matches!(
                 **source,
                 ReplayError::DuplicateId { .. }
@@ -249,7 +294,7 @@ pub fn bisect<E>(
 /// `options.page_size` pages, configured by `config`.
 ///
 /// # Errors
-/// [`CapacityError::Build`] for an unknown allocator or one that rejects the device;
+/// [`CapacityError::Build`] for an unknown allocator, a CUDA-only one, or one that rejects the device;
 /// [`CapacityError::Replay`] for a replay that failed other than by OOM.
 pub fn replay_at<O: ReplayObserver + ?Sized>(
     trace: &Trace,
@@ -259,6 +304,12 @@ pub fn replay_at<O: ReplayObserver + ?Sized>(
     config: &Config,
     observer: &mut O,
 ) -> Result<ReplayResult, CapacityError> {
+    if allocators::CUDA_ONLY.contains(&allocator) {
+        return Err(BuildError::NeedsGpu {
+            name: allocator.to_string(),
+        }
+        .into());
+    }
     let mut strategy = allocators::build_with(allocator, capacity, page_size, config)?;
     replay_observed(
         strategy.as_mut(),
@@ -284,28 +335,59 @@ pub fn config(options: &CapacityOptions) -> Result<Config, CapacityError> {
     Ok(config)
 }
 
-/// The smallest capacity at which `allocator` replays `trace` with no OOM (see the module docs).
+/// The smallest capacity at which `allocator` replays `trace` with no OOM (see the module docs), on
+/// `options.backend`.
 ///
 /// # Errors
-/// [`CapacityError`]: a bad configuration, an unknown allocator, or a replay that failed other than by OOM.
+/// [`CapacityError`]: a bad configuration, an unknown allocator, a device that cannot be opened or has
+/// less free than the trace's lower bound, or a replay that failed other than by OOM.
 pub fn search<O: CapacityObserver + ?Sized>(
     trace: &Trace,
     allocator: &str,
     options: &CapacityOptions,
     observer: &mut O,
 ) -> Result<CapacityResult, CapacityError> {
+    let mut device = device::for_options(options)?;
+    search_on(trace, allocator, options, &mut device, observer)
+}
+
+/// As [`search`], replaying on `device` (whose configuration it carries; `options` gives the page size,
+/// the limit factor and the backend's name).
+///
+/// # Errors
+/// As [`search`].
+pub fn search_on<D: device::CapacityDevice + ?Sized, O: CapacityObserver + ?Sized>(
+    trace: &Trace,
+    allocator: &str,
+    options: &CapacityOptions,
+    device: &mut D,
+    observer: &mut O,
+) -> Result<CapacityResult, CapacityError> {
     let start = Instant::now();
-    let config = config(options)?;
     let page = options.page_size;
     let lower = lower_bound(trace, page);
-    let limit = lower.saturating_mul(options.max_factor.max(1));
+    let mut limit = lower.saturating_mul(options.max_factor.max(1));
+    if let Some(free) = device.ceiling()? {
+        if lower > free {
+            return Err(CapacityError::TraceAboveFree {
+                trace: trace.name.clone(),
+                lower_bound: lower,
+                free,
+            });
+        }
+        limit = limit.min(free);
+    }
+    let mut free_seen = Vec::new();
     let bisection = bisect(lower, page, limit, |capacity, bracket| {
         observer.probe(capacity, bracket);
-        match replay_at(trace, allocator, capacity, page, &config, observer) {
-            Ok(result) => Ok(Probe {
-                fits: result.ooms == 0,
-                peak_reserved_bytes: result.peak_reserved_bytes,
-            }),
+        match device.replay(trace, allocator, capacity, observer) {
+            Ok(replayed) => {
+                free_seen.push((capacity, replayed.free_seen));
+                Ok(Probe {
+                    fits: replayed.result.ooms == 0,
+                    peak_reserved_bytes: replayed.result.peak_reserved_bytes,
+                })
+            }
             // A request larger than this device (after the allocator's rounding) does not fit either.
             Err(CapacityError::Replay { source, .. })
                 if matches!(
@@ -325,6 +407,12 @@ pub fn search<O: CapacityObserver + ?Sized>(
         }
     })?;
     let found = bisection.found;
+    let device_free_bytes = found.and_then(|(c, _)| {
+        (free_seen.iter())
+            .rev()
+            .find(|&&(at, _)| at == c)
+            .and_then(|&(_, seen)| seen)
+    });
     Ok(CapacityResult {
         trace: trace.name.clone(),
         allocator: allocator.to_string(),
@@ -338,6 +426,8 @@ pub fn search<O: CapacityObserver + ?Sized>(
         events: trace.events.len(),
         replays: bisection.probes.len(),
         search_seconds: start.elapsed().as_secs_f64(),
+        backend: options.backend.to_string(),
+        device_free_bytes,
     })
 }
 

@@ -1,14 +1,17 @@
 //! The cost of fitting: what `cuvmm frontier` answers ("what does each allocator cost on a device of each
 //! size?").
 //!
-//! For one trace, every allocator replays at a handful of simulated device capacities: the trace's lower
-//! bound (its peak of live bytes rounded up to a page), each allocator's min capacity ([`capacity::search`]),
-//! a few steps between, and 80 GiB (or only those above the lower bound when it is larger). Each point says
+//! For one trace, every allocator replays at a handful of device capacities: the trace's lower bound (its
+//! peak of live bytes rounded up to a page), each allocator's min capacity ([`capacity::search`]), a few
+//! steps between, and 80 GiB (or only those above the lower bound when it is larger). On a CUDA device the
+//! capacities are made by a ballast ([`capacity::ballast`]) and the top one is at most what the device has
+//! free. Each point says
 //! whether the replay hit out-of-memory, its peak reserved bytes, its driver calls, its synchronizations and
 //! its estimated driver time under both calibrations of the latency model
 //! ([`ByModel`]: an estimate, not a measurement).
 
-use super::capacity::{self, CapacityError, CapacityOptions, lower_bound, replay_at};
+use super::capacity::device::{self, CapacityDevice};
+use super::capacity::{self, CapacityError, CapacityOptions, lower_bound};
 use crate::base::size::{GIB, format_size, round_up};
 use crate::lab::replay::ByModel;
 use crate::lab::replay::observe::NoObserver;
@@ -29,7 +32,7 @@ pub struct FrontierPoint {
     pub trace: String,
     /// The allocator's name.
     pub allocator: String,
-    /// The simulated device's size.
+    /// The device's capacity: the simulated device's size, or what a ballast left free on a CUDA device.
     pub capacity_bytes: u64,
     /// Whether this is the allocator's min capacity (the smallest found that replays with no OOM).
     pub min_capacity: bool,
@@ -47,10 +50,12 @@ pub struct FrontierPoint {
     pub estimated_driver_us_by_model: ByModel,
 }
 
-/// The capacities replayed for a trace whose lower bound is `lower`, given each allocator's min capacity:
-/// sorted, distinct, whole pages.
-pub fn capacities(lower: u64, page: u64, min_capacities: &[u64]) -> Vec<u64> {
-    let top = TOP_CAPACITY.max(lower);
+/// The capacities replayed for a trace whose lower bound is `lower`, given each allocator's min capacity,
+/// on a device that offers at most `ceiling` (`None`: any size): sorted, distinct, whole pages.
+pub fn capacities(lower: u64, page: u64, ceiling: Option<u64>, min_capacities: &[u64]) -> Vec<u64> {
+    let top = ceiling
+        .map_or(TOP_CAPACITY, |c| c.min(TOP_CAPACITY))
+        .max(lower);
     let mut out = vec![lower, top];
     out.extend(min_capacities.iter().copied());
     for step in STEPS {
@@ -73,22 +78,23 @@ pub fn frontier(
     allocators: &[String],
     options: &CapacityOptions,
 ) -> Result<Vec<FrontierPoint>, CapacityError> {
-    let config = capacity::config(options)?;
+    let mut device = device::for_options(options)?;
     let page = options.page_size;
     let mut mins = Vec::new();
     for allocator in allocators {
-        let found = capacity::search(trace, allocator, options, &mut NoObserver)?;
+        let found = capacity::search_on(trace, allocator, options, &mut device, &mut NoObserver)?;
         mins.push(found.min_capacity_bytes);
     }
     let caps = capacities(
         lower_bound(trace, page),
         page,
+        device.ceiling()?,
         &mins.iter().flatten().copied().collect::<Vec<_>>(),
     );
     let mut points = Vec::new();
     for (allocator, min) in allocators.iter().zip(&mins) {
         for &capacity in &caps {
-            let r = replay_at(trace, allocator, capacity, page, &config, &mut NoObserver)?;
+            let r = (device.replay(trace, allocator, capacity, &mut NoObserver)?).result;
             points.push(FrontierPoint {
                 trace: trace.name.clone(),
                 allocator: allocator.clone(),
@@ -268,14 +274,18 @@ mod tests {
     #[test]
     fn capacities_run_from_the_lower_bound_to_80_gib_with_each_min_capacity() {
         let page = 2 * MIB;
-        let caps = capacities(GIB, page, &[GIB + 4 * MIB, GIB]);
+        let caps = capacities(GIB, page, None, &[GIB + 4 * MIB, GIB]);
         assert_eq!(caps.first(), Some(&GIB));
         assert_eq!(caps.last(), Some(&TOP_CAPACITY));
         assert!(caps.contains(&(GIB + 4 * MIB)));
         assert!(caps.windows(2).all(|w| w[0] < w[1]));
         assert!(caps.iter().all(|c| c % page == 0));
         // A trace larger than 80 GiB: only its own capacities.
-        let big = capacities(100 * GIB, page, &[101 * GIB]);
+        let big = capacities(100 * GIB, page, None, &[101 * GIB]);
         assert_eq!(big, vec![100 * GIB, 101 * GIB]);
+        // A CUDA device with 40 GiB free: nothing above it.
+        let cuda = capacities(GIB, page, Some(40 * GIB), &[GIB + 4 * MIB]);
+        assert_eq!(cuda.last(), Some(&(40 * GIB)));
+        assert!(cuda.contains(&(2 * GIB)));
     }
 }

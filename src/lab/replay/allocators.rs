@@ -79,12 +79,12 @@ pub fn build_with(
 }
 
 /// The allocator called `name` on `device` (any [`Driver`]: a [`SimDriver`], a
-/// [`Device`](crate::driver::device::Device), ...), configured by `config`.
-pub fn build_on<D: Driver + 'static>(
+/// [`Device`](crate::driver::device::Device), a `&mut` borrow of one, ...), configured by `config`.
+pub fn build_on<'d, D: Driver + 'd>(
     name: &str,
     device: D,
     config: Config,
-) -> Result<Box<dyn Strategy>, BuildError> {
+) -> Result<Box<dyn Strategy + 'd>, BuildError> {
     let strategy_error = |source| BuildError::Strategy {
         name: name.to_string(),
         source,
