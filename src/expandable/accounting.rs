@@ -7,7 +7,7 @@ use super::segment::Segment;
 use crate::driver::{DriverCounters, StreamId};
 use crate::strategy::history::{self, History, TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
-use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
+use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
 
 /// Counters kept up to date by every operation; [`Counters::stats`] adds what is derived on demand.
 /// Per-pool statistics are [`StatArray`]s, as PyTorch's.
@@ -125,28 +125,9 @@ impl Counters {
     /// The statistics: these counters, with what the allocator derives on demand.
     pub(super) fn stats(&self, derived: Derived) -> Stats {
         let c = self;
-        let pool_stats = |pool: Pool| {
-            let i = pool.index();
-            PoolStats {
-                allocated_bytes: c.allocated.pool[i],
-                active_bytes: c.active.pool[i],
-                requested_bytes: c.requested.pool[i],
-                reserved_bytes: c.mapped.pool[i],
-                inactive_split_bytes: c.inactive_split.pool[i],
-                allocation: c.allocation.pool[i],
-                active: c.active_count.pool[i],
-                segment: c.segment.pool[i],
-                inactive_split: c.inactive_split_count.pool[i],
-            }
-        };
         Stats {
-            allocated_bytes: c.allocated.all,
+            // Pooled handles belong to no pool: the pools' reserved bytes are their mapped pages.
             reserved_bytes: c.reserved,
-            active_bytes: c.active.all,
-            requested_bytes: c.requested.all,
-            inactive_split_bytes: c.inactive_split.all,
-            allocation: c.allocation.all,
-            segment: c.segment.all,
             num_alloc_retries: c.retries,
             num_ooms: c.ooms,
             num_device_alloc: c.created - c.device_counts_base.0,
@@ -161,12 +142,18 @@ impl Counters {
             graph_pools: derived.graph_pools,
             asleep_bytes: derived.asleep_bytes,
             driver: derived.driver,
-            active: c.active_count.all,
-            inactive_split: c.inactive_split_count.all,
-            large_pool: pool_stats(Pool::Large),
-            small_pool: pool_stats(Pool::Small),
             oversize_allocations: c.oversize_allocations,
-            oversize_segments: Stat::default(),
+            ..Stats::from_pools(PoolArrays {
+                allocated_bytes: &c.allocated,
+                active_bytes: &c.active,
+                requested_bytes: &c.requested,
+                reserved_bytes: &c.mapped,
+                inactive_split_bytes: &c.inactive_split,
+                allocation: &c.allocation,
+                active: &c.active_count,
+                segment: &c.segment,
+                inactive_split: &c.inactive_split_count,
+            })
         }
     }
 }

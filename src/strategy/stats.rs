@@ -136,6 +136,39 @@ impl StatArray {
     }
 }
 
+/// The per-pool statistics a strategy keeps, as PyTorch's `DeviceStats` arrays, borrowed to make a
+/// [`Stats`] ([`Stats::from_pools`]): the one path from counters to statistics for every strategy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PoolArrays<'a> {
+    pub allocated_bytes: &'a StatArray,
+    pub active_bytes: &'a StatArray,
+    pub requested_bytes: &'a StatArray,
+    pub reserved_bytes: &'a StatArray,
+    pub inactive_split_bytes: &'a StatArray,
+    pub allocation: &'a StatArray,
+    pub active: &'a StatArray,
+    pub segment: &'a StatArray,
+    pub inactive_split: &'a StatArray,
+}
+
+impl PoolArrays<'_> {
+    /// One pool's share.
+    fn pool(&self, pool: Pool) -> PoolStats {
+        let i = pool.index();
+        PoolStats {
+            allocated_bytes: self.allocated_bytes.pool[i],
+            active_bytes: self.active_bytes.pool[i],
+            requested_bytes: self.requested_bytes.pool[i],
+            reserved_bytes: self.reserved_bytes.pool[i],
+            inactive_split_bytes: self.inactive_split_bytes.pool[i],
+            allocation: self.allocation.pool[i],
+            active: self.active.pool[i],
+            segment: self.segment.pool[i],
+            inactive_split: self.inactive_split.pool[i],
+        }
+    }
+}
+
 /// A snapshot of an allocator's statistics (a `Copy` value: take it, compare it, print it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Stats {
@@ -202,6 +235,25 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The statistics PyTorch keeps per pool, totals and pools, from `arrays`; every other field is its
+    /// default, for the strategy to fill (`Stats { num_ooms, .., ..Stats::from_pools(arrays) }`).
+    pub(crate) fn from_pools(arrays: PoolArrays<'_>) -> Self {
+        Self {
+            allocated_bytes: arrays.allocated_bytes.all,
+            reserved_bytes: arrays.reserved_bytes.all,
+            active_bytes: arrays.active_bytes.all,
+            requested_bytes: arrays.requested_bytes.all,
+            inactive_split_bytes: arrays.inactive_split_bytes.all,
+            allocation: arrays.allocation.all,
+            segment: arrays.segment.all,
+            active: arrays.active.all,
+            inactive_split: arrays.inactive_split.all,
+            large_pool: arrays.pool(Pool::Large),
+            small_pool: arrays.pool(Pool::Small),
+            ..Self::default()
+        }
+    }
+
     /// The statistics under PyTorch's `memory_stats()` key names (`allocated_bytes.all.current`, ...),
     /// plus cuvmm's own under `cuvmm.`.
     pub fn to_pytorch_keys(&self) -> BTreeMap<String, u64> {

@@ -4,6 +4,7 @@
 pub mod sim_device;
 #[cfg(feature = "lab")]
 pub mod snapshot;
+pub mod source;
 
 use cuvmm::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};

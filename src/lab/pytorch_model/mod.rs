@@ -40,7 +40,7 @@ use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
 use crate::strategy::history::{self, History, TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
 use crate::strategy::snapshot::MemorySnapshot;
-use crate::strategy::stats::{PoolStats, Stat, StatArray, Stats};
+use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
 use block::{BlockPool, Blocks};
 use expandable_segments::ExpandableSegment;
 use serde::Serialize;
@@ -381,29 +381,7 @@ impl<D: Driver> Strategy for Split<D> {
 
     fn stats(&self) -> Stats {
         let c = &self.counters;
-        let pool_stats = |pool: Pool| {
-            let i = pool.index();
-            PoolStats {
-                allocated_bytes: c.allocated.pool[i],
-                active_bytes: c.active.pool[i],
-                requested_bytes: c.requested.pool[i],
-                reserved_bytes: c.reserved.pool[i],
-                inactive_split_bytes: c.inactive_split_bytes.pool[i],
-                allocation: c.allocation.pool[i],
-                // No record_stream: a block is active exactly while it is allocated.
-                active: c.allocation.pool[i],
-                segment: c.segment.pool[i],
-                inactive_split: c.inactive_split.pool[i],
-            }
-        };
         Stats {
-            allocated_bytes: c.allocated.all,
-            reserved_bytes: c.reserved.all,
-            active_bytes: c.active.all,
-            requested_bytes: c.requested.all,
-            inactive_split_bytes: c.inactive_split_bytes.all,
-            allocation: c.allocation.all,
-            segment: c.segment.all,
             num_alloc_retries: c.retries,
             num_ooms: c.ooms,
             num_device_alloc: c.device_alloc,
@@ -411,19 +389,21 @@ impl<D: Driver> Strategy for Split<D> {
             num_synchronizations: c.synchronizations,
             largest_free_block: self.largest_cached_block(),
             idle_mapped_bytes: c.reserved.current().saturating_sub(c.active.current()),
-            idle_handle_bytes: 0,
-            handles_reused: 0,
-            lent_bytes: 0,
-            graph_pool_bytes: 0,
-            graph_pools: 0,
-            asleep_bytes: 0,
             driver: self.driver.counters(),
-            active: c.allocation.all,
-            inactive_split: c.inactive_split.all,
-            large_pool: pool_stats(Pool::Large),
-            small_pool: pool_stats(Pool::Small),
             oversize_allocations: c.oversize_allocations,
             oversize_segments: c.oversize_segments,
+            ..Stats::from_pools(PoolArrays {
+                allocated_bytes: &c.allocated,
+                active_bytes: &c.active,
+                requested_bytes: &c.requested,
+                reserved_bytes: &c.reserved,
+                inactive_split_bytes: &c.inactive_split_bytes,
+                allocation: &c.allocation,
+                // No record_stream: a block is active exactly while it is allocated.
+                active: &c.allocation,
+                segment: &c.segment,
+                inactive_split: &c.inactive_split,
+            })
         }
     }
 
