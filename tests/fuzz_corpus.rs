@@ -39,7 +39,9 @@ mod strategy_ops;
 mod trace_replay;
 
 use cuvmm::driver::Op;
-use cuvmm::driver::sim::FaultKind;
+use cuvmm::driver::sim::{FaultKind, SimDriver};
+use cuvmm::expandable::Expandable;
+use cuvmm::lab::pytorch_model::Split;
 use expandable_input::{Action, PAGE, Setup};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
@@ -97,10 +99,10 @@ fn replay_named<T>(target: &str, harness: impl Fn(&[u8]) -> Result<T, String>) -
 #[test]
 fn expandable_ops_corpus() {
     let summaries = replay("expandable_ops", |data| {
-        expandable_ops::run(data).map_err(|f| f.to_string())
+        strategy_ops::summary::<Expandable<SimDriver>>(data).map_err(|f| f.to_string())
     });
     // The corpus must exercise what the target is for, not only decode.
-    let total = |f: fn(&expandable_ops::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
+    let total = |f: fn(&ops_common::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
     assert!(total(|s| s.allocs) > 0, "no allocation succeeded");
     assert!(total(|s| s.ooms) > 0, "no allocation ran out of memory");
     assert!(total(|s| s.faults_fired) > 0, "no fault fired");
@@ -113,10 +115,10 @@ fn expandable_ops_corpus() {
 #[test]
 fn split_ops_corpus() {
     let summaries = replay("split_ops", |data| {
-        split_ops::run(data).map_err(|f| f.to_string())
+        strategy_ops::summary::<Split<SimDriver>>(data).map_err(|f| f.to_string())
     });
     // The corpus must exercise both modes, running out of memory and failing by faults.
-    let total = |f: fn(&split_ops::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
+    let total = |f: fn(&ops_common::Summary) -> usize| summaries.iter().map(f).sum::<usize>();
     for expandable in [false, true] {
         assert!(
             summaries
@@ -218,7 +220,7 @@ fn random_inputs(seed: u64, count: usize, len: usize) -> Vec<Vec<u8>> {
 #[test]
 fn seeded_random_inputs() {
     for data in random_inputs(1, 48, 480) {
-        if let Err(failure) = expandable_ops::run(&data) {
+        if let Err(failure) = strategy_ops::run::<Expandable<SimDriver>>(&data) {
             panic!("expandable_ops on {data:?}:\n{failure}");
         }
     }
@@ -229,7 +231,7 @@ fn seeded_random_inputs() {
         page_map::run(&data).unwrap_or_else(|e| panic!("page_map on {data:?}: {e}"));
     }
     for data in random_inputs(4, 48, 360) {
-        if let Err(failure) = split_ops::run(&data) {
+        if let Err(failure) = strategy_ops::run::<Split<SimDriver>>(&data) {
             panic!("split_ops on {data:?}:\n{failure}");
         }
     }

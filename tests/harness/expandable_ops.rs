@@ -1,7 +1,7 @@
 //! The `expandable_ops` harness: fuzzer bytes decoded into allocator operations, some with a driver fault
 //! armed, applied to an `Expandable<SimDriver>` with the backing store on, and checked against a model of
-//! the live allocations. The fuzz target runs it through the generic [`crate::strategy_ops`],
-//! `tests/fuzz_corpus.rs` through [`run`]. The input format is [`crate::expandable_input`]'s; the code
+//! the live allocations. The fuzz target and `tests/fuzz_corpus.rs` run it through the generic
+//! [`crate::strategy_ops`]. The input format is [`crate::expandable_input`]'s; the code
 //! shared with `split_ops` is in [`crate::ops_common`].
 //!
 //! Properties checked after every operation:
@@ -28,8 +28,8 @@
 //!
 
 use crate::expandable_input::{Action, PAGE, Setup, decode};
-use crate::ops_common::{Content, Failure, Faults, Live, LiveSet, Model, check_bad_free};
-use crate::strategy_ops::{self, OpsHarness};
+use crate::ops_common::{Content, Faults, Live, LiveSet, Model, Summary, check_bad_free};
+use crate::strategy_ops::OpsHarness;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
@@ -41,35 +41,6 @@ const CONTENT: Content = Content {
     every: PAGE,
     sample: PAGE,
 };
-
-/// What one input exercised, so the corpus test can tell a meaningful corpus from an empty one.
-#[allow(dead_code)] // Read by tests/fuzz_corpus.rs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// Operations applied.
-    pub actions: usize,
-    /// Allocations that succeeded.
-    pub allocs: usize,
-    /// Allocations refused for lack of memory.
-    pub ooms: usize,
-    /// Armed faults that fired.
-    pub faults_fired: usize,
-    /// Operations that failed because of a fault.
-    pub failed_by_fault: usize,
-}
-
-/// Decodes `data`, applies every operation and checks the properties listed in the module docs.
-#[allow(dead_code)] // tests/fuzz_corpus.rs's; the fuzz target runs `strategy_ops::fuzz`.
-pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
-    let count = decode(data).1.len();
-    let state = strategy_ops::run::<Expandable<SimDriver>>(data)?;
-    Ok(Summary {
-        actions: count,
-        faults_fired: state.faults.fired,
-        failed_by_fault: state.faults.failed,
-        ..state.summary
-    })
-}
 
 impl OpsHarness for Expandable<SimDriver> {
     type Setup = Setup;
@@ -205,6 +176,14 @@ impl State {
 
 impl Model for State {
     type Action = Action;
+
+    fn summary(&self) -> Summary {
+        Summary {
+            faults_fired: self.faults.fired,
+            failed_by_fault: self.faults.failed,
+            ..self.summary
+        }
+    }
 
     /// Applies one operation and checks what it returned.
     fn apply(&mut self, action: &Action) -> Result<(), String> {

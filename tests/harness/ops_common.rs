@@ -331,9 +331,28 @@ impl<S: fmt::Debug, A: fmt::Debug> fmt::Display for Failure<S, A> {
 
 /// What a harness's model does: apply one operation and check what it returned, check the properties
 /// that hold after every operation, and clean up at the end.
+/// What one input exercised, so the corpus test can tell a meaningful corpus from an empty one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Operations applied.
+    pub actions: usize,
+    /// Allocations that succeeded.
+    pub allocs: usize,
+    /// Allocations refused for lack of memory.
+    pub ooms: usize,
+    /// Armed faults that fired.
+    pub faults_fired: usize,
+    /// Operations that failed because of a fault.
+    pub failed_by_fault: usize,
+    /// Whether a model of PyTorch's allocator ran in its `expandable_segments` mode (false for cuvmm's).
+    pub expandable: bool,
+}
+
 pub trait Model {
     /// The operations the model applies.
     type Action: Clone;
+    /// What the operations applied so far exercised (all but `actions`, which the caller counts).
+    fn summary(&self) -> Summary;
     /// Applies one operation and checks what it returned.
     fn apply(&mut self, action: &Self::Action) -> Result<(), String>;
     /// The properties that hold after every operation.

@@ -1,7 +1,7 @@
 //! The `split_ops` harness: fuzzer bytes decoded into allocator operations, some with a driver fault armed,
 //! applied to the model of PyTorch's allocator (`Split<SimDriver>`, classic or `expandable_segments:True`)
-//! with the backing store on, and checked against a model of the live allocations. The fuzz target runs it
-//! through the generic [`crate::strategy_ops`], `tests/fuzz_corpus.rs` through [`run`]. The input format
+//! with the backing store on, and checked against a model of the live allocations. The fuzz target and
+//! `tests/fuzz_corpus.rs` run it through the generic [`crate::strategy_ops`]. The input format
 //! is [`crate::split_input`]'s; the code shared with `expandable_ops` is in [`crate::ops_common`].
 //!
 //! Properties checked after every operation:
@@ -27,9 +27,9 @@
 //!   segment, and the simulated driver reports no leak.
 //!
 
-use crate::ops_common::{Content, Failure, Faults, Live, LiveSet, Model, check_bad_free};
+use crate::ops_common::{Content, Faults, Live, LiveSet, Model, Summary, check_bad_free};
 use crate::split_input::{Action, GRANULE, MIB, Setup, decode};
-use crate::strategy_ops::{self, OpsHarness};
+use crate::strategy_ops::OpsHarness;
 use cuvmm::config::RoundupDivisions;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::lab::pytorch_model::{Split, rules};
@@ -45,37 +45,6 @@ const CONTENT: Content = Content {
     every: MIB,
     sample: 32,
 };
-
-/// What one input exercised, so the corpus test can tell a meaningful corpus from an empty one.
-#[allow(dead_code)] // Read by tests/fuzz_corpus.rs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Summary {
-    /// Operations applied.
-    pub actions: usize,
-    /// Allocations that succeeded.
-    pub allocs: usize,
-    /// Allocations refused for lack of memory.
-    pub ooms: usize,
-    /// Armed faults that fired.
-    pub faults_fired: usize,
-    /// Operations that failed because of a fault.
-    pub failed_by_fault: usize,
-    /// Whether the model ran in expandable mode.
-    pub expandable: bool,
-}
-
-/// Decodes `data`, applies every operation and checks the properties listed in the module docs.
-#[allow(dead_code)] // tests/fuzz_corpus.rs's; the fuzz target runs `strategy_ops::fuzz`.
-pub fn run(data: &[u8]) -> Result<Summary, Failure<Setup, Action>> {
-    let count = decode(data).1.len();
-    let state = strategy_ops::run::<Split<SimDriver>>(data)?;
-    Ok(Summary {
-        actions: count,
-        faults_fired: state.faults.fired,
-        failed_by_fault: state.faults.failed,
-        ..state.summary
-    })
-}
 
 impl OpsHarness for Split<SimDriver> {
     type Setup = Setup;
@@ -282,6 +251,14 @@ impl State {
 
 impl Model for State {
     type Action = Action;
+
+    fn summary(&self) -> Summary {
+        Summary {
+            faults_fired: self.faults.fired,
+            failed_by_fault: self.faults.failed,
+            ..self.summary
+        }
+    }
 
     /// Applies one operation and checks what it returned.
     fn apply(&mut self, action: &Action) -> Result<(), String> {

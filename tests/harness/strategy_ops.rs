@@ -3,7 +3,7 @@
 //! says how its inputs decode and what its model checks ([`OpsHarness`]); the fuzz targets `expandable_ops`
 //! and `split_ops` are [`fuzz`] with their strategy, and `tests/fuzz_corpus.rs` runs the same code.
 
-use crate::ops_common::{Failure, Model, OnSim, run_model};
+use crate::ops_common::{Failure, Model, OnSim, Summary, run_model};
 use std::fmt;
 
 /// A strategy on the simulated device as the ops harness drives it.
@@ -30,8 +30,19 @@ pub fn run<S: OpsHarness>(data: &[u8]) -> Result<S::Model, Failure<S::Setup, Act
     Ok(model)
 }
 
+/// [`run`], and what the input exercised.
+#[allow(dead_code)] // tests/fuzz_corpus.rs's; the fuzz targets run `fuzz`.
+pub fn summary<S: OpsHarness>(data: &[u8]) -> Result<Summary, Failure<S::Setup, Action<S>>> {
+    let actions = S::decode(data).1.len();
+    let model = run::<S>(data)?;
+    Ok(Summary {
+        actions,
+        ..model.summary()
+    })
+}
+
 /// The fuzz target of strategy `S`: panics with the setup and operations when a property breaks.
-#[allow(dead_code)] // The fuzz targets'; tests/fuzz_corpus.rs calls each strategy's `run` for its summary.
+#[allow(dead_code)] // The fuzz targets'; tests/fuzz_corpus.rs calls `summary`.
 pub fn fuzz<S: OpsHarness>(data: &[u8])
 where
     Action<S>: fmt::Debug,
