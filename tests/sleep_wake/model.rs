@@ -1,0 +1,310 @@
+//! The property test: sleep and wake interleaved with allocations, frees, record_stream, kernels,
+//! captures and memory pressure, against a model of every allocation's bytes and tag.
+
+use super::*;
+
+#[derive(Clone, Debug)]
+enum Action {
+    Alloc {
+        size: u64,
+        stream: u64,
+        tag: Option<u8>,
+    },
+    Free {
+        pick: usize,
+    },
+    RecordStream {
+        pick: usize,
+        stream: u64,
+    },
+    Launch {
+        pick: usize,
+    },
+    Advance {
+        stream: u64,
+    },
+    Sleep {
+        tag: u8,
+        keep: bool,
+    },
+    Wake {
+        tag: u8,
+    },
+    Capture,
+    EmptyCache,
+}
+
+const TAGS: [&str; 2] = ["weights", "kv_cache"];
+/// Streams 1 and 2 allocate; 3 captures.
+const CAPTURE: StreamId = StreamId(3);
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        8 => (1u64..10 * PAGE, 1u64..3, proptest::option::of(0u8..2))
+            .prop_map(|(size, stream, tag)| Action::Alloc { size, stream, tag }),
+        4 => any::<usize>().prop_map(|pick| Action::Free { pick }),
+        2 => (any::<usize>(), 1u64..3).prop_map(|(pick, stream)| Action::RecordStream { pick, stream }),
+        3 => any::<usize>().prop_map(|pick| Action::Launch { pick }),
+        1 => (1u64..3).prop_map(|stream| Action::Advance { stream }),
+        3 => (0u8..2, any::<bool>()).prop_map(|(tag, keep)| Action::Sleep { tag, keep }),
+        3 => (0u8..2).prop_map(|tag| Action::Wake { tag }),
+        1 => Just(Action::Capture),
+        1 => Just(Action::EmptyCache),
+    ]
+}
+
+struct Live {
+    size: u64,
+    id: u64,
+    tag: Option<u8>,
+    streams: Vec<StreamId>,
+}
+
+#[derive(Default)]
+struct Model {
+    live: BTreeMap<u64, Live>,
+    /// Tags asleep, and whether their bytes were kept.
+    asleep: BTreeMap<u8, bool>,
+    /// Tags whose wake ran out of memory half way: some of their pages may be mapped.
+    half: BTreeSet<u8>,
+    next_id: u64,
+    /// The pool of the capture underway, if any.
+    capturing: Option<GraphPool>,
+    pools: u64,
+}
+
+impl Model {
+    fn asleep(&self, live: &Live) -> bool {
+        live.tag.is_some_and(|t| self.asleep.contains_key(&t))
+    }
+}
+
+fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
+    let pick = |m: &Model, pick: usize| m.live.keys().nth(pick % m.live.len().max(1)).copied();
+    match *action {
+        Action::Alloc { size, stream, tag } => {
+            let stream = StreamId(stream);
+            let result = match tag {
+                Some(t) => a.alloc_tagged(size, stream, TAGS[t as usize]),
+                None => a.alloc(size, stream),
+            };
+            match result {
+                Ok(addr) => {
+                    assert!(tag.is_none_or(|t| !m.asleep.contains_key(&t)));
+                    let range = VaRange::new(addr, size);
+                    for (&other, l) in &m.live {
+                        assert!(
+                            other + l.size <= range.start || range.end() <= other,
+                            "{addr:#x}+{size} overlaps {other:#x}+{}",
+                            l.size
+                        );
+                    }
+                    m.next_id += 1;
+                    write(a, addr, m.next_id, size);
+                    let streams = vec![stream];
+                    m.live.insert(
+                        addr,
+                        Live {
+                            size,
+                            id: m.next_id,
+                            tag,
+                            streams,
+                        },
+                    );
+                }
+                Err(Error::TagAsleep { .. }) => {
+                    assert!(tag.is_some_and(|t| m.asleep.contains_key(&t)));
+                }
+                Err(err) => assert!(err.is_out_of_memory(), "{err:?}"),
+            }
+        }
+        Action::Free { pick: p } => {
+            let Some(addr) = pick(m, p) else { return };
+            let result = a.free(addr);
+            if m.asleep(&m.live[&addr]) {
+                assert!(matches!(
+                    result,
+                    Err(Error::TagAsleep {
+                        operation: "free",
+                        ..
+                    })
+                ));
+            } else {
+                result.unwrap();
+                m.live.remove(&addr);
+            }
+        }
+        Action::RecordStream { pick: p, stream } => {
+            let Some(addr) = pick(m, p) else { return };
+            a.record_stream(addr, StreamId(stream)).unwrap();
+            m.live
+                .get_mut(&addr)
+                .unwrap()
+                .streams
+                .push(StreamId(stream));
+        }
+        Action::Launch { pick: p } => {
+            let Some(addr) = pick(m, p) else { return };
+            let live = &m.live[&addr];
+            if m.asleep(live) {
+                return;
+            }
+            let stream = *live.streams.last().unwrap();
+            a.driver_mut()
+                .launch(stream, &[VaRange::new(addr, live.size)])
+                .unwrap();
+        }
+        Action::Advance { stream } => {
+            a.driver_mut().advance(StreamId(stream), 1);
+        }
+        Action::Sleep { tag, keep } => {
+            let result = a.sleep(TAGS[tag as usize], keep);
+            if m.capturing.is_some() {
+                assert!(matches!(result, Err(Error::CaptureUnderway { .. })));
+                return;
+            }
+            result.unwrap();
+            m.asleep.entry(tag).or_insert(keep);
+            m.half.remove(&tag);
+        }
+        Action::Wake { tag } => {
+            let result = a.wake(TAGS[tag as usize]);
+            match (m.asleep.get(&tag).copied(), result) {
+                (None, Ok(())) => {}
+                (Some(_), Err(Error::CaptureUnderway { .. })) if m.capturing.is_some() => {}
+                (Some(_), Err(err)) if err.is_out_of_memory() => {
+                    m.half.insert(tag);
+                }
+                (Some(keep), Ok(())) => {
+                    m.asleep.remove(&tag);
+                    m.half.remove(&tag);
+                    for (&addr, l) in &m.live {
+                        if l.tag == Some(tag) {
+                            if keep {
+                                assert!(holds(a, addr, l.id, l.size), "{addr:#x} lost its bytes");
+                            } else {
+                                write(a, addr, l.id, l.size);
+                            }
+                        }
+                    }
+                }
+                (asleep, result) => panic!("wake of {tag} (asleep: {asleep:?}): {result:?}"),
+            }
+        }
+        Action::Capture => match m.capturing.take() {
+            None => {
+                m.pools += 1;
+                let pool = GraphPool(m.pools, 0);
+                let id = a
+                    .driver_mut()
+                    .begin_capture(CAPTURE, CaptureMode::ThreadLocal)
+                    .unwrap();
+                a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
+                    .unwrap();
+                m.capturing = Some(pool);
+            }
+            Some(pool) => {
+                a.driver_mut()
+                    .end_capture(CAPTURE)
+                    .expect("the capture was not invalidated");
+                a.end_allocate_to_pool(pool).unwrap();
+                a.release_pool(pool).unwrap();
+            }
+        },
+        Action::EmptyCache => {
+            let result = a.empty_cache();
+            if m.capturing.is_some() {
+                assert!(result.is_err());
+            } else {
+                result.unwrap();
+            }
+        }
+    }
+}
+
+fn check(a: &Alloc, m: &Model) {
+    a.check_invariants().unwrap();
+    assert_eq!(a.driver().capture_refusals(), 0);
+    let mut asleep_pages = BTreeSet::new();
+    for (&addr, l) in &m.live {
+        if m.asleep(l) {
+            if l.tag.is_some_and(|t| m.half.contains(&t)) {
+                continue;
+            }
+            assert!(
+                !a.driver().is_accessible(addr),
+                "asleep {addr:#x} is mapped"
+            );
+            for page in addr / PAGE..(addr + l.size).div_ceil(PAGE) {
+                asleep_pages.insert(page);
+            }
+        } else {
+            assert!(
+                holds(a, addr, l.id, l.size),
+                "{addr:#x}+{} lost its bytes",
+                l.size
+            );
+        }
+    }
+    let stats = a.stats();
+    if m.half.is_empty() {
+        assert_eq!(stats.asleep_bytes, asleep_pages.len() as u64 * PAGE);
+    }
+    assert_eq!(stats.reserved_bytes.current, a.driver().used_bytes());
+}
+
+fn run(config: Config, actions: Vec<Action>) {
+    let mut a = new_alloc(config);
+    let mut m = Model::default();
+    for action in &actions {
+        step(&mut a, &mut m, action);
+        check(&a, &m);
+    }
+    if m.capturing.is_some() {
+        step(&mut a, &mut m, &Action::Capture);
+    }
+    // The awake allocations go first, so the wakes find memory.
+    let awake: Vec<u64> = (m.live.iter())
+        .filter(|(_, l)| !m.asleep(l))
+        .map(|(&addr, _)| addr)
+        .collect();
+    for addr in awake {
+        a.free(addr).unwrap();
+        m.live.remove(&addr);
+    }
+    for (tag, name) in TAGS.iter().enumerate() {
+        a.wake(name).unwrap_or_else(|e| panic!("final wake: {e}"));
+        if let Some(true) = m.asleep.remove(&(tag as u8)) {
+            for (&addr, l) in &m.live {
+                assert!(l.tag != Some(tag as u8) || holds(&a, addr, l.id, l.size));
+            }
+        }
+    }
+    for addr in std::mem::take(&mut m.live).into_keys() {
+        a.free(addr).unwrap();
+    }
+    for stream in 1..4 {
+        a.driver_mut().complete_stream(StreamId(stream));
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Sleep and wake interleaved with allocations, frees, record_stream, kernels, captures and pressure,
+    /// with compaction on demand (the default) and eager.
+    #[test]
+    fn sleep_and_wake_keep_addresses_bytes_and_books(
+        actions in proptest::collection::vec(action(), 1..80),
+        eager in any::<bool>(),
+        cross_stream_reuse in any::<bool>(),
+    ) {
+        let compaction = if eager { Compaction::Eager } else { Compaction::Pressure };
+        let config = Config::default()
+            .with_compaction(compaction)
+            .with_cross_stream_reuse(cross_stream_reuse);
+        run(config, actions);
+    }
+}
