@@ -62,13 +62,13 @@ class RegistryTest(unittest.TestCase):
             torch_cases.case("oom", "again", 1)(lambda ctx: "")
 
     def test_memory_stats_sizes_round_to_512(self):
-        self.assertEqual([torch_cases.round_512(s) for s in (1, 511, 512, 513, 1024)], [512, 512, 512, 1024, 1024])
-        for size in torch_cases.STATS_SIZES:
+        self.assertEqual([torch_cases.features.round_512(s) for s in (1, 511, 512, 513, 1024)], [512, 512, 512, 1024, 1024])
+        for size in torch_cases.features.STATS_SIZES:
             if size > torch_cases.MIB:
                 # Large blocks are exact only if the segment keeps more than 1 MiB after them (then PyTorch
                 # splits it): 20 MiB segments below 10 MiB, else rounded up to 2 MiB.
                 segment = 20 * torch_cases.MIB if size < 10 * torch_cases.MIB else -(-size // (2 << 20)) * (2 << 20)
-                self.assertGreater(segment - torch_cases.round_512(size), torch_cases.MIB, size)
+                self.assertGreater(segment - torch_cases.features.round_512(size), torch_cases.MIB, size)
 
 
 class AllocatorEnvironmentTest(unittest.TestCase):

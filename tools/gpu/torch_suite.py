@@ -8,7 +8,7 @@
     python3 tools/gpu/torch_suite.py --list                   # the cases and what each asserts
     python3 tools/gpu/torch_suite.py --table results.jsonl    # the table of an earlier run
 
-The cases are in tools/gpu/torch_cases.py; each compares its results with a reference computed without the
+The cases are in tools/gpu/torch_cases/; each compares its results with a reference computed without the
 hazard (on the CPU, or before it), so a case can fail, not only crash. A process picks its allocator once,
 before its first CUDA allocation, and an illegal memory access kills its CUDA context, so cases run in child
 processes: per allocator, one process runs the cases that leave nothing behind one after another, and each

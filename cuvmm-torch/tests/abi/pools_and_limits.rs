@@ -1,0 +1,205 @@
+//! Graph pools, peers, the memory fraction and its out-of-memory report, and sleep and wake of tagged
+//! memory.
+
+use super::*;
+
+/// The filter PyTorch's `CUDAGraph` passes, as the C++ layer hands it over: here, "the stream in
+/// `context`".
+unsafe extern "C" fn only_stream(context: *mut c_void, stream: *mut c_void) -> std::ffi::c_int {
+    (context == stream) as std::ffi::c_int
+}
+
+#[test]
+fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
+    setup();
+    let device = 9;
+    let capture = stream(0x51);
+    // SAFETY: `only_stream` may be called from any thread with this context (it only compares pointers).
+    let begun = unsafe { cuvmm_begin_allocate_to_pool(device, 1, 0, Some(only_stream), capture) };
+    assert_eq!(begun, 0, "{:?}", last_error());
+    let temp = cuvmm_malloc(4 << 20, device, capture);
+    assert!(!temp.is_null(), "{:?}", last_error());
+    cuvmm_free(temp, 4 << 20, device, capture);
+    assert_eq!(
+        cuvmm_end_allocate_to_pool(device, 1, 0),
+        0,
+        "{:?}",
+        last_error()
+    );
+    assert_eq!(stat(device, "cuvmm.graph_pools"), 1);
+    let taken = cuvmm_snapshot_take(device);
+    assert!(!taken.is_null(), "{:?}", last_error());
+    // SAFETY: a non-null result of cuvmm_snapshot_take points to a snapshot whose segment array holds
+    // `num_segments` elements until cuvmm_snapshot_free.
+    let pools: Vec<(u64, u64)> = unsafe {
+        let s = &*taken;
+        std::slice::from_raw_parts(s.segments, s.num_segments)
+            .iter()
+            .map(|seg| (seg.pool_a, seg.pool_b))
+            .collect()
+    };
+    // SAFETY: `taken` came from cuvmm_snapshot_take and is freed once.
+    unsafe { cuvmm_snapshot_free(taken) };
+    assert!(
+        pools.contains(&(1, 0)),
+        "no segment of the pool in the snapshot: {pools:?}"
+    );
+    // The same size on the same stream, outside the pool: other memory.
+    let eager = cuvmm_malloc(4 << 20, device, capture);
+    assert!(!eager.is_null());
+    let (t, e) = (temp.addr(), eager.addr());
+    assert!(
+        e + (4 << 20) <= t || t + (4 << 20) <= e,
+        "pool memory handed out"
+    );
+    cuvmm_free(eager, 4 << 20, device, capture);
+    assert_eq!(cuvmm_release_pool(device, 1, 0), 0, "{:?}", last_error());
+    assert_eq!(stat(device, "cuvmm.graph_pools"), 0);
+    cuvmm_empty_cache(device);
+    assert_eq!(stat(device, "reserved_bytes.all.current"), 0);
+    check_invariants(device);
+}
+
+#[test]
+fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
+    setup();
+    let device = 10;
+    // SAFETY: a null filter is refused before anything is called.
+    let null_filter = unsafe { cuvmm_begin_allocate_to_pool(device, 2, 0, None, ptr::null_mut()) };
+    assert_eq!(null_filter, -1);
+    assert_failed("null filter", "filter");
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 0, 0, 5), -1);
+    assert_failed("pool {0, 0}", "names no pool");
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 3, 0), -1);
+    assert_failed("end of a pool never begun", "not being allocated to");
+    assert_eq!(cuvmm_release_pool(device, 3, 0), -1);
+    assert_failed("release of a pool never begun", "not live");
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 3, 0, 5), 0);
+    assert_eq!(cuvmm_begin_allocate_to_pool_capture(device, 3, 0, 6), -1);
+    assert_failed("a pool begun twice", "already");
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 3, 0), 0);
+    // A MemPool's own reference (createOrIncrefPool) keeps the pool live past the graph's release.
+    assert_eq!(cuvmm_incref_pool(device, 3, 0), 0, "{:?}", last_error());
+    assert_eq!(cuvmm_release_pool(device, 3, 0), 0);
+    assert_eq!(cuvmm_release_pool(device, 3, 0), 0, "{:?}", last_error());
+    assert_eq!(cuvmm_release_pool(device, 3, 0), -1);
+    assert_eq!(cuvmm_incref_pool(device, 0, 0), -1);
+    assert_eq!(cuvmm_add_peer(device, -1), -1);
+    assert_failed("a negative peer", "invalid peer");
+    assert_eq!(cuvmm_add_peer(device, 1), 0, "{:?}", last_error());
+    assert_eq!(cuvmm_add_peer(99, 1), -1);
+    check_invariants(device);
+}
+
+#[test]
+fn a_memory_fraction_limits_growth_and_its_oom_is_flagged_with_numbers() {
+    setup();
+    let device = 7;
+    assert_eq!(
+        cuvmm_memory_fraction(device),
+        1.0,
+        "no limit: 1, as PyTorch"
+    );
+    for bad in [-0.1, 1.5, f64::NAN, f64::INFINITY] {
+        assert_eq!(cuvmm_set_memory_fraction(device, bad), -1, "{bad}");
+        assert_failed(&format!("fraction {bad}"), "per_process_memory_fraction");
+    }
+    assert_eq!(
+        cuvmm_set_memory_fraction(device, 0.25),
+        0,
+        "{:?}",
+        last_error()
+    );
+    assert_eq!(cuvmm_memory_fraction(device), 0.25);
+    let fits = cuvmm_malloc(1 << 30, device, ptr::null_mut());
+    assert!(!fits.is_null(), "{:?}", last_error());
+    // SAFETY: null `out` is allowed.
+    let flagged = unsafe { cuvmm_last_oom(ptr::null_mut()) };
+    assert_eq!(flagged, 0, "success is no OOM");
+    assert!(cuvmm_malloc(3 << 30, device, ptr::null_mut()).is_null());
+    let mut oom = COomInfo::default();
+    // SAFETY: `oom` is a valid place for one struct.
+    assert_eq!(unsafe { cuvmm_last_oom(&mut oom) }, 1);
+    assert_eq!(oom.allowed, 2 * GIB);
+    assert_eq!(oom.requested, 3 << 30);
+    assert_eq!(oom.device_total, 8 * GIB);
+    assert_eq!(oom.allocated, 1 << 30);
+    assert_failed("over the limit", "out of memory");
+    // Reading the OOM leaves the record; the next call clears it, and other errors are no OOM.
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuvmm_last_oom(&mut oom) }, 1);
+    assert!(cuvmm_malloc(0, device, ptr::null_mut()).is_null());
+    // SAFETY: as above.
+    let flagged = unsafe { cuvmm_last_oom(&mut oom) };
+    assert_eq!(flagged, 0, "a bad size is no OOM");
+    assert_eq!(cuvmm_set_memory_fraction(device, 1.0), 0);
+    let now_fits = cuvmm_malloc(3 << 30, device, ptr::null_mut());
+    assert!(!now_fits.is_null(), "{:?}", last_error());
+    for p in [fits, now_fits] {
+        cuvmm_free(p, 0, device, ptr::null_mut());
+    }
+    check_invariants(device);
+}
+
+/// A thread's tag puts its allocations in memory that sleeps and wakes at the same address; what a
+/// sleeping tag refuses returns -1 or nothing with an error, and a NULL tag is refused.
+#[test]
+fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
+    setup();
+    let device = 13;
+    let tag = CString::new("kv_cache").unwrap();
+    // SAFETY: `tag` is a NUL-terminated string valid for the call.
+    assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+    let kv = cuvmm_malloc(60 << 20, device, stream(3));
+    // SAFETY: NULL clears the tag.
+    assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+    let other = cuvmm_malloc(1 << 20, device, stream(3));
+    assert!(!kv.is_null() && !other.is_null(), "{:?}", last_error());
+    let reserved = stat(device, "reserved_bytes.all.current");
+
+    // The registry's simulated devices hold no bytes, so nothing is kept (tests/sleep_wake.rs checks bytes).
+    // SAFETY: `tag` is valid for each call.
+    let given = unsafe { cuvmm_sleep(device, tag.as_ptr(), 0) };
+    assert_eq!(given, 60 << 20, "{:?}", last_error());
+    assert_eq!(
+        stat(device, "reserved_bytes.all.current"),
+        reserved - (60 << 20)
+    );
+    assert_eq!(stat(device, "cuvmm.asleep_bytes"), 60 << 20);
+    // SAFETY: as above.
+    let again = unsafe { cuvmm_sleep(device, tag.as_ptr(), 1) };
+    assert_eq!(again, 0, "idempotent");
+    cuvmm_free(kv, 60 << 20, device, stream(3));
+    assert_failed("free of a sleeping block", "asleep");
+    // SAFETY: `tag` is valid for the calls.
+    unsafe {
+        assert_eq!(cuvmm_set_tag(tag.as_ptr()), 0);
+        assert!(cuvmm_malloc(4096, device, stream(3)).is_null());
+        assert_failed("allocation under a sleeping tag", "asleep");
+        assert_eq!(cuvmm_set_tag(ptr::null()), 0);
+    }
+    let summary = cuvmm_memory_summary(device);
+    // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
+    let text = unsafe { CStr::from_ptr(summary) }
+        .to_str()
+        .unwrap()
+        .to_string();
+    // SAFETY: as above.
+    unsafe { cuvmm_string_free(summary) };
+    assert!(text.contains("tag kv_cache"), "{text}");
+
+    // SAFETY: `tag` is valid for the call; a NULL tag is refused.
+    unsafe {
+        assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0, "{:?}", last_error());
+        assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0);
+        assert_eq!(cuvmm_sleep(device, ptr::null(), 0), -1);
+        assert_failed("a NULL tag", "null tag");
+        assert_eq!(cuvmm_wake(device, ptr::null()), -1);
+    }
+    assert_eq!(stat(device, "cuvmm.asleep_bytes"), 0);
+    cuvmm_free(kv, 60 << 20, device, stream(3));
+    cuvmm_free(other, 1 << 20, device, stream(3));
+    assert!(last_error().is_none());
+    assert_eq!(stat(device, "allocation.all.current"), 0);
+    check_invariants(device);
+}

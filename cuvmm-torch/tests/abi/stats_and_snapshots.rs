@@ -1,0 +1,201 @@
+//! What PyTorch reads: the statistics as JSON and as the header's structs, the summary, snapshots.
+
+use super::*;
+
+#[test]
+fn summary_and_snapshot_are_written_and_a_null_path_is_refused() {
+    setup();
+    let device = 4;
+    let p = cuvmm_malloc(5 << 20, device, ptr::null_mut());
+    assert!(!p.is_null());
+    let text = cuvmm_memory_summary(device);
+    assert!(!text.is_null());
+    // SAFETY: a non-null result of cuvmm_memory_summary is a NUL-terminated string until freed.
+    let summary = unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .unwrap()
+        .to_string();
+    // SAFETY: `text` came from cuvmm_memory_summary and is freed once.
+    unsafe { cuvmm_string_free(text) };
+    assert!(summary.contains("Allocated memory"), "{summary}");
+    // SAFETY: null is allowed.
+    unsafe { cuvmm_string_free(ptr::null_mut()) };
+
+    // SAFETY: a null path is allowed (refused with -1).
+    assert_eq!(unsafe { cuvmm_dump_snapshot(device, ptr::null()) }, -1);
+    assert_failed("null path", "null path");
+    let file = std::env::temp_dir().join(format!("cuvmm-torch-{}.pickle", std::process::id()));
+    let path = CString::new(file.to_str().unwrap()).unwrap();
+    // SAFETY: `path` is a NUL-terminated string that outlives the call.
+    assert_eq!(unsafe { cuvmm_dump_snapshot(device, path.as_ptr()) }, 0);
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(bytes.first(), Some(&0x80), "not a pickle");
+    let missing = CString::new("/nonexistent-dir/x.pickle").unwrap();
+    // SAFETY: `missing` is a NUL-terminated string that outlives the call.
+    assert_eq!(unsafe { cuvmm_dump_snapshot(device, missing.as_ptr()) }, -1);
+    assert_failed("unwritable path", "nonexistent-dir");
+    cuvmm_free(p, 5 << 20, device, ptr::null_mut());
+    check_invariants(device);
+}
+
+/// What `cuvmm_torch.h` lays out, computed by hand from its declarations (x86-64 / aarch64 Linux); the C++
+/// layer asserts the same sizes against the header, so a field added on one side only fails both.
+#[test]
+fn the_structs_have_the_headers_layout() {
+    use std::mem::{offset_of, size_of};
+    assert_eq!(
+        size_of::<CDeviceStats>(),
+        9 * 3 * 32 + 2 * 8 + 2 * 32 + 5 * 8
+    );
+    assert_eq!(offset_of!(CDeviceStats, num_alloc_retries), 9 * 3 * 32);
+    assert_eq!(offset_of!(CDeviceStats, largest_free_block), 976);
+    assert_eq!(size_of::<COomInfo>(), 7 * 8);
+    assert_eq!(size_of::<CSegment>(), 88);
+    assert_eq!(offset_of!(CSegment, pool_a), 56);
+    assert_eq!(size_of::<CBlock>(), 32);
+    assert_eq!(size_of::<CTraceEntry>(), 32);
+    assert_eq!(size_of::<CSnapshot>(), 48);
+}
+
+fn device_stats(device: i32) -> CDeviceStats {
+    let mut out = CDeviceStats::default();
+    // SAFETY: `out` is a valid place for one struct.
+    let status = unsafe { cuvmm_get_device_stats(device, &mut out) };
+    assert_eq!(status, 0, "{:?}", last_error());
+    out
+}
+
+#[test]
+fn device_stats_follow_the_json_and_reset_their_peaks_and_totals() {
+    setup();
+    let device = 6;
+    let small = cuvmm_malloc(1000, device, ptr::null_mut());
+    let large = cuvmm_malloc(30 << 20, device, ptr::null_mut());
+    assert!(!small.is_null() && !large.is_null(), "{:?}", last_error());
+    let c = device_stats(device);
+    let json = stats(device);
+    let key = |k: &str| json[k].as_u64().unwrap() as i64;
+    assert_eq!(
+        c.allocated_bytes.all.current,
+        key("allocated_bytes.all.current")
+    );
+    assert_eq!(c.allocated_bytes.small_pool.current, 1024);
+    assert_eq!(c.allocated_bytes.large_pool.current, 30 << 20);
+    assert_eq!(c.reserved_bytes.all.peak, key("reserved_bytes.all.peak"));
+    assert_eq!(
+        c.requested_bytes.all.allocated,
+        key("requested_bytes.all.allocated")
+    );
+    assert_eq!(c.allocation.all.current, 2);
+    assert_eq!(c.segment.all.current, key("segment.all.current"));
+    assert_eq!(c.num_device_alloc, key("num_device_alloc"));
+    assert_eq!(c.max_split_size, -1);
+    assert!(c.largest_free_block >= 0);
+    // SAFETY: a null `out` is allowed (refused with -1).
+    let status = unsafe { cuvmm_get_device_stats(device, ptr::null_mut()) };
+    assert_eq!(status, -1);
+    assert_failed("null out", "null out");
+
+    cuvmm_free(large, 30 << 20, device, ptr::null_mut());
+    assert_eq!(
+        device_stats(device).allocated_bytes.all.peak,
+        1024 + (30 << 20)
+    );
+    assert_eq!(cuvmm_reset_peak_stats(device), 0, "{:?}", last_error());
+    let c = device_stats(device);
+    assert_eq!(c.allocated_bytes.all.peak, 1024);
+    assert_eq!(c.allocated_bytes.large_pool.peak, 0);
+    assert_eq!(c.reserved_bytes.all.peak, c.reserved_bytes.all.current);
+    assert_eq!(
+        c.allocated_bytes.all.allocated,
+        1024 + (30 << 20),
+        "totals survive a peak reset"
+    );
+
+    assert_eq!(
+        cuvmm_reset_accumulated_stats(device),
+        0,
+        "{:?}",
+        last_error()
+    );
+    let c = device_stats(device);
+    assert_eq!(
+        (c.allocated_bytes.all.allocated, c.allocated_bytes.all.freed),
+        (0, 0)
+    );
+    assert_eq!(
+        (c.num_device_alloc, c.num_device_free, c.num_ooms),
+        (0, 0, 0)
+    );
+    assert_eq!(
+        c.allocated_bytes.all.current, 1024,
+        "current values survive"
+    );
+    assert_eq!(c.allocated_bytes.all.peak, 1024);
+    cuvmm_free(small, 1000, device, ptr::null_mut());
+    assert_eq!(device_stats(device).allocated_bytes.all.freed, 1024);
+    check_invariants(device);
+}
+
+#[test]
+fn snapshots_list_segments_blocks_and_recorded_events() {
+    setup();
+    let device = 8;
+    assert_eq!(cuvmm_record_history(device, 100), 0, "{:?}", last_error());
+    let a = cuvmm_malloc(3 << 20, device, stream(5));
+    let b = cuvmm_malloc(2048, device, stream(5));
+    assert!(!a.is_null() && !b.is_null());
+    cuvmm_free(b, 2048, device, stream(5));
+    assert!(last_error().is_none(), "{:?}", last_error());
+
+    let taken = cuvmm_snapshot_take(device);
+    assert!(!taken.is_null(), "{:?}", last_error());
+    // SAFETY: a non-null result of cuvmm_snapshot_take points to a snapshot, and its arrays to as many
+    // elements as it says, until cuvmm_snapshot_free.
+    let (segments, blocks, traces) = unsafe {
+        let s = &*taken;
+        (
+            std::slice::from_raw_parts(s.segments, s.num_segments).to_vec(),
+            std::slice::from_raw_parts(s.blocks, s.num_blocks).to_vec(),
+            std::slice::from_raw_parts(s.traces, s.num_traces).to_vec(),
+        )
+    };
+    // SAFETY: `taken` came from cuvmm_snapshot_take and is freed once.
+    unsafe { cuvmm_snapshot_free(taken) };
+    // SAFETY: null is allowed.
+    unsafe { cuvmm_snapshot_free(ptr::null_mut()) };
+
+    assert!(!segments.is_empty());
+    for seg in &segments {
+        let own = &blocks[seg.first_block..seg.first_block + seg.num_blocks];
+        assert_eq!(own.first().unwrap().address, seg.address);
+        assert_eq!(
+            own.iter().map(|b| b.size).sum::<u64>(),
+            seg.total_size,
+            "blocks tile it"
+        );
+        assert_eq!(seg.stream, stream(5));
+        assert_eq!((seg.is_expandable, seg.pool_a, seg.pool_b), (1, 0, 0));
+    }
+    let live: Vec<_> = blocks.iter().filter(|b| b.state == 1).collect();
+    assert_eq!(live.len(), 1);
+    assert_eq!(
+        (live[0].address, live[0].requested_size),
+        (a.addr() as u64, 3 << 20)
+    );
+    assert_eq!(
+        segments.iter().map(|s| s.allocated_size).sum::<u64>(),
+        3 << 20
+    );
+    let actions: Vec<_> = traces
+        .iter()
+        .filter(|t| t.action <= 2)
+        .map(|t| (t.action, t.addr))
+        .collect();
+    let (a, b) = (a.addr() as u64, b.addr() as u64);
+    assert_eq!(actions, [(0, a), (0, b), (1, b), (2, b)], "{traces:?}");
+    assert_eq!(cuvmm_record_history(device, 0), 0);
+    cuvmm_free(stream(a as usize), 0, device, ptr::null_mut());
+    check_invariants(device);
+}
