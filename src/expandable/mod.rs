@@ -20,7 +20,7 @@
 //!
 //! The allocator is a composition of parts that own their state, each behind a narrow interface, driven by
 //! [`Expandable`], which holds them and sequences each operation:
-//! - `segments.rs` ([`Segments`](segments::Segments)): the reservations, found by slot, address and key;
+//! - `segments.rs` (`Segments`): the reservations, found by slot, address and key;
 //!   each a `segment.rs` (blocks in `blocks.rs`, free index in `free_index.rs`);
 //! - `physical.rs` (`Physical`): the handle pool, the chunks, the budget and the memory limit;
 //! - `lending.rs` (`Lending`): the pages of chunks in use lent elsewhere;

@@ -4,7 +4,7 @@
 //! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
 //! `parking_lot::Mutex` guards the strategy: every operation on it holds the lock for a few microseconds of
 //! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-stream
-//! caches ([`crate::facade::stream_cache`]) keep freed buffers back for their stream once threads have contended
+//! caches (`facade/stream_cache.rs`) keep freed buffers back for their stream once threads have contended
 //! for that lock, so that steady-state reuse on one stream never waits for another stream's driver calls
 //! (docs/DESIGN.md, "Locking").
 
