@@ -14,7 +14,8 @@
 //!   through `Strategy::copy_to_host`);
 //! - an operation during which no planned fault fired succeeds, except an allocation refused for the
 //!   reason it earns: size 0 (`ZeroSize`), larger than the device (`TooLarge`), or out of memory when the
-//!   pages the live blocks could touch do not fit the device (idle pages are always found and reused);
+//!   pages the live blocks could touch do not fit the device (idle pages are always found and reused), or,
+//!   with chunks that cannot be lent (no partial mappings, as on CUDA), the chunks they touch;
 //! - an operation during which a fault fired either succeeds or fails with a typed driver or
 //!   out-of-memory error (never a panic), and the allocator keeps working afterwards; a `free` that fails
 //!   in the driver has still freed its block (the error comes from giving idle memory back);
@@ -60,6 +61,8 @@ pub struct State {
     faults: Faults,
     capacity: u64,
     chunk_pages: u64,
+    /// Whether idle pages of a chunk in use can be lent (the simulator maps parts of handles).
+    lends: bool,
     live: LiveSet,
     summary: Summary,
 }
@@ -85,6 +88,7 @@ impl State {
             faults: Faults::default(),
             capacity,
             chunk_pages: setup.chunk_pages,
+            lends: setup.partial_mappings,
             live: LiveSet::default(),
             summary: Summary::default(),
         }
@@ -116,13 +120,24 @@ impl State {
             Err(Error::TooLarge { .. }) if size > 0 && !fits => Ok(()),
             Err(err) if size == 0 || !fits => Err(format!("alloc({size}) failed with {err:?}")),
             Err(Error::OutOfMemory(oom)) if !fired => {
-                // Each live block touches at most its own pages plus one partial page at each end.
+                // Each live block touches at most its own pages plus one partial page at each end. Where
+                // chunks cannot be lent (no partial mappings, as on CUDA), a chunk is unmapped whole, so a
+                // block holds every page of the chunks it touches: at most its own chunks plus one.
+                let chunk = self.chunk_pages * PAGE;
+                let stranding = self.chunk_pages > 1 && !self.lends;
                 let bound: u64 = self
                     .live
                     .iter()
                     .map(|(_, l)| l.size)
                     .chain([size])
-                    .map(|s| s.next_multiple_of(ROUND).div_ceil(PAGE) + 2)
+                    .map(|s| {
+                        let s = s.next_multiple_of(ROUND);
+                        if stranding {
+                            (s.div_ceil(chunk) + 1) * self.chunk_pages
+                        } else {
+                            s.div_ceil(PAGE) + 2
+                        }
+                    })
                     .sum::<u64>()
                     * PAGE;
                 if bound <= self.capacity {
