@@ -22,6 +22,7 @@ pub mod sim;
 mod types;
 
 use forward::driver_trait;
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 pub use counters::DriverCounters;
 pub use error::DriverError;
@@ -217,6 +218,36 @@ driver_trait! {
             Err(DriverError::Unsupported {
                 op: Op::CopyFromHost,
             })
+        }
+
+        /// Whether [`export_handle`](Driver::export_handle) can export the handles this driver creates: CUDA
+        /// exports only handles created with an exportable type, which `CudaDriver` asks for where the device
+        /// supports POSIX file descriptors. The default is no.
+        fn exports_handles(&self) -> bool {
+            false
+        }
+
+        /// Exports `handle` as a file descriptor that this or another process can import with
+        /// [`import_handle`](Driver::import_handle) (`cuMemExportToShareableHandle`, handle type
+        /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). The caller owns the descriptor: closing it neither
+        /// releases the handle nor frees its memory.
+        ///
+        /// The default implementation returns [`DriverError::Unsupported`].
+        fn export_handle(&mut self, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
+            let _ = handle;
+            Err(DriverError::Unsupported { op: Op::Export })
+        }
+
+        /// A new handle to the memory behind `fd`, a descriptor from [`export_handle`](Driver::export_handle)
+        /// in this or another process, of `size` bytes, the exported handle's size, which the exporter tells
+        /// (`cuMemImportFromShareableHandle`). It is mapped, given access and released like a handle from
+        /// [`create`](Driver::create); the memory is freed once every handle to it, in every process, is
+        /// released and unmapped. The descriptor stays the caller's.
+        ///
+        /// The default implementation returns [`DriverError::Unsupported`].
+        fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
+            let _ = (fd, size);
+            Err(DriverError::Unsupported { op: Op::Import })
         }
     }
 }

@@ -43,11 +43,15 @@ pub enum Op {
     CopyFromHost,
     /// `cuStreamGetCaptureInfo`: whether a stream is being captured into a CUDA graph.
     CaptureInfo,
+    /// `cuMemExportToShareableHandle`: a handle as a file descriptor another process can import.
+    Export,
+    /// `cuMemImportFromShareableHandle`: a handle to memory another process exported.
+    Import,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 18] = [
+    pub const ALL: [Op; 20] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -66,6 +70,8 @@ impl Op {
         Op::CopyToHost,
         Op::CopyFromHost,
         Op::CaptureInfo,
+        Op::Export,
+        Op::Import,
     ];
 
     /// The operation's name in cuvmm's verbs (`reserve`, `create`, `map`, ...).
@@ -89,6 +95,8 @@ impl Op {
             Op::CopyToHost => "copy_to_host",
             Op::CopyFromHost => "copy_from_host",
             Op::CaptureInfo => "capture_info",
+            Op::Export => "export",
+            Op::Import => "import",
         }
     }
 }

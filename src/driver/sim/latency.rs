@@ -60,6 +60,7 @@ impl LatencyModel {
     /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
     /// | copy_to_host, copy_from_host | 10 000 | assumed (a small synchronous copy over PCIe) |
     /// | capture_info | 100 | assumed (a host-side query) |
+    /// | export, import | 10 000 | assumed (a file descriptor made or opened by the kernel driver) |
     pub fn a100() -> Self {
         Self::from_parts("a100", |op| {
             let figure = match op {
@@ -73,6 +74,7 @@ impl LatencyModel {
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
                 Op::Memset | Op::CopyToHost | Op::CopyFromHost => 10_000,
                 Op::CaptureInfo => 100,
+                Op::Export | Op::Import => 10_000,
             };
             (0, figure)
         })
@@ -99,6 +101,7 @@ impl LatencyModel {
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
     /// | capture_info | 100 | 0 | assumed (a host-side query) |
+    /// | export, import | 10 000 | 0 | assumed, as for the A100 |
     pub fn h100() -> Self {
         Self::from_parts("h100", |op| match op {
             Op::Create => (13_612, 46),
@@ -115,6 +118,7 @@ impl LatencyModel {
             Op::MemInfo => (1_000, 0),
             Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
             Op::CaptureInfo => (100, 0),
+            Op::Export | Op::Import => (10_000, 0),
         })
     }
 
@@ -137,6 +141,7 @@ impl LatencyModel {
     /// | mem_info | 1 000 | 0 | assumed |
     /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
     /// | capture_info | 100 | 0 | assumed (a host-side query) |
+    /// | export, import | 10 000 | 0 | assumed, as for the A100 |
     pub fn h200() -> Self {
         Self::from_parts("h200", |op| match op {
             Op::Create => (6_476, 15),
@@ -153,6 +158,7 @@ impl LatencyModel {
             Op::MemInfo => (1_000, 0),
             Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
             Op::CaptureInfo => (100, 0),
+            Op::Export | Op::Import => (10_000, 0),
         })
     }
 
