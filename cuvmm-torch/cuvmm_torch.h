@@ -130,6 +130,19 @@ int cuvmm_incref_pool(int device, unsigned long long pool_a, unsigned long long 
  * (PyTorch's enablePeerAccess for expandable segments). */
 int cuvmm_add_peer(int device, int peer);
 
+/* Sharing memory with another process (PyTorch's shareIpcHandle / getIpcDevPtr, torch.multiprocessing).
+ * cuvmm_ipc_share: the handle string of the live allocation at ptr (bytes to free with cuvmm_bytes_free),
+ * its length in *len, and the allocation's offset in the range an importer maps in *offset; NULL on failure
+ * (tagged memory, a device whose handles are not exportable, an unknown address). The descriptors travel
+ * over a Unix socket the exporting process serves; a handle string opens once.
+ * cuvmm_ipc_open: maps that memory on device (in another process of the same user, or this one); returns
+ * the start of the range (the allocation is at the exporter's offset); NULL on failure.
+ * cuvmm_ipc_close: unmaps it once all work on it is done; 0 or -1. */
+uint8_t *cuvmm_ipc_share(int device, void *ptr, size_t *len, uint64_t *offset);
+void cuvmm_bytes_free(uint8_t *bytes, size_t len);
+void *cuvmm_ipc_open(int device, const uint8_t *bytes, size_t len);
+int cuvmm_ipc_close(int device, void *ptr);
+
 /* ---- Sleep and wake: memory given back while its addresses stay reserved ---- */
 
 /* Allocations made by cuvmm_malloc on this thread, on any device, are made under `tag` from now on (NULL:

@@ -74,7 +74,8 @@ FALLBACK_LACKS = (
     "(use cuvmm_torch.memory_stats / memory_summary / dump_snapshot), "
     "torch.cuda.empty_cache and set_per_process_memory_fraction (use cuvmm_torch.empty_cache / "
     "set_memory_fraction), CUDA graphs and torch.compile(mode=\"reduce-overhead\"), "
-    "torch.OutOfMemoryError on out-of-memory (PyTorch reports a tensor without data instead)"
+    "torch.OutOfMemoryError on out-of-memory (PyTorch reports a tensor without data instead), "
+    "sharing CUDA tensors with torch.multiprocessing"
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

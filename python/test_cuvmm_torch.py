@@ -101,6 +101,10 @@ class Symbols(unittest.TestCase):
                 "cuvmm_set_tag",
                 "cuvmm_sleep",
                 "cuvmm_wake",
+                "cuvmm_ipc_share",
+                "cuvmm_bytes_free",
+                "cuvmm_ipc_open",
+                "cuvmm_ipc_close",
             },
         )
         for name in declared:

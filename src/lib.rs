@@ -40,7 +40,7 @@ pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
 pub use strategy::graph_pool::{GraphPool, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
-pub use strategy::{config, error, graph_pool, history, oom, pool, snapshot, stats};
+pub use strategy::{config, error, graph_pool, history, oom, pool, sharing, snapshot, stats};
 
 /// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
 #[cfg(all(doctest, feature = "lab"))]

@@ -22,12 +22,15 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstring>
+#include <functional>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -55,7 +58,8 @@ using c10::MempoolId_t;
   X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)
 #define CUVMM_OPTIONAL(X)                                                                        \
   X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool) X(cuvmm_release_pool)           \
-  X(cuvmm_incref_pool) X(cuvmm_add_peer)
+  X(cuvmm_incref_pool) X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open)    \
+  X(cuvmm_ipc_close)
 
 struct Api {
 #define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
@@ -82,10 +86,26 @@ struct Api {
   }
 };
 
-const char* const kIpcUnsupported =
-    "cuvmm: sharing CUDA tensors between processes (torch.multiprocessing, cudaIpc*) is not supported: "
-    "cuvmm's pages come from cuMemCreate without an exportable handle type, which cudaIpcGetMemHandle "
-    "cannot share. Move the tensor to CPU shared memory, or send it with torch.distributed.";
+// PyTorch's own handle strings (CUDACachingAllocator.cpp): a bare cudaIpcMemHandle_t from an old PyTorch,
+// or a version byte, a type byte ('c': cudaIpcMemHandle_t follows; 'e': expandable segments) and the rest.
+constexpr size_t kCudaIpcHandleSize = 64;
+constexpr char kTorchHandleVersion = 2;
+
+// Whether `handle` is PyTorch's, from a process on PyTorch's own allocator; sets `raw` to its
+// cudaIpcMemHandle_t when it has one ('c'), and throws for the expandable-segment kind cuvmm cannot open.
+bool torch_handle(const std::string& handle, cudaIpcMemHandle_t* raw) {
+  size_t at = 0;
+  if (handle.size() != kCudaIpcHandleSize) {
+    if (handle.size() < 2 || handle[0] > kTorchHandleVersion) return false;  // cuvmm's start with 'C'
+    TORCH_CHECK(handle[1] == 'c', "cuvmm: this tensor was shared by a process on PyTorch's expandable "
+                "segments, whose handles cuvmm cannot open: install cuvmm in that process too, or share "
+                "from its native allocator (expandable_segments:False)");
+    at = 2;
+  }
+  TORCH_CHECK(handle.size() >= at + kCudaIpcHandleSize, "cuvmm: a truncated CUDA IPC handle");
+  std::memcpy(raw, handle.data() + at, kCudaIpcHandleSize);
+  return true;
+}
 
 // A filter of beginAllocateToPool, kept on the heap until endAllocateToPool returns (the C ABI's rule).
 struct Filter {
@@ -359,8 +379,68 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
   }
-  CCA::ShareableHandle shareIpcHandle(void* /*ptr*/) override { TORCH_CHECK(false, kIpcUnsupported); }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override { TORCH_CHECK(false, kIpcUnsupported); }
+  // IPC (torch.multiprocessing): PyTorch calls shareIpcHandle on the storage's device, sends the handle
+  // string and offset, and the receiver calls getIpcDevPtr on the same device; see cuvmm-torch/src/sharing.rs.
+  CCA::ShareableHandle shareIpcHandle(void* ptr) override {
+    TORCH_CHECK(api_.cuvmm_ipc_share, "cuvmm: this libcuvmm_torch.so cannot share memory between processes: "
+                "rebuild it from a newer cuvmm");
+    DeviceIndex device = c10::cuda::current_device();
+    size_t len = 0;
+    uint64_t offset = 0;
+    uint8_t* bytes = api_.cuvmm_ipc_share(device, ptr, &len, &offset);
+    TORCH_CHECK(bytes, last_error("shareIpcHandle"));
+    std::string handle(reinterpret_cast<const char*>(bytes), len);
+    api_.cuvmm_bytes_free(bytes, len);
+    return CCA::ShareableHandle{static_cast<ptrdiff_t>(offset), std::move(handle)};
+  }
+  // One mapping per handle string while it is in use, as PyTorch's allocator keeps (a storage received
+  // twice maps once). A handle from a process on PyTorch's own allocator (cudaMalloc'd) opens too.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    std::lock_guard<std::mutex> lock(ipc_mutex_);
+    auto found = imports_.find(handle);
+    if (found != imports_.end()) {
+      if (auto open = found->second.lock()) return open;
+    }
+    DeviceIndex device = c10::cuda::current_device();
+    void* base = nullptr;
+    std::function<void(void*)> close;
+    cudaIpcMemHandle_t raw;
+    if (torch_handle(handle, &raw)) {
+      C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, raw, cudaIpcMemLazyEnablePeerAccess));
+      close = [device](void* p) {
+        c10::cuda::CUDAGuard guard(device);
+        if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();
+      };
+    } else {
+      TORCH_CHECK(api_.cuvmm_ipc_open, "cuvmm: this libcuvmm_torch.so cannot open shared memory: rebuild it");
+      base = api_.cuvmm_ipc_open(device, reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
+      TORCH_CHECK(base, last_error("getIpcDevPtr"));
+      Api api = api_;
+      close = [api, device](void* p) {
+        // The receiver's kernels may still read it: wait for the device, as PyTorch's own import does.
+        c10::cuda::CUDAGuard guard(device);
+        if (cudaDeviceSynchronize() != cudaSuccess) (void)cudaGetLastError();
+        if (api.cuvmm_ipc_close(device, p) != 0) {
+          const char* error = api.cuvmm_last_error();
+          TORCH_WARN("cuvmm: ", error ? error : "closing shared memory failed");
+        }
+      };
+    }
+    // The deleter runs when the last storage using the mapping goes: it must not throw.
+    std::shared_ptr<void> open(base, [this, handle, close](void* p) {
+      {
+        std::lock_guard<std::mutex> lock(ipc_mutex_);
+        auto entry = imports_.find(handle);
+        if (entry != imports_.end() && entry->second.expired()) imports_.erase(entry);
+      }
+      try {
+        close(p);
+      } catch (...) {
+      }
+    });
+    imports_[handle] = open;
+    return open;
+  }
 
  private:
   static void delete_fn(void* p) { instance->raw_delete(p); }
@@ -465,6 +545,8 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   std::mutex mutex_;  // guards the two below
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::map<std::tuple<DeviceIndex, c10::CaptureId_t, c10::CaptureId_t>, std::unique_ptr<Filter>> filters_;
+  std::mutex ipc_mutex_;  // guards imports_
+  std::unordered_map<std::string, std::weak_ptr<void>> imports_;
 };
 
 CuvmmAllocator* CuvmmAllocator::instance = nullptr;

@@ -77,6 +77,15 @@ pub enum AbiError {
     /// The allocator refused the operation (out of memory, unknown address, double free, ...).
     #[error(transparent)]
     Allocator(#[from] cuvmm::Error),
+    /// Bytes given as a handle string of shared memory that are not one (`sharing.rs`).
+    #[error("not a handle of cuvmm shared memory: {why}")]
+    BadHandle {
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The descriptors of shared memory could not be fetched from the exporting process.
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
     /// The snapshot could not be written.
     #[error(transparent)]
     Snapshot(#[from] cuvmm::snapshot::pickle::WriteError),

@@ -11,6 +11,7 @@
 
 use crate::error::{self, AbiError};
 use crate::ops;
+use crate::sharing;
 use crate::registry::global;
 use crate::structs::{CDeviceStats, COomInfo, CSnapshot, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
@@ -297,6 +298,77 @@ pub unsafe extern "C" fn cuvmm_wake(device: c_int, tag: *const c_char) -> c_int 
 pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {
     shell("cuvmm_add_peer", -1, || {
         ops::add_peer(global()?, device, peer)?;
+        Ok(0)
+    })
+}
+
+/// The handle string that shares the live allocation at `ptr` of `device` with another process (PyTorch's
+/// `shareIpcHandle`): its bytes (free them with [`cuvmm_bytes_free`]), their number in `*len` and the
+/// allocation's offset in the range the importer maps in `*offset`; null on failure.
+///
+/// # Safety
+/// `len` and `offset` are null (an error) or valid for one write each.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_ipc_share(
+    device: c_int,
+    ptr: *mut c_void,
+    len: *mut usize,
+    offset: *mut u64,
+) -> *mut u8 {
+    shell("cuvmm_ipc_share", ptr::null_mut(), || {
+        if len.is_null() || offset.is_null() {
+            return Err(AbiError::NullArgument { what: "len or offset" });
+        }
+        let (bytes, at) = sharing::share(global()?, device, address(ptr))?;
+        // SAFETY: both are not null and the caller promises each is valid for one write.
+        unsafe {
+            len.write(bytes.len());
+            offset.write(at);
+        }
+        Ok(Box::into_raw(bytes.into_boxed_slice()).cast::<u8>())
+    })
+}
+
+/// Frees the bytes [`cuvmm_ipc_share`] returned (`len` of them). Null is ignored.
+///
+/// # Safety
+/// `bytes` is null or came from [`cuvmm_ipc_share`], with the `len` it gave, and is freed once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_bytes_free(bytes: *mut u8, len: usize) {
+    shell("cuvmm_bytes_free", (), || {
+        if !bytes.is_null() {
+            // SAFETY: the caller promises `bytes .. bytes + len` is the boxed slice `cuvmm_ipc_share` leaked.
+            drop(unsafe { Box::from_raw(ptr::slice_from_raw_parts_mut(bytes, len)) });
+        }
+        Ok(())
+    })
+}
+
+/// Maps on `device` the shared memory a handle string from [`cuvmm_ipc_share`] (in this or another process
+/// of the same user) describes (PyTorch's `getIpcDevPtr`): the start of the range, where the allocation lies
+/// at the offset the exporter returned; null on failure. Unmap it with [`cuvmm_ipc_close`].
+///
+/// # Safety
+/// `bytes` is null (an error) or valid for reads of `len` bytes during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_ipc_open(device: c_int, bytes: *const u8, len: usize) -> *mut c_void {
+    shell("cuvmm_ipc_open", ptr::null_mut(), || {
+        if bytes.is_null() {
+            return Err(AbiError::NullArgument { what: "handle" });
+        }
+        // SAFETY: not null, and the caller promises `len` readable bytes that stay valid during the call.
+        let handle = unsafe { std::slice::from_raw_parts(bytes, len) };
+        let addr = sharing::open(global()?, device, handle)?;
+        Ok(ptr::with_exposed_provenance_mut(addr as usize))
+    })
+}
+
+/// Unmaps shared memory [`cuvmm_ipc_open`] mapped at `ptr` of `device`, once the caller's work on it is
+/// done; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_ipc_close(device: c_int, ptr: *mut c_void) -> c_int {
+    shell("cuvmm_ipc_close", -1, || {
+        sharing::close(global()?, device, address(ptr))?;
         Ok(0)
     })
 }

@@ -10,6 +10,7 @@
 //!   `CUVMM_ALLOC_CONF`, on the backend `CUVMM_BACKEND` names (`cuda`, or `sim`: no GPU needed).
 //! - [`ops`]: each operation in safe Rust on typed values.
 //! - [`ffi`]: the exported shells; no panic crosses them, and a failure is recorded for `cuvmm_last_error`.
+//! - [`sharing`]: sharing memory with other processes (PyTorch's IPC), over [`transport`].
 //! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
 //! - [`error`]: the errors, and the per-thread last error.
 
@@ -17,7 +18,9 @@ pub mod error;
 pub mod ffi;
 pub mod ops;
 pub mod registry;
+pub mod sharing;
 pub mod structs;
+pub mod transport;
 
 pub use error::{AbiError, InitError, last_error};
 pub use registry::{Backend, Registry, Settings, install};

@@ -66,7 +66,9 @@ pub fn free(registry: &Registry, ptr: u64, device: i32) -> Result<(), AbiError> 
     if ptr == 0 {
         return Ok(());
     }
-    Ok(registry.allocator(device)?.free_raw(ptr)?)
+    let allocator = registry.allocator(device)?;
+    crate::sharing::forget(registry, Some(device), ptr);
+    Ok(allocator.free_raw(ptr)?)
 }
 
 /// Records that work on `stream` uses the live allocation at `ptr` (PyTorch's `Tensor.record_stream`).
@@ -188,6 +190,7 @@ pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
     if ptr == 0 {
         return Ok(());
     }
+    crate::sharing::forget(registry, None, ptr);
     for allocator in registry.built() {
         match allocator.free_raw(ptr) {
             Err(cuvmm::Error::UnknownAddress { .. }) => continue,

@@ -11,6 +11,7 @@ use cuvmm::driver::sim::SimConfig;
 use cuvmm::expandable::Expandable;
 use cuvmm::size::{GIB, parse_size};
 use cuvmm::{Allocator, Config};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// The allocator each device gets.
@@ -129,6 +130,8 @@ fn sim_devices(value: Option<String>) -> Result<usize, InitError> {
 /// The allocators of one process, one per device.
 #[derive(Debug)]
 pub struct Registry {
+    /// This registry's number in the process (the exports of shared memory say whose they are).
+    id: u64,
     settings: Settings,
     slots: Box<[OnceLock<Result<TorchAllocator, InitError>>]>,
 }
@@ -139,7 +142,18 @@ impl Registry {
         let slots = (0..settings.device_count())
             .map(|_| OnceLock::new())
             .collect();
-        Self { settings, slots }
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        Self {
+            id,
+            settings,
+            slots,
+        }
+    }
+
+    /// This registry's number among the process's registries.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The settings.

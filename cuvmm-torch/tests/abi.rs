@@ -12,6 +12,8 @@
 use cuvmm_torch::ffi::*;
 #[path = "abi/pools_and_limits.rs"]
 mod pools_and_limits;
+#[path = "abi/sharing.rs"]
+mod sharing;
 #[path = "abi/stats_and_snapshots.rs"]
 mod stats_and_snapshots;
 

@@ -47,6 +47,7 @@ mod reclaim;
 mod segment;
 mod segments;
 mod settle;
+mod sharing;
 mod sleep;
 mod snapshot;
 mod streams;
@@ -67,6 +68,7 @@ use graphs::Graphs;
 use lending::Lending;
 use physical::{Physical, Setup};
 use segments::Segments;
+use sharing::Imports;
 use streams::StreamWaits;
 use tags::Tags;
 
@@ -95,6 +97,8 @@ pub struct Expandable<D: Driver> {
     tags: Tags,
     /// Counters, page counts and history.
     books: Books,
+    /// Memory other processes shared, mapped here (`sharing.rs`).
+    imports: Imports,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -150,6 +154,7 @@ impl<D: Driver> Expandable<D> {
             graphs: Graphs::default(),
             tags: Tags::default(),
             books: Books::open(page_size, config.max_split_size),
+            imports: Imports::default(),
             config,
         })
     }
@@ -279,6 +284,21 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.graphs.underway_count()
     }
 
+    fn share(&mut self, addr: u64) -> Result<crate::strategy::sharing::SharedMemory, Error> {
+        self.share_block(addr)
+    }
+
+    fn open_shared(
+        &mut self,
+        parts: &[crate::strategy::sharing::SharedPart<std::os::fd::BorrowedFd<'_>>],
+    ) -> Result<u64, Error> {
+        self.open_shared_parts(parts)
+    }
+
+    fn close_shared(&mut self, addr: u64) -> Result<(), Error> {
+        self.close_shared_range(addr)
+    }
+
     fn stats(&self) -> Stats {
         let (graph_pool_bytes, graph_pools) =
             self.graphs.pool_bytes(&self.segments, self.page_size);
@@ -363,6 +383,9 @@ impl<D: Driver> Drop for Expandable<D> {
     /// Gives everything back to the driver: the allocator owns its reservations and handles, and nothing
     /// can use them once it is gone. Failures are reported through `tracing`, never silently dropped.
     fn drop(&mut self) {
+        if let Err(err) = self.imports.close_all(&mut self.driver) {
+            tracing::error!(%err, "cuvmm: unmapping shared memory on drop failed");
+        }
         if let Err(err) = self.teardown() {
             tracing::error!(%err, "cuvmm: releasing device memory on drop failed");
         }

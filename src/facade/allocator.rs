@@ -324,7 +324,7 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// [`drain_caches`](Self::drain_caches) where an error cannot be returned: it is deferred.
-    fn drain_caches_deferring(&self) {
+    pub(super) fn drain_caches_deferring(&self) {
         if let Err(err) = self.drain_caches() {
             tracing::error!(%err, "cuvmm: freeing a cached buffer failed");
             self.shared.deferred.lock().push(err);

@@ -5,5 +5,6 @@ pub mod allocator;
 #[cfg(feature = "cuda")]
 pub mod cuda_buffer;
 mod raw_book;
+mod sharing;
 mod stream_cache;
 pub mod summary;

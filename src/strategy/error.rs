@@ -96,6 +96,10 @@ pub enum Error {
         /// Pages lent.
         pages: usize,
     },
+    /// Memory that cannot be shared with another process, or shared memory given wrong
+    /// ([`crate::strategy::sharing`]).
+    #[error(transparent)]
+    Sharing(#[from] crate::strategy::sharing::SharingError),
     /// A driver call failed for a reason other than running out of memory.
     #[error("driver call failed: {0}")]
     Driver(#[from] DriverError),

@@ -7,12 +7,15 @@ pub mod graph_pool;
 pub mod history;
 pub mod oom;
 pub mod pool;
+pub mod sharing;
 pub mod snapshot;
 pub mod stats;
 
 use crate::driver::{DriverCounters, DriverError, Op, StreamId};
+use std::os::fd::BorrowedFd;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
 
@@ -119,6 +122,35 @@ pub trait Strategy {
     /// The tags asleep and the bytes each gave back, by name. The default is none.
     fn asleep_tags(&self) -> Vec<(String, u64)> {
         Vec::new()
+    }
+
+    /// Exports the memory under the live allocation that starts at `addr`, for another process to map
+    /// with [`open_shared`](Strategy::open_shared): the whole mappings that cover it, each handle as a file
+    /// descriptor. The allocation must stay live while the other process uses it (PyTorch's IPC reference
+    /// counting sees to that). See [`crate::strategy::sharing`].
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn share(&mut self, addr: u64) -> Result<SharedMemory, Error> {
+        let _ = addr;
+        Err(self.unsupported("share"))
+    }
+
+    /// Maps memory another process shared ([`share`](Strategy::share)), the parts back to back in a range
+    /// of its own, readable and writable; returns the range's start. The descriptors stay the caller's.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn open_shared(&mut self, parts: &[SharedPart<BorrowedFd<'_>>]) -> Result<u64, Error> {
+        let _ = parts;
+        Err(self.unsupported("open_shared"))
+    }
+
+    /// Unmaps shared memory that [`open_shared`](Strategy::open_shared) mapped at `addr` and gives its
+    /// handles and addresses back. The caller's work on it must have finished.
+    ///
+    /// The default implementation returns [`Error::Unsupported`].
+    fn close_shared(&mut self, addr: u64) -> Result<(), Error> {
+        let _ = addr;
+        Err(self.unsupported("close_shared"))
     }
 
     /// How many private pools are being allocated to now (captures underway that the allocator knows of).
