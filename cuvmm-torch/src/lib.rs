@@ -12,12 +12,15 @@
 //! - [`ffi`]: the exported shells; no panic crosses them, and a failure is recorded for `cuvmm_last_error`.
 //! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
 //! - [`error`]: the errors, and the per-thread last error.
+//! - [`transport`]: an exporting process serves its exports' file descriptors on an abstract Unix socket;
+//!   an importing process fetches them (`SCM_RIGHTS`), for PyTorch's IPC of CUDA tensors.
 
 pub mod error;
 pub mod ffi;
 pub mod ops;
 pub mod registry;
 pub mod structs;
+pub mod transport;
 
 pub use error::{AbiError, InitError, last_error};
 pub use registry::{Backend, Registry, Settings, install};
