@@ -22,5 +22,5 @@ pub mod registry;
 pub mod structs;
 pub mod transport;
 
-pub use error::{AbiError, InitError, last_error};
+pub use error::{AbiError, InitError, TransportError, last_error};
 pub use registry::{Backend, Registry, Settings, install};

@@ -27,7 +27,12 @@
 //! frame (kind 1) carries the text's length and zero, then the text (the exporter's words, at most
 //! [`MAX_ERROR_TEXT`] bytes). The server closes each descriptor once sent; the importer may take them
 //! batch by batch ([`fetch_each`]) so it needs no more than one batch open beyond what it keeps.
+//!
+//! Failures are [`TransportError`]s (in [`error`](crate::error), with the crate's other errors), each
+//! saying what the user can do: the exporter is gone, its refusal in its own words, a protocol mismatch,
+//! a timeout, or descriptors dropped at this process's open-file limit.
 
+use crate::error::TransportError;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
@@ -62,90 +67,6 @@ const KIND_BATCH: u32 = 0;
 const KIND_ERROR: u32 = 1;
 /// The longest abstract name: `sun_path` is 108 bytes, the first of them the NUL that marks it abstract.
 const MAX_NAME: usize = 107;
-
-/// Why serving or fetching descriptors failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TransportError {
-    /// Bytes that are not a cuvmm socket name.
-    #[error("invalid cuvmm IPC address {name:?}: {reason}")]
-    InvalidAddress {
-        /// The bytes given, shown with non-printable bytes escaped.
-        name: String,
-        /// What is wrong with them.
-        reason: &'static str,
-    },
-    /// Nobody listens at the address: the exporting process has exited or never served exports.
-    #[error(
-        "the exporting process is gone or serves no cuvmm exports (nothing listens at {address})"
-    )]
-    Gone {
-        /// The address tried.
-        address: Address,
-    },
-    /// The other side did not answer within [`TIMEOUT`].
-    #[error("{address} did not answer within {} s while {doing}", TIMEOUT.as_secs())]
-    Timeout {
-        /// The server's address.
-        address: Address,
-        /// What this side was doing.
-        doing: &'static str,
-    },
-    /// The exporting process closed the connection before sending everything.
-    #[error("the exporting process at {address} closed the connection while {doing}")]
-    Disconnected {
-        /// The server's address.
-        address: Address,
-        /// What this side was doing.
-        doing: &'static str,
-    },
-    /// The server's replies do not follow this version's protocol.
-    #[error("protocol mismatch with {address}: {detail} (do both processes load the same cuvmm?)")]
-    Protocol {
-        /// The server's address.
-        address: Address,
-        /// What was wrong.
-        detail: String,
-    },
-    /// The exporting process refused the request; its words (e.g. that it freed the memory).
-    #[error("the exporting process refused export {id:#018x}: {message}")]
-    Refused {
-        /// The export asked for.
-        id: u64,
-        /// The exporter's text.
-        message: String,
-    },
-    /// The kernel dropped descriptors in transit (`MSG_CTRUNC`).
-    #[error(
-        "descriptors of export {id:#018x} were dropped in transit (MSG_CTRUNC), most likely because this \
-         process reached its open-file limit (soft RLIMIT_NOFILE {limit}); raise it with `ulimit -n`"
-    )]
-    Truncated {
-        /// The export asked for.
-        id: u64,
-        /// This process's soft limit on open files, or `unlimited`.
-        limit: String,
-    },
-    /// The socket at the address belongs to another user, so its descriptors are not trusted.
-    #[error(
-        "{address} is served by uid {uid}, not this process's uid {own}: refusing its descriptors"
-    )]
-    ForeignServer {
-        /// The server's address.
-        address: Address,
-        /// The server's uid.
-        uid: u32,
-        /// This process's uid.
-        own: u32,
-    },
-    /// A system call failed.
-    #[error("{doing}: {source}")]
-    Io {
-        /// What was being done.
-        doing: String,
-        /// The error.
-        source: io::Error,
-    },
-}
 
 /// Where an exporting process serves its exports: an abstract Unix socket name such as
 /// `cuvmm-ipc.<pid>.<random>`, written into the handle string as [`Address::as_bytes`] and read back
@@ -294,27 +215,22 @@ fn accept_loop(listener: &UnixListener, exports: &Arc<dyn Exports>, own: Uid) {
 
 /// Checks the peer's uid on the accept thread, then answers on a thread of the connection's own.
 fn admit(stream: UnixStream, exports: &Arc<dyn Exports>, own: Uid) {
-    if let Err(e) = stream
-        .set_read_timeout(Some(TIMEOUT))
-        .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
-    {
+    if let Err(e) = set_timeouts(&stream) {
         tracing::warn!("cuvmm IPC server: cannot set timeouts: {e}");
         return;
     }
     match rustix::net::sockopt::socket_peercred(&stream) {
         Ok(peer) if peer.uid == own => {}
         Ok(peer) => {
-            tracing::warn!(
-                pid = peer.pid.as_raw_nonzero().get(),
-                uid = peer.uid.as_raw(),
-                "cuvmm IPC server: refused a foreign uid"
-            );
+            let (uid, pid) = (peer.uid.as_raw(), peer.pid.as_raw_nonzero());
             let text = format!(
-                "uid {} may not import from a process of uid {}",
-                peer.uid.as_raw(),
+                "uid {uid} may not import from a process of uid {}",
                 own.as_raw()
             );
-            let _ = send_error(&stream, &text); // best effort: the connection is dropped either way
+            tracing::warn!("cuvmm IPC server: refused pid {pid}: {text}");
+            if let Err(e) = send_error(&stream, &text) {
+                tracing::debug!("cuvmm IPC server: refusal not sent: {e}");
+            }
             return;
         }
         Err(e) => {
@@ -359,13 +275,13 @@ fn parse_request(request: &[u8; REQUEST_LEN]) -> Result<u64, String> {
             magic.escape_ascii().to_string()
         ));
     }
-    let version = u32_at(rest, 0);
+    let version = u32::from_le_bytes(bytes_at(rest, 0));
     if version != VERSION {
         return Err(format!(
             "request version {version}, this process speaks version {VERSION}"
         ));
     }
-    Ok(u64_at(rest, 8))
+    Ok(u64::from_le_bytes(bytes_at(rest, 8)))
 }
 
 fn send_descriptors(stream: &UnixStream, fds: &[OwnedFd]) -> io::Result<()> {
@@ -406,6 +322,11 @@ fn send_error(stream: &UnixStream, text: &str) -> io::Result<()> {
     send_all(stream, text)
 }
 
+fn set_timeouts(stream: &UnixStream) -> io::Result<()> {
+    stream.set_read_timeout(Some(TIMEOUT))?;
+    stream.set_write_timeout(Some(TIMEOUT))
+}
+
 /// Writes all of `bytes` without raising SIGPIPE in a host that has not ignored it.
 fn send_all(stream: &UnixStream, mut bytes: &[u8]) -> io::Result<()> {
     while !bytes.is_empty() {
@@ -428,16 +349,11 @@ fn reply_header(kind: u32, a: u32, b: u32) -> [u8; HEADER_LEN] {
     header
 }
 
-fn u32_at(bytes: &[u8], at: usize) -> u32 {
-    let mut word = [0u8; 4];
-    word.copy_from_slice(&bytes[at..at + 4]);
-    u32::from_le_bytes(word)
-}
-
-fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&bytes[at..at + 8]);
-    u64::from_le_bytes(word)
+/// The `N` bytes at `at` (the callers' offsets are constants within their fixed-size messages).
+fn bytes_at<const N: usize>(bytes: &[u8], at: usize) -> [u8; N] {
+    let mut word = [0u8; N];
+    word.copy_from_slice(&bytes[at..at + N]);
+    word
 }
 
 /// Connects to `address`, asks for export `id` and returns all its descriptors, in order.
@@ -466,15 +382,11 @@ where
     loop {
         let (header, descriptors) = client.receive(id, &mut space)?;
         let (count, total) = client.parse_header(id, &header, &descriptors)?;
-        if *expected.get_or_insert(total) != total {
-            return Err(client
-                .protocol(format!("the total changed from {expected:?} to {total}"))
-                .into());
-        }
-        if (count == 0 && total != 0) || offset + count > total {
-            return Err(client
-                .protocol(format!("a batch of {count} at {offset} of {total}"))
-                .into());
+        let first_total = *expected.get_or_insert(total);
+        if first_total != total || (count == 0 && total != 0) || offset + count > total {
+            let detail =
+                format!("a batch of {count} at {offset} of {total} (first said {first_total})");
+            return Err(client.protocol(detail).into());
         }
         consume(Batch {
             descriptors,
@@ -509,9 +421,7 @@ impl<'a> Client<'a> {
             },
             _ => io_error("cannot connect to", e),
         })?;
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
+        set_timeouts(&stream)
             .map_err(|e| io_error("cannot set timeouts on the connection to", e))?;
         let peer = rustix::net::sockopt::socket_peercred(&stream)
             .map_err(|e| io_error("cannot read the credentials of", e.into()))?;
@@ -593,11 +503,8 @@ impl<'a> Client<'a> {
                 header[..4].escape_ascii().to_string()
             )));
         }
-        let (kind, a, b) = (
-            u32_at(header, 4),
-            u32_at(header, 8) as usize,
-            u32_at(header, 12) as usize,
-        );
+        let [kind, a, b] = [4, 8, 12].map(|at| u32::from_le_bytes(bytes_at(header, at)));
+        let (a, b) = (a as usize, b as usize);
         match kind {
             KIND_BATCH if a > BATCH => {
                 Err(self.protocol(format!("a batch of {a} descriptors (at most {BATCH})")))

@@ -7,7 +7,8 @@
 //! stalling does not stop the server answering others, a name nobody serves gives the typed "gone"
 //! error, and `serve` is idempotent.
 
-use cuvmm_torch::transport::{self, Address, BATCH, Batch, Exports, TransportError};
+use cuvmm_torch::TransportError;
+use cuvmm_torch::transport::{self, Address, BATCH, Batch, Exports};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
