@@ -13,6 +13,8 @@
 //! - [`sharing`]: sharing memory with other processes (PyTorch's IPC), over [`transport`].
 //! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
 //! - [`error`]: the errors, and the per-thread last error.
+//! - [`transport`]: an exporting process serves its exports' file descriptors on an abstract Unix socket;
+//!   an importing process fetches them (`SCM_RIGHTS`), for PyTorch's IPC of CUDA tensors.
 
 pub mod error;
 pub mod ffi;
@@ -22,5 +24,5 @@ pub mod sharing;
 pub mod structs;
 pub mod transport;
 
-pub use error::{AbiError, InitError, last_error};
+pub use error::{AbiError, InitError, TransportError, last_error};
 pub use registry::{Backend, Registry, Settings, install};
