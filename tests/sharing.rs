@@ -5,8 +5,8 @@
 
 mod common;
 
-use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::Op;
+use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::sharing::{SharedMemory, SharingError};
 use cuvmm::{Allocator, Config, Error, Strategy as _, StreamId};
@@ -58,17 +58,30 @@ fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
     let shared = a.share(x).unwrap();
     a.check_invariants().unwrap();
     assert_eq!(shared.parts.len(), 1, "one page holds it");
-    assert_eq!((shared.range_size(), shared.parts[0].handle_size), (PAGE, PAGE));
-    assert_eq!(shared.offset, x % PAGE, "the allocation's place in its page");
+    assert_eq!(
+        (shared.range_size(), shared.parts[0].handle_size),
+        (PAGE, PAGE)
+    );
+    assert_eq!(
+        shared.offset,
+        x % PAGE,
+        "the allocation's place in its page"
+    );
     assert!(shared.size >= 900);
 
     let (base, seen) = open(&mut a, &shared);
     assert_ne!(base, x - shared.offset, "mapped at an address of its own");
     assert_eq!(a.driver().used_bytes(), used, "an import takes no memory");
     assert!(holds(&a, seen, 2, 900), "the importer sees the allocation");
-    assert!(holds(&a, base + (before - (x - shared.offset)), 1, 700), "and its page");
+    assert!(
+        holds(&a, base + (before - (x - shared.offset)), 1, 700),
+        "and its page"
+    );
     write(&mut a, seen, 3, 900);
-    assert!(holds(&a, x, 3, 900), "the exporter sees the importer's writes");
+    assert!(
+        holds(&a, x, 3, 900),
+        "the exporter sees the importer's writes"
+    );
 
     drop(shared); // the exporter's descriptors
     a.close_shared(base).unwrap();
@@ -89,7 +102,12 @@ fn a_large_allocation_is_shared_as_the_whole_chunks_it_touches() {
     let x = a.alloc(30 * PAGE, StreamId(1)).unwrap();
     write(&mut a, x, 4, 30 * PAGE);
     let shared = a.share(x).unwrap();
-    assert!(shared.parts.iter().all(|p| p.handle_size == 20 * PAGE && p.size == 20 * PAGE));
+    assert!(
+        shared
+            .parts
+            .iter()
+            .all(|p| p.handle_size == 20 * PAGE && p.size == 20 * PAGE)
+    );
     assert_eq!(shared.parts.len(), 2);
     let (base, seen) = open(&mut a, &shared);
     assert!(holds(&a, seen, 4, 30 * PAGE));
@@ -114,7 +132,11 @@ fn imported_memory_stays_until_the_import_is_closed() {
     assert!(holds(&a, seen, 5, 3 * PAGE), "the import keeps the bytes");
     assert_eq!(a.driver().used_bytes(), 3 * PAGE, "and the memory");
     a.close_shared(base).unwrap();
-    assert_eq!(a.driver().used_bytes(), 0, "closed, the memory is the device's again");
+    assert_eq!(
+        a.driver().used_bytes(),
+        0,
+        "closed, the memory is the device's again"
+    );
     a.check_invariants().unwrap();
 }
 
@@ -124,7 +146,10 @@ fn free_unknown_and_tagged_addresses_are_refused() {
     let mut a = new_alloc();
     let x = a.alloc(2 * PAGE, StreamId(1)).unwrap();
     assert!(matches!(a.share(x + 8), Err(Error::UnknownAddress { .. })));
-    assert!(matches!(a.share(1 << 50), Err(Error::UnknownAddress { .. })));
+    assert!(matches!(
+        a.share(1 << 50),
+        Err(Error::UnknownAddress { .. })
+    ));
     a.free(x).unwrap();
     assert!(matches!(a.share(x), Err(Error::UnknownAddress { .. })));
     let kv = a.alloc_tagged(2 * PAGE, StreamId(1), "kv").unwrap();
@@ -153,7 +178,11 @@ fn a_failed_import_leaves_nothing_behind() {
         a.driver_mut().fail_nth(op, n, FaultKind::Error);
         assert!(a.open_shared(&parts).is_err(), "{op}");
         let report = a.driver().leak_report();
-        assert_eq!(report.reservations.len(), reservations, "{op}: no range left");
+        assert_eq!(
+            report.reservations.len(),
+            reservations,
+            "{op}: no range left"
+        );
         a.check_invariants().unwrap();
         let (base, _) = open(&mut a, &shared);
         a.close_shared(base).unwrap();

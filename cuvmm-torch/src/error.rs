@@ -89,7 +89,7 @@ pub enum AbiError {
     },
     /// The descriptors of shared memory could not be fetched from the exporting process.
     #[error(transparent)]
-    Transport(#[from] crate::transport::TransportError),
+    Transport(#[from] TransportError),
     /// The snapshot could not be written.
     #[error(transparent)]
     Snapshot(#[from] cuvmm::snapshot::pickle::WriteError),

@@ -11,8 +11,8 @@
 
 use crate::error::{self, AbiError};
 use crate::ops;
-use crate::sharing;
 use crate::registry::global;
+use crate::sharing;
 use crate::structs::{CDeviceStats, COomInfo, CSnapshot, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
@@ -317,7 +317,9 @@ pub unsafe extern "C" fn cuvmm_ipc_share(
 ) -> *mut u8 {
     shell("cuvmm_ipc_share", ptr::null_mut(), || {
         if len.is_null() || offset.is_null() {
-            return Err(AbiError::NullArgument { what: "len or offset" });
+            return Err(AbiError::NullArgument {
+                what: "len or offset",
+            });
         }
         let (bytes, at) = sharing::share(global()?, device, address(ptr))?;
         // SAFETY: both are not null and the caller promises each is valid for one write.
@@ -351,7 +353,11 @@ pub unsafe extern "C" fn cuvmm_bytes_free(bytes: *mut u8, len: usize) {
 /// # Safety
 /// `bytes` is null (an error) or valid for reads of `len` bytes during the call.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuvmm_ipc_open(device: c_int, bytes: *const u8, len: usize) -> *mut c_void {
+pub unsafe extern "C" fn cuvmm_ipc_open(
+    device: c_int,
+    bytes: *const u8,
+    len: usize,
+) -> *mut c_void {
     shell("cuvmm_ipc_open", ptr::null_mut(), || {
         if bytes.is_null() {
             return Err(AbiError::NullArgument { what: "handle" });

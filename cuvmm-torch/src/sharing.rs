@@ -50,12 +50,12 @@ pub struct HandleString {
 impl HandleString {
     /// The handle string's bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let address = self.address.to_bytes();
+        let address = self.address.as_bytes();
         let mut out = Vec::with_capacity(48 + address.len() + 24 * self.parts.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&(address.len() as u16).to_le_bytes());
-        out.extend_from_slice(&address);
+        out.extend_from_slice(address);
         for n in [self.id, self.offset, self.size] {
             out.extend_from_slice(&n.to_le_bytes());
         }
@@ -72,14 +72,19 @@ impl HandleString {
     pub fn decode(bytes: &[u8]) -> Result<Self, AbiError> {
         let mut r = Reader { bytes };
         if r.take(MAGIC.len())? != MAGIC {
-            return Err(bad("not a cuvmm handle (PyTorch's own allocator made it, or another program)"));
+            return Err(bad(
+                "not a cuvmm handle (PyTorch's own allocator made it, or another program)",
+            ));
         }
         let version = u16::from_le_bytes(r.array()?);
         if version != VERSION {
-            return Err(bad("a handle of another cuvmm version: share and open with the same cuvmm"));
+            return Err(bad(
+                "a handle of another cuvmm version: share and open with the same cuvmm",
+            ));
         }
         let len = usize::from(u16::from_le_bytes(r.array()?));
-        let address = Address::from_bytes(r.take(len)?).map_err(|_| bad("its address is malformed"))?;
+        let address =
+            Address::from_bytes(r.take(len)?).map_err(|_| bad("its address is malformed"))?;
         let [id, offset, size] = [r.u64()?, r.u64()?, r.u64()?];
         let count = u32::from_le_bytes(r.array()?) as usize;
         if r.bytes.len() != count.saturating_mul(24) {
@@ -161,7 +166,9 @@ struct ExportTable {
 impl ExportTable {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Export>> {
         // A panic while the table was locked left it whole (every change is one insert or remove).
-        self.exports.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.exports
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn insert(&self, id: u64, export: Export) {
@@ -177,7 +184,8 @@ impl transport::Exports for ExportTable {
         let export = exports.remove(&id);
         self.len.store(exports.len(), Ordering::Release);
         export.map(|export| export.fds).ok_or_else(|| {
-            "no such export: it was opened already, or the exporting process freed that memory".to_owned()
+            "no such export: it was opened already, or the exporting process freed that memory"
+                .to_owned()
         })
     }
 }
@@ -228,7 +236,9 @@ pub fn open(registry: &Registry, device: i32, bytes: &[u8]) -> Result<u64, AbiEr
     let allocator = registry.allocator(device)?;
     let fds = transport::fetch(&handle.address, handle.id)?;
     if fds.len() != handle.parts.len() {
-        return Err(bad("the exporter sent another number of descriptors than it has parts"));
+        return Err(bad(
+            "the exporter sent another number of descriptors than it has parts",
+        ));
     }
     let parts: Vec<_> = (handle.parts.iter().zip(&fds))
         .map(|(part, fd)| part.with_fd(fd.as_fd()))
@@ -267,6 +277,10 @@ pub fn pending_exports() -> usize {
 fn random_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
     hasher.finish()
 }

@@ -152,7 +152,11 @@ impl<D: Driver> Expandable<D> {
                         (PhysPage { handle, offset: 0 }, chunk_size, chunk_size)
                     }
                     Some(_) => return Err(Error::UnknownAddress { addr }),
-                    None => (PhysPage { handle, offset: 0 }, self.page_size, self.page_size),
+                    None => (
+                        PhysPage { handle, offset: 0 },
+                        self.page_size,
+                        self.page_size,
+                    ),
                 },
             };
             layout.push((source, handle_size, size));

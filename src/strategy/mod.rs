@@ -12,12 +12,12 @@ pub mod snapshot;
 pub mod stats;
 
 use crate::driver::{DriverCounters, DriverError, Op, StreamId};
-use std::os::fd::BorrowedFd;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
+use std::os::fd::BorrowedFd;
 
 /// An allocator's state machine: plain `&mut self`, no locks (the facade adds them).
 pub trait Strategy {

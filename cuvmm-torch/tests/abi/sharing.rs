@@ -36,7 +36,10 @@ fn a_shared_allocation_opens_once_and_closes() {
     assert_eq!(decoded.offset, offset);
     assert!(decoded.size >= 3 << 20);
     let range: u64 = decoded.parts.iter().map(|p| p.size).sum();
-    assert!(offset + decoded.size <= range, "the range covers the allocation");
+    assert!(
+        offset + decoded.size <= range,
+        "the range covers the allocation"
+    );
     assert_eq!(HandleString::decode(&decoded.encode()).unwrap(), decoded);
 
     let base = open(device, &handle);
@@ -73,7 +76,10 @@ fn bad_handles_and_addresses_are_refused() {
     let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
     for (bytes, expected) in [
         (&handle[..10], "cut short"),
-        (&b"\x02c0123456789012345678901234567890123456789012345678901234567890123"[..], "not a cuvmm handle"),
+        (
+            &b"\x02c0123456789012345678901234567890123456789012345678901234567890123"[..],
+            "not a cuvmm handle",
+        ),
         (&[&handle[..], &[0u8][..]].concat()[..], "length"),
     ] {
         assert!(open(device, bytes).is_null());
@@ -83,13 +89,20 @@ fn bad_handles_and_addresses_are_refused() {
     assert!(unsafe { cuvmm_ipc_open(device, ptr::null(), 4) }.is_null());
     assert_failed("null handle", "null");
     assert!(share(device, ptr.wrapping_byte_add(8)).is_none());
-    assert_failed("share inside an allocation", "not an address this allocator handed out");
+    assert_failed(
+        "share inside an allocation",
+        "not an address this allocator handed out",
+    );
     // SAFETY: null out-pointers are refused before anything is written.
     let refused = unsafe { cuvmm_ipc_share(device, ptr, ptr::null_mut(), ptr::null_mut()) };
     assert!(refused.is_null());
     assert_failed("null out-pointers", "null");
     let base = open(device, &handle);
-    assert!(!base.is_null(), "the good handle still opens: {:?}", last_error());
+    assert!(
+        !base.is_null(),
+        "the good handle still opens: {:?}",
+        last_error()
+    );
     assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
     cuvmm_free(ptr, 0, device, stream(0x63));
     check_invariants(device);
