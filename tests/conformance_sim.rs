@@ -56,6 +56,14 @@ fn sim_driver_obeys_every_rule_with_partial_mappings() {
     conformance::run_rules(|| SimDriver::new(sim().config().clone().with_partial_mappings(true)));
 }
 
+/// The simulator of a device whose handles cannot be exported (or a container that refuses them).
+#[test]
+fn sim_driver_obeys_every_rule_without_exportable_handles() {
+    conformance::run_rules(|| {
+        SimDriver::new(sim().config().clone().with_exportable_handles(false))
+    });
+}
+
 #[test]
 fn sim_driver_rejects_every_probe() {
     for probe in conformance::probes(sim) {

@@ -12,15 +12,18 @@
 //! | `free_reservation`, `release`, `free`, `destroy_event`, `unmap` | the resource is given back; repeating the call reports it gone (`UnknownReservation`, `UnknownHandle`, `UnknownPointer`, `UnknownEvent`, `NotMapped`) |
 //! | `map` | the handle is mapped; a second `map` there is `AlreadyMapped`, an `unmap` of the page succeeds |
 //! | `set_access`, `synchronize`, `event_complete`, `mem_info`, `memset_d8`, `copy_to_host`, `copy_from_host` | done (each is harmless to repeat) |
-//! | `reserve`, `create`, `malloc`, `record_event` | made, then given back before the error: a creating call that fails leaves nothing behind (the caller has no name for it), as [`Driver`] asks of every driver |
+//! | `reserve`, `create`, `malloc`, `record_event`, `import_handle` | made, then given back before the error: a creating call that fails leaves nothing behind (the caller has no name for it), as [`Driver`] asks of every driver |
+//! | `export_handle` | the descriptor is made, then closed before the error (closing it gives nothing else back: the handle stays the caller's) |
 //!
-//! The undo of a creating call is a real call of the wrapped driver and is counted there. `create_each`
+//! The undo of a creating call is a real call of the wrapped driver and is counted there (closing an
+//! exported descriptor is no driver call). `create_each`
 //! and `map_each` are made call by call while a failure is planned, so each call can fail.
 
 use super::{
     Driver, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
     create_each_by_calls, map_each_by_calls,
 };
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// A [`Driver`] that passes every call to `D` and fails the planned ones after they took effect.
 #[derive(Debug)]
@@ -206,6 +209,21 @@ impl<D: Driver> super::Forward for AfterEffect<D> {
         let result = self.inner.copy_from_host(va, data);
         self.after(Op::CopyFromHost, result)
     }
+    /// On a planned failure the new descriptor is dropped (closed) before the error.
+    fn export_handle(&mut self, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
+        let fd = self.inner.export_handle(handle)?;
+        match self.hit(Op::Export) {
+            Some(err) => {
+                drop(fd);
+                Err(err)
+            }
+            None => Ok(fd),
+        }
+    }
+    fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
+        let result = self.inner.import_handle(fd, size);
+        self.after_create(Op::Import, result, |d, handle| d.release(handle))
+    }
 }
 
 #[cfg(test)]
@@ -277,6 +295,34 @@ mod tests {
         // The next calls go through.
         let handle = d.create(PAGE).unwrap();
         d.release(handle).unwrap();
+    }
+
+    #[test]
+    fn an_export_or_import_that_fails_after_effect_leaves_nothing() {
+        use std::os::fd::AsFd;
+        let mut d = driver();
+        let handle = d.create(PAGE).unwrap();
+        d.fail_nth_after_effect(Op::Export, 1);
+        assert!(matches!(
+            d.export_handle(handle),
+            Err(DriverError::Injected { op: Op::Export, .. })
+        ));
+        let fd = d.export_handle(handle).unwrap();
+        d.fail_nth_after_effect(Op::Import, 1);
+        assert!(matches!(
+            d.import_handle(fd.as_fd(), PAGE),
+            Err(DriverError::Injected { op: Op::Import, .. })
+        ));
+        assert_eq!(d.inner().handle_count(), 1, "the import was released");
+        assert_eq!(
+            d.counters().get(Op::Release),
+            1,
+            "the undo is a counted call"
+        );
+        let import = d.import_handle(fd.as_fd(), PAGE).unwrap();
+        d.release(import).unwrap();
+        d.release(handle).unwrap();
+        assert!(d.inner().leak_report().is_empty());
     }
 
     #[test]

@@ -249,6 +249,43 @@ pub enum DriverError {
         /// The event.
         event: EventId,
     },
+    /// [`import_handle`](super::Driver::import_handle) of a descriptor that is not a handle this device
+    /// exported with [`export_handle`](super::Driver::export_handle) (another file, or an export of another
+    /// device). Nothing is imported.
+    #[error("import: file descriptor {fd} is not a memory handle this device exported")]
+    NotExported {
+        /// The descriptor given.
+        fd: i32,
+    },
+    /// [`import_handle`](super::Driver::import_handle) of a descriptor whose memory is already freed: every
+    /// handle to it was released and unmapped before the import. Nothing is imported.
+    #[error(
+        "import: the memory behind file descriptor {fd} was freed (every handle to it released and unmapped)"
+    )]
+    ExportFreed {
+        /// The descriptor given.
+        fd: i32,
+    },
+    /// [`import_handle`](super::Driver::import_handle) with a size other than the exported handle's.
+    /// Nothing is imported.
+    #[error("import: file descriptor {fd} holds {exported:#x} bytes, not the {size:#x} named")]
+    ImportSizeMismatch {
+        /// The descriptor given.
+        fd: i32,
+        /// The exported handle's size.
+        exported: u64,
+        /// The size named.
+        size: u64,
+    },
+    /// The operating system refused a file descriptor operation that a call needs (no descriptor left to
+    /// export a handle as, or one that cannot be examined). Nothing was made.
+    #[error("{op}: file descriptor: {reason}")]
+    Descriptor {
+        /// The call that failed.
+        op: Op,
+        /// What the operating system said.
+        reason: String,
+    },
     /// A real driver call failed.
     #[error("{op}: CUDA error {code} ({name})")]
     Cuda {

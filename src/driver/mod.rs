@@ -46,7 +46,7 @@ driver_trait! {
     ///
     /// # What implementors must guarantee
     /// - A failed call has no effect, or reports the resource gone. A call that makes a resource (`reserve`,
-    ///   `create`, `malloc`, `record_event`) and fails leaves nothing behind: if it made the resource before
+    ///   `create`, `malloc`, `record_event`, `export_handle`, `import_handle`) and fails leaves nothing behind: if it made the resource before
     ///   finding the error, it gives it back before returning. A call on a resource the caller names
     ///   (`free_reservation`, `release`, `free`, `destroy_event`, `unmap`, `map`, `set_access`) may have
     ///   taken effect before it failed (CUDA reports earlier asynchronous errors from any call); then the same

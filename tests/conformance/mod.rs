@@ -26,10 +26,12 @@ mod allocator;
 pub mod capture;
 mod partial_mappings;
 mod probes;
+mod sharing;
 
 pub use allocator::allocator_properties;
 use partial_mappings::map_from_offset;
 pub use probes::probes;
+use sharing::export_and_import;
 
 use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
@@ -87,6 +89,10 @@ pub fn rules<D: Subject>() -> Vec<Rule<D>> {
         (
             "a_handle_maps_in_parts_only_where_the_driver_says_so",
             map_from_offset::<D>,
+        ),
+        (
+            "an_exported_handle_imports_as_the_same_memory",
+            export_and_import::<D>,
         ),
         ("counters_count_failed_calls_too", counters::<D>),
         (

@@ -2,6 +2,7 @@
 //! asserted.
 
 use super::*;
+use std::os::fd::AsFd;
 
 /// What a probe found.
 #[derive(Debug)]
@@ -52,6 +53,34 @@ pub fn probes<D: Subject>(make: impl Fn() -> D) -> Vec<Probe> {
         }
         teardown(&mut d, r, &hs);
         found.push(Probe { name, outcome });
+    }
+    // cuMemImportFromShareableHandle of a descriptor that is no export (the simulator: NotExported).
+    {
+        let mut d = make();
+        let null = std::fs::File::open("/dev/null").expect("open /dev/null");
+        let outcome = (d.import_handle(null.as_fd(), d.granularity())).map(|h| {
+            d.release(h).expect("release the probe's import");
+        });
+        found.push(Probe {
+            name: "import of a descriptor that no export made",
+            outcome,
+        });
+    }
+    // An import that names a size other than the exported handle's: CUDA is not told the size, and the
+    // simulator checks it (ImportSizeMismatch).
+    let mut d = make();
+    if d.exports_handles() {
+        let g = d.granularity();
+        let h = d.create(2 * g).expect("create");
+        let fd = d.export_handle(h).expect("export");
+        let outcome = d.import_handle(fd.as_fd(), g).map(|import| {
+            d.release(import).expect("release the probe's import");
+        });
+        d.release(h).expect("release");
+        found.push(Probe {
+            name: "import naming a size other than the exported handle's",
+            outcome,
+        });
     }
     found
 }

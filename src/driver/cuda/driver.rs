@@ -14,7 +14,10 @@ use crate::driver::{
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys::{self, CUdevice};
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
+
+mod sharing;
 
 /// A CUDA device, driven through the virtual-memory API.
 ///
@@ -61,6 +64,14 @@ use std::sync::Arc;
 ///   ([`DriverError::SizeMismatch`], the trait's rule); bytes are touched only through mappings with access
 ///   set. Every other rule is CUDA's own, and its violation comes back as [`DriverError::Cuda`] with the
 ///   operation and the `CUresult`.
+/// - **Sharing** (`driver/sharing.rs`). Where the device supports POSIX file descriptor handles (and
+///   `CUVMM_IPC_HANDLES=0` does not turn them off), handles are created exportable, and
+///   [`export_handle`](Driver::export_handle) / [`import_handle`](Driver::import_handle) are
+///   `cuMemExportToShareableHandle` / `cuMemImportFromShareableHandle`. If `cuMemCreate` refuses the
+///   exportable type (some containers), that create is made again without it and every later handle is
+///   created so: [`exports_handles`](Driver::exports_handles) then says no and an export is
+///   [`DriverError::Unsupported`]. An imported handle is held like a created one, with the size the caller
+///   named. An import is always passed to CUDA, which refuses what it cannot import.
 /// - **Out of memory.** `CUDA_ERROR_OUT_OF_MEMORY` from `cuMemCreate` or `cuMemAlloc` is
 ///   [`DriverError::OutOfMemory`], so the allocator releases its cache and retries.
 /// - **Counters.** Every call is counted, failed ones included, with its time measured by
@@ -81,6 +92,8 @@ pub struct CudaDriver {
     access: Vec<CUdevice>,
     ledger: Ledger,
     streams: Streams,
+    /// Whether `cuMemCreate` asks for handles exportable as POSIX file descriptors (`driver/sharing.rs`).
+    exportable: bool,
 }
 
 impl CudaDriver {
@@ -124,6 +137,7 @@ impl CudaDriver {
             access: device.access,
             ledger: Ledger::default(),
             streams: Streams::Caller,
+            exportable: device.exportable,
         })
     }
 
@@ -342,14 +356,7 @@ impl Driver for CudaDriver {
     }
 
     fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
-        self.counted(Op::Create, |d| {
-            let device = d.calls.ctx.cu_device();
-            let handle =
-                (d.calls).call(Op::Create, size, || result::create(device, bytes(size)))?;
-            let handle = PhysHandle(handle);
-            d.ledger.created(handle, size);
-            Ok(handle)
-        })
+        self.counted(Op::Create, |d| d.create_handle(size))
     }
 
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
@@ -541,6 +548,18 @@ impl Driver for CudaDriver {
                 unsafe { result::memcpy_htod(va, data) }
             })
         })
+    }
+
+    fn exports_handles(&self) -> bool {
+        self.exportable
+    }
+
+    fn export_handle(&mut self, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
+        self.counted(Op::Export, |d| d.export(handle))
+    }
+
+    fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
+        self.counted(Op::Import, |d| d.import(fd, size))
     }
 }
 

@@ -1,5 +1,10 @@
 //! Opening a CUDA device: loading libcuda, checking the device (its virtual-memory support, its
-//! granularities) and the peers that may reach its memory.
+//! granularities, whether its handles can be exported) and the peers that may reach its memory.
+//!
+//! # Environment
+//! - `CUVMM_IPC_HANDLES=0` (or `false`, `off`, `no`): create handles that cannot be exported as file
+//!   descriptors even where the device supports it ([`IPC_HANDLES_VAR`]), for a container whose driver
+//!   misbehaves with them. Any other value, or none, leaves them on where the device supports them.
 
 use super::errors;
 use super::result::{self, Granularity};
@@ -8,6 +13,9 @@ use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys::{CUdevice, CUdevice_attribute};
 use std::sync::Arc;
+
+/// The environment variable that turns exportable handles off (see the module documentation).
+pub(super) const IPC_HANDLES_VAR: &str = "CUVMM_IPC_HANDLES";
 
 /// What opening a device found: its primary context and what the driver keeps of it.
 pub(super) struct OpenDevice {
@@ -23,6 +31,9 @@ pub(super) struct OpenDevice {
     pub peers: Vec<usize>,
     /// The devices every `set_access` grants: the device itself, then the peers.
     pub access: Vec<CUdevice>,
+    /// Whether to create handles that can be exported as POSIX file descriptors: the device supports
+    /// them and [`IPC_HANDLES_VAR`] does not turn them off.
+    pub exportable: bool,
 }
 
 /// Opens device `ordinal` with `peers` (ordinals); leaves its context current.
@@ -50,6 +61,13 @@ pub(super) fn open_device(ordinal: usize, peers: &[usize]) -> Result<OpenDevice,
             ),
         });
     }
+    let exportable = ipc_handles_wanted(std::env::var(IPC_HANDLES_VAR).ok().as_deref())
+        && ctx
+            .attribute(
+                CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )
+            .map_err(|e| setup("cuDeviceGetAttribute", &e))?
+            != 0;
     let device = ctx.cu_device();
     let minimum = result::granularity(device, Granularity::Minimum)
         .map_err(|e| setup("cuMemGetAllocationGranularity", &e))?;
@@ -71,7 +89,14 @@ pub(super) fn open_device(ordinal: usize, peers: &[usize]) -> Result<OpenDevice,
         recommended_granularity: recommended as u64,
         peers: peer_list,
         access,
+        exportable,
     })
+}
+
+/// Whether [`IPC_HANDLES_VAR`], of value `value` (`None`: not set), leaves exportable handles on.
+pub(super) fn ipc_handles_wanted(value: Option<&str>) -> bool {
+    let off = ["0", "false", "off", "no"];
+    !value.is_some_and(|v| off.iter().any(|o| v.trim().eq_ignore_ascii_case(o)))
 }
 
 /// Opens libcuda and checks that it exports every entry point cuvmm uses, then initialises the driver.

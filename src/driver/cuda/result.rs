@@ -16,6 +16,7 @@ use crate::driver::CaptureMode;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
 use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 /// The driver entry points cuvmm uses, directly or through cudarc's safe types. [`missing_symbols`] checks
 /// them all before the first call, so an old driver is an error and not a panic.
@@ -36,6 +37,8 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemAddressFree",
     "cuMemCreate",
     "cuMemRelease",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
     "cuMemGetAllocationPropertiesFromHandle",
     "cuPointerGetAttribute",
     "cuMemMap",
@@ -255,12 +258,18 @@ pub(super) fn missing_symbols() -> Vec<&'static str> {
         .collect()
 }
 
-/// Properties of pinned device memory on `device`, with no shareable handle type: what `cuMemCreate` and
-/// `cuMemGetAllocationGranularity` are asked for.
-fn device_memory(device: sys::CUdevice) -> sys::CUmemAllocationProp {
+/// Properties of pinned device memory on `device`: what `cuMemCreate` and `cuMemGetAllocationGranularity`
+/// are asked for. `exportable` asks for handles that can be exported as POSIX file descriptors
+/// ([`export_fd`]); otherwise no shareable handle type.
+fn device_memory(device: sys::CUdevice, exportable: bool) -> sys::CUmemAllocationProp {
+    let handle_types = if exportable {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    } else {
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE
+    };
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: handle_types,
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
             id: device,
@@ -288,7 +297,7 @@ pub(super) enum Granularity {
 ///
 /// See [cuMemGetAllocationGranularity() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g30ee906c2cf66a0347b3dfec3d7eb31a)
 pub(super) fn granularity(device: sys::CUdevice, which: Granularity) -> Result<usize, CuError> {
-    let prop = device_memory(device);
+    let prop = device_memory(device, false);
     let option = match which {
         Granularity::Minimum => {
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
@@ -332,14 +341,16 @@ pub(super) unsafe fn address_free(ptr: sys::CUdeviceptr, size: usize) -> Result<
     unsafe { sys::cuMemAddressFree(ptr, size).result() }
 }
 
-/// Creates `size` bytes of physical memory on `device`.
+/// Creates `size` bytes of physical memory on `device`; with `exportable`, a handle that [`export_fd`] can
+/// export (the device must support POSIX file descriptor handles).
 ///
 /// See [cuMemCreate() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g899d69a862bba36449789c64b430dc7c)
 pub(super) fn create(
     device: sys::CUdevice,
     size: usize,
+    exportable: bool,
 ) -> Result<sys::CUmemGenericAllocationHandle, CuError> {
-    let prop = device_memory(device);
+    let prop = device_memory(device, exportable);
     let mut handle = MaybeUninit::uninit();
     // SAFETY: `handle` and `prop` are valid for the call; a new handle affects nothing that exists.
     unsafe {
@@ -348,16 +359,52 @@ pub(super) fn create(
     }
 }
 
-/// Releases a handle from [`create`]. Its memory is freed once every mapping of it is unmapped.
+/// Releases a handle from [`create`] or [`import_fd`]. Its memory is freed once every handle to it is
+/// released and every mapping of it is unmapped.
 ///
 /// See [cuMemRelease() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html#group__CUDA__VA_1g3014f0759f43a8d82db951b8e4b91d68)
 ///
 /// # Safety
-/// 1. `handle` was returned by [`create`] and has not been released.
+/// 1. `handle` was returned by [`create`] or [`import_fd`] and has not been released.
 /// 2. No one will use `handle` afterwards.
 pub(super) unsafe fn release(handle: sys::CUmemGenericAllocationHandle) -> Result<(), CuError> {
     // SAFETY: the caller guarantees the handle is live and not used again (points 1-2).
     unsafe { sys::cuMemRelease(handle).result() }
+}
+
+/// Exports `handle` as a new POSIX file descriptor, which the caller owns and must close; another process
+/// (or this one) imports it with [`import_fd`]. Closing it neither releases the handle nor frees memory.
+///
+/// See [cuMemExportToShareableHandle() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+///
+/// # Safety
+/// 1. `handle` was returned by [`create`] (with `exportable`) or [`import_fd`] and has not been released:
+///    the descriptor gives whoever holds it the memory, so it must be the caller's own.
+pub(super) unsafe fn export_fd(handle: sys::CUmemGenericAllocationHandle) -> Result<i32, CuError> {
+    let mut fd: i32 = -1;
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: for a POSIX file descriptor the driver writes an `int` at the pointer, and `fd` is valid for
+    // that during the call; the handle is the caller's own and live (point 1); flags must be 0.
+    unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), handle, kind, 0).result()? };
+    Ok(fd)
+}
+
+/// A new handle to the memory behind `fd`, a descriptor from [`export_fd`] in this or another process. The
+/// descriptor stays the caller's. The handle is released with [`release`], like one from [`create`].
+///
+/// See [cuMemImportFromShareableHandle() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__VA.html)
+pub(super) fn import_fd(fd: BorrowedFd<'_>) -> Result<sys::CUmemGenericAllocationHandle, CuError> {
+    let kind = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // For a POSIX file descriptor CUDA takes the descriptor itself, cast to a pointer, not a pointer to it.
+    let os_handle = fd.as_raw_fd() as isize as *mut std::ffi::c_void;
+    let mut handle = MaybeUninit::uninit();
+    // SAFETY: `handle` is valid for the call and written before success; the descriptor is open for the
+    // whole call (borrowed), the driver only reads the file behind it and does not take ownership of it;
+    // a new handle affects nothing that exists.
+    unsafe {
+        sys::cuMemImportFromShareableHandle(handle.as_mut_ptr(), os_handle, kind).result()?;
+        Ok(handle.assume_init())
+    }
 }
 
 /// Whether the driver still knows `handle`: `Ok(false)` when `cuMemGetAllocationPropertiesFromHandle`

@@ -8,6 +8,7 @@ use crate::driver::{
     CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage,
     StreamId, VaRange,
 };
+use std::os::fd::{BorrowedFd, OwnedFd};
 
 /// Modelled latencies shorter than this are waited out by spinning (see `SimDriver::sleep`).
 const SPIN_BELOW_NS: u64 = 20_000;
@@ -117,7 +118,7 @@ impl Driver for SimDriver {
         self.begin(Op::Release, self.vmm.handle_size(handle).unwrap_or(0))?;
         self.refuse_in_capture(Op::Release, None)?;
         if let Some(freed) = self.vmm.release(handle)? {
-            self.forget(Owner::Handle(freed));
+            self.forget(Owner::Allocation(freed));
         }
         Ok(())
     }
@@ -182,8 +183,8 @@ impl Driver for SimDriver {
             return Err(DriverError::UnmapWhileInUse { va, stream });
         }
         let (freed, covered) = self.vmm.unmap(va, size)?;
-        for handle in freed {
-            self.forget(Owner::Handle(handle));
+        for alloc in freed {
+            self.forget(Owner::Allocation(alloc));
         }
         self.more_mappings(Op::Unmap, covered);
         Ok(())
@@ -285,5 +286,22 @@ impl Driver for SimDriver {
     fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
         self.begin(Op::CopyFromHost, data.len() as u64)?;
         self.write(va, data)
+    }
+    fn exports_handles(&self) -> bool {
+        self.config.exportable_handles
+    }
+    fn export_handle(&mut self, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
+        self.begin(Op::Export, self.vmm.handle_size(handle).unwrap_or(0))?;
+        if !self.config.exportable_handles {
+            return Err(DriverError::Unsupported { op: Op::Export });
+        }
+        self.export(handle)
+    }
+    fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
+        self.begin(Op::Import, size)?;
+        if !self.config.exportable_handles {
+            return Err(DriverError::Unsupported { op: Op::Import });
+        }
+        self.import(fd, size)
     }
 }

@@ -29,6 +29,12 @@ pub struct SimConfig {
     /// Devices in the simulated machine (this one is device 0): [`Driver::add_peer`](crate::driver::Driver::add_peer)
     /// accepts peers `1 .. devices`. From 1 to [`SimConfig::MAX_DEVICES`]; 8 by default, as on a DGX.
     pub devices: usize,
+    /// Whether handles can be exported as file descriptors and imported
+    /// ([`Driver::export_handle`](crate::driver::Driver::export_handle),
+    /// [`Driver::import_handle`](crate::driver::Driver::import_handle)). On by default, as on a GPU whose
+    /// driver supports POSIX file descriptor handles; off models one that does not (or a container that
+    /// refuses them): both calls fail with [`DriverError::Unsupported`](crate::driver::DriverError::Unsupported).
+    pub exportable_handles: bool,
 }
 
 impl Default for SimConfig {
@@ -42,6 +48,7 @@ impl Default for SimConfig {
             sleep_latency: false,
             partial_mappings: false,
             devices: 8,
+            exportable_handles: true,
         }
     }
 }
@@ -78,6 +85,11 @@ impl SimConfig {
     /// Lets `map_from` map part of a handle, or not (see [`SimConfig::partial_mappings`]).
     pub fn with_partial_mappings(mut self, on: bool) -> Self {
         self.partial_mappings = on;
+        self
+    }
+    /// Lets handles be exported and imported, or not (see [`SimConfig::exportable_handles`]).
+    pub fn with_exportable_handles(mut self, on: bool) -> Self {
+        self.exportable_handles = on;
         self
     }
     /// Sets the latency model.

@@ -1,10 +1,18 @@
-//! The simulated device's physical allocations: the handles `cuMemCreate` hands out.
+//! The simulated device's physical allocations: the handles `cuMemCreate` hands out, and those
+//! `cuMemImportFromShareableHandle` hands out for memory already allocated.
 //!
 //! Handles are numbered from 1 in creation order and kept in a vector indexed by number, so finding one is
 //! an array read. A handle may be released while mapped, as CUDA allows: it is then unknown to later calls,
-//! and its memory is freed when its last mapping goes.
+//! and its handle is gone once its last mapping goes.
+//!
+//! The memory behind a handle is an *allocation*, named by the number of the handle that created it. An
+//! imported handle is another name for an existing allocation (an alias): the allocation's memory is freed,
+//! and its bytes counted off, only once every handle to it is gone (released and unmapped), as CUDA
+//! counts references. Allocations with aliases keep a count of their handles; the others have one handle,
+//! so the common case costs no lookup.
 
 use crate::driver::{DriverError, Op, PhysHandle};
+use rustc_hash::FxHashMap;
 
 /// A physical allocation from `create`.
 #[derive(Debug, Clone, Copy)]
@@ -15,6 +23,8 @@ pub(super) struct Handle {
     released: bool,
     /// Mappings of this handle.
     maps: u32,
+    /// The allocation behind it: the number of the handle that created it (its own number, unless imported).
+    pub(super) alloc: u64,
 }
 
 impl Handle {
@@ -31,8 +41,11 @@ pub(super) struct Handles {
     slots: Vec<Option<Handle>>,
     /// Handles created and not released.
     live: usize,
-    /// Bytes of handles whose memory is not yet freed (released but still mapped ones included).
+    /// Bytes of allocations whose memory is not yet freed (each counted once, however many handles it has).
     bytes: u64,
+    /// Handles not gone yet, by allocation, for the allocations that have imported handles (the others
+    /// have exactly one: the handle that created them).
+    holders: FxHashMap<u64, u32>,
 }
 
 impl Handles {
@@ -46,10 +59,12 @@ impl Handles {
 
     /// A new handle of `size` bytes.
     pub(super) fn create(&mut self, size: u64) -> PhysHandle {
+        let id = self.slots.len() as u64 + 1;
         self.slots.push(Some(Handle {
             size,
             released: false,
             maps: 0,
+            alloc: id,
         }));
         self.live += 1;
         self.bytes += size;
@@ -59,16 +74,44 @@ impl Handles {
     /// `count` new handles of `size` bytes each, appended to `out` in creation order.
     pub(super) fn create_many(&mut self, size: u64, count: usize, out: &mut Vec<PhysHandle>) {
         let first = self.slots.len() as u64 + 1;
-        self.slots.extend((0..count).map(|_| {
+        self.slots.extend((first..first + count as u64).map(|id| {
             Some(Handle {
                 size,
                 released: false,
                 maps: 0,
+                alloc: id,
             })
         }));
         out.extend((first..first + count as u64).map(PhysHandle));
         self.live += count;
         self.bytes += size * count as u64;
+    }
+
+    /// A new handle to allocation `alloc` (whose memory is not freed: see
+    /// [`allocation_alive`](Self::allocation_alive)) of `size` bytes, its size. Its bytes are not counted
+    /// again.
+    pub(super) fn import(&mut self, alloc: u64, size: u64) -> PhysHandle {
+        let holders = self.holders.entry(alloc).or_insert(1);
+        *holders += 1;
+        self.slots.push(Some(Handle {
+            size,
+            released: false,
+            maps: 0,
+            alloc,
+        }));
+        self.live += 1;
+        PhysHandle(self.slots.len() as u64)
+    }
+
+    /// Whether the memory of allocation `alloc` is not freed yet: some handle to it is live or mapped.
+    pub(super) fn allocation_alive(&self, alloc: u64) -> bool {
+        self.holders.contains_key(&alloc) || self.size(alloc).is_some()
+    }
+
+    /// The allocation behind handle `id`, if the handle is not gone (released but mapped ones included).
+    pub(super) fn allocation_of(&self, id: u64) -> Option<u64> {
+        let index = usize::try_from(id).ok()?.checked_sub(1)?;
+        self.slots.get(index)?.as_ref().map(|h| h.alloc)
     }
 
     /// Whether `handle` is live and exactly `size` bytes long.
@@ -107,21 +150,26 @@ impl Handles {
             .ok_or(DriverError::UnknownHandle { op, handle })
     }
 
-    /// Releases a live handle. Returns its number if its memory was freed now (it was not mapped).
+    /// Releases a live handle. Returns its allocation if the allocation's memory was freed now (the handle
+    /// was not mapped, and no other handle to the allocation is left).
     pub(super) fn release(&mut self, handle: PhysHandle) -> Result<Option<u64>, DriverError> {
         let h = self.live(Op::Release, handle)?;
         h.released = true;
         let unmapped = h.maps == 0;
         self.live -= 1;
-        Ok(unmapped.then(|| self.free(handle.0)))
+        Ok(if unmapped { self.free(handle.0) } else { None })
     }
 
-    /// Counts one mapping less of handle `id`. Returns its number if its memory was freed now (it was
-    /// released and this was its last mapping).
+    /// Counts one mapping less of handle `id`. Returns its allocation if the allocation's memory was freed
+    /// now (the handle was released, this was its last mapping, and no other handle to it is left).
     pub(super) fn unmapped(&mut self, id: u64) -> Option<u64> {
         let h = self.get_mut(id)?;
         h.maps -= 1;
-        (h.released && h.maps == 0).then(|| self.free(id))
+        if h.released && h.maps == 0 {
+            self.free(id)
+        } else {
+            None
+        }
     }
 
     /// The size of handle `id`, if its memory is not freed yet (released but mapped ones included).
@@ -154,15 +202,21 @@ impl Handles {
         self.slots.get_mut(index)?.as_mut()
     }
 
-    /// Frees a released, unmapped handle's memory. Returns its number.
-    fn free(&mut self, id: u64) -> u64 {
-        let index = usize::try_from(id).ok().and_then(|i| i.checked_sub(1));
-        if let Some(h) = index
-            .and_then(|i| self.slots.get_mut(i))
-            .and_then(Option::take)
-        {
-            self.bytes -= h.size;
+    /// Forgets a released, unmapped handle, and frees its allocation's memory if it was the allocation's
+    /// last handle. Returns the allocation if its memory was freed.
+    fn free(&mut self, id: u64) -> Option<u64> {
+        let index = usize::try_from(id).ok()?.checked_sub(1)?;
+        let h = self.slots.get_mut(index)?.take()?;
+        if !self.holders.is_empty() {
+            if let Some(holders) = self.holders.get_mut(&h.alloc) {
+                *holders -= 1;
+                if *holders > 0 {
+                    return None;
+                }
+                self.holders.remove(&h.alloc);
+            }
         }
-        id
+        self.bytes -= h.size;
+        Some(h.alloc)
     }
 }

@@ -52,12 +52,20 @@
 //! - **Peers.** [`Driver::add_peer`] (not counted: it configures later calls) makes every later
 //!   `set_access` grant the peer access too; [`SimDriver::peer_access`] says what a mapping grants. The
 //!   machine has [`SimConfig::devices`] devices; this one is device 0.
+//! - **Sharing** (`sharing.rs`). With [`SimConfig::exportable_handles`] on (the default),
+//!   [`Driver::export_handle`] makes a real file descriptor that stands for the handle's allocation and
+//!   [`Driver::import_handle`] of it makes another handle to the same allocation: same bytes, capacity
+//!   charged once, memory freed once every handle to it is released and unmapped. A descriptor this device
+//!   did not export is [`DriverError::NotExported`], one whose memory is freed [`DriverError::ExportFreed`].
+//!   Off, both calls are counted and fail with [`DriverError::Unsupported`].
 //! - **Leaks.** [`SimDriver::leak_report`] lists what is still held; dropping a device that still holds
 //!   something logs the report with `tracing::warn!` (it never panics).
 //!
 //! [`Driver::add_peer`]: super::Driver::add_peer
 //! [`Driver::capture_status`]: super::Driver::capture_status
 //! [`Driver::copy_to_host`]: super::Driver::copy_to_host
+//! [`Driver::export_handle`]: super::Driver::export_handle
+//! [`Driver::import_handle`]: super::Driver::import_handle
 //! [`Driver::mem_info`]: super::Driver::mem_info
 //! [`Driver::memset_d8`]: super::Driver::memset_d8
 //! [`Driver::synchronize`]: super::Driver::synchronize
@@ -72,6 +80,9 @@ mod latency;
 mod malloc;
 mod mappings;
 mod report;
+mod sharing;
+#[cfg(test)]
+mod sharing_tests;
 mod store;
 mod streams;
 mod va;
@@ -86,6 +97,7 @@ use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaR
 use capture::Captures;
 use faults::Faults;
 use malloc::Mallocs;
+use sharing::Exports;
 use std::collections::VecDeque;
 use std::fmt;
 use store::{ByteStore, Owner};
@@ -104,6 +116,8 @@ pub struct SimDriver {
     /// The peers added ([`Driver::add_peer`](super::Driver::add_peer)), one bit per device ordinal.
     peers: u32,
     store: Option<ByteStore>,
+    /// The handles exported as file descriptors (`sharing.rs`).
+    exports: Exports,
     malloc_plan: VecDeque<(u64, u64)>,
 }
 
@@ -129,6 +143,7 @@ impl SimDriver {
             captures: Captures::default(),
             peers: 0,
             store: config.backing_store.then(ByteStore::default),
+            exports: Exports::default(),
             malloc_plan: VecDeque::new(),
             config,
         }
@@ -332,10 +347,13 @@ impl SimDriver {
         }
     }
 
-    /// Drops the bytes of physical memory that was just freed.
+    /// Drops the bytes of physical memory that was just freed, and what its exports kept.
     fn forget(&mut self, owner: Owner) {
         if let Some(store) = &mut self.store {
             store.forget(owner);
+        }
+        if let Owner::Allocation(alloc) = owner {
+            self.exports.freed(alloc);
         }
     }
 
@@ -346,7 +364,8 @@ impl SimDriver {
                 return Err(DriverError::AccessDenied { addr });
             }
             let offset = m.offset + (addr - start);
-            return Ok((Owner::Handle(m.handle), offset, start + m.size - addr));
+            let owner = Owner::Allocation(self.vmm.allocation_of(m.handle));
+            return Ok((owner, offset, start + m.size - addr));
         }
         if let Some((start, size)) = self.mallocs.containing(addr) {
             return Ok((Owner::Malloc(start), addr - start, start + size - addr));

@@ -1,8 +1,9 @@
 //! The sparse byte backing store: bytes belong to physical memory, not to virtual addresses.
 //!
-//! Bytes are kept per owner of physical memory (a handle from `create`, or an allocation from `malloc`) at
+//! Bytes are kept per owner of physical memory (an allocation from `create`, or one from `malloc`) at
 //! offsets inside it. When a handle is unmapped and mapped elsewhere its bytes move with it, exactly like
-//! real memory. Unwritten bytes read as 0.
+//! real memory, and every handle to one allocation (an imported handle is another) shows the same bytes.
+//! Unwritten bytes read as 0.
 //!
 //! Two representations share the work, so that filling gigabytes (`memset_d8`, `cuvmm compare --touch`)
 //! costs a few map entries rather than gigabytes of host memory:
@@ -21,8 +22,9 @@ const CHUNK: usize = 4096;
 /// Who owns a piece of physical memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(super) enum Owner {
-    /// A handle from `create`, by its number.
-    Handle(u64),
+    /// An allocation from `create`, by the number of the handle that created it (every handle imported for
+    /// it shares its bytes).
+    Allocation(u64),
     /// An allocation from `malloc`, by its address.
     Malloc(u64),
 }
@@ -173,14 +175,14 @@ mod tests {
     fn writes_across_chunks_read_back_and_holes_read_zero() {
         let mut s = ByteStore::default();
         let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
-        s.write(Owner::Handle(1), 4000, &data);
+        s.write(Owner::Allocation(1), 4000, &data);
         let mut out = vec![0xAA; 10_100];
-        s.read(Owner::Handle(1), 3950, &mut out);
+        s.read(Owner::Allocation(1), 3950, &mut out);
         assert!(out[..50].iter().all(|&b| b == 0));
         assert_eq!(&out[50..10_050], &data[..]);
         assert!(out[10_050..].iter().all(|&b| b == 0));
         assert_eq!(s.entry_count(), (4, 0));
-        s.forget(Owner::Handle(1));
+        s.forget(Owner::Allocation(1));
         assert_eq!(s.entry_count(), (0, 0));
     }
 
@@ -222,7 +224,7 @@ mod tests {
     #[test]
     fn a_huge_fill_costs_one_entry_and_drops_covered_chunks() {
         let mut s = ByteStore::default();
-        let owner = Owner::Handle(3);
+        let owner = Owner::Allocation(3);
         s.write(owner, 0, &[9; 3 * CHUNK]);
         s.fill(owner, 10, 1 << 40, 0x5A);
         assert_eq!(s.entry_count(), (1, 1), "one partial chunk and one fill");

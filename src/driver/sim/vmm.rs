@@ -127,9 +127,32 @@ impl Vmm {
         Ok(self.handles.create(size))
     }
 
-    /// `cuMemRelease`. Returns the handle's number if its memory was freed now (it was not mapped).
+    /// `cuMemRelease`. Returns the handle's allocation if its memory was freed now (the handle was not
+    /// mapped, and was the allocation's last handle).
     pub(super) fn release(&mut self, handle: PhysHandle) -> Result<Option<u64>, DriverError> {
         self.handles.release(handle)
+    }
+
+    /// What `cuMemExportToShareableHandle` exports: the allocation behind live `handle`, and its size.
+    pub(super) fn exportable(&mut self, handle: PhysHandle) -> Result<(u64, u64), DriverError> {
+        let h = self.handles.live(Op::Export, handle)?;
+        Ok((h.alloc, h.size))
+    }
+
+    /// `cuMemImportFromShareableHandle`: a new handle to allocation `alloc` of `size` bytes (alive, see
+    /// [`allocation_alive`](Self::allocation_alive)).
+    pub(super) fn import(&mut self, alloc: u64, size: u64) -> PhysHandle {
+        self.handles.import(alloc, size)
+    }
+
+    /// Whether the memory of allocation `alloc` is not freed yet.
+    pub(super) fn allocation_alive(&self, alloc: u64) -> bool {
+        self.handles.allocation_alive(alloc)
+    }
+
+    /// The allocation behind handle number `id` (mapped or live), which owns its bytes.
+    pub(super) fn allocation_of(&self, id: u64) -> u64 {
+        self.handles.allocation_of(id).unwrap_or(id)
     }
 
     /// `cuMemMap` at `va`: of the whole of `handle` (`offset` None), or of `size` bytes of it from byte
@@ -299,8 +322,8 @@ impl Vmm {
         Ok(covered)
     }
 
-    /// `cuMemUnmap` of whole mappings. Returns the numbers of released handles whose memory was freed now,
-    /// and how many mappings the range covered.
+    /// `cuMemUnmap` of whole mappings. Returns the allocations whose memory was freed now (their last
+    /// handle was released and is now unmapped), and how many mappings the range covered.
     pub(super) fn unmap(&mut self, va: u64, size: u64) -> Result<(Vec<u64>, u64), DriverError> {
         let range = self.check_whole_mappings(Op::Unmap, va, size)?;
         let mut freed = Vec::new();
