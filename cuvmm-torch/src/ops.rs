@@ -67,7 +67,7 @@ pub fn free(registry: &Registry, ptr: u64, device: i32) -> Result<(), AbiError> 
         return Ok(());
     }
     let allocator = registry.allocator(device)?;
-    crate::sharing::forget(registry, Some(device), ptr);
+    crate::sharing::forget(registry, device, ptr);
     Ok(allocator.free_raw(ptr)?)
 }
 
@@ -190,8 +190,10 @@ pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
     if ptr == 0 {
         return Ok(());
     }
-    crate::sharing::forget(registry, None, ptr);
-    for allocator in registry.built() {
+    for (device, allocator) in registry.built() {
+        // An export of `ptr` on `device` exists only while `ptr` is live there: forgetting it where `ptr` is
+        // not live forgets nothing.
+        crate::sharing::forget(registry, device, ptr);
         match allocator.free_raw(ptr) {
             Err(cuvmm::Error::UnknownAddress { .. }) => continue,
             other => return Ok(other?),

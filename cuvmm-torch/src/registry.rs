@@ -178,11 +178,13 @@ impl Registry {
         built.as_ref().map_err(|e| AbiError::Init(e.clone()))
     }
 
-    /// The allocators built so far, by device (those that failed to build are left out).
-    pub fn built(&self) -> impl Iterator<Item = &TorchAllocator> {
-        self.slots
-            .iter()
-            .filter_map(|slot| slot.get().and_then(|built| built.as_ref().ok()))
+    /// The allocators built so far with their devices, in device order (those that failed to build are left
+    /// out).
+    pub fn built(&self) -> impl Iterator<Item = (i32, &TorchAllocator)> {
+        (self.slots.iter().enumerate()).filter_map(|(device, slot)| {
+            let built = slot.get()?.as_ref().ok()?;
+            Some((device as i32, built))
+        })
     }
 
     fn build(&self, ordinal: usize) -> Result<TorchAllocator, InitError> {

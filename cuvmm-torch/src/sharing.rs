@@ -254,17 +254,15 @@ pub fn close(registry: &Registry, device: i32, ptr: u64) -> Result<(), AbiError>
     Ok(registry.allocator(device)?.close_shared(ptr)?)
 }
 
-/// Forgets the exports of the allocation at `ptr` of `device` not yet fetched (it is being freed), closing
-/// their descriptors. One atomic load when there are none.
-pub fn forget(registry: &Registry, device: Option<i32>, ptr: u64) {
+/// Forgets the exports not yet fetched of the allocation at `ptr` of `device`, which is being freed,
+/// closing their descriptors. One atomic load when there are none.
+pub fn forget(registry: &Registry, device: i32, ptr: u64) {
     if EXPORTS.len.load(Ordering::Acquire) == 0 {
         return;
     }
     let mut exports = EXPORTS.lock();
     let id = registry.id();
-    exports.retain(|_, e| {
-        !(e.registry == id && e.ptr == ptr && device.is_none_or(|device| e.device == device))
-    });
+    exports.retain(|_, e| !(e.registry == id && e.device == device && e.ptr == ptr));
     EXPORTS.len.store(exports.len(), Ordering::Release);
 }
 

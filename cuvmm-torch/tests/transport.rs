@@ -5,7 +5,8 @@
 //! Checked: the descriptors arrive whole and in order (one batch and several), they are the exporter's
 //! objects (same bytes, same inode), an unknown id gives the exporter's text, a client sending garbage or
 //! stalling does not stop the server answering others, a name nobody serves gives the typed "gone"
-//! error, and `serve` is idempotent.
+//! error, and `serve` is idempotent. One test runs this binary again as a child process that fetches
+//! from its parent's server, as torch.multiprocessing's receiver does.
 
 use cuvmm_torch::TransportError;
 use cuvmm_torch::transport::{self, Address, BATCH, Batch, Exports};
@@ -243,4 +244,61 @@ fn serve_is_idempotent() {
         1,
         "the first exports are kept"
     );
+}
+
+/// The variable that turns [`child_fetches_from_its_parent`] into the importing child of
+/// [`another_process_fetches_the_descriptors`]: the parent's address, the export id and the count, as
+/// `address-hex,id,count`.
+const CHILD_VAR: &str = "CUVMM_TRANSPORT_TEST_CHILD";
+
+/// Another process (this test binary run again, as a child) fetches an export from this process's server
+/// and reads the bytes through the received descriptors: what torch.multiprocessing's receiver does.
+#[test]
+fn another_process_fetches_the_descriptors() {
+    let (address, _exports) = server(3);
+    let hex: String = address
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_fetches_from_its_parent",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_VAR, format!("{hex},7,3"))
+        .output()
+        .expect("the child runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("fetched 3 descriptors from the parent"),
+        "the child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Run alone, does nothing; run by [`another_process_fetches_the_descriptors`], is its child.
+#[test]
+fn child_fetches_from_its_parent() {
+    let Ok(spec) = std::env::var(CHILD_VAR) else {
+        return;
+    };
+    let fields: Vec<&str> = spec.split(',').collect();
+    let bytes: Vec<u8> = (0..fields[0].len() / 2)
+        .map(|i| u8::from_str_radix(&fields[0][2 * i..2 * i + 2], 16).unwrap())
+        .collect();
+    let address = Address::from_bytes(&bytes).unwrap();
+    let (id, count): (u64, usize) = (fields[1].parse().unwrap(), fields[2].parse().unwrap());
+    let fds = transport::fetch(&address, id).expect("the child fetches from its parent");
+    assert_eq!(fds.len(), count);
+    for (i, fd) in fds.into_iter().enumerate() {
+        assert_eq!(
+            read_all(fd),
+            payload(id, i),
+            "descriptor {i} is the parent's object"
+        );
+    }
+    println!("fetched {count} descriptors from the parent");
 }

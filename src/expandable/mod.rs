@@ -27,12 +27,14 @@
 //! - `streams.rs` (`StreamWaits`): other streams' uses of live blocks, parked frees and their events;
 //! - `graphs.rs` (`Graphs`): private pools, captures underway, deferred frees;
 //! - `tags.rs` (`Tags`): tags, asleep or awake, and what a sleeping tag keeps;
+//! - `imports.rs` (`Imports`): memory other processes shared, mapped here;
 //! - `accounting.rs` (`Books`): the counters, page counts and history behind the statistics;
 //! - `settle.rs`: settling a failed driver call (functions of the driver).
 //!
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
 //! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
-//! `reclaim.rs` (compaction, release, teardown) -> the parts; `snapshot.rs` and `invariants.rs` read them.
+//! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block, opening and
+//! closing imports) calls the parts; `snapshot.rs` and `invariants.rs` read them.
 
 mod accounting;
 mod alloc;
@@ -40,6 +42,7 @@ mod blocks;
 mod free_index;
 mod graphs;
 mod grow;
+mod imports;
 mod invariants;
 mod lending;
 mod physical;
@@ -65,10 +68,10 @@ use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
 use accounting::{Books, Derived};
 use graphs::Graphs;
+use imports::Imports;
 use lending::Lending;
 use physical::{Physical, Setup};
 use segments::Segments;
-use sharing::Imports;
 use streams::StreamWaits;
 use tags::Tags;
 
@@ -97,7 +100,7 @@ pub struct Expandable<D: Driver> {
     tags: Tags,
     /// Counters, page counts and history.
     books: Books,
-    /// Memory other processes shared, mapped here (`sharing.rs`).
+    /// Memory other processes shared, mapped here (`imports.rs`).
     imports: Imports,
 }
 

@@ -62,7 +62,7 @@ fn an_export_not_opened_is_forgotten_when_its_memory_is_freed() {
     let ptr = cuvmm_malloc(1 << 20, device, stream(0x62));
     let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
     assert!(pending_exports() >= 1);
-    cuvmm_free_any(ptr);
+    cuvmm_free(ptr, 0, device, stream(0x62));
     assert!(open(device, &handle).is_null());
     assert_failed("open after free", "no such export");
     check_invariants(device);
@@ -71,7 +71,7 @@ fn an_export_not_opened_is_forgotten_when_its_memory_is_freed() {
 #[test]
 fn bad_handles_and_addresses_are_refused() {
     setup();
-    let device = 12;
+    let device = 14;
     let ptr = cuvmm_malloc(4096, device, stream(0x63));
     let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
     for (bytes, expected) in [

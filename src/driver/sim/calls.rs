@@ -8,7 +8,7 @@ use crate::driver::{
     CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage,
     StreamId, VaRange,
 };
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 /// Modelled latencies shorter than this are waited out by spinning (see `SimDriver::sleep`).
 const SPIN_BELOW_NS: u64 = 20_000;
@@ -295,13 +295,27 @@ impl Driver for SimDriver {
         if !self.config.exportable_handles {
             return Err(DriverError::Unsupported { op: Op::Export });
         }
-        self.export(handle)
+        // `handle` must be live ([`DriverError::UnknownHandle`] otherwise).
+        let (alloc, size) = self.vmm.exportable(handle)?;
+        self.exports.export(alloc, size)
     }
     fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
         self.begin(Op::Import, size)?;
         if !self.config.exportable_handles {
             return Err(DriverError::Unsupported { op: Op::Import });
         }
-        self.import(fd, size)
+        // `fd` must be an export of this device whose memory is alive, of `size` bytes.
+        let (alloc, exported) = self.exports.find(fd)?;
+        if !self.vmm.allocation_alive(alloc) {
+            return Err(DriverError::ExportFreed { fd: fd.as_raw_fd() });
+        }
+        if size != exported {
+            return Err(DriverError::ImportSizeMismatch {
+                fd: fd.as_raw_fd(),
+                exported,
+                size,
+            });
+        }
+        Ok(self.vmm.import(alloc, size))
     }
 }

@@ -26,8 +26,7 @@
 //! [`Driver::export_handle`]: crate::driver::Driver::export_handle
 //! [`Driver::import_handle`]: crate::driver::Driver::import_handle
 
-use super::SimDriver;
-use crate::driver::{DriverError, Op, PhysHandle};
+use crate::driver::{DriverError, Op};
 use rustc_hash::FxHashMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
@@ -57,7 +56,7 @@ struct Export {
 
 impl Exports {
     /// A new descriptor that stands for allocation `alloc`, exported through a handle of `size` bytes.
-    fn export(&mut self, alloc: u64, size: u64) -> Result<OwnedFd, DriverError> {
+    pub(super) fn export(&mut self, alloc: u64, size: u64) -> Result<OwnedFd, DriverError> {
         let refused = |err: std::io::Error| DriverError::Descriptor {
             op: Op::Export,
             reason: err.to_string(),
@@ -77,7 +76,7 @@ impl Exports {
     }
 
     /// The allocation and size that `fd` exports.
-    fn find(&self, fd: BorrowedFd<'_>) -> Result<(u64, u64), DriverError> {
+    pub(super) fn find(&self, fd: BorrowedFd<'_>) -> Result<(u64, u64), DriverError> {
         let file = file_id(&fd).map_err(|err| DriverError::Descriptor {
             op: Op::Import,
             reason: err.to_string(),
@@ -105,34 +104,4 @@ impl Exports {
 fn file_id(fd: &impl std::os::fd::AsFd) -> std::io::Result<FileId> {
     let meta = File::from(fd.as_fd().try_clone_to_owned()?).metadata()?;
     Ok((meta.dev(), meta.ino()))
-}
-
-impl SimDriver {
-    /// [`Driver::export_handle`](crate::driver::Driver::export_handle), once counted: `handle` must be live
-    /// ([`DriverError::UnknownHandle`] otherwise).
-    pub(super) fn export(&mut self, handle: PhysHandle) -> Result<OwnedFd, DriverError> {
-        let (alloc, size) = self.vmm.exportable(handle)?;
-        self.exports.export(alloc, size)
-    }
-
-    /// [`Driver::import_handle`](crate::driver::Driver::import_handle), once counted: `fd` must be an export
-    /// of this device whose memory is alive, of `size` bytes.
-    pub(super) fn import(
-        &mut self,
-        fd: BorrowedFd<'_>,
-        size: u64,
-    ) -> Result<PhysHandle, DriverError> {
-        let (alloc, exported) = self.exports.find(fd)?;
-        if !self.vmm.allocation_alive(alloc) {
-            return Err(DriverError::ExportFreed { fd: fd.as_raw_fd() });
-        }
-        if size != exported {
-            return Err(DriverError::ImportSizeMismatch {
-                fd: fd.as_raw_fd(),
-                exported,
-                size,
-            });
-        }
-        Ok(self.vmm.import(alloc, size))
-    }
 }

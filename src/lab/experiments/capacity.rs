@@ -17,7 +17,7 @@
 //!
 //! The search is the same on every backend; only how a replay at a capacity runs differs
 //! ([`device::CapacityDevice`]): on the simulator, a simulated device of that size; on a CUDA device, the
-//! device as it is with a [ballast](ballast) taking all free memory but that capacity. There the search
+//! device as it is with a [ballast] taking all free memory but that capacity. There the search
 //! also stops at what the device has free ([`device::CapacityDevice::ceiling`]).
 
 pub mod ballast;
