@@ -130,15 +130,16 @@ def oom(ctx):
 
 
 def mp_child(allocator, connection):
-    """The child process of the multiprocessing case: chooses the same allocator, receives the CUDA tensor,
-    writes 2 * t + 1 into it, and answers ("ok", info) or ("error", message)."""
+    """The child process of the multiprocessing case: chooses the same allocator, receives CUDA tensors,
+    writes 2 * t + 1 into each, and answers ("ok", info) or ("error", message)."""
     try:
         torch, _ = setup_allocator(allocator)
-        t = connection.recv()
-        t.mul_(2).add_(1)
+        tensors = connection.recv()
+        for t in tensors:
+            t.mul_(2).add_(1)
         torch.cuda.synchronize()
-        info = {"numel": t.numel()}
-        del t
+        info = {"numel": [t.numel() for t in tensors]}
+        del t, tensors
         connection.send(("ok", info))
     except Exception as e:  # noqa: BLE001 (sent to the parent)
         connection.send(("error", _first_line(e)))
@@ -146,8 +147,10 @@ def mp_child(allocator, connection):
         connection.recv()
 
 
-@case("multiprocessing", "a CUDA tensor sent to a spawned torch.multiprocessing child, which writes 2t+1 into "
-      "it: the parent sees 2t+1", timeout=120)
+@case("multiprocessing", "CUDA tensors sent to a spawned torch.multiprocessing child, which writes 2t+1 into "
+      "each: a 16 MiB one, a small one that shares its page with a neighbour, a 100 MiB one over several "
+      "handles and a view with a storage offset; the parent sees 2t+1 in each and its neighbour unchanged",
+      timeout=120)
 def multiprocessing_case(ctx):
     import torch.multiprocessing as mp  # noqa: PLC0415
 
@@ -157,23 +160,32 @@ def multiprocessing_case(ctx):
     process = spawn.Process(target=mp_child, args=(ctx.allocator, child), daemon=True)
     process.start()
     try:
-        n = 4 * MIB
-        t = torch.arange(n, dtype=torch.float32, device=ctx.device)
+        sizes = [4 * MIB, 1000, 25 * MIB]
+        tensors = [torch.arange(n, dtype=torch.float32, device=ctx.device) for n in sizes[:1]]
+        neighbour = torch.full((1000,), 7.0, device=ctx.device)  # the small one's page-mate
+        tensors.append(torch.arange(sizes[1], dtype=torch.float32, device=ctx.device))
+        tensors.append(torch.arange(sizes[2], dtype=torch.float32, device=ctx.device))
+        base = torch.zeros(2000, dtype=torch.float32, device=ctx.device)
+        view = base[1000:]
+        view.copy_(torch.arange(1000, dtype=torch.float32, device=ctx.device))
+        tensors.append(view)
         torch.cuda.synchronize()
-        parent.send(t)  # CUDA IPC: raises here if the memory cannot be shared
+        parent.send(tensors)  # CUDA IPC: raises here if the memory cannot be shared
         if not parent.poll(90):
             raise CaseFailure("the child did not answer within 90 s" + ("" if process.is_alive() else
                                                                         f" (it exited with {process.exitcode})"))
         answer, info = parent.recv()
         if answer != "ok":
             raise RuntimeError(f"in the child: {info}")
-        expected = torch.arange(n, dtype=torch.float32) * 2 + 1
-        diff = _max_diff(torch, t, expected)
-        ctx.figures.update(max_abs_diff=diff)
-        check(diff == 0, f"the parent's tensor differs from the child's writes by up to {diff}")
+        diffs = [_max_diff(torch, t, torch.arange(t.numel(), dtype=torch.float32) * 2 + 1) for t in tensors]
+        neighbour_diff = _max_diff(torch, neighbour, torch.full((1000,), 7.0))
+        head_diff = _max_diff(torch, base[:1000], torch.zeros(1000))
+        ctx.figures.update(max_abs_diff=max(diffs), neighbour_diff=neighbour_diff, view_head_diff=head_diff)
+        check(max(diffs) == 0, f"the parent's tensors differ from the child's writes by up to {diffs}")
+        check(neighbour_diff == 0 and head_diff == 0, "the child's writes reached memory outside its tensors")
         parent.send("done")
         process.join(30)
-        return "the child's writes are seen"
+        return "the child's writes are seen, and only where it wrote"
     finally:
         if process.is_alive():
             process.terminate()
