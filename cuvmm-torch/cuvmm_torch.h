@@ -21,6 +21,8 @@
  *                       and fails to open one the machine does not have).
  *   CUVMM_ALLOC_CONF    the allocator's configuration, in PYTORCH_CUDA_ALLOC_CONF's key:value,... syntax.
  *   CUVMM_LOG           a tracing filter (warn, debug, cuvmm=trace, ...): when set, logs go to stderr.
+ *   CUVMM_IPC_HANDLES   0 makes the CUDA backend create handles that cannot be shared with other processes
+ *                       (by default they are created exportable where the device supports it).
  *
  * One allocator per device, built the first time the device is named; a failure to build it (bad
  * configuration, no CUDA driver) is kept and reported by every later call on that device.
