@@ -160,7 +160,8 @@ impl SimDriver {
     pub fn free_bytes(&self) -> u64 {
         self.config.capacity.saturating_sub(self.used_bytes())
     }
-    /// Handles created and not released (a released handle that is still mapped is not counted).
+    /// Handles created or imported and not released (a released handle that is still mapped is not
+    /// counted; an import is a handle of its own).
     pub fn handle_count(&self) -> usize {
         self.vmm.handle_count()
     }

@@ -10,7 +10,8 @@ const SHOWN: usize = 16;
 /// Everything a simulated device still holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LeakReport {
-    /// Handles created and not released: (handle, size).
+    /// Handles created or imported and not released: (handle, size). An imported handle is listed with its
+    /// allocation's size, so the total counts memory shared by several handles once per handle.
     pub handles: Vec<(PhysHandle, u64)>,
     /// Mappings not unmapped.
     pub mappings: Vec<VaRange>,
