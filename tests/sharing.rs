@@ -224,3 +224,218 @@ fn the_facade_shares_live_buffers_only_and_closes_imports_on_drop() {
     let report = device.leak_report();
     assert!(report.is_empty(), "{report:?}");
 }
+
+/// Pages lent under pressure (mapped a second time from their offset in a chunk whose other pages a live
+/// block keeps): a block on them is shared as those pieces of the chunk, and the importer sees its bytes;
+/// the chunk's own block is shared as the whole chunk.
+#[test]
+fn a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk() {
+    let config = Config {
+        small_size: 1024,
+        large_handle: 20 * PAGE,
+        ..Config::default()
+    };
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(20 * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true)
+            .with_partial_mappings(true),
+    );
+    let mut a = Expandable::new(sim, config).unwrap();
+    let first = a.alloc(8 * PAGE, StreamId(1)).unwrap();
+    let kept = a.alloc(4 * PAGE, StreamId(1)).unwrap();
+    a.free(first).unwrap();
+    let other = a.alloc(16 * PAGE, StreamId(2)).unwrap();
+    assert_eq!(
+        a.stats().lent_bytes,
+        16 * PAGE,
+        "the chunk's idle pages are lent"
+    );
+    write(&mut a, kept, 6, 4 * PAGE);
+    write(&mut a, other, 7, 16 * PAGE);
+
+    let shared = a.share(other).unwrap();
+    assert_eq!(shared.parts.len(), 16, "one piece per lent page");
+    assert!(
+        shared
+            .parts
+            .iter()
+            .all(|p| p.handle_size == 20 * PAGE && p.size == PAGE)
+    );
+    assert!(shared.parts.iter().any(|p| p.handle_offset != 0));
+    let (base, seen) = open(&mut a, &shared);
+    assert!(
+        holds(&a, seen, 7, 16 * PAGE),
+        "the importer sees the lent pages' bytes"
+    );
+    a.close_shared(base).unwrap();
+
+    let shared = a.share(kept).unwrap();
+    assert_eq!(shared.parts.len(), 1, "the chunk whole");
+    assert_eq!(shared.offset, 8 * PAGE);
+    let (base, seen) = open(&mut a, &shared);
+    assert!(holds(&a, seen, 6, 4 * PAGE));
+    a.close_shared(base).unwrap();
+    a.check_invariants().unwrap();
+    a.free(other).unwrap();
+    a.free(kept).unwrap();
+}
+
+mod interleaved {
+    //! Sharing interleaved with allocations, frees, writes and memory pressure (compaction; with partial
+    //! mappings on, lending may happen, which `a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk` pins
+    //! down): an import always sees its live allocation's latest bytes,
+    //! which proves a live block's pages never move while it is shared; the invariants hold after every
+    //! step; and once everything is closed and freed, the device holds nothing.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Alloc(u64),
+        Free(usize),
+        Write(usize),
+        Share(usize),
+        Close(usize),
+        EmptyCache,
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            4 => prop_oneof![1u64..3000, PAGE..12 * PAGE, 20 * PAGE..45 * PAGE].prop_map(Step::Alloc),
+            2 => any::<usize>().prop_map(Step::Free),
+            2 => any::<usize>().prop_map(Step::Write),
+            3 => any::<usize>().prop_map(Step::Share),
+            2 => any::<usize>().prop_map(Step::Close),
+            1 => Just(Step::EmptyCache),
+        ]
+    }
+
+    /// A live allocation: address, size, and the id of the pattern last written.
+    struct Live {
+        addr: u64,
+        size: u64,
+        id: u64,
+    }
+
+    /// An open import: its range's start, where the allocation appears, and which allocation (its address,
+    /// while it is live).
+    struct Open {
+        base: u64,
+        seen: u64,
+        of: Option<u64>,
+    }
+
+    fn run(steps: Vec<Step>, partial_mappings: bool) {
+        let config = Config {
+            small_size: 1024,
+            large_handle: 20 * PAGE,
+            ..Config::default()
+        };
+        let sim = SimDriver::new(
+            SimConfig::default()
+                .with_capacity(PAGE * 160)
+                .with_granularity(PAGE)
+                .with_backing_store(true)
+                .with_partial_mappings(partial_mappings),
+        );
+        let mut device = sim;
+        {
+            let mut a = Expandable::new(&mut device, config).unwrap();
+            let (mut live, mut open): (Vec<Live>, Vec<Open>) = (Vec::new(), Vec::new());
+            let mut next_id = 1;
+            for step in steps {
+                match step {
+                    Step::Alloc(size) => {
+                        if let Ok(addr) = a.alloc(size, StreamId(1)) {
+                            let bytes = common::pattern(next_id, size as usize);
+                            a.driver_mut().write(addr, &bytes).unwrap();
+                            live.push(Live {
+                                addr,
+                                size,
+                                id: next_id,
+                            });
+                            next_id += 1;
+                        }
+                    }
+                    Step::Free(i) if !live.is_empty() => {
+                        let gone = live.swap_remove(i % live.len());
+                        a.free(gone.addr).unwrap();
+                        for o in open.iter_mut().filter(|o| o.of == Some(gone.addr)) {
+                            o.of = None; // its bytes are the device's to reuse now
+                        }
+                    }
+                    Step::Write(i) if !live.is_empty() => {
+                        let n = live.len();
+                        let block = &mut live[i % n];
+                        block.id = next_id;
+                        next_id += 1;
+                        let bytes = common::pattern(block.id, block.size as usize);
+                        a.driver_mut().write(block.addr, &bytes).unwrap();
+                    }
+                    Step::Share(i) if !live.is_empty() => {
+                        let block = &live[i % live.len()];
+                        let shared = a.share(block.addr).unwrap();
+                        let parts: Vec<_> = shared.parts.iter().map(|p| p.borrowed()).collect();
+                        match a.open_shared(&parts) {
+                            Ok(base) => open.push(Open {
+                                base,
+                                seen: base + shared.offset,
+                                of: Some(block.addr),
+                            }),
+                            // The importer's address space is the only thing it can run out of.
+                            Err(err) => panic!("open_shared: {err}"),
+                        }
+                    }
+                    Step::Close(i) if !open.is_empty() => {
+                        let o = open.swap_remove(i % open.len());
+                        a.close_shared(o.base).unwrap();
+                    }
+                    Step::EmptyCache => a.empty_cache().unwrap(),
+                    _ => {}
+                }
+                a.check_invariants().unwrap();
+                for o in &open {
+                    let Some(block) = o.of.and_then(|addr| live.iter().find(|b| b.addr == addr))
+                    else {
+                        continue;
+                    };
+                    let seen = a.driver().read(o.seen, block.size as usize).unwrap();
+                    assert!(
+                        seen == common::pattern(block.id, block.size as usize),
+                        "the import at {:#x} no longer sees the allocation at {:#x}",
+                        o.base,
+                        block.addr
+                    );
+                }
+            }
+            for o in open {
+                a.close_shared(o.base).unwrap();
+            }
+            for block in live {
+                a.free(block.addr).unwrap();
+            }
+            a.empty_cache().unwrap();
+            a.check_invariants().unwrap();
+        }
+        let report = device.leak_report();
+        assert!(report.is_empty(), "{report:?}");
+        assert_eq!(device.used_bytes(), 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        #[test]
+        fn imports_see_live_allocations_through_pressure(steps in prop::collection::vec(step(), 1..60)) {
+            run(steps, false);
+        }
+
+        #[test]
+        fn imports_see_live_allocations_with_partial_mappings(steps in prop::collection::vec(step(), 1..60)) {
+            run(steps, true);
+        }
+    }
+}
