@@ -203,13 +203,13 @@ pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64
     let shared = registry.allocator(device)?.share(ptr)?;
     let table: Arc<ExportTable> = Arc::clone(&EXPORTS);
     let address = transport::serve(table)?;
-    let id = random_id();
+    let id = transport::random_u64();
     let handle = HandleString {
         address,
         id,
         offset: shared.offset,
         size: shared.size,
-        parts: shared.parts.iter().map(SharedPart::layout).collect(),
+        parts: shared.parts.iter().map(|part| part.with_fd(())).collect(),
     };
     let fds = shared.parts.into_iter().map(|part| part.fd).collect();
     EXPORTS.insert(
@@ -269,16 +269,4 @@ pub fn forget(registry: &Registry, device: i32, ptr: u64) {
 /// Exports not yet fetched (for the tests).
 pub fn pending_exports() -> usize {
     EXPORTS.len.load(Ordering::Acquire)
-}
-
-/// A 64-bit id no one can guess, from the standard library's randomly seeded hasher.
-fn random_id() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos()),
-    );
-    hasher.finish()
 }

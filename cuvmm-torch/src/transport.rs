@@ -102,18 +102,20 @@ impl Address {
 
     /// A fresh name for this process: its pid and 64 random bits.
     fn fresh() -> Self {
-        let mut hasher = RandomState::new().build_hasher();
-        hasher.write_u32(std::process::id());
-        if let Ok(since) = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
-            hasher.write_u128(since.as_nanos());
-        }
-        let name = format!(
-            "{NAME_PREFIX}{}.{:016x}",
-            std::process::id(),
-            hasher.finish()
-        );
+        let name = format!("{NAME_PREFIX}{}.{:016x}", std::process::id(), random_u64());
         Self(name.into_bytes())
     }
+}
+
+/// 64 bits no other process can guess: the standard library's randomly seeded hasher, fed the pid and the
+/// time. They name the server's socket, and each export (`sharing.rs`).
+pub fn random_u64() -> u64 {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u32(std::process::id());
+    if let Ok(since) = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH) {
+        hasher.write_u128(since.as_nanos());
+    }
+    hasher.finish()
 }
 
 impl fmt::Display for Address {

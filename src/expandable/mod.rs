@@ -33,8 +33,8 @@
 //!
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
 //! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
-//! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block, opening and
-//! closing imports) calls the parts; `snapshot.rs` and `invariants.rs` read them.
+//! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block for another
+//! process) calls the parts; `snapshot.rs` and `invariants.rs` read them.
 
 mod accounting;
 mod alloc;
@@ -295,11 +295,11 @@ impl<D: Driver> Strategy for Expandable<D> {
         &mut self,
         parts: &[crate::strategy::sharing::SharedPart<std::os::fd::BorrowedFd<'_>>],
     ) -> Result<u64, Error> {
-        self.open_shared_parts(parts)
+        self.imports.open(&mut self.driver, parts)
     }
 
     fn close_shared(&mut self, addr: u64) -> Result<(), Error> {
-        self.close_shared_range(addr)
+        self.imports.close(&mut self.driver, addr)
     }
 
     fn stats(&self) -> Stats {

@@ -5,13 +5,12 @@
 //! The block's pages stay where they are while it is live: compaction and lending move only idle pages, and
 //! tagged memory, which a sleep would unmap, is not shared.
 //!
-//! Imported memory is a part of its own (`imports.rs`).
+//! Imported memory is a part of its own (`imports.rs`), which `mod.rs` calls.
 
 use super::Expandable;
 use crate::driver::{Driver, PhysPage};
 use crate::strategy::error::Error;
 use crate::strategy::sharing::{SharedMemory, SharedPart, SharingError};
-use std::os::fd::BorrowedFd;
 
 impl<D: Driver> Expandable<D> {
     /// Exports the mappings that cover the live block at `addr` (see the module's doc).
@@ -69,18 +68,5 @@ impl<D: Driver> Expandable<D> {
             offset: addr - start,
             size: block.size,
         })
-    }
-
-    /// Maps memory another process shared (see `Imports::open`).
-    pub(super) fn open_shared_parts(
-        &mut self,
-        parts: &[SharedPart<BorrowedFd<'_>>],
-    ) -> Result<u64, Error> {
-        self.imports.open(&mut self.driver, parts)
-    }
-
-    /// Closes shared memory mapped at `addr` (see `Imports::close`).
-    pub(super) fn close_shared_range(&mut self, addr: u64) -> Result<(), Error> {
-        self.imports.close(&mut self.driver, addr)
     }
 }

@@ -27,23 +27,12 @@ pub struct SharedPart<F> {
     pub size: u64,
 }
 
-impl SharedPart<OwnedFd> {
-    /// The part with its descriptor borrowed, as [`Allocator::open_shared`](crate::Allocator::open_shared)
-    /// takes it.
-    pub fn borrowed(&self) -> SharedPart<BorrowedFd<'_>> {
-        use std::os::fd::AsFd;
+impl<F> SharedPart<F> {
+    /// The same part with `fd` as its handle: `part.with_fd(())` is what a handle string carries, and
+    /// [`borrowed`](SharedPart::borrowed) what [`Allocator::open_shared`](crate::Allocator::open_shared) takes.
+    pub fn with_fd<G>(&self, fd: G) -> SharedPart<G> {
         SharedPart {
-            fd: self.fd.as_fd(),
-            handle_size: self.handle_size,
-            handle_offset: self.handle_offset,
-            size: self.size,
-        }
-    }
-
-    /// The part without its descriptor: what a handle string carries.
-    pub fn layout(&self) -> SharedPart<()> {
-        SharedPart {
-            fd: (),
+            fd,
             handle_size: self.handle_size,
             handle_offset: self.handle_offset,
             size: self.size,
@@ -51,15 +40,11 @@ impl SharedPart<OwnedFd> {
     }
 }
 
-impl SharedPart<()> {
-    /// The part with `fd` as its handle.
-    pub fn with_fd<F>(self, fd: F) -> SharedPart<F> {
-        SharedPart {
-            fd,
-            handle_size: self.handle_size,
-            handle_offset: self.handle_offset,
-            size: self.size,
-        }
+impl SharedPart<OwnedFd> {
+    /// The part with its descriptor borrowed.
+    pub fn borrowed(&self) -> SharedPart<BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.with_fd(self.fd.as_fd())
     }
 }
 
