@@ -13,10 +13,11 @@ ahead of time). PyTorch's own ``torch.cuda.memory_stats()``, ``max_memory_reserv
 ``Tensor.record_stream`` and CUDA graphs then reach cuvmm, and out-of-memory is ``torch.OutOfMemoryError``
 with cuvmm's diagnosis.
 
-If the C++ layer cannot be built or loaded (no compiler or CUDA toolkit, ``CUVMM_TORCH_CPP=0``), it falls
-back to ``torch.cuda.memory.CUDAPluggableAllocator`` through ctypes, with a warning naming what that path
-lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, ``memory_summary``, ``dump_snapshot``, ``record_stream``
-and the others here answer instead, with PyTorch's key names, on either path.
+If the C++ layer cannot be built or loaded (no compiler, ``ninja`` or CUDA runtime headers;
+``CUVMM_TORCH_CPP=0``), it falls back to ``torch.cuda.memory.CUDAPluggableAllocator`` through ctypes, with a
+warning naming what that path lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, ``memory_summary``,
+``dump_snapshot``, ``record_stream`` and the others here answer instead, with PyTorch's key names, on either
+path.
 
 The library is found, in order: the ``path`` given to :func:`load` or :func:`install`; the
 ``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` next to this file; ``target/release``
@@ -40,6 +41,7 @@ __all__ = [
     "install",
     "active_layer",
     "build_extension",
+    "cuda_runtime",
     "build_dir",
     "csrc_dir",
     "FALLBACK_LACKS",
@@ -66,6 +68,8 @@ CPP_ENV_VAR = "CUVMM_TORCH_CPP"
 BUILD_ENV_VAR = "CUVMM_TORCH_BUILD"
 EXTENSION_NAME = "cuvmm_torch_ext"
 EXTENSION_SOURCES = ["cuvmm_allocator.cpp"]
+# The libraries this process has loaded, where cuda_runtime() finds PyTorch's libcudart.
+PROCESS_MAPS = "/proc/self/maps"
 
 # What PyTorch does not pass to an allocator plugged in through CUDAPluggableAllocator from Python.
 FALLBACK_LACKS = (
@@ -150,22 +154,54 @@ def fallback_warning(reason):
     )
 
 
+def cuda_runtime(maps=None, cuda_home=None):
+    """The CUDA runtime to build the C++ layer against: ``(include directory, [linker flags])``.
+
+    First the ``libcudart`` PyTorch itself loaded (read from ``maps``, after ``import torch``) with the
+    headers installed beside it: pip's ``nvidia`` packages and the CUDA toolkit both put ``include/`` beside
+    the library's directory. So the layer uses PyTorch's own runtime, and needs no CUDA toolkit where PyTorch's
+    wheel brings the headers. Else the toolkit at ``cuda_home`` (``CUDA_HOME``, or where ``nvcc`` is, as
+    ``torch.utils.cpp_extension`` finds it). Raises ``RuntimeError`` when neither has the headers.
+    ``maps`` defaults to :data:`PROCESS_MAPS`."""
+    try:
+        with open(maps or PROCESS_MAPS, encoding="utf-8", errors="replace") as lines:
+            loaded = sorted({line.split()[-1] for line in lines if "/libcudart.so" in line})
+    except OSError:
+        loaded = []
+    for library in loaded:
+        include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
+        if os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
+            return include, [library]
+    if cuda_home and os.path.exists(os.path.join(cuda_home, "include", "cuda_runtime_api.h")):
+        libraries = [os.path.join(cuda_home, sub) for sub in ("lib64", "lib")]
+        return os.path.join(cuda_home, "include"), [f"-L{d}" for d in libraries if os.path.isdir(d)] + ["-lcudart"]
+    raise RuntimeError(
+        "no CUDA runtime headers (cuda_runtime_api.h) beside PyTorch's libcudart "
+        f"({', '.join(loaded) or 'none loaded'}) nor in a CUDA toolkit: install one, or set CUDA_HOME"
+    )
+
+
 def build_extension(torch=None, verbose=False):
-    """Builds (or finds cached) the C++ layer against the installed PyTorch and imports it."""
+    """Builds (or finds cached) the C++ layer against the installed PyTorch and imports it.
+
+    Built as a C++ extension (``torch.utils.cpp_extension``, which needs ``ninja``) linked to PyTorch's CUDA
+    libraries and the runtime :func:`cuda_runtime` finds; the layer has no CUDA kernels, so no ``nvcc`` and no
+    GPU are needed to build it."""
     if torch is None:
         import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
     cpp_extension = importlib.import_module("torch.utils.cpp_extension")
     sources_dir = csrc_dir()
+    cuda_include, cudart = cuda_runtime(cuda_home=cpp_extension.CUDA_HOME)
     directory = build_dir(torch.__version__)
     os.makedirs(directory, exist_ok=True)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[os.path.join(sources_dir, source) for source in EXTENSION_SOURCES],
-        extra_include_paths=[os.path.dirname(sources_dir)],
+        extra_include_paths=[os.path.dirname(sources_dir), cuda_include],
         extra_cflags=["-O2"],
-        extra_ldflags=["-ldl"],
+        extra_ldflags=["-ldl", "-lc10_cuda", "-ltorch_cuda", *cudart],
         build_directory=directory,
-        with_cuda=True,
+        with_cuda=False,
         verbose=verbose,
     )
 

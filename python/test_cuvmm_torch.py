@@ -9,8 +9,6 @@ Run from the repository root, after ``cargo build --release -p cuvmm-torch`` and
 """
 
 import ctypes
-import importlib
-import importlib.util
 import json
 import os
 import re
@@ -344,9 +342,10 @@ class Setup(unittest.TestCase):
 class FakeTorch:
     """A stand-in for the ``torch`` module with what install() touches, recording the calls."""
 
-    def __init__(self, build_error=None):
+    def __init__(self, build_error=None, toolkit=True):
         self.calls = []
         self.build_error = build_error
+        self.toolkit = toolkit
         fake = self
 
         class Extension:
@@ -368,10 +367,18 @@ class FakeTorch:
             CUDAPluggableAllocator=pluggable,
             change_current_allocator=lambda a: fake.calls.append(("change_current_allocator", a)),
         )
-        self.cpp_extension = types.SimpleNamespace(load=load)
+        self.cpp_extension = types.SimpleNamespace(load=load, CUDA_HOME=None)
         self.module = types.SimpleNamespace(__version__="2.11.0+cu130", cuda=types.SimpleNamespace(memory=memory))
 
     def __enter__(self):
+        # As if this process had loaded no libcudart: the build takes a CUDA toolkit's headers, a stand-in's.
+        self.scratch = tempfile.TemporaryDirectory()
+        self.saved_maps, cuvmm_torch.PROCESS_MAPS = cuvmm_torch.PROCESS_MAPS, os.path.join(self.scratch.name, "maps")
+        if self.toolkit:
+            self.cpp_extension.CUDA_HOME = self.scratch.name
+            os.makedirs(os.path.join(self.scratch.name, "include"))
+            os.makedirs(os.path.join(self.scratch.name, "lib64"))
+            open(os.path.join(self.scratch.name, "include", "cuda_runtime_api.h"), "w").close()
         self.saved = {name: sys.modules.get(name) for name in ["torch", "torch.utils.cpp_extension"]}
         sys.modules["torch"] = self.module
         sys.modules["torch.utils.cpp_extension"] = self.cpp_extension
@@ -383,6 +390,8 @@ class FakeTorch:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+        cuvmm_torch.PROCESS_MAPS = self.saved_maps
+        self.scratch.cleanup()
 
 
 class Install(unittest.TestCase):
@@ -413,11 +422,14 @@ class Install(unittest.TestCase):
         options = load[1]
         self.assertEqual(options["name"], cuvmm_torch.EXTENSION_NAME)
         self.assertEqual(options["build_directory"], self.scratch.name)
-        self.assertTrue(options["with_cuda"])
+        self.assertFalse(options["with_cuda"], "no kernels: no nvcc, no GPU needed to build")
         for source in options["sources"]:
             self.assertTrue(os.path.exists(source), source)
-        self.assertIn(os.path.join(ROOT, "cuvmm-torch"), options["extra_include_paths"])
+        self.assertEqual(options["extra_include_paths"],
+                         [os.path.join(ROOT, "cuvmm-torch"), os.path.join(fake.cpp_extension.CUDA_HOME, "include")])
         self.assertTrue(os.path.exists(os.path.join(options["extra_include_paths"][0], "cuvmm_torch.h")))
+        cudart = ["-L" + os.path.join(fake.cpp_extension.CUDA_HOME, "lib64"), "-lcudart"]
+        self.assertEqual(options["extra_ldflags"], ["-ldl", "-lc10_cuda", "-ltorch_cuda", *cudart])
         self.assertEqual(install, ("extension.install", cuvmm_torch.library_path()))
 
     def test_a_failed_build_falls_back_to_ctypes_with_a_warning_naming_what_it_lacks(self):
@@ -432,6 +444,13 @@ class Install(unittest.TestCase):
         self.assertIn("RuntimeError: nvcc: not found", text)
         for lacking in ["record_stream", "memory_stats", "CUDA graphs", "OutOfMemoryError", "empty_cache"]:
             self.assertIn(lacking, text)
+
+    def test_without_cuda_runtime_headers_it_falls_back_naming_cuda_home(self):
+        with FakeTorch(toolkit=False) as fake, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.assertEqual(cuvmm_torch.install(), "ctypes")
+        self.assertEqual(fake.calls, self.pluggable_calls(), "no build attempted")
+        self.assertIn("set CUDA_HOME", str(caught[0].message))
 
     def test_the_environment_turns_the_cpp_layer_off_or_makes_its_failure_an_error(self):
         os.environ[cuvmm_torch.CPP_ENV_VAR] = "0"
@@ -488,28 +507,6 @@ class Settings(unittest.TestCase):
         stats = cuvmm_torch.memory_stats(device)
         self.assertEqual((stats["allocated_bytes.all.allocated"], stats["num_ooms"]), (0, 0))
         cuvmm_torch.record_history(None, device)
-
-
-@unittest.skipUnless(importlib.util.find_spec("torch"), "PyTorch is not installed")
-class CppLayer(unittest.TestCase):
-    """With PyTorch and a CUDA toolkit here: the C++ layer builds against them."""
-
-    def test_it_builds_against_the_installed_pytorch(self):
-        import torch  # noqa: PLC0415
-
-        try:
-            cpp_extension = importlib.import_module("torch.utils.cpp_extension")
-        except ImportError as error:
-            self.skipTest(f"torch.utils.cpp_extension does not import: {error}")
-        if not cpp_extension.CUDA_HOME:
-            self.skipTest("no CUDA toolkit (CUDA_HOME) to build the C++ layer with")
-        with tempfile.TemporaryDirectory() as scratch:
-            os.environ[cuvmm_torch.BUILD_ENV_VAR] = scratch
-            try:
-                extension = cuvmm_torch.build_extension(torch)
-            finally:
-                os.environ.pop(cuvmm_torch.BUILD_ENV_VAR)
-        self.assertFalse(extension.installed())
 
 
 class Replay(unittest.TestCase):

@@ -25,14 +25,19 @@
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
 #
+# The PyTorch steps (torch, train, hot, torch-suite) first build the C++ layer, once ($OUT/cpp-layer.txt).
+#
 #   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 [ -x "$bin/cuvmm" ] || { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
+
+# ninja, which the C++ layer's build needs (build.sh brings one), where the machine has none.
+command -v ninja >/dev/null || PATH="$bin/bin:$PATH"
 
 # step NAME SECONDS COMMAND...: runs COMMAND with its output in $out/NAME.txt, then prints the status, the
 # time taken and the output's last line.
@@ -43,6 +48,16 @@ step() {
     timeout "$limit" "$@" >>"$out/$name.txt" 2>&1
     local status=$?
     echo "$name: status $status, $((SECONDS - began)) s: $(tail -n 1 "$out/$name.txt")"
+}
+
+# Builds the C++ layer once, before the first step that installs cuvmm into PyTorch: a failed build shows in
+# its own step, and CUVMM_TORCH_CPP=1 makes the steps after it fail rather than fall back to the ctypes path.
+cpp_built=
+cpp_layer() {
+    export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" CUVMM_TORCH_CPP=1
+    [ -n "$cpp_built" ] && return
+    cpp_built=1
+    step cpp-layer 300 python3 python/cuvmm_torch.py build
 }
 
 run_step() {
@@ -85,7 +100,7 @@ run_step() {
             step traces 240 "$bin/cuvmm" compare --quiet --format json --trace "$trace"
         done ;;
     torch)
-        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so"
+        cpp_layer
         for trace in "$bin"/traces/*.trace; do
             [ -e "$trace" ] || continue
             for allocator in native expandable cuvmm; do
@@ -94,19 +109,21 @@ run_step() {
             done
         done ;;
     train)
-        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" PYTHONUNBUFFERED=1
+        cpp_layer
+        export PYTHONUNBUFFERED=1
         for allocator in ${TRAIN_ALLOCATORS:-native expandable cuvmm}; do
             step train "${TRAIN_LIMIT:-540}" python3 tools/train_gpt.py --allocator "$allocator" --search ${TRAIN_ARGS:-}
         done ;;
     hot)
-        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so"
+        cpp_layer
         for allocator in native expandable cuvmm; do
             step hot 120 python3 tools/hot_path.py --allocator "$allocator"
         done ;;
     torch-suite)
         # The suite's budget leaves it time to print its table before the step's limit; TORCH_SUITE_ARGS picks
         # cases or allocators (--case, --allocator: tools/gpu/torch_suite.py --list).
-        export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" PYTHONUNBUFFERED=1
+        cpp_layer
+        export PYTHONUNBUFFERED=1
         local limit=${TORCH_SUITE_LIMIT:-540}
         step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit - 30)) \
             --json "$out/torch-suite.jsonl" ${TORCH_SUITE_ARGS:-} ;;

@@ -11,11 +11,7 @@ imported at the end in the suite's order: ``streams``, ``graphs``, ``features``,
 """
 
 import os
-import random
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -166,6 +162,26 @@ def _max_diff(torch, got, reference):
 def _bounds(tensor):
     """(min, max) of a GPU tensor, on the host."""
     return tensor.min().item(), tensor.max().item()
+
+
+# The largest absolute difference a CUDA graph's replay may have from the eager result.
+TOLERANCE = 1e-3
+
+
+def _warm_up(torch, functions):
+    """Runs each function twice on a side stream, as PyTorch's CUDA graph documentation asks before capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for function in functions:
+            for _ in range(2):
+                function()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+def _first_line(error):
+    return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:240]
 
 
 # The cases register themselves in CASES, in this order.

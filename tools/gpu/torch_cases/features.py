@@ -10,6 +10,7 @@ from . import (  # the framework, in __init__.py
     SLEEP_CYCLES,
     SkipCase,
     _bounds,
+    _first_line,
     _max_diff,
     case,
     check,
@@ -78,10 +79,6 @@ def _filled(torch, size, value, device):
 
 def _oom_class(torch):
     return getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
-
-
-def _first_line(error):
-    return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:240]
 
 
 @case("oom", "a request beyond the device's memory, and filling the device with 2 GiB tensors, each raise "

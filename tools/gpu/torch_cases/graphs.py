@@ -10,6 +10,8 @@ from . import (  # the framework, in __init__.py
     MIB,
     _bounds,
     _max_diff,
+    _warm_up,
+    TOLERANCE,
     case,
     check,
 )
@@ -44,21 +46,6 @@ def _inputs(torch, device, seed):
 def _reference(torch, x, w):
     """The eager result for the graph's current input, on the host (computed before any replay)."""
     return _chain(torch, x.clone(), w).cpu()
-
-
-def _warm_up(torch, functions):
-    """Runs each function twice on a side stream, as PyTorch's CUDA graph documentation asks before capture."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for function in functions:
-            for _ in range(2):
-                function()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-
-
-TOLERANCE = 1e-3
 
 
 @case("graphs_back_to_back", "two graphs captured back to back with torch.cuda.graph (each freeing temporaries "

@@ -10,6 +10,8 @@ from . import (  # the framework, in __init__.py
     SLEEP_CYCLES,
     SkipCase,
     _max_diff,
+    _warm_up,
+    TOLERANCE,
     case,
     check,
 )

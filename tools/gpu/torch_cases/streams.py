@@ -8,6 +8,7 @@ from . import (  # the framework, in __init__.py
     SLEEP_CYCLES,
     SkipCase,
     _bounds,
+    _first_line,
     case,
     check,
     device_total_memory,
