@@ -214,7 +214,8 @@ double cuvmm_memory_fraction(int device);
  * 0 stops recording and forgets them. 0 or -1. */
 int cuvmm_record_history(int device, size_t max_entries);
 
-/* The numbers of an out-of-memory failure. allowed is 0 when no memory fraction is set. */
+/* The numbers of an out-of-memory failure. allowed is 0 when no memory fraction is set. A request larger than
+ * the device is one too, as PyTorch reports it; device_free is then the bytes cuvmm does not hold. */
 typedef struct {
     uint64_t requested, alloc_size, device_total, device_free, allowed, allocated, reserved;
 } cuvmm_oom_info;

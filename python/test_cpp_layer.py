@@ -17,6 +17,7 @@ The layer is built once into ``target/cpp-layer/torch-<version>`` and rebuilt wh
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,8 +60,131 @@ try:
     out["second_install"] = "installed"
 except RuntimeError as error:
     out["second_install"] = str(error)
+
+# A CUDA graph's private pool, as torch.cuda.graph and cudagraph trees drive it.
+pool = (0, 7)
+C._cuda_beginAllocateCurrentThreadToPool(0, pool)
+in_pool = lib.cuvmm_malloc(size, 0, None)
+C._cuda_endAllocateToPool(0, pool)
+outside = lib.cuvmm_malloc(size, 0, None)
+out["pool_of"] = {str(ptr): [s["segment_pool_id"] for s in C._cuda_memorySnapshot(None)["segments"]
+                             if any(b["address"] == ptr for b in s["blocks"])] for ptr in (in_pool, outside)}
+out["pool_ptrs"] = [in_pool, outside]
+out["live_in_pool"] = [C._cuda_checkPoolLiveAllocations(0, pool, {in_pool}),
+                       C._cuda_checkPoolLiveAllocations(0, pool, {outside}),
+                       C._cuda_checkPoolLiveAllocations(0, pool, set())]
+state = C._cuda_getCheckpointState(0, pool)
+C._cuda_setCheckpointPoolState(0, state, [], [])  # the same live allocations: allowed
+lib.cuvmm_free(in_pool, size, 0, None)
+try:
+    C._cuda_setCheckpointPoolState(0, state, [], [])
+    out["rewind"] = "rewound"
+except RuntimeError as error:
+    out["rewind"] = str(error)
+C._cuda_releasePool(0, pool)
+lib.cuvmm_free(outside, size, 0, None)
+C._cuda_emptyCache()
+out["after_pool"] = stats()
 print(json.dumps(out))
 """.replace("SIZE", str(SIZE))
+
+# Stand-ins for the few CUDA calls PyTorch's allocator interface makes around an allocator (the current device,
+# the device count, stream priorities, capture state, a synchronization, the primary context's state), so that
+# PyTorch's own malloc, free, OOM and IPC paths reach the C++ layer without a GPU. Anything else still goes to
+# the real runtime and fails, which the probe shows.
+FAKE_CUDART = r"""
+static int current;
+int cudaGetDevice(int *device) { *device = current; return 0; }
+int cudaSetDevice(int device) { current = device; return 0; }
+int cudaGetDeviceCount(int *count) { *count = 1; return 0; }
+int cudaDeviceSynchronize(void) { return 0; }
+int cudaGetLastError(void) { return 0; }
+int cudaDeviceGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
+int cudaStreamIsCapturing(void *stream, int *status) { (void)stream; *status = 0; return 0; }
+int cudaThreadExchangeStreamCaptureMode(int *mode) { (void)mode; return 0; }
+int cudaDriverGetVersion(int *version) { *version = 13000; return 0; }
+"""
+FAKE_LIBCUDA = r"""
+int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
+    (void)device; *flags = 0; *active = 1; return 0;
+}
+int cuInit(unsigned flags) { (void)flags; return 100; }
+"""
+# Calls PyTorch's allocator interface (c10::cuda::CUDACachingAllocator) as PyTorch does.
+HARNESS = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <map>
+namespace CCA = c10::cuda::CUDACachingAllocator;
+static std::map<uint64_t, std::shared_ptr<void>> opened;
+static std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> observed_;
+void observe() {
+  CCA::attachOutOfMemoryObserver([](int64_t device, size_t alloc, size_t total, size_t free) {
+    observed_.emplace_back(device, alloc, total, free);
+  });
+}
+std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> observed() { return observed_; }
+uint64_t alloc(size_t n) { return reinterpret_cast<uint64_t>(CCA::raw_alloc(n)); }
+void release(uint64_t p) { CCA::raw_delete(reinterpret_cast<void*>(p)); }
+std::string try_alloc(size_t n) {
+  try {
+    release(alloc(n));
+    return "allocated";
+  } catch (const c10::OutOfMemoryError& e) {
+    return std::string("OutOfMemoryError: ") + e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    return std::string("Error: ") + e.what_without_backtrace();
+  }
+}
+py::tuple share(uint64_t p) {
+  auto h = CCA::shareIpcHandle(reinterpret_cast<void*>(p));
+  return py::make_tuple(py::bytes(h.handle), static_cast<int64_t>(h.offset));
+}
+uint64_t open_handle(py::bytes handle) {
+  auto mapping = CCA::getIpcDevPtr(std::string(handle));
+  uint64_t p = reinterpret_cast<uint64_t>(mapping.get());
+  opened[p] = mapping;
+  return p;
+}
+std::string try_open(py::bytes handle) {
+  try {
+    open_handle(handle);
+    return "opened";
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+void close_handle(uint64_t p) { opened.erase(p); }
+"""
+
+SHIM_PROBE = r"""
+import json, torch, cuvmm_torch
+from torch.utils import cpp_extension
+C, size = torch._C, int(SIZE)
+out = {"layer": cuvmm_torch.install(cpp=True)}
+h = cpp_extension.load_inline(
+    "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD,
+    functions=["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
+               "close_handle"],
+    extra_include_paths=[cuvmm_torch.cuda_runtime()[0]], extra_ldflags=["-lc10_cuda"])
+h.observe()
+ptr = h.alloc(size)
+out["allocated"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+handle, out["offset"] = h.share(ptr)
+out["magic"] = handle[:8].decode("latin-1")
+opened = h.open_handle(handle)
+out["opened"] = [ptr, opened, h.open_handle(handle)]
+h.close_handle(opened)
+out["reopen"] = h.try_open(handle)
+h.release(ptr)
+out["released"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+out["huge"] = h.try_alloc(100 << 30)
+C._cuda_setMemoryFraction(0.5, 0)
+out["over_limit"] = h.try_alloc(3 << 30)
+out["observed"] = h.observed()
+out["num_ooms"] = cuvmm_torch.memory_stats(0)["num_ooms"]
+print(json.dumps(out))
+"""
 
 FALLBACK_PROBE = r"""
 import json, warnings, torch, cuvmm_torch
@@ -149,7 +273,8 @@ class CppLayer(unittest.TestCase):
                   if block["address"] == ptr]
         self.assertEqual(len(blocks), 1, self.out["segments"])
         segment, block = blocks[0]
-        self.assertEqual((block["state"], block["size"], block["requested_size"]), ("active_allocated", SIZE, SIZE))
+        self.assertEqual((block["state"], block["size"], block["requested_size"]),
+                         ("active_allocated", SIZE, SIZE))
         self.assertEqual(segment["total_size"], sum(b["size"] for b in segment["blocks"]))
         self.assertEqual(segment["allocated_size"], SIZE)
         self.assertTrue(segment["address"] <= ptr < segment["address"] + segment["total_size"])
@@ -162,10 +287,75 @@ class CppLayer(unittest.TestCase):
         accumulated = self.out["after_reset_accumulated"]["allocated_bytes"]
         self.assertEqual((accumulated["allocated"], accumulated["freed"]), (0, 0))
 
+    def test_a_graph_pool_keeps_its_allocations_and_checks_them(self):
+        in_pool, outside = self.out["pool_ptrs"]
+        self.assertEqual(self.out["pool_of"], {str(in_pool): [[0, 7]], str(outside): [[0, 0]]})
+        self.assertEqual(self.out["live_in_pool"], [True, False, False])
+        self.assertIn("cudagraph_trees = False", self.out["rewind"])
+        self.assertEqual(self.out["after_pool"]["reserved_bytes"]["current"], 0, "released and emptied")
+
     def test_memory_fraction_and_empty_cache_reach_cuvmm(self):
         self.assertEqual(self.out["fraction"], 0.25)
         self.assertGreater(self.out["freed"]["reserved_bytes"]["current"], 0)
         self.assertEqual(self.out["emptied"]["reserved_bytes"]["current"], 0)
+
+
+@unittest.skipIf(missing_for_build(), missing_for_build())
+class ThroughPyTorchsInterface(unittest.TestCase):
+    """PyTorch's raw_alloc / raw_delete, out-of-memory and IPC calls reach cuvmm through the C++ layer, with
+    stand-ins for the CUDA calls PyTorch makes around them (FAKE_CUDART, FAKE_LIBCUDA)."""
+
+    @classmethod
+    def setUpClass(cls):
+        import torch  # noqa: PLC0415
+
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise unittest.SkipTest("no C compiler for the CUDA stand-ins")
+        cls.scratch = tempfile.TemporaryDirectory()
+        fakes = cls.scratch.name
+        for source, target, flags in [(FAKE_CUDART, "libfakecudart.so", []),
+                                      (FAKE_LIBCUDA, "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"])]:
+            with open(os.path.join(fakes, target + ".c"), "w") as file:
+                file.write(source)
+            subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
+                            os.path.join(fakes, target + ".c")], check=True)
+        build = os.path.join(ROOT, "target", "cpp-layer", f"harness-{torch.__version__}")
+        os.makedirs(build, exist_ok=True)
+        code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS", repr(HARNESS))
+        code = code.replace("BUILD", repr(build))
+        cls.out = run_probe(code, LD_PRELOAD=os.path.join(fakes, "libfakecudart.so"), LD_LIBRARY_PATH=fakes)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.scratch.cleanup()
+
+    def test_raw_alloc_and_raw_delete_are_cuvmms(self):
+        self.assertEqual(self.out["layer"], "cpp")
+        self.assertEqual((self.out["allocated"], self.out["released"]), (SIZE, 0))
+
+    def test_a_request_larger_than_the_device_is_torch_out_of_memory(self):
+        self.assertTrue(self.out["huge"].startswith("OutOfMemoryError: cuvmm:"), self.out["huge"])
+        self.assertIn("can never fit", self.out["huge"])
+
+    def test_a_request_over_the_memory_fraction_is_torch_out_of_memory_with_the_diagnosis(self):
+        self.assertTrue(self.out["over_limit"].startswith("OutOfMemoryError: cuvmm:"), self.out["over_limit"])
+        self.assertIn("out of memory", self.out["over_limit"].lower())
+
+    def test_out_of_memory_observers_are_called_with_the_numbers(self):
+        gib = 1 << 30
+        huge, over_limit = self.out["observed"]
+        self.assertEqual(huge[:3], [0, 100 * gib, 4 * gib])
+        self.assertEqual(over_limit[:3], [0, 3 * gib, 2 * gib], "the limit, as PyTorch passes it")
+        self.assertGreaterEqual(self.out["num_ooms"], 1)
+
+    def test_a_shared_allocation_opens_once_at_an_address_of_its_own(self):
+        ptr, opened, again = self.out["opened"]
+        self.assertEqual(self.out["magic"], "CUVMMIPC")
+        self.assertEqual(self.out["offset"], 0)
+        self.assertNotEqual(opened, ptr, "mapped again, elsewhere")
+        self.assertEqual(again, opened, "one mapping per handle while it is in use")
+        self.assertIn("no such export", self.out["reopen"])
 
 
 @unittest.skipIf(missing_for_install(), missing_for_install())

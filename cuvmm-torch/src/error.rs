@@ -81,6 +81,15 @@ pub enum AbiError {
     /// The allocator refused the operation (out of memory, unknown address, double free, ...).
     #[error(transparent)]
     Allocator(#[from] cuvmm::Error),
+    /// A request larger than the device ([`cuvmm::Error::TooLarge`]). PyTorch's allocators report it as
+    /// out-of-memory, so the C ABI does, with the numbers of one ([`cuvmm_last_oom`](crate::ffi)).
+    #[error("out of memory: {error}")]
+    NeverFits {
+        /// The allocator's error.
+        error: cuvmm::Error,
+        /// Its numbers, as an out-of-memory's.
+        info: COomInfo,
+    },
     /// Bytes given as a handle string of shared memory that are not one (`sharing.rs`).
     #[error("not a handle of cuvmm shared memory: {why}")]
     BadHandle {
@@ -114,10 +123,12 @@ impl AbiError {
         matches!(self, AbiError::BadSize { size: 0 })
     }
 
-    /// The diagnosis, when this is the allocator's out-of-memory error.
-    pub fn out_of_memory(&self) -> Option<&cuvmm::OutOfMemory> {
+    /// The numbers of an out-of-memory failure, when this is one (a request larger than the device
+    /// included, as PyTorch counts it).
+    pub fn out_of_memory(&self) -> Option<COomInfo> {
         match self {
-            AbiError::Allocator(cuvmm::Error::OutOfMemory(oom)) => Some(oom),
+            AbiError::Allocator(cuvmm::Error::OutOfMemory(oom)) => Some(COomInfo::from(&**oom)),
+            AbiError::NeverFits { info, .. } => Some(*info),
             _ => None,
         }
     }
@@ -145,7 +156,7 @@ pub fn record(operation: &'static str, error: &AbiError) {
     // The message comes from Display impls; a NUL in it (say, from a path) is replaced, not lost.
     let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
     LAST_ERROR.with(|last| *last.borrow_mut() = Some(text));
-    LAST_OOM.set(error.out_of_memory().map(COomInfo::from));
+    LAST_OOM.set(error.out_of_memory());
 }
 
 /// The numbers of this thread's last error if it was out-of-memory; `None` if it succeeded or failed

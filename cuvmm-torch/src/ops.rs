@@ -3,8 +3,8 @@
 //! arguments and results.
 
 use crate::error::AbiError;
-use crate::registry::Registry;
-use crate::structs::{CDeviceStats, OwnedSnapshot};
+use crate::registry::{Registry, TorchAllocator};
+use crate::structs::{CDeviceStats, COomInfo, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::cell::RefCell;
 use std::path::Path;
@@ -53,7 +53,38 @@ pub fn malloc(registry: &Registry, size: isize, device: i32, stream: u64) -> Res
         (tag.borrow().as_deref())
             .map(|tag| allocator.alloc_tagged_raw(bytes, StreamId(stream), tag))
     });
-    Ok(tagged.unwrap_or_else(|| allocator.alloc_raw(bytes, StreamId(stream)))?)
+    tagged
+        .unwrap_or_else(|| allocator.alloc_raw(bytes, StreamId(stream)))
+        .map_err(|error| match error {
+            cuvmm::Error::TooLarge {
+                requested,
+                capacity,
+            } => never_fits(allocator, error, requested, capacity),
+            other => other.into(),
+        })
+}
+
+/// A request larger than the device as an out-of-memory ([`AbiError::NeverFits`]), with the numbers PyTorch's
+/// out-of-memory observers take. The device is not asked on this path: its free bytes are those cuvmm does
+/// not hold.
+fn never_fits(
+    allocator: &TorchAllocator,
+    error: cuvmm::Error,
+    requested: u64,
+    capacity: u64,
+) -> AbiError {
+    let stats = allocator.stats();
+    let reserved = stats.reserved_bytes.current;
+    let info = COomInfo {
+        requested,
+        alloc_size: requested,
+        device_total: capacity,
+        device_free: capacity.saturating_sub(reserved),
+        allowed: (allocator.memory_fraction()).map_or(0, |f| (f * capacity as f64) as u64),
+        allocated: stats.allocated_bytes.current,
+        reserved,
+    };
+    AbiError::NeverFits { error, info }
 }
 
 /// Frees `ptr` on `device`. A null pointer is nothing to free (as C's `free(NULL)`). The size and stream

@@ -158,7 +158,8 @@ pub struct COomInfo {
     pub alloc_size: u64,
     /// The device's memory.
     pub device_total: u64,
-    /// What the device reported free.
+    /// What the device reported free (for a request larger than the device, which is not asked: the bytes
+    /// cuvmm does not hold).
     pub device_free: u64,
     /// The memory limit (`set_per_process_memory_fraction`); 0 when none is set.
     pub allowed: u64,

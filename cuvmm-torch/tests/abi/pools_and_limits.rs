@@ -92,7 +92,7 @@ fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
 }
 
 #[test]
-fn a_memory_fraction_limits_growth_and_its_oom_is_flagged_with_numbers() {
+fn a_memory_fraction_limits_growth_and_its_oom_or_a_too_large_request_is_flagged_with_numbers() {
     setup();
     let device = 7;
     assert_eq!(
@@ -135,6 +135,22 @@ fn a_memory_fraction_limits_growth_and_its_oom_is_flagged_with_numbers() {
     assert_eq!(cuvmm_set_memory_fraction(device, 1.0), 0);
     let now_fits = cuvmm_malloc(3 << 30, device, ptr::null_mut());
     assert!(!now_fits.is_null(), "{:?}", last_error());
+    // A request larger than the device is an out-of-memory too, as PyTorch reports it.
+    assert!(cuvmm_malloc(9 << 30, device, ptr::null_mut()).is_null());
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuvmm_last_oom(&mut oom) }, 1);
+    assert_eq!((oom.requested, oom.alloc_size), (9 << 30, 9 << 30));
+    assert_eq!(
+        (oom.device_total, oom.allowed),
+        (8 * GIB, 8 * GIB),
+        "a fraction of 1 is set"
+    );
+    assert_eq!(oom.allocated, 4 << 30);
+    assert_eq!(oom.device_free, 8 * GIB - oom.reserved);
+    assert_failed(
+        "larger than the device",
+        "out of memory: a request of 9663676416 bytes can never fit",
+    );
     for p in [fits, now_fits] {
         cuvmm_free(p, 0, device, ptr::null_mut());
     }
