@@ -136,7 +136,9 @@ int cuvmm_add_peer(int device, int peer);
  * cuvmm_ipc_share: the handle string of the live allocation at ptr (bytes to free with cuvmm_bytes_free),
  * its length in *len, and the allocation's offset in the range an importer maps in *offset; NULL on failure
  * (tagged memory, a device whose handles are not exportable, an unknown address). The descriptors travel
- * over a Unix socket the exporting process serves; a handle string opens once.
+ * over a Unix socket the exporting process serves; a handle string opens once. The allocation must stay
+ * live while cuvmm_ipc_share runs: a free of it racing the share is a use after free (PyTorch holds the
+ * storage); an export not yet opened when its allocation is freed later is forgotten then.
  * cuvmm_ipc_open: maps that memory on device (in another process of the same user, or this one); returns
  * the start of the range (the allocation is at the exporter's offset); NULL on failure.
  * cuvmm_ipc_close: unmaps it once all work on it is done; 0 or -1. */

@@ -193,7 +193,9 @@ impl transport::Exports for ExportTable {
 static EXPORTS: LazyLock<Arc<ExportTable>> = LazyLock::new(Arc::default);
 
 /// Exports the live allocation at `ptr` of `device`: returns its handle string and the allocation's offset
-/// in the range the importer maps.
+/// in the range the importer maps. `ptr` must stay live until this returns: a [`forget`] racing it (a free
+/// of the memory being shared, a use after free) may leave the export in the table (PyTorch holds the
+/// storage while sharing it).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] for an address that is not
