@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::{holds_pattern, write_pattern};
+
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
@@ -34,15 +36,6 @@ fn open(a: &mut Alloc, shared: &SharedMemory) -> (u64, u64) {
     (base, base + shared.offset)
 }
 
-fn write(a: &mut Alloc, addr: u64, id: u64, size: u64) {
-    let bytes = common::pattern(id, size as usize);
-    a.driver_mut().write(addr, &bytes).expect("writable");
-}
-
-fn holds(a: &Alloc, addr: u64, id: u64, size: u64) -> bool {
-    a.driver().read(addr, size as usize).expect("readable") == common::pattern(id, size as usize)
-}
-
 /// A small allocation that shares its page with others: the importer maps the whole page, sees the bytes
 /// the exporter wrote, and the exporter sees the importer's writes.
 #[test]
@@ -51,8 +44,8 @@ fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
     let s = StreamId(1);
     let before = a.alloc(700, s).unwrap();
     let x = a.alloc(900, s).unwrap();
-    write(&mut a, before, 1, 700);
-    write(&mut a, x, 2, 900);
+    write_pattern(&mut a, before, 1, 700);
+    write_pattern(&mut a, x, 2, 900);
     let used = a.driver().used_bytes();
 
     let shared = a.share(x).unwrap();
@@ -72,21 +65,27 @@ fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
     let (base, seen) = open(&mut a, &shared);
     assert_ne!(base, x - shared.offset, "mapped at an address of its own");
     assert_eq!(a.driver().used_bytes(), used, "an import takes no memory");
-    assert!(holds(&a, seen, 2, 900), "the importer sees the allocation");
     assert!(
-        holds(&a, base + (before - (x - shared.offset)), 1, 700),
+        holds_pattern(&a, seen, 2, 900),
+        "the importer sees the allocation"
+    );
+    assert!(
+        holds_pattern(&a, base + (before - (x - shared.offset)), 1, 700),
         "and its page"
     );
-    write(&mut a, seen, 3, 900);
+    write_pattern(&mut a, seen, 3, 900);
     assert!(
-        holds(&a, x, 3, 900),
+        holds_pattern(&a, x, 3, 900),
         "the exporter sees the importer's writes"
     );
 
     drop(shared); // the exporter's descriptors
     a.close_shared(base).unwrap();
     a.check_invariants().unwrap();
-    assert!(holds(&a, x, 3, 900), "closing the import leaves the memory");
+    assert!(
+        holds_pattern(&a, x, 3, 900),
+        "closing the import leaves the memory"
+    );
     assert!(matches!(
         a.close_shared(base),
         Err(Error::Sharing(SharingError::NotOpen { .. }))
@@ -100,7 +99,7 @@ fn an_import_sees_the_exporters_bytes_and_the_exporter_sees_its_writes() {
 fn a_large_allocation_is_shared_as_the_whole_chunks_it_touches() {
     let mut a = new_alloc();
     let x = a.alloc(30 * PAGE, StreamId(1)).unwrap();
-    write(&mut a, x, 4, 30 * PAGE);
+    write_pattern(&mut a, x, 4, 30 * PAGE);
     let shared = a.share(x).unwrap();
     assert!(
         shared
@@ -110,7 +109,7 @@ fn a_large_allocation_is_shared_as_the_whole_chunks_it_touches() {
     );
     assert_eq!(shared.parts.len(), 2);
     let (base, seen) = open(&mut a, &shared);
-    assert!(holds(&a, seen, 4, 30 * PAGE));
+    assert!(holds_pattern(&a, seen, 4, 30 * PAGE));
     a.close_shared(base).unwrap();
     a.free(x).unwrap();
     a.empty_cache().unwrap();
@@ -123,7 +122,7 @@ fn a_large_allocation_is_shared_as_the_whole_chunks_it_touches() {
 fn imported_memory_stays_until_the_import_is_closed() {
     let mut a = new_alloc();
     let x = a.alloc(3 * PAGE, StreamId(1)).unwrap();
-    write(&mut a, x, 5, 3 * PAGE);
+    write_pattern(&mut a, x, 5, 3 * PAGE);
     let shared = a.share(x).unwrap();
     let range = shared.range_size();
     assert_eq!(range, 20 * PAGE, "the chunk it lies in");
@@ -136,7 +135,10 @@ fn imported_memory_stays_until_the_import_is_closed() {
         0,
         "the exporter holds nothing"
     );
-    assert!(holds(&a, seen, 5, 3 * PAGE), "the import keeps the bytes");
+    assert!(
+        holds_pattern(&a, seen, 5, 3 * PAGE),
+        "the import keeps the bytes"
+    );
     assert_eq!(a.driver().used_bytes(), range, "and the memory");
     a.close_shared(base).unwrap();
     assert_eq!(
@@ -252,8 +254,8 @@ fn a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk() {
         16 * PAGE,
         "the chunk's idle pages are lent"
     );
-    write(&mut a, kept, 6, 4 * PAGE);
-    write(&mut a, other, 7, 16 * PAGE);
+    write_pattern(&mut a, kept, 6, 4 * PAGE);
+    write_pattern(&mut a, other, 7, 16 * PAGE);
 
     let shared = a.share(other).unwrap();
     assert_eq!(shared.parts.len(), 16, "one piece per lent page");
@@ -266,7 +268,7 @@ fn a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk() {
     assert!(shared.parts.iter().any(|p| p.handle_offset != 0));
     let (base, seen) = open(&mut a, &shared);
     assert!(
-        holds(&a, seen, 7, 16 * PAGE),
+        holds_pattern(&a, seen, 7, 16 * PAGE),
         "the importer sees the lent pages' bytes"
     );
     a.close_shared(base).unwrap();
@@ -275,7 +277,7 @@ fn a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk() {
     assert_eq!(shared.parts.len(), 1, "the chunk whole");
     assert_eq!(shared.offset, 8 * PAGE);
     let (base, seen) = open(&mut a, &shared);
-    assert!(holds(&a, seen, 6, 4 * PAGE));
+    assert!(holds_pattern(&a, seen, 6, 4 * PAGE));
     a.close_shared(base).unwrap();
     a.check_invariants().unwrap();
     a.free(other).unwrap();

@@ -16,6 +16,8 @@
 //!   tag (`TagAsleep`), a sleep or wake during a capture (`CaptureUnderway`).
 
 mod common;
+
+use common::{holds_pattern, write_pattern};
 #[path = "sleep_wake/model.rs"]
 mod model;
 
@@ -46,15 +48,6 @@ fn new_alloc(config: Config) -> Alloc {
     )
 }
 
-fn write(a: &mut Alloc, addr: u64, id: u64, size: u64) {
-    let bytes = common::pattern(id, size as usize);
-    a.driver_mut().write(addr, &bytes).expect("writable");
-}
-
-fn holds(a: &Alloc, addr: u64, id: u64, size: u64) -> bool {
-    a.driver().read(addr, size as usize).expect("readable") == common::pattern(id, size as usize)
-}
-
 /// Weights and a KV cache sleep with their bytes kept: the device gets their pages back, another job
 /// allocates and frees that memory, and the wake puts the bytes back at the same addresses.
 #[test]
@@ -64,9 +57,9 @@ fn a_sleep_gives_the_pages_back_and_the_wake_restores_the_bytes_in_place() {
     let weights = a.alloc_tagged(10 * PAGE, s, "weights").unwrap();
     let kv = a.alloc_tagged(20 * PAGE + 100, s, "kv_cache").unwrap();
     let other = a.alloc(3 * PAGE, s).unwrap();
-    write(&mut a, weights, 1, 10 * PAGE);
-    write(&mut a, kv, 2, 20 * PAGE + 100);
-    write(&mut a, other, 3, 3 * PAGE);
+    write_pattern(&mut a, weights, 1, 10 * PAGE);
+    write_pattern(&mut a, kv, 2, 20 * PAGE + 100);
+    write_pattern(&mut a, other, 3, 3 * PAGE);
     let used = a.driver().used_bytes();
 
     let given = a.sleep("kv_cache", true).unwrap();
@@ -83,17 +76,17 @@ fn a_sleep_gives_the_pages_back_and_the_wake_restores_the_bytes_in_place() {
 
     // Another job takes the memory and gives it back.
     let job = a.alloc(40 * PAGE, StreamId(2)).unwrap();
-    write(&mut a, job, 9, 40 * PAGE);
+    write_pattern(&mut a, job, 9, 40 * PAGE);
     a.free(job).unwrap();
     a.empty_cache().unwrap();
 
     a.wake("kv_cache").unwrap();
     assert!(
-        holds(&a, kv, 2, 20 * PAGE + 100),
+        holds_pattern(&a, kv, 2, 20 * PAGE + 100),
         "the KV cache's bytes are back"
     );
-    assert!(holds(&a, weights, 1, 10 * PAGE));
-    assert!(holds(&a, other, 3, 3 * PAGE));
+    assert!(holds_pattern(&a, weights, 1, 10 * PAGE));
+    assert!(holds_pattern(&a, other, 3, 3 * PAGE));
     assert_eq!(a.stats().asleep_bytes, 0);
     a.check_invariants().unwrap();
     a.free(kv).unwrap();
@@ -106,13 +99,16 @@ fn a_sleep_gives_the_pages_back_and_the_wake_restores_the_bytes_in_place() {
 fn a_sleep_without_keep_loses_the_bytes() {
     let mut a = new_alloc(Config::default());
     let kv = a.alloc_tagged(8 * PAGE, StreamId(1), "kv").unwrap();
-    write(&mut a, kv, 5, 8 * PAGE);
+    write_pattern(&mut a, kv, 5, 8 * PAGE);
     a.sleep("kv", false).unwrap();
     a.wake("kv").unwrap();
     assert!(a.driver().is_accessible(kv));
-    assert!(!holds(&a, kv, 5, 8 * PAGE), "the bytes were not kept");
-    write(&mut a, kv, 6, 8 * PAGE);
-    assert!(holds(&a, kv, 6, 8 * PAGE));
+    assert!(
+        !holds_pattern(&a, kv, 5, 8 * PAGE),
+        "the bytes were not kept"
+    );
+    write_pattern(&mut a, kv, 6, 8 * PAGE);
+    assert!(holds_pattern(&a, kv, 6, 8 * PAGE));
     a.check_invariants().unwrap();
 }
 
@@ -197,7 +193,7 @@ fn a_graph_captured_on_tagged_memory_replays_after_the_wake() {
     let mut a = new_alloc(Config::default());
     let (s, capture) = (StreamId(1), StreamId(3));
     let weights = a.alloc_tagged(6 * PAGE, s, "weights").unwrap();
-    write(&mut a, weights, 7, 6 * PAGE);
+    write_pattern(&mut a, weights, 7, 6 * PAGE);
     let id = a
         .driver_mut()
         .begin_capture(capture, CaptureMode::ThreadLocal)
@@ -222,7 +218,7 @@ fn a_graph_captured_on_tagged_memory_replays_after_the_wake() {
     a.driver_mut()
         .launch(s, &ranges)
         .expect("the replay finds its memory");
-    assert!(holds(&a, weights, 7, 6 * PAGE));
+    assert!(holds_pattern(&a, weights, 7, 6 * PAGE));
     a.check_invariants().unwrap();
 }
 
@@ -235,8 +231,8 @@ fn a_sleep_or_wake_that_fails_half_way_is_finished_by_the_next() {
     let (s1, s2) = (StreamId(1), StreamId(2));
     let x = a.alloc_tagged(4 * PAGE, s1, "kv").unwrap();
     let y = a.alloc_tagged(4 * PAGE, s2, "kv").unwrap();
-    write(&mut a, x, 1, 4 * PAGE);
-    write(&mut a, y, 2, 4 * PAGE);
+    write_pattern(&mut a, x, 1, 4 * PAGE);
+    write_pattern(&mut a, y, 2, 4 * PAGE);
     // An unmap that fails is made again (`settle.rs`): the second and third calls fail.
     a.driver_mut().fail_nth(Op::Unmap, 2, FaultKind::Error);
     a.driver_mut().fail_nth(Op::Unmap, 3, FaultKind::Error);
@@ -259,7 +255,7 @@ fn a_sleep_or_wake_that_fails_half_way_is_finished_by_the_next() {
     a.free(hog).unwrap();
     a.wake("kv").unwrap();
     assert!(
-        holds(&a, x, 1, 4 * PAGE) && holds(&a, y, 2, 4 * PAGE),
+        holds_pattern(&a, x, 1, 4 * PAGE) && holds_pattern(&a, y, 2, 4 * PAGE),
         "the first sleep's bytes"
     );
     a.check_invariants().unwrap();

@@ -49,6 +49,17 @@ pub fn pattern(id: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
+/// Writes [`pattern`]`(id, size)` at `addr` of the allocator's simulated device.
+pub fn write_pattern(a: &mut Expandable<SimDriver>, addr: u64, id: u64, size: u64) {
+    let bytes = pattern(id, size as usize);
+    a.driver_mut().write(addr, &bytes).expect("writable");
+}
+
+/// Whether `addr` of the allocator's simulated device holds [`pattern`]`(id, size)`.
+pub fn holds_pattern(a: &Expandable<SimDriver>, addr: u64, id: u64, size: u64) -> bool {
+    a.driver().read(addr, size as usize).expect("readable") == pattern(id, size as usize)
+}
+
 /// Runs the `cuvmm` binary with `args` and waits for it.
 pub fn cuvmm(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_cuvmm"))

@@ -100,7 +100,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                         );
                     }
                     m.next_id += 1;
-                    write(a, addr, m.next_id, size);
+                    write_pattern(a, addr, m.next_id, size);
                     let streams = vec![stream];
                     m.live.insert(
                         addr,
@@ -181,9 +181,12 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                     for (&addr, l) in &m.live {
                         if l.tag == Some(tag) {
                             if keep {
-                                assert!(holds(a, addr, l.id, l.size), "{addr:#x} lost its bytes");
+                                assert!(
+                                    holds_pattern(a, addr, l.id, l.size),
+                                    "{addr:#x} lost its bytes"
+                                );
                             } else {
-                                write(a, addr, l.id, l.size);
+                                write_pattern(a, addr, l.id, l.size);
                             }
                         }
                     }
@@ -240,7 +243,7 @@ fn check(a: &Alloc, m: &Model) {
             }
         } else {
             assert!(
-                holds(a, addr, l.id, l.size),
+                holds_pattern(a, addr, l.id, l.size),
                 "{addr:#x}+{} lost its bytes",
                 l.size
             );
@@ -276,7 +279,7 @@ fn run(config: Config, actions: Vec<Action>) {
         a.wake(name).unwrap_or_else(|e| panic!("final wake: {e}"));
         if let Some(true) = m.asleep.remove(&(tag as u8)) {
             for (&addr, l) in &m.live {
-                assert!(l.tag != Some(tag as u8) || holds(&a, addr, l.id, l.size));
+                assert!(l.tag != Some(tag as u8) || holds_pattern(&a, addr, l.id, l.size));
             }
         }
     }
