@@ -18,14 +18,28 @@ const PAGES: u64 = 256;
 
 type Alloc = Expandable<SimDriver>;
 
-fn new_alloc() -> Alloc {
-    // Large requests in 20-page chunks (the default `large_handle` is 20 MiB; here 20 pages).
-    let config = Config {
+/// Large requests in 20-page chunks (the default `large_handle` is 20 MiB; here 20 pages).
+fn chunked() -> Config {
+    Config {
         small_size: 1024,
         large_handle: 20 * PAGE,
         ..Config::default()
-    };
-    common::expandable_with(PAGE, PAGES, config, true)
+    }
+}
+
+fn new_alloc() -> Alloc {
+    common::expandable_with(PAGE, PAGES, chunked(), true)
+}
+
+/// A device of `pages` pages with a backing store, mapping parts of handles if `partial_mappings`.
+fn device(pages: u64, partial_mappings: bool) -> SimDriver {
+    SimDriver::new(
+        SimConfig::default()
+            .with_capacity(pages * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true)
+            .with_partial_mappings(partial_mappings),
+    )
 }
 
 /// Maps `shared` back in this allocator; returns where the allocation appears.
@@ -232,19 +246,7 @@ fn the_facade_shares_live_buffers_only_and_closes_imports_on_drop() {
 /// the chunk's own block is shared as the whole chunk.
 #[test]
 fn a_block_on_lent_pages_is_shared_as_pieces_of_the_chunk() {
-    let config = Config {
-        small_size: 1024,
-        large_handle: 20 * PAGE,
-        ..Config::default()
-    };
-    let sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(20 * PAGE)
-            .with_granularity(PAGE)
-            .with_backing_store(true)
-            .with_partial_mappings(true),
-    );
-    let mut a = Expandable::new(sim, config).unwrap();
+    let mut a = Expandable::new(device(20, true), chunked()).unwrap();
     let first = a.alloc(8 * PAGE, StreamId(1)).unwrap();
     let kept = a.alloc(4 * PAGE, StreamId(1)).unwrap();
     a.free(first).unwrap();
@@ -331,21 +333,9 @@ mod interleaved {
     }
 
     fn run(steps: Vec<Step>, partial_mappings: bool) {
-        let config = Config {
-            small_size: 1024,
-            large_handle: 20 * PAGE,
-            ..Config::default()
-        };
-        let sim = SimDriver::new(
-            SimConfig::default()
-                .with_capacity(PAGE * 160)
-                .with_granularity(PAGE)
-                .with_backing_store(true)
-                .with_partial_mappings(partial_mappings),
-        );
-        let mut device = sim;
+        let mut device = device(160, partial_mappings);
         {
-            let mut a = Expandable::new(&mut device, config).unwrap();
+            let mut a = Expandable::new(&mut device, chunked()).unwrap();
             let (mut live, mut open): (Vec<Live>, Vec<Open>) = (Vec::new(), Vec::new());
             let mut next_id = 1;
             for step in steps {
