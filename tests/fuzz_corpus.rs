@@ -582,25 +582,3 @@ fn written_split_seeds_match_their_scenarios() {
         assert_eq!(on_disk, bytes, "{name} differs from its scenario");
     }
 }
-
-/// Inputs the fuzzer found failing that are not fixed yet (`fuzz/known_failures/<target>/`, outside the
-/// corpus the fuzz step and the tests above replay). Expandable: after pages are lent under pressure, a
-/// map fault and a trim, `empty_cache` leaves idle mapped and lent memory (found by CI's fuzz step on
-/// 2026-11-25). `cargo test --test fuzz_corpus -- --ignored` replays them; a fix moves them to the corpus.
-#[test]
-#[ignore = "known bug, not fixed yet: empty_cache leaves lent pages idle (fuzz/known_failures)"]
-fn expandable_ops_known_failures() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/known_failures/expandable_ops");
-    let mut files: Vec<_> = std::fs::read_dir(&dir)
-        .expect("fuzz/known_failures/expandable_ops")
-        .map(|entry| entry.expect("a directory entry").path())
-        .collect();
-    files.sort();
-    assert!(!files.is_empty());
-    for file in files {
-        let data = std::fs::read(&file).expect("readable");
-        if let Err(failure) = strategy_ops::summary::<Expandable<SimDriver>>(&data) {
-            panic!("{}: {failure}", file.display());
-        }
-    }
-}

@@ -22,8 +22,9 @@
 //! - `free` of an address that is not live is refused with `DoubleFree` or `UnknownAddress` and makes no
 //!   driver call;
 //! - a successful `empty_cache` leaves nothing idle but, with chunks (`Setup::chunk_pages` > 1), the idle
-//!   pages of the chunks that live blocks' ends lie in; `trim` gives back what was asked (with single
-//!   pages), within what was idle;
+//!   pages of the chunks that live blocks' ends lie in and of the chunks that lend pages to live blocks,
+//!   and no lent page outside the live blocks; `trim` gives back what was asked (with single pages),
+//!   within what was idle;
 //! - at the end, with faults cleared: every free succeeds, `empty_cache` leaves nothing reserved and no
 //!   segment, and the simulated driver reports no leak.
 //!
@@ -216,9 +217,17 @@ impl Model for State {
                     (Ok(()), _) => {
                         let stats = self.alloc.stats();
                         // A chunk is unmapped whole: each live block may keep the idle pages of the
-                        // chunks its two ends lie in.
-                        let stranded = 2 * self.live.len() as u64 * (self.chunk_pages - 1) * PAGE;
-                        if stats.idle_handle_bytes != 0 || stats.idle_mapped_bytes > stranded {
+                        // chunks its two ends lie in, and each page lent into it (mapped a second time
+                        // there) those of its lender chunk. A lent page outside every live block goes home.
+                        let spanned: u64 = (self.live.iter())
+                            .map(|(addr, l)| ((addr + l.size).div_ceil(PAGE) - addr / PAGE) * PAGE)
+                            .sum();
+                        let pinning = 2 * self.live.len() as u64 + stats.lent_bytes / PAGE;
+                        let stranded = pinning * (self.chunk_pages - 1) * PAGE;
+                        if stats.idle_handle_bytes != 0
+                            || stats.lent_bytes > spanned
+                            || stats.idle_mapped_bytes > stranded
+                        {
                             return Err(format!("empty_cache left idle memory: {stats:?}"));
                         }
                         Ok(())
