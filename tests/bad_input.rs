@@ -28,6 +28,8 @@ fn sizes_beyond_the_device_can_never_fit() {
             other => panic!("alloc({size}) gave {other:?}"),
         }
     }
+    // Each is an out-of-memory, counted as PyTorch counts it.
+    assert_eq!(alloc.stats().num_ooms, 4);
     let a = alloc.alloc(16 * PAGE, S).expect("exactly the device fits");
     alloc.free(a).unwrap();
     alloc.check_invariants().unwrap();

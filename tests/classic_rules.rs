@@ -7,6 +7,7 @@ use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
 use cuvmm::lab::pytorch_model::{SegmentAction, SegmentEvent, Split};
 use cuvmm::size::{GIB, MIB};
+use cuvmm::history::TraceAction;
 use cuvmm::{Error, Strategy};
 
 const S: StreamId = StreamId::DEFAULT;
@@ -231,7 +232,18 @@ fn a_request_that_never_fits_is_out_of_memory_after_one_retry() {
     a.check_invariants().unwrap();
     free(&mut a, x);
     assert!(matches!(a.alloc(0, S), Err(Error::ZeroSize)));
+    // Larger than the device: PyTorch tries it like any other, releasing its cache and retrying, and
+    // counts and records the out-of-memory; the error says it never fits.
+    a.record_history(Some(8)).unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 40 * MIB);
     assert!(matches!(a.alloc(65 * MIB, S), Err(Error::TooLarge { .. })));
+    let s = a.stats();
+    assert_eq!((s.num_alloc_retries, s.num_ooms), (2, 2));
+    assert_eq!(s.reserved_bytes.current, 0);
+    let traces = a.snapshot().unwrap().device_traces.concat();
+    let oom = traces.iter().find(|t| t.action == TraceAction::Oom);
+    assert_eq!(oom.map(|t| (t.size, t.stream)), Some((65 * MIB, S)));
+    a.check_invariants().unwrap();
 }
 
 #[test]

@@ -48,6 +48,11 @@ impl<D: Driver> Expandable<D> {
         let rounded = match round_up(size, ROUND) {
             Some(rounded) if rounded <= self.device_total => rounded,
             _ => {
+                // Never fits, so nothing is released for it; but it is an out-of-memory, counted and
+                // recorded as PyTorch does.
+                self.books.counters.ooms += 1;
+                let device_free = self.driver.mem_info().map_or(0, |info| info.free);
+                self.books.record_oom(size, stream, device_free);
                 return Err(Error::TooLarge {
                     requested: size,
                     capacity: self.device_total,

@@ -145,7 +145,8 @@ impl State {
             Ok(addr) => self.record_alloc(addr, size),
             Err(Error::ZeroSize) if size == 0 => Ok(()),
             Err(Error::TooLarge { .. }) if size > 0 && rounded.is_none() => Ok(()),
-            Err(err) if size == 0 || rounded.is_none() => {
+            // Beyond the device, PyTorch releases its cache before failing: a fault there may be the error.
+            Err(err) if size == 0 || (rounded.is_none() && !fired) => {
                 Err(format!("alloc({size}) failed with {err:?}"))
             }
             Err(Error::OutOfMemory(oom)) if !fired => {

@@ -27,17 +27,13 @@ impl<D: Driver> Split<D> {
         if orig_size == 0 {
             return Err(Error::ZeroSize);
         }
-        let too_large = Error::TooLarge {
-            requested: orig_size,
-            capacity: self.device_total,
-        };
         let Some(size) = rules::round_size(orig_size, &self.config.roundup_power2_divisions)
             .filter(|&s| s <= self.device_total)
         else {
-            return Err(too_large);
+            return Err(self.too_large(orig_size, stream)?);
         };
         let Some(alloc_size) = rules::allocation_size(size) else {
-            return Err(too_large);
+            return Err(self.too_large(orig_size, stream)?);
         };
         let req = Request {
             size,
@@ -54,7 +50,7 @@ impl<D: Driver> Split<D> {
                     None => {
                         self.counters.ooms += 1;
                         let oom = self.out_of_memory(orig_size, &req, marks);
-                        self.record_oom(&oom, req.size);
+                        self.record_oom(req.size, oom.stream, oom.device_free);
                         tracing::info!(
                             allocator = self.name(),
                             requested = orig_size,
@@ -256,6 +252,20 @@ impl<D: Driver> Split<D> {
         }
         self.trace(TraceAction::Alloc, addr, orig_size, block.stream);
         addr
+    }
+
+    /// A request no device holds. PyTorch tries it like any other: `cudaMalloc` fails, so it releases every
+    /// cached block, retries once, then counts and records the out-of-memory. The error says it never fits.
+    fn too_large(&mut self, requested: u64, stream: StreamId) -> Result<Error, Error> {
+        self.release_cached_blocks()?;
+        self.counters.retries += 1;
+        self.counters.ooms += 1;
+        let device_free = self.driver.mem_info().map_or(0, |m| m.free);
+        self.record_oom(requested, stream, device_free);
+        Ok(Error::TooLarge {
+            requested,
+            capacity: self.device_total,
+        })
     }
 
     /// The error for a request that failed even after releasing the cache and retrying, with the reclaim

@@ -36,7 +36,7 @@ pub use seed::{SeedBlock, SeedError, SeedSegment};
 use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
 use crate::strategy::Strategy;
 use crate::strategy::config::{Config, ConfigError};
-use crate::strategy::error::{Error, InvariantViolation, OutOfMemory};
+use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::history::{self, History, TraceAction, TraceEntry};
 use crate::strategy::pool::Pool;
 use crate::strategy::snapshot::MemorySnapshot;
@@ -321,15 +321,15 @@ impl<D: Driver> Split<D> {
         history::record(&mut self.history, action, addr, size, stream);
     }
 
-    /// Records an out-of-memory error for snapshots if recording is on.
-    fn record_oom(&mut self, oom: &OutOfMemory, rounded: u64) {
+    /// Records an out-of-memory of a request of `size` bytes (rounded) for snapshots, if recording is on.
+    fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
         if let Some(h) = &mut self.history {
             h.push(TraceEntry {
                 action: TraceAction::Oom,
                 addr: 0,
-                size: rounded,
-                stream: oom.stream,
-                device_free: Some(oom.device_free),
+                size,
+                stream,
+                device_free: Some(device_free),
             });
         }
     }
