@@ -5,9 +5,9 @@
 use cuvmm::config::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
+use cuvmm::history::TraceAction;
 use cuvmm::lab::pytorch_model::{SegmentAction, SegmentEvent, Split};
 use cuvmm::size::{GIB, MIB};
-use cuvmm::history::TraceAction;
 use cuvmm::{Error, Strategy};
 
 const S: StreamId = StreamId::DEFAULT;

@@ -2,15 +2,16 @@
 //!
 //! Weighted random sequences of alloc / free / record_stream / launch of simulated kernels on live blocks /
 //! advance, complete an event, complete a stream / empty_cache / trim, over three streams, with the device's
-//! backing store on and cross-stream reuse on or off. The program is a correct one: a kernel launched on a
-//! stream other than its buffer's records that use (`record_stream`) before the buffer is freed.
+//! backing store on, cross-stream reuse on or off, and large-pool handles of one page, four, or the default
+//! size, with the idle pages of chunks in use lent (mapped a second time elsewhere) or not. The program is a correct one: a kernel launched on a stream other than its
+//! buffer's records that use (`record_stream`) before the buffer is freed.
 //!
 //! Properties checked after every step:
 //! - every invariant holds (`check_invariants()`);
 //! - **a block is never handed out while work that may use it is pending**: a new allocation on stream S
 //!   overlaps no freed block that some other stream u used (its allocation stream or a recorded use) while
 //!   u has not yet finished the work it had queued when the block was freed (exactly what an event recorded
-//!   on u at the free waits for);
+//!   on u at the free waits for), **nor any of its physical memory** under another address (a lent page);
 //! - **no page is unmapped while work on it is pending**: every operation succeeds or fails only with
 //!   out-of-memory (the device refuses such an unmap with `UnmapWhileInUse`, which would surface as an
 //!   error), and every byte that pending work touches is still accessible;
@@ -23,6 +24,7 @@
 mod common;
 
 use cuvmm::driver::VaRange;
+use cuvmm::driver::sim::{Owner, SimConfig, SimDriver};
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -97,7 +99,43 @@ struct Live {
 /// stream had launched when the block was freed.
 struct Freed {
     range: VaRange,
+    /// The physical memory behind `range` when it was freed.
+    physical: Vec<Piece>,
     needs: Vec<(StreamId, u64)>,
+}
+
+/// Physical memory: bytes `start .. end` of an owner's.
+#[derive(Clone, Copy, Debug)]
+struct Piece {
+    owner: Owner,
+    start: u64,
+    end: u64,
+}
+
+/// The physical memory behind `range`, page by page; empty where nothing is mapped.
+fn physical(alloc: &Alloc, range: VaRange) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    let mut addr = range.start;
+    while addr < range.end() {
+        let next = (addr / PAGE + 1) * PAGE;
+        let len = next.min(range.end()) - addr;
+        if let Some((owner, start)) = alloc.driver().physical_at(addr) {
+            pieces.push(Piece {
+                owner,
+                start,
+                end: start + len,
+            });
+        }
+        addr += len;
+    }
+    pieces
+}
+
+fn shares_memory(a: &[Piece], b: &[Piece]) -> bool {
+    a.iter().any(|x| {
+        b.iter()
+            .any(|y| x.owner == y.owner && x.start < y.end && y.start < x.end)
+    })
 }
 
 /// The program's view: live allocations, freed blocks still in flight, and every kernel launched.
@@ -108,6 +146,8 @@ struct Model {
     /// Every kernel launched, per stream, in order; the first `launched - pending` have completed.
     work: HashMap<StreamId, Vec<VaRange>>,
     next_pattern: u64,
+    /// Pages per large-pool chunk when chunks are used and their idle pages cannot be lent.
+    stranding_chunk: Option<u64>,
 }
 
 fn stream(s: u64) -> StreamId {
@@ -128,14 +168,39 @@ fn completed(alloc: &Alloc, model: &Model, s: StreamId) -> u64 {
     launched(model, s) - alloc.driver().pending_work(s) as u64
 }
 
-fn run(cross_stream_reuse: bool, actions: Vec<Action>) {
+/// Large-pool handle sizes (single pages, 4-page chunks, and the default, 20 MiB: larger than this device), and
+/// whether the device maps part of a handle, so that idle pages of chunks in use are lent (not on CUDA).
+const HANDLES: [(u64, bool); 5] = [
+    (PAGE, false),
+    (4 * PAGE, false),
+    (4 * PAGE, true),
+    (cuvmm::config::DEFAULT_LARGE_HANDLE, false),
+    (cuvmm::config::DEFAULT_LARGE_HANDLE, true),
+];
+
+/// Runs `actions` with cross-stream reuse on or off, large-pool handles of `large_handle` bytes, and partial
+/// mappings on or off.
+fn run(cross_stream_reuse: bool, (large_handle, partial): (u64, bool), actions: Vec<Action>) {
     let config = Config {
         small_size: 1024,
+        large_handle,
         ..Config::default()
     }
     .with_cross_stream_reuse(cross_stream_reuse);
-    let mut alloc = common::expandable_with(PAGE, PAGES, config, true);
-    let mut m = Model::default();
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(PAGES * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true)
+            .with_partial_mappings(partial),
+    );
+    let mut alloc = Alloc::new(sim, config).expect("valid configuration");
+    // A handle larger than the device is not made: growth then takes what fits, as single pages.
+    let chunk = large_handle / PAGE;
+    let mut m = Model {
+        stranding_chunk: (chunk > 1 && chunk <= PAGES && !partial).then_some(chunk),
+        ..Model::default()
+    };
     for action in actions {
         step(&mut alloc, &mut m, action);
         check(&alloc, &mut m);
@@ -161,22 +226,34 @@ fn step(alloc: &mut Alloc, m: &mut Model, action: Action) {
     match action {
         Action::Alloc { size, stream: s } => {
             let s = stream(s);
+            // The pages the live blocks could touch; with chunks that cannot be lent, the chunks.
+            let touched = |size: u64| {
+                let pages = size.next_multiple_of(ROUND).div_ceil(PAGE) + 2;
+                match m.stranding_chunk {
+                    Some(chunk) if size > 1024 => (pages.div_ceil(chunk) + 1) * chunk,
+                    _ => pages,
+                }
+            };
             let bound: u64 = m
                 .live
                 .values()
                 .map(|l| l.size)
                 .chain([size])
-                .map(|size| size.next_multiple_of(ROUND).div_ceil(PAGE) + 2)
+                .map(touched)
                 .sum::<u64>()
                 * PAGE;
             match alloc.alloc(size, s) {
                 Ok(addr) => {
                     let range = VaRange::new(addr, size.next_multiple_of(ROUND));
-                    for freed in m.freed.iter().filter(|f| overlaps(f.range, range)) {
+                    let memory = physical(alloc, range);
+                    let reused =
+                        |f: &Freed| overlaps(f.range, range) || shares_memory(&f.physical, &memory);
+                    for freed in m.freed.iter().filter(|f| reused(f)) {
                         for &(u, need) in &freed.needs {
                             assert!(
                                 u == s || completed(alloc, m, u) >= need,
-                                "{addr:#x}+{size} handed to {s} while {u} may still use the freed block at {:#x}",
+                                "{addr:#x}+{size} handed to {s} while {u} may still use the freed block at {:#x} \
+                                 (its addresses or its memory)",
                                 freed.range.start
                             );
                         }
@@ -202,6 +279,8 @@ fn step(alloc: &mut Alloc, m: &mut Model, action: Action) {
         }
         Action::Free { pick: p } => {
             let Some(addr) = pick(&m.live, p) else { return };
+            let range = VaRange::new(addr, m.live[&addr].size.next_multiple_of(ROUND));
+            let memory = physical(alloc, range);
             alloc.free(addr).expect("free of a live allocation");
             let live = m.live.remove(&addr).unwrap();
             let needs = std::iter::once(live.stream)
@@ -209,7 +288,8 @@ fn step(alloc: &mut Alloc, m: &mut Model, action: Action) {
                 .map(|u| (u, launched(m, u)))
                 .collect();
             m.freed.push(Freed {
-                range: VaRange::new(addr, live.size.next_multiple_of(ROUND)),
+                range,
+                physical: memory,
                 needs,
             });
         }
@@ -316,9 +396,10 @@ proptest! {
     #[test]
     fn streams_with_random_progress(
         reuse in any::<bool>(),
+        handle in prop::sample::select(&HANDLES[..]),
         actions in prop::collection::vec(action(), 1..200),
     ) {
-        run(reuse, actions);
+        run(reuse, handle, actions);
     }
 }
 
@@ -326,9 +407,13 @@ proptest! {
 #[test]
 fn a_fixed_sequence_exercises_every_path() {
     use Action::*;
-    for reuse in [false, true] {
+    for (reuse, handle) in [false, true]
+        .into_iter()
+        .flat_map(|r| HANDLES.map(|h| (r, h)))
+    {
         run(
             reuse,
+            handle,
             vec![
                 Alloc {
                     size: 3 * PAGE,

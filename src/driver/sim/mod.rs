@@ -92,6 +92,7 @@ pub use config::SimConfig;
 pub use faults::FaultKind;
 pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
+pub use store::Owner;
 
 use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaRange};
 use capture::Captures;
@@ -100,7 +101,7 @@ use malloc::Mallocs;
 use sharing::Exports;
 use std::collections::VecDeque;
 use std::fmt;
-use store::{ByteStore, Owner};
+use store::ByteStore;
 use streams::Streams;
 use vmm::Vmm;
 
@@ -202,6 +203,18 @@ impl SimDriver {
             .into_iter()
             .map(|(stream, _)| stream)
             .collect()
+    }
+    /// The physical memory behind `va`: its owner and the byte offset in it, if `va` is mapped (accessible or
+    /// not) or in a live `malloc` allocation. Two addresses with the same answer are the same memory: a piece
+    /// of a handle mapped twice, or a handle imported. Not a driver call: tests use it to check that memory
+    /// pending work may still touch is not handed out again under another address.
+    pub fn physical_at(&self, va: u64) -> Option<(Owner, u64)> {
+        if let Some((start, m)) = self.vmm.mapping_at(va) {
+            let owner = Owner::Allocation(self.vmm.allocation_of(m.handle));
+            return Some((owner, m.offset + (va - start)));
+        }
+        let (start, _) = self.mallocs.containing(va)?;
+        Some((Owner::Malloc(start), va - start))
     }
     /// Queues a simulated kernel on `stream` that reads and writes `ranges`; returns its number. It stays
     /// pending until the test completes it. Every byte of every range must be accessible now

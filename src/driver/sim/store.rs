@@ -21,7 +21,7 @@ const CHUNK: usize = 4096;
 
 /// Who owns a piece of physical memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) enum Owner {
+pub enum Owner {
     /// An allocation from `create`, by the number of the handle that created it (every handle imported for
     /// it shares its bytes).
     Allocation(u64),
