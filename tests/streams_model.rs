@@ -23,8 +23,8 @@
 
 mod common;
 
+use common::memory::{Piece, handle_settings, physical, shares_memory};
 use cuvmm::driver::VaRange;
-use cuvmm::driver::sim::{Owner, SimConfig, SimDriver};
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
@@ -104,40 +104,6 @@ struct Freed {
     needs: Vec<(StreamId, u64)>,
 }
 
-/// Physical memory: bytes `start .. end` of an owner's.
-#[derive(Clone, Copy, Debug)]
-struct Piece {
-    owner: Owner,
-    start: u64,
-    end: u64,
-}
-
-/// The physical memory behind `range`, page by page; empty where nothing is mapped.
-fn physical(alloc: &Alloc, range: VaRange) -> Vec<Piece> {
-    let mut pieces = Vec::new();
-    let mut addr = range.start;
-    while addr < range.end() {
-        let next = (addr / PAGE + 1) * PAGE;
-        let len = next.min(range.end()) - addr;
-        if let Some((owner, start)) = alloc.driver().physical_at(addr) {
-            pieces.push(Piece {
-                owner,
-                start,
-                end: start + len,
-            });
-        }
-        addr += len;
-    }
-    pieces
-}
-
-fn shares_memory(a: &[Piece], b: &[Piece]) -> bool {
-    a.iter().any(|x| {
-        b.iter()
-            .any(|y| x.owner == y.owner && x.start < y.end && y.start < x.end)
-    })
-}
-
 /// The program's view: live allocations, freed blocks still in flight, and every kernel launched.
 #[derive(Default)]
 struct Model {
@@ -168,33 +134,15 @@ fn completed(alloc: &Alloc, model: &Model, s: StreamId) -> u64 {
     launched(model, s) - alloc.driver().pending_work(s) as u64
 }
 
-/// Large-pool handle sizes (single pages, 4-page chunks, and the default, 20 MiB: larger than this device), and
-/// whether the device maps part of a handle, so that idle pages of chunks in use are lent (not on CUDA).
-const HANDLES: [(u64, bool); 5] = [
-    (PAGE, false),
-    (4 * PAGE, false),
-    (4 * PAGE, true),
-    (cuvmm::config::DEFAULT_LARGE_HANDLE, false),
-    (cuvmm::config::DEFAULT_LARGE_HANDLE, true),
-];
-
 /// Runs `actions` with cross-stream reuse on or off, large-pool handles of `large_handle` bytes, and partial
 /// mappings on or off.
 fn run(cross_stream_reuse: bool, (large_handle, partial): (u64, bool), actions: Vec<Action>) {
     let config = Config {
         small_size: 1024,
-        large_handle,
         ..Config::default()
     }
     .with_cross_stream_reuse(cross_stream_reuse);
-    let sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(PAGES * PAGE)
-            .with_granularity(PAGE)
-            .with_backing_store(true)
-            .with_partial_mappings(partial),
-    );
-    let mut alloc = Alloc::new(sim, config).expect("valid configuration");
+    let mut alloc = common::memory::chunked(PAGE, PAGES, config, (large_handle, partial));
     // A handle larger than the device is not made: growth then takes what fits, as single pages.
     let chunk = large_handle / PAGE;
     let mut m = Model {
@@ -245,7 +193,7 @@ fn step(alloc: &mut Alloc, m: &mut Model, action: Action) {
             match alloc.alloc(size, s) {
                 Ok(addr) => {
                     let range = VaRange::new(addr, size.next_multiple_of(ROUND));
-                    let memory = physical(alloc, range);
+                    let memory = physical(alloc.driver(), range, PAGE);
                     let reused =
                         |f: &Freed| overlaps(f.range, range) || shares_memory(&f.physical, &memory);
                     for freed in m.freed.iter().filter(|f| reused(f)) {
@@ -280,7 +228,7 @@ fn step(alloc: &mut Alloc, m: &mut Model, action: Action) {
         Action::Free { pick: p } => {
             let Some(addr) = pick(&m.live, p) else { return };
             let range = VaRange::new(addr, m.live[&addr].size.next_multiple_of(ROUND));
-            let memory = physical(alloc, range);
+            let memory = physical(alloc.driver(), range, PAGE);
             alloc.free(addr).expect("free of a live allocation");
             let live = m.live.remove(&addr).unwrap();
             let needs = std::iter::once(live.stream)
@@ -396,7 +344,7 @@ proptest! {
     #[test]
     fn streams_with_random_progress(
         reuse in any::<bool>(),
-        handle in prop::sample::select(&HANDLES[..]),
+        handle in prop::sample::select(handle_settings(PAGE).to_vec()),
         actions in prop::collection::vec(action(), 1..200),
     ) {
         run(reuse, handle, actions);
@@ -409,7 +357,7 @@ fn a_fixed_sequence_exercises_every_path() {
     use Action::*;
     for (reuse, handle) in [false, true]
         .into_iter()
-        .flat_map(|r| HANDLES.map(|h| (r, h)))
+        .flat_map(|r| handle_settings(PAGE).map(|h| (r, h)))
     {
         run(
             reuse,

@@ -1,6 +1,7 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod memory;
 pub mod sim_device;
 #[cfg(feature = "lab")]
 pub mod snapshot;

@@ -1,7 +1,10 @@
 //! The property test: captures interleaved with allocations, frees, `record_stream`, kernels and memory
-//! pressure, against a model of what each pool and stream holds.
+//! pressure, against a model of what each pool and stream holds, with large-pool handles of one page, four or
+//! the default size, their idle pages lent or not. Memory is checked by address and by what backs it (a lent
+//! page is mapped a second time elsewhere).
 
 use super::*;
+use common::memory::{Piece, handle_settings, physical, shares_memory};
 
 #[derive(Debug, Clone)]
 enum Action {
@@ -60,8 +63,6 @@ fn action() -> impl Strategy<Value = Action> {
 struct Live {
     size: u64,
     stream: StreamId,
-    /// The pool it was allocated to, if any.
-    pool: Option<GraphPool>,
     /// Other streams that ran work on it.
     uses: Vec<StreamId>,
 }
@@ -69,8 +70,13 @@ struct Live {
 /// A freed block that work may still read: per stream, the work that stream had launched at the free.
 struct Freed {
     range: VaRange,
+    /// The memory behind `range` at the free.
+    memory: Vec<Piece>,
     needs: Vec<(StreamId, u64)>,
 }
+
+/// A range allocated to a pool during its capture, and the memory behind it.
+type Baked = (VaRange, Vec<Piece>);
 
 #[derive(Default)]
 struct Model {
@@ -80,8 +86,8 @@ struct Model {
     /// Captures underway: stream -> pool.
     capturing: BTreeMap<StreamId, GraphPool>,
     /// Live pools (begun, not yet released as often) with their begin count, and every range allocated to
-    /// each while it was being captured: the addresses its graphs baked in.
-    pools: BTreeMap<GraphPool, (usize, Vec<VaRange>)>,
+    /// each while it was being captured, with its memory: the addresses its graphs baked in.
+    pools: BTreeMap<GraphPool, (usize, Vec<Baked>)>,
     next_pool: u64,
     last_pool: Option<GraphPool>,
 }
@@ -106,17 +112,21 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
             match a.alloc(size, s) {
                 Ok(addr) => {
                     let range = VaRange::new(addr, size.next_multiple_of(ROUND));
+                    let memory = physical(a.driver(), range, PAGE);
+                    let shares = |other: VaRange, pieces: &[Piece]| {
+                        overlaps(other, range) || shares_memory(pieces, &memory)
+                    };
                     // Never a live pool's baked-in memory, unless this is that pool.
                     for (&p, (_, baked)) in &m.pools {
                         if Some(p) != pool {
                             assert!(
-                                !baked.iter().any(|&b| overlaps(b, range)),
-                                "{addr:#x}+{size} on {s} (pool {pool:?}) overlaps memory of live {p}"
+                                !baked.iter().any(|(b, pieces)| shares(*b, pieces)),
+                                "{addr:#x}+{size} on {s} (pool {pool:?}) shares memory of live {p}"
                             );
                         }
                     }
                     // Never a block that other streams' work may still read.
-                    for freed in m.freed.iter().filter(|f| overlaps(f.range, range)) {
+                    for freed in m.freed.iter().filter(|f| shares(f.range, &f.memory)) {
                         for &(u, need) in &freed.needs {
                             assert!(
                                 u == s || completed(a, m, u) >= need,
@@ -129,14 +139,13 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
                             .get_mut(&p)
                             .expect("a pool underway is live")
                             .1
-                            .push(range);
+                            .push((range, memory));
                     }
                     m.live.insert(
                         addr,
                         Live {
                             size,
                             stream: s,
-                            pool,
                             uses: Vec::new(),
                         },
                     );
@@ -149,15 +158,16 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
                 return;
             };
             let live = m.live.remove(&addr).unwrap();
+            let range = VaRange::new(addr, live.size.next_multiple_of(ROUND));
+            let memory = physical(a.driver(), range, PAGE);
             a.free(addr).unwrap();
-            let needs = live
-                .uses
-                .iter()
-                .map(|&u| (u, m.launched.get(&u).copied().unwrap_or(0)))
+            let needs = std::iter::once(live.stream)
+                .chain(live.uses)
+                .map(|u| (u, m.launched.get(&u).copied().unwrap_or(0)))
                 .collect();
-            let _ = (live.stream, live.pool);
             m.freed.push(Freed {
-                range: VaRange::new(addr, live.size.next_multiple_of(ROUND)),
+                range,
+                memory,
                 needs,
             });
         }
@@ -253,7 +263,7 @@ fn check(a: &Alloc, m: &Model) {
     assert_capture_safe(a);
     // The memory a live pool's graphs baked in stays mapped where they use it.
     for (pool, (_, baked)) in &m.pools {
-        for range in baked {
+        for (range, _) in baked {
             let mut va = range.start - range.start % PAGE;
             while va < range.start + range.size {
                 assert!(a.driver().is_accessible(va), "{pool}: {va:#x} was unmapped");
@@ -263,8 +273,13 @@ fn check(a: &Alloc, m: &Model) {
     }
 }
 
-fn run(config: Config, actions: Vec<Action>) {
-    let mut a = new_alloc(config);
+/// Runs `actions` with `config` and large-pool handles of `handle.0` bytes, partial mappings as `handle.1`.
+fn run(config: Config, handle: (u64, bool), actions: Vec<Action>) {
+    let config = Config {
+        small_size: 1024,
+        ..config
+    };
+    let mut a = common::memory::chunked(PAGE, PAGES, config, handle);
     let mut m = Model::default();
     for action in actions {
         step(&mut a, &mut m, action);
@@ -304,17 +319,18 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Captures interleaved with allocations, frees, record_stream, kernels and pressure, with
-    /// compaction on demand (the default) and eager.
+    /// compaction on demand (the default) and eager, and every handle setting.
     #[test]
     fn captures_break_nothing_and_pools_keep_their_memory(
         actions in proptest::collection::vec(action(), 1..80),
         eager in any::<bool>(),
         cross_stream_reuse in any::<bool>(),
+        handle in prop::sample::select(handle_settings(PAGE).to_vec()),
     ) {
         let compaction = if eager { Compaction::Eager } else { Compaction::Pressure };
         let config = Config::default()
             .with_compaction(compaction)
             .with_cross_stream_reuse(cross_stream_reuse);
-        run(config, actions);
+        run(config, handle, actions);
     }
 }
