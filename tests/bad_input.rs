@@ -2,6 +2,7 @@
 
 mod common;
 
+use cuvmm::history::TraceAction;
 use cuvmm::{Error, Strategy, StreamId};
 
 const PAGE: u64 = 1 << 16;
@@ -17,7 +18,9 @@ fn size_zero_is_refused() {
 #[test]
 fn sizes_beyond_the_device_can_never_fit() {
     let mut alloc = common::expandable(PAGE, 16, 1024, false);
-    for size in [16 * PAGE + 1, 1 << 40, u64::MAX - 100, u64::MAX] {
+    alloc.record_history(Some(8)).unwrap();
+    let sizes = [16 * PAGE + 1, 1 << 40, u64::MAX - 100, u64::MAX];
+    for size in sizes {
         match alloc.alloc(size, S) {
             Err(Error::TooLarge {
                 requested,
@@ -28,8 +31,14 @@ fn sizes_beyond_the_device_can_never_fit() {
             other => panic!("alloc({size}) gave {other:?}"),
         }
     }
-    // Each is an out-of-memory, counted as PyTorch counts it.
+    // Each is an out-of-memory, counted and recorded as PyTorch does.
     assert_eq!(alloc.stats().num_ooms, 4);
+    let traces = alloc.snapshot().unwrap().device_traces.concat();
+    let ooms: Vec<u64> = (traces.iter())
+        .filter(|t| t.action == TraceAction::Oom)
+        .map(|t| t.size)
+        .collect();
+    assert_eq!(ooms, sizes);
     let a = alloc.alloc(16 * PAGE, S).expect("exactly the device fits");
     alloc.free(a).unwrap();
     alloc.check_invariants().unwrap();

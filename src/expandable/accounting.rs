@@ -263,15 +263,7 @@ impl Books {
 
     /// Records an out-of-memory of a request of `size` bytes, if recording is on.
     pub(super) fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
-        if let Some(history) = &mut self.history {
-            history.push(TraceEntry {
-                action: TraceAction::Oom,
-                addr: 0,
-                size,
-                stream,
-                device_free: Some(device_free),
-            });
-        }
+        history::record_oom(&mut self.history, size, stream, device_free);
     }
 
     /// Starts (`Some(max_entries)`) or stops recording history.

@@ -129,6 +129,25 @@ pub(crate) fn record(
     }
 }
 
+/// Records an out-of-memory of a request of `size` bytes on `stream` in `history`, if recording is on, with
+/// the device's free bytes at that moment (PyTorch's `TraceEntry::OOM`).
+pub(crate) fn record_oom(
+    history: &mut Option<History>,
+    size: u64,
+    stream: StreamId,
+    device_free: u64,
+) {
+    if let Some(h) = history {
+        h.push(TraceEntry {
+            action: TraceAction::Oom,
+            addr: 0,
+            size,
+            stream,
+            device_free: Some(device_free),
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

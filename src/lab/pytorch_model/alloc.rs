@@ -7,7 +7,7 @@ use super::{SegmentAction, Split};
 use crate::driver::{Driver, StreamId};
 use crate::strategy::Strategy;
 use crate::strategy::error::{Error, OutOfMemory, ReclaimStep};
-use crate::strategy::history::TraceAction;
+use crate::strategy::history::{self, TraceAction};
 use crate::strategy::pool::Pool;
 
 /// One request, as PyTorch's `AllocParams` carries it.
@@ -50,7 +50,12 @@ impl<D: Driver> Split<D> {
                     None => {
                         self.counters.ooms += 1;
                         let oom = self.out_of_memory(orig_size, &req, marks);
-                        self.record_oom(req.size, oom.stream, oom.device_free);
+                        history::record_oom(
+                            &mut self.history,
+                            req.size,
+                            oom.stream,
+                            oom.device_free,
+                        );
                         tracing::info!(
                             allocator = self.name(),
                             requested = orig_size,
@@ -261,7 +266,7 @@ impl<D: Driver> Split<D> {
         self.counters.retries += 1;
         self.counters.ooms += 1;
         let device_free = self.driver.mem_info().map_or(0, |m| m.free);
-        self.record_oom(requested, stream, device_free);
+        history::record_oom(&mut self.history, requested, stream, device_free);
         Ok(Error::TooLarge {
             requested,
             capacity: self.device_total,

@@ -37,7 +37,7 @@ use crate::driver::{Driver, DriverCounters, StreamId, VaRange};
 use crate::strategy::Strategy;
 use crate::strategy::config::{Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation};
-use crate::strategy::history::{self, History, TraceAction, TraceEntry};
+use crate::strategy::history::{self, History, TraceAction};
 use crate::strategy::pool::Pool;
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
@@ -319,19 +319,6 @@ impl<D: Driver> Split<D> {
     #[inline]
     fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
         history::record(&mut self.history, action, addr, size, stream);
-    }
-
-    /// Records an out-of-memory of a request of `size` bytes (rounded) for snapshots, if recording is on.
-    fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
-        if let Some(h) = &mut self.history {
-            h.push(TraceEntry {
-                action: TraceAction::Oom,
-                addr: 0,
-                size,
-                stream,
-                device_free: Some(device_free),
-            });
-        }
     }
 
     /// Adds `delta` (which may be negative) to a statistic of `pool`.
