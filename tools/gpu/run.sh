@@ -4,6 +4,7 @@
 # per step on stdout. Steps (docs/gpu.md says what each checks):
 #   info          nvidia-smi, the driver and the commit built
 #   conformance   the CUDA conformance suite (tests/conformance_cuda.rs)
+#   capture       only its capture rules and facts (a quick first check of issue 29's rules)
 #   lib           what CudaDriver reads from CUDA (the library's driver::cuda tests)
 #   streams       the caller's streams and threads (tests/cuda_streams.rs)
 #   graphs        record_stream, a memory limit, CUDA graphs replayed, peers, with real kernels (tests/cuda_graphs.rs)
@@ -18,14 +19,21 @@
 #                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
 #   bench-cuda    cached alloc+free pairs per entry point at 1-8 threads on real streams, against cudarc's
-#                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals)
+#                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals), as JSON (BENCH_ARGS adds options)
+#   sleep-wake    sleep and wake of 1, 10 and 40 GiB tagged regions through PyTorch, with and without their
+#                 contents: bytes given back, free memory gained, times (tools/sleep_wake_bench.py)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
 #   capacity-cuda every shared trace's min capacity on the GPU (a ballast makes each capacity) and peak
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
 #
-# The PyTorch steps (torch, train, hot, torch-suite) first build the C++ layer, once ($OUT/cpp-layer.txt).
+# The PyTorch steps (torch, train, hot, torch-suite, sleep-wake) first build the C++ layer, once
+# ($OUT/cpp-layer.txt).
+#
+# RUN_BUDGET=SECONDS bounds the whole run: each step's limit is cut to what is left, and a step with less than
+# 15 s left is skipped (a device lease is short: the run ends, and its files are there, before the lease does).
+# ARCHIVE=FILE also packs every output file into one .tar.gz at the end (a device tool returns few files).
 #
 #   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
@@ -39,11 +47,23 @@ mkdir -p "$out"
 # ninja, which the C++ layer's build needs (build.sh brings one), where the machine has none.
 command -v ninja >/dev/null || PATH="$bin/bin:$PATH"
 
+budget_end=$((SECONDS + ${RUN_BUDGET:-1000000}))
+# clip SECONDS: SECONDS, or what is left of the run's budget if that is less.
+clip() {
+    local left=$((budget_end - SECONDS))
+    echo $(($1 < left ? $1 : left))
+}
+
 # step NAME SECONDS COMMAND...: runs COMMAND with its output in $out/NAME.txt, then prints the status, the
 # time taken and the output's last line.
 step() {
-    local name=$1 limit=$2
+    local name=$1 limit
+    limit=$(clip "$2")
     shift 2
+    if [ "$limit" -lt 15 ]; then
+        echo "$name: skipped: the run's budget (RUN_BUDGET) is spent" | tee -a "$out/$name.txt"
+        return
+    fi
     local began=$SECONDS
     timeout "$limit" "$@" >>"$out/$name.txt" 2>&1
     local status=$?
@@ -69,8 +89,12 @@ run_step() {
         step info 60 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
         step info 60 cat "$bin/COMMIT" ;;
     bench-cuda)
-        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB
-        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json ;;
+        # JSON only (one run, not two): the table is printed from it elsewhere.
+        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json \
+            ${BENCH_ARGS:-} ;;
+    sleep-wake)
+        cpp_layer
+        step sleep-wake 240 python3 tools/sleep_wake_bench.py ${SLEEP_WAKE_ARGS:-} ;;
     cuda-async)
         step cuda-async 540 "$bin/cuvmm" compare --backend cuda --allocator cuda-async --allocator cuvmm --quiet \
             --format json ;;
@@ -84,6 +108,7 @@ run_step() {
         python3 tools/gpu/tables.py "$out" capacity-cuda.txt >"$out/capacity-cuda.md" 2>&1
         echo "capacity-cuda: table in $out/capacity-cuda.md" ;;
     conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
+    capture) step capture 120 "$bin/conformance_cuda" capture --test-threads=1 --nocapture ;;
     lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;
     streams) step streams 300 "$bin/cuda_streams" --test-threads=1 --nocapture ;;
     graphs) step graphs 300 "$bin/cuda_graphs" --test-threads=1 --nocapture ;;
@@ -124,8 +149,9 @@ run_step() {
         # cases or allocators (--case, --allocator: tools/gpu/torch_suite.py --list).
         cpp_layer
         export PYTHONUNBUFFERED=1
-        local limit=${TORCH_SUITE_LIMIT:-540}
-        step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit - 30)) \
+        local limit
+        limit=$(clip "${TORCH_SUITE_LIMIT:-540}")
+        step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit > 60 ? limit - 30 : limit / 2)) \
             --json "$out/torch-suite.jsonl" ${TORCH_SUITE_ARGS:-} ;;
     *) echo "run.sh: unknown step $1"; return 2 ;;
     esac
@@ -134,3 +160,6 @@ run_step() {
 for name in "$@"; do
     run_step "$name"
 done
+if [ -n "${ARCHIVE:-}" ]; then
+    tar czf "$ARCHIVE" -C "$out" . && echo "run.sh: every output in $ARCHIVE"
+fi
