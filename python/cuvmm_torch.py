@@ -27,6 +27,7 @@ of the checkout this file is in. The library reads its settings from the environ
 
 import contextlib
 import ctypes
+import glob
 import importlib
 import json
 import os
@@ -68,6 +69,9 @@ CPP_ENV_VAR = "CUVMM_TORCH_CPP"
 BUILD_ENV_VAR = "CUVMM_TORCH_BUILD"
 EXTENSION_NAME = "cuvmm_torch_ext"
 EXTENSION_SOURCES = ["cuvmm_allocator.cpp"]
+# The headers a CUDA runtime's include directory must hold for the layer to compile.
+RUNTIME_API_HEADER = "cuda_runtime_api.h"
+CRT_HEADER = ("crt", "host_config.h")
 # The libraries this process has loaded, where cuda_runtime() finds PyTorch's libcudart.
 PROCESS_MAPS = "/proc/self/maps"
 
@@ -154,30 +158,56 @@ def fallback_warning(reason):
     )
 
 
+def _headers_complete(include):
+    """Whether ``include`` holds what ``cuda_runtime.h`` needs: the API header and ``crt/host_config.h``."""
+    return all(os.path.exists(os.path.join(include, *h)) for h in ((RUNTIME_API_HEADER,), CRT_HEADER))
+
+
+def _crt_beside(library, cuda_home):
+    """A directory holding ``crt/host_config.h`` for PyTorch's runtime at ``library`` whose own headers lack it
+    (pip's runtime package has no ``crt/``; its compiler package, or a toolkit, has): the toolkit at
+    ``cuda_home``, else any other ``include`` directory of the packages beside the library's, or None."""
+    packages = os.path.dirname(os.path.dirname(os.path.dirname(library)))
+    candidates = [os.path.join(cuda_home, "include")] if cuda_home else []
+    candidates += sorted(glob.glob(os.path.join(packages, "*", "include")))
+    candidates += sorted(glob.glob(os.path.join(packages, "*", "*", "include")))
+    return next((c for c in candidates if os.path.exists(os.path.join(c, *CRT_HEADER))), None)
+
+
 def cuda_runtime(maps=None, cuda_home=None):
-    """The CUDA runtime to build the C++ layer against: ``(include directory, [linker flags])``.
+    """The CUDA runtime to build the C++ layer against: ``([include directories], [linker flags])``.
 
     First the ``libcudart`` PyTorch itself loaded (read from ``maps``, after ``import torch``) with the
     headers installed beside it: pip's ``nvidia`` packages and the CUDA toolkit both put ``include/`` beside
     the library's directory. So the layer uses PyTorch's own runtime, and needs no CUDA toolkit where PyTorch's
-    wheel brings the headers. Else the toolkit at ``cuda_home`` (``CUDA_HOME``, or where ``nvcc`` is, as
-    ``torch.utils.cpp_extension`` finds it). Raises ``RuntimeError`` when neither has the headers.
-    ``maps`` defaults to :data:`PROCESS_MAPS`."""
+    wheel brings the headers. pip's runtime package may lack ``crt/host_config.h``, which ``cuda_runtime.h``
+    includes: then it comes from the toolkit at ``cuda_home`` or another package beside it, after PyTorch's
+    own headers. Else the toolkit at ``cuda_home`` (``CUDA_HOME``, or where ``nvcc`` is, as
+    ``torch.utils.cpp_extension`` finds it). Raises ``RuntimeError`` naming what is missing when neither has
+    the headers. ``maps`` defaults to :data:`PROCESS_MAPS`."""
     try:
         with open(maps or PROCESS_MAPS, encoding="utf-8", errors="replace") as lines:
             loaded = sorted({line.split()[-1] for line in lines if "/libcudart.so" in line})
     except OSError:
         loaded = []
+    lacking = []
     for library in loaded:
         include = os.path.join(os.path.dirname(os.path.dirname(library)), "include")
-        if os.path.exists(os.path.join(include, "cuda_runtime_api.h")):
-            return include, [library]
-    if cuda_home and os.path.exists(os.path.join(cuda_home, "include", "cuda_runtime_api.h")):
+        if _headers_complete(include):
+            return [include], [library]
+        if os.path.exists(os.path.join(include, RUNTIME_API_HEADER)):
+            crt = _crt_beside(library, cuda_home)
+            if crt:
+                return [include, crt], [library]
+            lacking.append(f"{include} has no {'/'.join(CRT_HEADER)}")
+    toolkit = os.path.join(cuda_home, "include") if cuda_home else None
+    if toolkit and _headers_complete(toolkit):
         libraries = [os.path.join(cuda_home, sub) for sub in ("lib64", "lib")]
-        return os.path.join(cuda_home, "include"), [f"-L{d}" for d in libraries if os.path.isdir(d)] + ["-lcudart"]
+        return [toolkit], [f"-L{d}" for d in libraries if os.path.isdir(d)] + ["-lcudart"]
     raise RuntimeError(
-        "no CUDA runtime headers (cuda_runtime_api.h) beside PyTorch's libcudart "
-        f"({', '.join(loaded) or 'none loaded'}) nor in a CUDA toolkit: install one, or set CUDA_HOME"
+        f"no complete CUDA runtime headers ({RUNTIME_API_HEADER} and {'/'.join(CRT_HEADER)}) beside PyTorch's "
+        f"libcudart ({', '.join(loaded) or 'none loaded'}{'; ' if lacking else ''}{'; '.join(lacking)}) nor in a "
+        f"CUDA toolkit ({toolkit or 'none found'}): install one, or set CUDA_HOME"
     )
 
 
@@ -191,13 +221,13 @@ def build_extension(torch=None, verbose=False):
         import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
     cpp_extension = importlib.import_module("torch.utils.cpp_extension")
     sources_dir = csrc_dir()
-    cuda_include, cudart = cuda_runtime(cuda_home=cpp_extension.CUDA_HOME)
+    cuda_includes, cudart = cuda_runtime(cuda_home=cpp_extension.CUDA_HOME)
     directory = build_dir(torch.__version__)
     os.makedirs(directory, exist_ok=True)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[os.path.join(sources_dir, source) for source in EXTENSION_SOURCES],
-        extra_include_paths=[os.path.dirname(sources_dir), cuda_include],
+        extra_include_paths=[os.path.dirname(sources_dir), *cuda_includes],
         extra_cflags=["-O2"],
         extra_ldflags=["-ldl", "-lc10_cuda", "-ltorch_cuda", *cudart],
         build_directory=directory,

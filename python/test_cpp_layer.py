@@ -166,7 +166,7 @@ h = cpp_extension.load_inline(
     "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD,
     functions=["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
                "close_handle"],
-    extra_include_paths=[cuvmm_torch.cuda_runtime()[0]], extra_ldflags=["-lc10_cuda"])
+    extra_include_paths=cuvmm_torch.cuda_runtime()[0], extra_ldflags=["-lc10_cuda"])
 h.observe()
 ptr = h.alloc(size)
 out["allocated"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
@@ -376,13 +376,16 @@ class CudaRuntime(unittest.TestCase):
         self.root = scratch.name
         self.maps = os.path.join(self.root, "maps")
 
-    def install(self, prefix, library_dir="lib", headers=True):
+    def install(self, prefix, library_dir="lib", headers=True, crt=True):
+        """A runtime at `prefix`: its library, and (as asked) its API header and crt/host_config.h."""
         os.makedirs(os.path.join(prefix, library_dir), exist_ok=True)
-        os.makedirs(os.path.join(prefix, "include"), exist_ok=True)
+        os.makedirs(os.path.join(prefix, "include", "crt"), exist_ok=True)
         library = os.path.join(prefix, library_dir, "libcudart.so.13")
         open(library, "w").close()
         if headers:
             open(os.path.join(prefix, "include", "cuda_runtime_api.h"), "w").close()
+        if crt:
+            open(os.path.join(prefix, "include", "crt", "host_config.h"), "w").close()
         return library
 
     def write_maps(self, *libraries):
@@ -397,15 +400,36 @@ class CudaRuntime(unittest.TestCase):
         self.install(toolkit, "lib64")
         self.write_maps(wheel)
         include, flags = cuvmm_torch.cuda_runtime(self.maps, cuda_home=toolkit)
-        self.assertEqual(include, os.path.join(self.root, "nvidia", "cu13", "include"))
+        self.assertEqual(include, [os.path.join(self.root, "nvidia", "cu13", "include")])
         self.assertEqual(flags, [wheel])
+
+    def test_pytorchs_headers_without_crt_take_it_from_the_toolkit_or_a_package_beside(self):
+        # As on a GPU machine's PyTorch 2.11 (cu130): nvidia/cu13/include has cuda_runtime.h, not crt/.
+        wheel = self.install(os.path.join(self.root, "nvidia", "cu13"), crt=False)
+        toolkit = os.path.join(self.root, "cuda")
+        self.install(toolkit, "lib64")
+        self.write_maps(wheel)
+        own = os.path.join(self.root, "nvidia", "cu13", "include")
+        include, flags = cuvmm_torch.cuda_runtime(self.maps, cuda_home=toolkit)
+        self.assertEqual(include, [own, os.path.join(toolkit, "include")])
+        self.assertEqual(flags, [wheel], "still PyTorch's own runtime")
+        self.install(os.path.join(self.root, "nvidia", "cuda_nvcc"), headers=False)
+        include, flags = cuvmm_torch.cuda_runtime(self.maps, cuda_home=None)
+        self.assertEqual(include, [own, os.path.join(self.root, "nvidia", "cuda_nvcc", "include")])
+        self.assertEqual(flags, [wheel])
+
+    def test_headers_without_crt_anywhere_are_a_clear_error(self):
+        wheel = self.install(os.path.join(self.root, "nvidia", "cu13"), crt=False)
+        self.write_maps(wheel)
+        with self.assertRaisesRegex(RuntimeError, "has no crt/host_config.h.*CUDA_HOME"):
+            cuvmm_torch.cuda_runtime(self.maps, cuda_home=None)
 
     def test_a_toolkit_when_pytorchs_runtime_has_no_headers_beside_it(self):
         self.write_maps(self.install(os.path.join(self.root, "bare"), headers=False))
         toolkit = os.path.join(self.root, "cuda")
         self.install(toolkit, "lib64")
         include, flags = cuvmm_torch.cuda_runtime(self.maps, cuda_home=toolkit)
-        self.assertEqual(include, os.path.join(toolkit, "include"))
+        self.assertEqual(include, [os.path.join(toolkit, "include")])
         self.assertEqual(flags, [f"-L{os.path.join(toolkit, 'lib64')}", "-lcudart"])
 
     def test_neither_is_a_clear_error(self):

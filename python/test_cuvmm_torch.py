@@ -376,9 +376,10 @@ class FakeTorch:
         self.saved_maps, cuvmm_torch.PROCESS_MAPS = cuvmm_torch.PROCESS_MAPS, os.path.join(self.scratch.name, "maps")
         if self.toolkit:
             self.cpp_extension.CUDA_HOME = self.scratch.name
-            os.makedirs(os.path.join(self.scratch.name, "include"))
+            os.makedirs(os.path.join(self.scratch.name, "include", "crt"))
             os.makedirs(os.path.join(self.scratch.name, "lib64"))
             open(os.path.join(self.scratch.name, "include", "cuda_runtime_api.h"), "w").close()
+            open(os.path.join(self.scratch.name, "include", "crt", "host_config.h"), "w").close()
         self.saved = {name: sys.modules.get(name) for name in ["torch", "torch.utils.cpp_extension"]}
         sys.modules["torch"] = self.module
         sys.modules["torch.utils.cpp_extension"] = self.cpp_extension
