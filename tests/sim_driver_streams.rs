@@ -168,3 +168,35 @@ fn unmapping_memory_that_pending_work_touches_fails_and_changes_nothing() {
     d.advance(s2, 1);
     teardown(&mut d, r, &hs);
 }
+
+#[test]
+fn a_destroyed_stream_is_refused_by_every_call_and_its_work_still_completes() {
+    let mut d = device();
+    let (s1, s2) = (StreamId(11), StreamId(12));
+    let (r, hs) = mapped(&mut d, 2, 1);
+    let first = VaRange::new(r.start, G);
+    d.launch(s1, &[first]).unwrap();
+    let before = d.record_event(s1).unwrap();
+    d.launch(s2, &[first]).unwrap();
+    assert!(d.destroy_stream(s1));
+    assert!(!d.destroy_stream(s1), "destroyed once");
+    for default in [StreamId::DEFAULT, StreamId::LEGACY, StreamId::PER_THREAD] {
+        assert!(!d.destroy_stream(default), "{default} cannot be destroyed");
+    }
+    let gone = |call| Err(DriverError::StreamDestroyed { call, stream: s1 });
+    assert_eq!(d.record_event(s1).map(|_| ()), gone("record_event"));
+    assert_eq!(d.synchronize(s1), gone("synchronize"));
+    assert_eq!(d.capture_status(s1).map(|_| ()), gone("capture_info"));
+    assert_eq!(d.launch(s1, &[first]).map(|_| ()), gone("launch"));
+    // The work queued before the destruction still runs, and an event recorded before it still answers.
+    assert_eq!(d.pending_work(s1), 1);
+    assert!(!d.event_complete(before).unwrap());
+    let err = fails(&mut d, |d| d.unmap(r.start, G));
+    assert!(matches!(err, DriverError::UnmapWhileInUse { .. }), "{err}");
+    // Synchronizing the device names no stream, and waits for every one, the destroyed one's included.
+    d.synchronize_device().unwrap();
+    assert_eq!((d.pending_work(s1), d.pending_work(s2)), (0, 0));
+    assert!(d.event_complete(before).unwrap());
+    d.destroy_event(before).unwrap();
+    teardown(&mut d, r, &hs);
+}

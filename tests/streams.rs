@@ -433,3 +433,35 @@ fn without_cross_stream_reuse_blocks_stay_in_their_streams_segments() {
     assert_eq!(alloc.driver_counters().get(Op::RecordEvent), 0);
     finish(alloc, &[b, guard]);
 }
+
+#[test]
+fn dropping_the_allocator_after_its_streams_were_destroyed_names_none_of_them() {
+    let (sa, sb) = (StreamId(21), StreamId(22));
+    let mut sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(16 * PAGE)
+            .with_granularity(PAGE),
+    );
+    {
+        let mut alloc = Expandable::new(&mut sim, Config::default()).unwrap();
+        let a = alloc.alloc(2 * PAGE, sa).unwrap();
+        let b = alloc.alloc(2 * PAGE, sa).unwrap();
+        let c = alloc.alloc(PAGE, sb).unwrap();
+        let work = [range(a, 1), range(b, 1), range(c, 1)];
+        alloc.driver_mut().launch(sb, &work).unwrap();
+        alloc.driver_mut().launch(sa, &work[..2]).unwrap();
+        alloc.record_stream(a, sb).unwrap();
+        alloc.record_stream(b, sb).unwrap();
+        alloc.free(a).unwrap();
+        alloc.free(c).unwrap();
+        // A program drops its streams before the allocator (Rust drops a stream made after it first), with
+        // work still queued on them: the allocator's drop must wait for that work without naming them.
+        assert!(alloc.driver_mut().destroy_stream(sa));
+        assert!(alloc.driver_mut().destroy_stream(sb));
+        alloc.check_invariants().unwrap();
+    }
+    assert_eq!((sim.pending_work(sa), sim.pending_work(sb)), (0, 0));
+    let leaks = sim.leak_report();
+    assert!(leaks.is_empty(), "{leaks}");
+    assert_eq!(sim.live_events(), 0, "every event destroyed");
+}

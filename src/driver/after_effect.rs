@@ -197,6 +197,10 @@ impl<D: Driver> super::Forward for AfterEffect<D> {
         let result = self.inner.synchronize(stream);
         self.after(Op::Synchronize, result)
     }
+    fn synchronize_device(&mut self) -> Result<(), DriverError> {
+        let result = self.inner.synchronize_device();
+        self.after(Op::Synchronize, result)
+    }
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         let result = self.inner.memset_d8(va, size, value);
         self.after(Op::Memset, result)

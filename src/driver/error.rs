@@ -158,6 +158,17 @@ pub enum DriverError {
         /// A stream whose pending work touches it.
         stream: StreamId,
     },
+    /// A call named a stream that was destroyed. On a GPU this is undefined behaviour (the H100 crashed in
+    /// `cuStreamSynchronize`); [`sim::SimDriver`](super::sim::SimDriver) refuses it (streams destroyed with
+    /// [`SimDriver::destroy_stream`](super::sim::SimDriver::destroy_stream)), changing nothing, so the bug
+    /// fails a test instead.
+    #[error("{call}: {stream} was destroyed")]
+    StreamDestroyed {
+        /// The call that failed: a driver operation's name ([`Op::name`]), or `launch`.
+        call: &'static str,
+        /// The destroyed stream it named.
+        stream: StreamId,
+    },
     /// No virtual address range of that size is left.
     #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
     VaExhausted {

@@ -152,6 +152,11 @@ driver_trait! {
         /// Waits until all work queued on `stream` has finished (`cuStreamSynchronize`).
         fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError>;
 
+        /// Waits until all work queued on the device has finished, every stream's (`cuCtxSynchronize`). It
+        /// names no stream, so it is safe where a stream may have been destroyed since cuvmm last heard of
+        /// it (the allocator's teardown). Counted as a [`synchronize`](Driver::synchronize).
+        fn synchronize_device(&mut self) -> Result<(), DriverError>;
+
         /// Calls made so far and the driver time they cost.
         fn counters(&self) -> DriverCounters;
 

@@ -69,6 +69,13 @@ impl From<PhysHandle> for PhysPage {
 /// [`from_cuda`](StreamId::from_cuda) from a cudarc stream or [`from_raw`](StreamId::from_raw) from a
 /// `CUstream` / `cudaStream_t` handed over by C, and cuvmm records its events on that very stream and
 /// synchronizes it. See docs/DESIGN.md, "Streams and contexts".
+///
+/// # How long a stream must live
+/// A call naming a destroyed stream is undefined behaviour on a GPU (a crash in the driver), so a stream
+/// given to the allocator must stay alive while it may be named: while memory allocated on it or recorded
+/// on it (`record_stream`) is live, and after that until the next `empty_cache()`, since its freed memory
+/// stays cached for it and is taken back only after waiting for the stream. Dropping the allocator names
+/// no stream: destroy streams before or after it. PyTorch's streams live as long as the process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct StreamId(pub u64);
 

@@ -10,7 +10,7 @@ use super::Expandable;
 use super::accounting::SlotCounts;
 use super::segment::FreeOutcome;
 use super::settle::{free_reservation_settled, unmap_settled};
-use super::streams::{StreamUses, synchronize};
+use super::streams::{StreamUses, synchronize, synchronize_device};
 use crate::driver::{Driver, PhysHandle, PhysPage, StreamId};
 use crate::strategy::config::Compaction;
 use crate::strategy::error::Error;
@@ -440,6 +440,10 @@ impl<D: Driver> Expandable<D> {
 
     /// Unmaps and releases everything, live blocks included, and frees every reservation. Used on drop.
     /// Goes on after a failure so as much as possible is given back, and returns the first failure.
+    ///
+    /// It waits for the device once, not for each stream it knows of: a program may have destroyed those
+    /// streams before dropping the allocator (Rust drops a stream made after the allocator first), and a call
+    /// naming a destroyed stream is undefined behaviour on a GPU.
     pub(super) fn teardown(&mut self) -> Result<(), Error> {
         let mut first_err: Option<Error> = None;
         let mut note = |result: Result<(), Error>| {
@@ -447,10 +451,13 @@ impl<D: Driver> Expandable<D> {
                 first_err.get_or_insert(err);
             }
         };
-        note(self.waits.quiesce(&mut self.driver, &mut self.books));
-        for seg in self.segments.take_all() {
+        let segments = self.segments.take_all();
+        if self.waits.any() || segments.iter().any(|seg| seg.pages.mapped_count() > 0) {
+            note(synchronize_device(&mut self.driver, &mut self.books));
+        }
+        note(self.waits.forget_all(&mut self.driver));
+        for seg in segments {
             if seg.pages.mapped_count() > 0 {
-                note(self.driver.synchronize(seg.stream).map_err(Error::from));
                 for run in seg.pages.mapped_runs(0..seg.pages.len()) {
                     let va = seg.page_addr(run.start);
                     match unmap_settled(&mut self.driver, va, run.len() as u64 * self.page_size) {

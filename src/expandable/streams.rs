@@ -139,6 +139,16 @@ pub(super) fn synchronize<D: Driver>(
     Ok(())
 }
 
+/// Waits for the whole device's queued work, every stream's.
+pub(super) fn synchronize_device<D: Driver>(
+    driver: &mut D,
+    books: &mut Books,
+) -> Result<(), Error> {
+    driver.synchronize_device()?;
+    books.counters.synchronizations += 1;
+    Ok(())
+}
+
 impl StreamWaits {
     /// Whether any live block is used on a stream other than its segment's.
     #[inline]
@@ -289,24 +299,15 @@ impl StreamWaits {
         streams
     }
 
-    /// Waits for every stream the allocator knows of as a user of some memory (pending events, record_stream
-    /// uses of live blocks) and destroys every pending event, leaving parked blocks parked. Used on drop,
-    /// before everything is unmapped. Returns the first failure and goes on after it.
-    pub(super) fn quiesce<D: Driver>(
-        &mut self,
-        driver: &mut D,
-        books: &mut Books,
-    ) -> Result<(), Error> {
-        let mut streams: Vec<StreamId> = self.pending.streams().collect();
-        streams.extend(self.uses.values().flat_map(StreamUses::iter));
-        streams.sort_unstable();
-        streams.dedup();
+    /// Whether any stream is recorded on a live block or waited for by a parked one.
+    pub(super) fn any(&self) -> bool {
+        !self.uses.is_empty() || self.pending.streams().next().is_some()
+    }
+
+    /// Destroys every pending event, leaving parked blocks parked. Used on drop, after the device was
+    /// synchronized and before everything is unmapped. Returns the first failure and goes on after it.
+    pub(super) fn forget_all<D: Driver>(&mut self, driver: &mut D) -> Result<(), Error> {
         let mut first_err = None;
-        for stream in streams {
-            if let Err(err) = synchronize(driver, books, stream) {
-                first_err.get_or_insert(err);
-            }
-        }
         let events: Vec<EventId> = std::mem::take(&mut self.pending.events)
             .into_iter()
             .flat_map(|(_, queue)| queue)

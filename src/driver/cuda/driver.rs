@@ -31,7 +31,8 @@ mod sharing;
 ///   [`StreamId::from_raw`]; `0`, [`StreamId::LEGACY`] and [`StreamId::PER_THREAD`] are CUDA's default
 ///   streams): events are recorded on it and it is synchronized, and the driver never creates a stream for
 ///   the caller's work. A stream given must belong to this device's primary context and stay alive while
-///   the allocator may still wait on it (until the memory used on it is freed and its events completed).
+///   the allocator may still name it ([`StreamId`] says how long); the allocator's drop names none (it
+///   synchronizes the device, [`synchronize_device`](Driver::synchronize_device)).
 ///   Replays of recorded traces, whose stream numbers name no stream of this process, use
 ///   [`with_stand_in_streams`](CudaDriver::with_stand_in_streams) instead.
 /// - **Granularity.** [`granularity`](Driver::granularity) is the *minimum* granularity
@@ -460,6 +461,12 @@ impl Driver for CudaDriver {
                 unsafe { result::stream_synchronize(raw_stream(raw)) }
             });
             synchronized.map_err(|e| errors::on_stream(e, stream))
+        })
+    }
+
+    fn synchronize_device(&mut self) -> Result<(), DriverError> {
+        self.counted(Op::Synchronize, |d| {
+            d.calls.call(Op::Synchronize, 0, result::ctx_synchronize)
         })
     }
 

@@ -158,6 +158,14 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), CuE
     unsafe { sys::cuStreamSynchronize(stream).result() }
 }
 
+/// Waits for all work queued in the current context, on every stream (`cuCtxSynchronize`).
+///
+/// See [cuCtxSynchronize() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html#group__CUDA__CTX_1g7a54725f28d34b8c6299f0c6ca579616)
+pub(super) fn ctx_synchronize() -> Result<(), CuError> {
+    // SAFETY: the call takes no argument; without a current context the driver returns an error.
+    unsafe { sys::cuCtxSynchronize().result() }
+}
+
 /// Whether `stream` is being captured into a graph, and the capture's id (meaningful when capturing).
 ///
 /// See [cuStreamGetCaptureInfo() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)

@@ -219,6 +219,7 @@ impl Driver for SimDriver {
     }
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
         self.begin(Op::RecordEvent, 0)?;
+        self.streams.alive(Op::RecordEvent.name(), stream)?;
         if self.captures.is_capturing(stream) {
             let event = self.streams.record_captured(stream);
             self.captures.recorded(event, stream);
@@ -241,8 +242,19 @@ impl Driver for SimDriver {
     }
     fn synchronize(&mut self, stream: StreamId) -> Result<(), DriverError> {
         self.begin(Op::Synchronize, 0)?;
+        self.streams.alive(Op::Synchronize.name(), stream)?;
         self.refuse_in_capture(Op::Synchronize, Some(stream))?;
         self.streams.complete_stream(stream);
+        Ok(())
+    }
+    /// Refused while any stream captures (it would wait for a capturing stream), which invalidates every
+    /// capture underway.
+    fn synchronize_device(&mut self) -> Result<(), DriverError> {
+        self.begin(Op::Synchronize, 0)?;
+        if !self.captures.idle() {
+            self.captures.check_device(Op::Synchronize)?;
+        }
+        self.streams.complete_all();
         Ok(())
     }
     fn counters(&self) -> DriverCounters {
@@ -253,6 +265,7 @@ impl Driver for SimDriver {
     }
     fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
         self.begin(Op::CaptureInfo, 0)?;
+        self.streams.alive(Op::CaptureInfo.name(), stream)?;
         Ok(self.captures.status(stream))
     }
     /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`](super::SimConfig::devices)) is

@@ -147,6 +147,22 @@ impl Captures {
         self.check(Op::QueryEvent, own)
     }
 
+    /// Checks a call of `op` that waits for every stream of the device: refused while any stream captures,
+    /// whatever its mode, and every capture underway is invalidated.
+    pub(super) fn check_device(&mut self, op: Op) -> Result<(), DriverError> {
+        let Some(&first) = self.active.keys().min() else {
+            return Ok(());
+        };
+        for capture in self.active.values_mut() {
+            if !capture.invalidated {
+                capture.invalidated = true;
+                self.invalidated += 1;
+            }
+        }
+        self.refusals += 1;
+        Err(DriverError::CaptureUnsupported { op, stream: first })
+    }
+
     /// Checks a potentially unsafe call of `op` from the calling thread; `own` is the stream whose work the
     /// call needs to run (refused if it is capturing, whatever its mode). A refusal is counted and
     /// invalidates every capture that forbade the call.

@@ -224,6 +224,7 @@ impl SimDriver {
     /// On a capturing stream the kernel is a node of the graph: it is checked and numbered, but not queued,
     /// and never runs.
     pub fn launch(&mut self, stream: StreamId, ranges: &[VaRange]) -> Result<u64, DriverError> {
+        self.streams.alive("launch", stream)?;
         for range in ranges {
             self.spans(range.start, range.size)?;
         }
@@ -301,6 +302,16 @@ impl SimDriver {
             p if p < 32 => mapping.accessible && mapping.peers & (1 << p) != 0,
             _ => false,
         }
+    }
+    /// Destroys `stream` as a program does (`cuStreamDestroy`): the work already queued on it stays queued
+    /// and completes as the test says ([`advance`](Self::advance), [`complete_stream`](Self::complete_stream),
+    /// [`Driver::synchronize_device`](super::Driver::synchronize_device)), but every later driver call that
+    /// names the stream (an event recorded on it, its synchronization, its capture status) and every launch
+    /// on it is refused with [`DriverError::StreamDestroyed`]: on a GPU such a call is undefined behaviour.
+    /// Returns whether it was destroyed now: false for CUDA's default streams, which cannot be destroyed,
+    /// and for a stream destroyed before. A test control, not counted.
+    pub fn destroy_stream(&mut self, stream: StreamId) -> bool {
+        self.streams.destroy_stream(stream)
     }
     /// Completes everything queued on `stream`.
     pub fn complete_stream(&mut self, stream: StreamId) {

@@ -10,7 +10,7 @@
 //! leave with them.
 
 use crate::driver::{DriverError, EventId, StreamId, VaRange};
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::VecDeque;
 
 /// One item of a stream's queue.
@@ -36,9 +36,35 @@ pub(super) struct Streams {
     next_work: u64,
     events: FxHashMap<u64, Event>,
     queues: FxHashMap<StreamId, VecDeque<Item>>,
+    /// Streams the program destroyed: a call naming one is refused. Their queued work still completes.
+    destroyed: FxHashSet<StreamId>,
 }
 
 impl Streams {
+    /// Destroys `stream` (`cuStreamDestroy`): the work queued on it stays queued and completes as the test
+    /// says, but a call that names it is refused from now on. Whether it was destroyed now: not one of
+    /// CUDA's default streams, which cannot be destroyed, nor destroyed before.
+    pub(super) fn destroy_stream(&mut self, stream: StreamId) -> bool {
+        ![StreamId::DEFAULT, StreamId::LEGACY, StreamId::PER_THREAD].contains(&stream)
+            && self.destroyed.insert(stream)
+    }
+
+    /// [`DriverError::StreamDestroyed`] for `call` if `stream` was destroyed.
+    pub(super) fn alive(&self, call: &'static str, stream: StreamId) -> Result<(), DriverError> {
+        if self.destroyed.contains(&stream) {
+            return Err(DriverError::StreamDestroyed { call, stream });
+        }
+        Ok(())
+    }
+
+    /// Completes everything queued on every stream.
+    pub(super) fn complete_all(&mut self) {
+        let streams: Vec<StreamId> = self.queues.keys().copied().collect();
+        for stream in streams {
+            self.complete_stream(stream);
+        }
+    }
+
     /// Queues work touching `ranges` at the end of `stream`; returns its number.
     pub(super) fn launch(&mut self, stream: StreamId, ranges: &[VaRange]) -> u64 {
         self.next_work += 1;

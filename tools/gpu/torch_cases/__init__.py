@@ -151,11 +151,12 @@ def device_total_memory(index=0):
 
 
 def _max_diff(torch, got, reference):
-    """The largest absolute difference between a GPU tensor and a CPU reference (inf if shapes differ)."""
+    """The largest absolute difference between a GPU tensor and a reference on the CPU or the GPU (inf if shapes
+    differ), computed on the CPU."""
     got = got.detach().float().cpu()
     if got.shape != reference.shape:
         return float("inf")
-    diff = (got - reference.float()).abs().max().item()
+    diff = (got - reference.detach().float().cpu()).abs().max().item()
     return float("inf") if diff != diff else diff  # NaN: as far off as it gets
 
 
