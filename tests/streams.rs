@@ -465,3 +465,31 @@ fn dropping_the_allocator_after_its_streams_were_destroyed_names_none_of_them() 
     assert!(leaks.is_empty(), "{leaks}");
     assert_eq!(sim.live_events(), 0, "every event destroyed");
 }
+
+#[test]
+fn empty_cache_after_the_streams_were_destroyed_names_none_of_them() {
+    let (sa, sb) = (StreamId(31), StreamId(32));
+    let mut alloc = allocator(16, Config::default());
+    let a = alloc.alloc(2 * PAGE, sa).unwrap();
+    let b = alloc.alloc(PAGE, sb).unwrap();
+    let work = [range(a, 1), range(b, 1)];
+    alloc.driver_mut().launch(sb, &work).unwrap();
+    alloc.driver_mut().launch(sa, &work[..1]).unwrap();
+    alloc.record_stream(a, sb).unwrap();
+    alloc.free(a).unwrap();
+    alloc.free(b).unwrap();
+    // Threads that made their own streams have ended: their freed memory is cached, a free is parked behind
+    // an event, and work is still queued on both destroyed streams.
+    assert!(alloc.driver_mut().destroy_stream(sa));
+    assert!(alloc.driver_mut().destroy_stream(sb));
+    assert_eq!(alloc.stats().active_bytes.current, 2 * PAGE);
+    alloc.empty_cache().unwrap();
+    let sim = alloc.driver();
+    assert_eq!((sim.pending_work(sa), sim.pending_work(sb)), (0, 0));
+    assert_eq!(
+        alloc.stats().num_synchronizations,
+        1,
+        "one wait, for the device"
+    );
+    finish(alloc, &[]);
+}

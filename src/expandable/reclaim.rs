@@ -27,11 +27,12 @@ pub(crate) enum Wait {
 }
 
 /// What one compaction has learnt about streams: those whose queued work is known complete, and those an
-/// event query found busy.
+/// event query found busy; or that the whole device was synchronized, which completed every stream's.
 #[derive(Debug, Default)]
 pub(crate) struct Compacting {
     done: Vec<StreamId>,
     busy: Vec<StreamId>,
+    device_done: bool,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -50,23 +51,27 @@ impl<D: Driver> Expandable<D> {
         })
     }
 
-    /// Synchronizes every stream that has pending events, then frees every parked block.
-    pub(super) fn drain_pending(&mut self) -> Result<(), Error> {
-        let segments = &mut self.segments;
-        self.waits
-            .drain(&mut self.driver, &mut self.books, |books, slot, addr| {
-                segments.release_parked(books, slot, addr)
-            })
-    }
-
-    /// Everything cached goes back to the driver: pending frees are drained (their streams synchronized),
-    /// then every pooled handle and idle page is released.
+    /// Everything cached goes back to the driver (`empty_cache`, and before an out-of-memory): the device is
+    /// synchronized once, then every parked block is freed and every pooled handle and idle page released.
+    ///
+    /// One synchronization of the device, not one per stream: the streams whose freed memory is cached may
+    /// have been destroyed since (threads that made their own streams and ended), and a call naming a
+    /// destroyed stream is undefined behaviour on a GPU. It waits for other streams' work too, as
+    /// PyTorch's `cudaFree` does; this path is the last resort, never the common one.
     pub(super) fn release_cache(&mut self) -> Result<u64, Error> {
         if self.graphs.any_deferred() {
             self.insert_deferred_events()?;
         }
-        self.drain_pending()?;
-        self.release_idle(u64::MAX)
+        let mut compacting = Compacting::default();
+        if self.waits.any_parked() || self.books.idle_pages() > 0 {
+            synchronize_device(&mut self.driver, &mut self.books)?;
+            compacting.device_done = true;
+        }
+        let segments = &mut self.segments;
+        self.waits.drain(&mut self.driver, |slot, addr| {
+            segments.release_parked(&mut self.books, slot, addr)
+        })?;
+        self.release_idle_in(u64::MAX, &mut compacting)
     }
 
     /// Frees the blocks whose free was deferred during a capture: records events on their other streams
@@ -209,7 +214,7 @@ impl<D: Driver> Expandable<D> {
         wait: Wait,
         compacting: &mut Compacting,
     ) -> Result<bool, Error> {
-        if compacting.done.contains(&stream) {
+        if compacting.device_done || compacting.done.contains(&stream) {
             return Ok(true);
         }
         let done = match wait {
@@ -282,19 +287,23 @@ impl<D: Driver> Expandable<D> {
     /// of it if there is less: pooled handles first, then idle pages from the highest addresses down.
     /// Returns the bytes given back.
     pub(super) fn release_idle(&mut self, bytes: u64) -> Result<u64, Error> {
+        // Each stream is synchronized at most once, however many rounds it takes.
+        self.release_idle_in(bytes, &mut Compacting::default())
+    }
+
+    /// [`release_idle`](Self::release_idle) within one compaction, which may know streams done already.
+    fn release_idle_in(&mut self, bytes: u64, compacting: &mut Compacting) -> Result<u64, Error> {
         let _span = tracing::debug_span!("cuvmm::release_idle", bytes).entered();
         let mut released =
             self.physical
                 .release_pooled(&mut self.driver, &mut self.books, bytes)?;
-        // Each stream is synchronized at most once, however many rounds it takes.
-        let mut compacting = Compacting::default();
         while released < bytes && self.books.idle_pages() > 0 {
             let pages = (bytes - released)
                 .div_ceil(self.page_size)
                 .min(self.books.idle_pages() as u64) as usize;
             let mut handles = Vec::with_capacity(pages);
             let reserved = self.books.counters.reserved.current;
-            let stolen = self.steal_idle(pages, &mut handles, Wait::Block, &mut compacting);
+            let stolen = self.steal_idle(pages, &mut handles, Wait::Block, compacting);
             released += reserved - self.books.counters.reserved.current;
             // Lent pages unmapped here go home, where their chunk can be unmapped whole once all its
             // pages are idle.

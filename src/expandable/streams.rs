@@ -265,21 +265,21 @@ impl StreamWaits {
         Ok(freed)
     }
 
-    /// Synchronizes every stream that has pending events, then hands every parked block to `release`.
+    /// Hands every parked block to `release`, once the device was synchronized (so every event has
+    /// completed); names no stream.
     pub(super) fn drain<D: Driver>(
         &mut self,
         driver: &mut D,
-        books: &mut Books,
-        release: impl FnMut(&mut Books, usize, u64) -> u64,
+        release: impl FnMut(usize, u64) -> u64,
     ) -> Result<(), Error> {
-        let streams: Vec<StreamId> = self.pending.streams().collect();
-        for stream in streams {
-            synchronize(driver, books, stream)?;
-        }
-        let mut release = release;
-        self.poll(driver, |slot, addr| release(books, slot, addr))?;
+        self.poll(driver, release)?;
         self.pending.drop_empty_queues();
         Ok(())
+    }
+
+    /// Whether any freed block is parked behind events.
+    pub(super) fn any_parked(&self) -> bool {
+        self.pending.streams().next().is_some()
     }
 
     /// The streams that used memory `inside` says is of interest: recorded on its live blocks, or waited
@@ -301,7 +301,7 @@ impl StreamWaits {
 
     /// Whether any stream is recorded on a live block or waited for by a parked one.
     pub(super) fn any(&self) -> bool {
-        !self.uses.is_empty() || self.pending.streams().next().is_some()
+        !self.uses.is_empty() || self.any_parked()
     }
 
     /// Destroys every pending event, leaving parked blocks parked. Used on drop, after the device was
