@@ -23,7 +23,7 @@ mod model;
 
 use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
-use cuvmm::driver::{CaptureMode, Op, VaRange};
+use cuvmm::driver::{CaptureMode, DriverError, HostMemory, Op, VaRange};
 use cuvmm::expandable::Expandable;
 use cuvmm::{
     Allocator, Config, Driver as _, Error, GraphPool, Strategy as _, StreamFilter, StreamId,
@@ -293,4 +293,60 @@ fn the_facade_reports_what_sleeps() {
     a.free_raw(ptr).unwrap();
     a.check_invariants().unwrap();
     assert!(a.asleep_tags().is_empty());
+}
+
+/// The simulator on a host with no memory to spare for a sleep's copies.
+struct NoHostMemory(SimDriver);
+
+impl cuvmm::driver::Forward for NoHostMemory {
+    type Inner = SimDriver;
+    fn inner(&self) -> &SimDriver {
+        &self.0
+    }
+    fn inner_mut(&mut self) -> &mut SimDriver {
+        &mut self.0
+    }
+    fn alloc_host(&mut self, len: usize) -> Result<HostMemory, DriverError> {
+        Err(DriverError::HostOutOfMemory { bytes: len as u64 })
+    }
+}
+
+#[test]
+fn a_sleep_whose_bytes_the_host_cannot_hold_fails_and_changes_nothing() {
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(PAGES * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true),
+    );
+    let config = Config {
+        small_size: 1024,
+        ..Config::default()
+    };
+    let mut a = Expandable::new(NoHostMemory(sim), config).unwrap();
+    let weights = a.alloc_tagged(4 * PAGE, StreamId(1), "weights").unwrap();
+    let bytes = vec![7u8; (4 * PAGE) as usize];
+    a.driver_mut().0.write(weights, &bytes).unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    let refused = a.sleep("weights", true);
+    assert!(
+        matches!(
+            refused,
+            Err(Error::Driver(DriverError::HostOutOfMemory { .. }))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(a.stats().asleep_bytes, 0);
+    assert_eq!(a.stats().reserved_bytes.current, reserved);
+    assert_eq!(
+        a.driver().0.read(weights, bytes.len()).unwrap(),
+        bytes,
+        "the tag stays awake with its bytes"
+    );
+    a.check_invariants().unwrap();
+    // Without its bytes a sleep needs no host memory.
+    assert!(a.sleep("weights", false).unwrap() > 0);
+    a.wake("weights").unwrap();
+    a.free(weights).unwrap();
+    a.check_invariants().unwrap();
 }

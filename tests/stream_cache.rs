@@ -503,3 +503,52 @@ fn once_threads_contend_every_stream_that_reaches_the_strategy_keeps_its_frees()
     alloc.free_raw(ptr).unwrap();
     alloc.check_invariants().unwrap();
 }
+
+#[test]
+fn a_capture_nobody_announced_is_not_served_from_a_stream_cache() {
+    let alloc = allocator(256, "");
+    let s = StreamId(5);
+    activate(&alloc, [s]);
+    let cached = alloc.alloc_on(64 * KIB, s).unwrap();
+    let ptr = cached.ptr();
+    drop_contended(&alloc, cached);
+    assert_eq!(alloc.stream_cached(), (1, 64 * KIB));
+    // The program captures `s` without telling the allocator (cudarc's `begin_capture`).
+    let mode = cuvmm::driver::CaptureMode::ThreadLocal;
+    alloc
+        .with_strategy(|st| st.driver_mut().begin_capture(s, mode))
+        .unwrap();
+    let in_graph = alloc.alloc_on(64 * KIB, s).unwrap();
+    assert_ne!(
+        in_graph.ptr(),
+        ptr,
+        "the graph was given a cached buffer of the common pool"
+    );
+    assert_eq!(
+        alloc.stats().graph_pools,
+        1,
+        "the capture got a pool of its own"
+    );
+    drop(in_graph);
+    alloc
+        .with_strategy(|st| st.driver_mut().end_capture(s))
+        .unwrap();
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn capture_detection_false_asks_the_driver_nothing_about_captures() {
+    let capture_queries = |conf: &str| {
+        let alloc = allocator(256, conf);
+        let s = StreamId(5);
+        drop(alloc.alloc_on(64 * KIB, s).unwrap());
+        activate(&alloc, [s]);
+        let cached = alloc.alloc_on(64 * KIB, s).unwrap();
+        drop_contended(&alloc, cached);
+        drop(alloc.alloc_on(64 * KIB, s).unwrap());
+        let counters = alloc.with_strategy(|st| cuvmm::driver::Driver::counters(st.driver()));
+        counters.get(cuvmm::driver::Op::CaptureInfo)
+    };
+    assert!(capture_queries("") > 0, "detection is on by default");
+    assert_eq!(capture_queries("capture_detection:False"), 0);
+}

@@ -169,6 +169,12 @@ pub enum DriverError {
         /// The destroyed stream it named.
         stream: StreamId,
     },
+    /// The host could not give memory for a copy of device memory (a sleeping tag's bytes).
+    #[error("host out of memory: {bytes} bytes of host memory could not be allocated")]
+    HostOutOfMemory {
+        /// Bytes asked for.
+        bytes: u64,
+    },
     /// No virtual address range of that size is left.
     #[error("{op}: virtual address space exhausted ({requested} bytes requested)")]
     VaExhausted {

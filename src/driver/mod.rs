@@ -11,12 +11,14 @@
 
 #[cfg(any(test, feature = "testing"))]
 pub mod after_effect;
+mod capture_probe;
 mod counters;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
 mod error;
 mod forward;
+mod host_memory;
 mod op;
 pub mod sim;
 mod types;
@@ -24,8 +26,10 @@ mod types;
 use forward::driver_trait;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
+pub use capture_probe::CaptureProbe;
 pub use counters::DriverCounters;
 pub use error::DriverError;
+pub use host_memory::{HostBytes, HostMemory};
 pub use op::Op;
 pub use types::{
     CaptureMisuse, CaptureMode, CaptureStatus, EventId, MemInfo, PhysHandle, PhysPage, StreamId,
@@ -182,6 +186,14 @@ driver_trait! {
             Ok(CaptureStatus::None)
         }
 
+        /// [`capture_status`](Driver::capture_status) as a function any thread may call while another holds
+        /// the driver, for callers that serve requests without it (the facade's stream caches). `None` where
+        /// no stream this driver is given can be captured without it knowing: a driver without graphs (the
+        /// default), or CUDA with stand-in streams.
+        fn capture_probe(&self) -> Option<CaptureProbe> {
+            None
+        }
+
         /// Lets device `peer` reach this device's memory: every later [`set_access`](Driver::set_access)
         /// grants `peer` read and write access too (CUDA's `cuMemSetAccess` with one descriptor per device).
         /// Ranges that already have access keep only what they had: the caller sets access on them again
@@ -202,6 +214,14 @@ driver_trait! {
         fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
             let _ = (va, size, value);
             Err(DriverError::Unsupported { op: Op::Memset })
+        }
+
+        /// Host memory for `len` bytes copied from and to the device ([`copy_to_host`](Driver::copy_to_host),
+        /// [`copy_from_host`](Driver::copy_from_host)): page-locked where the backend can (CUDA's
+        /// `cuMemHostAlloc`), which copies reach at the link's speed; else ordinary memory (the default).
+        /// [`DriverError::HostOutOfMemory`] if the host has neither. Not counted: no device call.
+        fn alloc_host(&mut self, len: usize) -> Result<HostMemory, DriverError> {
+            HostMemory::pageable(len)
         }
 
         /// Copies `out.len()` bytes from device address `va` to `out` (`cuMemcpyDtoH`), after all earlier

@@ -74,8 +74,10 @@ impl From<PhysHandle> for PhysPage {
 /// A call naming a destroyed stream is undefined behaviour on a GPU (a crash in the driver), so a stream
 /// given to the allocator must stay alive while it may be named: while memory allocated on it or recorded
 /// on it (`record_stream`) is live, and after that until the next `empty_cache()`, since its freed memory
-/// stays cached for it and is taken back only after waiting for the stream. Dropping the allocator names
-/// no stream: destroy streams before or after it. PyTorch's streams live as long as the process.
+/// stays cached for it and is taken back only after waiting for the stream; a stream captured into a graph
+/// with no pool begun for it, also until the allocator's first allocation after the capture ended (which
+/// asks the stream whether its capture is over). `empty_cache()` and dropping the allocator name no stream:
+/// destroy streams before either. PyTorch's streams live as long as the process.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct StreamId(pub u64);
 

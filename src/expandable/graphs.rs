@@ -75,6 +75,11 @@ impl Graphs {
         self.detect = on;
     }
 
+    /// Whether captures nobody announced are detected.
+    pub(super) fn detects(&self) -> bool {
+        self.detect
+    }
+
     /// Whether the free of the live block at `addr` was deferred during a capture.
     #[inline]
     pub(super) fn is_deferred(&self, addr: u64) -> bool {

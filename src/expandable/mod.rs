@@ -58,7 +58,7 @@ mod tags;
 
 pub use segment::ROUND;
 
-use crate::driver::{Driver, DriverCounters, StreamId};
+use crate::driver::{CaptureProbe, Driver, DriverCounters, StreamId};
 use crate::strategy::Strategy;
 use crate::strategy::config::{Compaction, Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation};
@@ -285,6 +285,13 @@ impl<D: Driver> Strategy for Expandable<D> {
 
     fn captures_underway(&self) -> usize {
         self.graphs.underway_count()
+    }
+
+    fn capture_probe(&self) -> Option<CaptureProbe> {
+        self.graphs
+            .detects()
+            .then(|| self.driver.capture_probe())
+            .flatten()
     }
 
     fn share(&mut self, addr: u64) -> Result<crate::strategy::sharing::SharedMemory, Error> {

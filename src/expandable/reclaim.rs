@@ -27,12 +27,25 @@ pub(crate) enum Wait {
 }
 
 /// What one compaction has learnt about streams: those whose queued work is known complete, and those an
-/// event query found busy; or that the whole device was synchronized, which completed every stream's.
+/// event query found busy; or, for one that waits for the device rather than for streams
+/// ([`by_device`](Self::by_device)), whether it did.
 #[derive(Debug, Default)]
 pub(crate) struct Compacting {
     done: Vec<StreamId>,
     busy: Vec<StreamId>,
+    /// A blocking wait synchronizes the device, once, instead of the stream.
+    by_device: bool,
     device_done: bool,
+}
+
+impl Compacting {
+    /// A compaction whose blocking waits synchronize the device once, naming no stream.
+    fn by_device() -> Self {
+        Self {
+            by_device: true,
+            ..Self::default()
+        }
+    }
 }
 
 impl<D: Driver> Expandable<D> {
@@ -62,10 +75,9 @@ impl<D: Driver> Expandable<D> {
         if self.graphs.any_deferred() {
             self.insert_deferred_events()?;
         }
-        let mut compacting = Compacting::default();
-        if self.waits.any_parked() || self.books.idle_pages() > 0 {
-            synchronize_device(&mut self.driver, &mut self.books)?;
-            compacting.device_done = true;
+        let mut compacting = Compacting::by_device();
+        if self.waits.any_parked() {
+            self.stream_done(StreamId::DEFAULT, Wait::Block, &mut compacting)?;
         }
         let segments = &mut self.segments;
         self.waits.drain(&mut self.driver, |slot, addr| {
@@ -206,8 +218,9 @@ impl<D: Driver> Expandable<D> {
         false
     }
 
-    /// Whether `stream`'s queued work is known complete for this compaction: synchronized (`Wait::Block`)
-    /// or shown idle by an event query (`Wait::Query`), each stream at most once.
+    /// Whether `stream`'s queued work is known complete for this compaction: synchronized (`Wait::Block`;
+    /// the device, once, in a compaction [`by_device`](Compacting::by_device)) or shown idle by an event
+    /// query (`Wait::Query`), each stream at most once.
     pub(super) fn stream_done(
         &mut self,
         stream: StreamId,
@@ -215,6 +228,11 @@ impl<D: Driver> Expandable<D> {
         compacting: &mut Compacting,
     ) -> Result<bool, Error> {
         if compacting.device_done || compacting.done.contains(&stream) {
+            return Ok(true);
+        }
+        if compacting.by_device && wait == Wait::Block {
+            synchronize_device(&mut self.driver, &mut self.books)?;
+            compacting.device_done = true;
             return Ok(true);
         }
         let done = match wait {

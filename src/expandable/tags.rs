@@ -5,11 +5,12 @@
 use super::blocks::BlockState;
 use super::segment::TagId;
 use super::segments::Segments;
+use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
 use std::collections::HashSet;
 
 /// A sleeping tag's live blocks `(address, size)` and their bytes, if kept.
-type Slept = (Vec<(u64, u64)>, Option<Vec<Vec<u8>>>);
+type Slept = (Vec<(u64, u64)>, Option<Vec<HostMemory>>);
 
 /// Where a tag is between sleep and wake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +32,7 @@ struct Tag {
     /// live blocks of its segments while it sleeps.
     blocks: Vec<(u64, u64)>,
     /// Their bytes, when the sleep kept them (one buffer per block).
-    kept: Option<Vec<Vec<u8>>>,
+    kept: Option<Vec<HostMemory>>,
 }
 
 /// Every tag named so far (a program names a handful).
@@ -105,7 +106,7 @@ impl Tags {
         &mut self,
         id: TagId,
         blocks: Vec<(u64, u64)>,
-        kept: Option<Vec<Vec<u8>>>,
+        kept: Option<Vec<HostMemory>>,
     ) {
         let t = self.get_mut(id);
         (t.state, t.blocks, t.kept) = (State::Sleeping, blocks, kept);
@@ -128,7 +129,7 @@ impl Tags {
         &mut self,
         id: TagId,
         blocks: Vec<(u64, u64)>,
-        kept: Option<Vec<Vec<u8>>>,
+        kept: Option<Vec<HostMemory>>,
     ) {
         let t = self.get_mut(id);
         (t.blocks, t.kept) = (blocks, kept);

@@ -9,7 +9,7 @@
 //! (docs/DESIGN.md, "Locking").
 
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
-use crate::driver::{Driver, StreamId};
+use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
 use crate::expandable::Expandable;
 use crate::facade::raw_book::{RawBlock, RawBook};
 use crate::facade::stream_cache::{Put, StreamCaches};
@@ -46,6 +46,10 @@ struct Shared<S> {
     /// Private pools being allocated to (captures underway), as the strategy last said: while it is not
     /// zero the stream caches are bypassed, so no buffer freed before a capture is baked into its graph.
     capturing: AtomicUsize,
+    /// The strategy's [`capture_probe`](Strategy::capture_probe), taken when the allocator was made: an
+    /// active stream cache asks it before serving a request, so a capture nobody announced gets no cached
+    /// buffer (and the strategy gives it a pool of its own).
+    capture_probe: Option<CaptureProbe>,
 }
 
 /// A thread-safe allocator handle. Cloning it is cheap and shares the same allocator.
@@ -71,11 +75,12 @@ impl<D: Driver> Allocator<Expandable<D>> {
     /// cuvmm's expandable allocator on `driver`, for a program: an allocation on a stream that is being
     /// captured into a CUDA graph with no pool begun for it goes to a pool of its own
     /// ([`Expandable::detect_captures`]), at the cost of one capture query per allocation that reaches the
-    /// strategy.
+    /// strategy or an active stream cache, unless [`Config::capture_detection`] is off.
     pub fn expandable(driver: D, config: Config) -> Result<Self, Error> {
         let stream_cache = config.stream_cache;
+        let detect = config.capture_detection;
         let mut strategy = Expandable::new(driver, config)?;
-        strategy.detect_captures(true);
+        strategy.detect_captures(detect);
         Ok(Self::with_stream_cache(strategy, stream_cache))
     }
 }
@@ -89,6 +94,7 @@ impl<S: Strategy> Allocator<S> {
     /// Wraps a strategy, with stream caches of `bytes` per shard; 0 turns them off, so that every free
     /// goes straight to the strategy.
     pub fn with_stream_cache(strategy: S, bytes: u64) -> Self {
+        let capture_probe = strategy.capture_probe();
         Self {
             shared: Arc::new(Shared {
                 strategy: Mutex::new(strategy),
@@ -99,6 +105,7 @@ impl<S: Strategy> Allocator<S> {
                 recovered_ooms: AtomicU64::new(0),
                 deferred: Mutex::new(Vec::new()),
                 capturing: AtomicUsize::new(0),
+                capture_probe,
             }),
         }
     }
@@ -197,7 +204,7 @@ impl<S: Strategy> Allocator<S> {
         let shared = &*self.shared;
         let cacheable = shared.caches.cacheable(size) && tag.is_none();
         let capturing = shared.capturing.load(Ordering::Acquire) > 0;
-        if cacheable && !capturing {
+        if cacheable && !capturing && !self.unannounced_capture(stream) {
             if let Some(ptr) = shared.caches.take(stream, size) {
                 return Ok((ptr, false));
             }
@@ -225,6 +232,19 @@ impl<S: Strategy> Allocator<S> {
             other => other,
         };
         result.map(|ptr| (ptr, in_capture))
+    }
+
+    /// Whether `stream`'s cache could serve a request while the stream is captured with no pool begun: it is
+    /// active and the capture probe says the stream captures (or cannot tell). Asked only of an active cache,
+    /// so a program whose threads never contend makes no call for it.
+    fn unannounced_capture(&self, stream: StreamId) -> bool {
+        let shared = &*self.shared;
+        match &shared.capture_probe {
+            Some(probe) if shared.caches.is_active(stream) => {
+                !matches!(probe.status(stream), Ok(CaptureStatus::None))
+            }
+            _ => false,
+        }
     }
 
     /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a [`DeviceBuffer`]'s, which must then

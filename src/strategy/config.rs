@@ -149,6 +149,14 @@ pub struct Config {
     /// part of a handle ([`Driver::maps_parts_of_handles`](crate::driver::Driver::maps_parts_of_handles)):
     /// CUDA does not (`CUDA_ERROR_NOT_SUPPORTED` on an H100 and an H200), so on a GPU this changes nothing.
     pub lend_chunk_pages: bool,
+    /// Whether [`Allocator::expandable`](crate::Allocator::expandable) finds captures nobody announced
+    /// (`capture_detection`, default true): it asks the driver whether a request's stream is being captured
+    /// into a CUDA graph (`cuStreamGetCaptureInfo`) at every allocation that reaches the strategy, and at
+    /// every one an active stream cache would serve, and gives such a capture a pool of its own. Off, only
+    /// captures announced with `begin_allocate_to_pool` are safe, as in PyTorch's own allocator (PyTorch's
+    /// `torch.cuda.graph` announces every capture); it saves that driver call. Replays, which use the
+    /// strategy directly, never detect.
+    pub capture_detection: bool,
 }
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
@@ -203,6 +211,7 @@ impl Default for Config {
             stream_cache: DEFAULT_STREAM_CACHE,
             large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
             lend_chunk_pages: true,
+            capture_detection: true,
         }
     }
 }
@@ -269,7 +278,7 @@ impl Config {
     /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
     /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
-    /// `cross_stream_reuse` and `lend_chunk_pages` (`True`/`False`), `compaction`, `reserve_budget_mb`,
+    /// `cross_stream_reuse`, `lend_chunk_pages` and `capture_detection` (`True`/`False`), `compaction`, `reserve_budget_mb`,
     /// `reserve_budget_fraction`, `per_process_memory_fraction`, `large_handle_mb`, `large_handle_headroom`,
     /// `stream_cache_mb`.
     ///

@@ -11,7 +11,7 @@ pub mod sharing;
 pub mod snapshot;
 pub mod stats;
 
-use crate::driver::{DriverCounters, DriverError, Op, StreamId};
+use crate::driver::{CaptureProbe, DriverCounters, DriverError, Op, StreamId};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::sharing::{SharedMemory, SharedPart};
@@ -157,6 +157,14 @@ pub trait Strategy {
     /// The facade bypasses its per-stream caches while this is not zero. The default is 0.
     fn captures_underway(&self) -> usize {
         0
+    }
+
+    /// How to ask, without the strategy, whether a stream is being captured when no pool was begun for the
+    /// capture: `Some` when the strategy gives such a capture a pool of its own (capture detection), so that
+    /// the facade's stream caches, which serve requests without the strategy, serve none of a capturing
+    /// stream's. The default is `None`.
+    fn capture_probe(&self) -> Option<CaptureProbe> {
+        None
     }
 
     /// [`Error::Unsupported`] for `what` on this allocator.

@@ -1,15 +1,16 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
-use super::calls::{Calls, bytes, cuda_error, raw_stream};
+use super::calls::{Calls, bytes, cuda_error, keeping_current_context, raw_stream};
 use super::errors;
+use super::host::Pinned;
 use super::ledger::Ledger;
 use super::open::{self, load_driver, peer_device, setup};
 use super::result;
 use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
-    CaptureMode, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
-    PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureMode, CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId,
+    HostMemory, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
@@ -335,6 +336,16 @@ impl Drop for CudaDriver {
     }
 }
 
+/// A capture status from what `cuStreamGetCaptureInfo` answered.
+fn capture_status_of((status, id): (sys::CUstreamCaptureStatus, u64)) -> CaptureStatus {
+    use sys::CUstreamCaptureStatus as Status;
+    match status {
+        Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
+        Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
+        Status::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated { id },
+    }
+}
+
 impl Driver for CudaDriver {
     fn granularity(&self) -> u64 {
         self.granularity
@@ -479,7 +490,6 @@ impl Driver for CudaDriver {
     }
 
     fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        use sys::CUstreamCaptureStatus as Status;
         self.counted(Op::CaptureInfo, |d| {
             let raw = d.stream(Op::CaptureInfo, stream)?;
             let info = d.calls.call(Op::CaptureInfo, 0, || {
@@ -487,13 +497,36 @@ impl Driver for CudaDriver {
                 // caller's, whose `StreamId` contract is that it is alive (point 1).
                 unsafe { result::stream_capture_info(raw_stream(raw)) }
             });
-            let (status, id) = info.map_err(|e| errors::on_stream(e, stream))?;
-            Ok(match status {
-                Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
-                Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
-                Status::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated { id },
-            })
+            Ok(capture_status_of(
+                info.map_err(|e| errors::on_stream(e, stream))?,
+            ))
         })
+    }
+
+    /// `cuStreamGetCaptureInfo` on the caller's stream, from any thread, with the device's context made
+    /// current for the call and the thread's own given back. `None` with stand-in streams, which only this
+    /// driver queues work on. The probe holds the context weakly: once the driver is dropped it answers
+    /// [`DriverError::NoDriver`].
+    fn capture_probe(&self) -> Option<CaptureProbe> {
+        if self.streams.creates() {
+            return None;
+        }
+        let context = Arc::downgrade(&self.calls.ctx);
+        Some(CaptureProbe::new(move |stream| {
+            let Some(ctx) = context.upgrade() else {
+                return Err(DriverError::NoDriver {
+                    reason: "the CUDA driver the capture probe asks was dropped".to_string(),
+                });
+            };
+            let info = keeping_current_context(|| {
+                ctx.bind_to_thread()?;
+                // SAFETY: the stream is the caller's, whose `StreamId` contract is that it is alive (point
+                // 1), or one of CUDA's default streams; the context that owns it is current.
+                unsafe { result::stream_capture_info(raw_stream(stream.0)) }
+            });
+            let info = info.map_err(|e| errors::on_stream(cuda_error(Op::CaptureInfo, &e), stream));
+            Ok(capture_status_of(info?))
+        }))
     }
 
     /// Checks `cuDeviceCanAccessPeer` ([`DriverError::PeerAccess`] if the peer cannot reach this device's
@@ -531,6 +564,22 @@ impl Driver for CudaDriver {
                 unsafe { result::stream_synchronize(std::ptr::null_mut()) }
             })
         })
+    }
+
+    /// Page-locked memory (`cuMemHostAlloc`); where the driver refuses it (too much to lock), ordinary
+    /// memory, with a warning.
+    fn alloc_host(&mut self, len: usize) -> Result<HostMemory, DriverError> {
+        if len == 0 {
+            return HostMemory::pageable(0);
+        }
+        match Pinned::new(&self.calls.ctx, len) {
+            Ok(pinned) => Ok(HostMemory::new(pinned)),
+            Err(e) => {
+                let (code, name) = errors::code_and_name(&e);
+                tracing::warn!(code, %name, len, "cuvmm: cuMemHostAlloc failed; keeping the bytes in pageable memory");
+                HostMemory::pageable(len)
+            }
+        }
     }
 
     fn copy_to_host(&mut self, va: u64, out: &mut [u8]) -> Result<(), DriverError> {

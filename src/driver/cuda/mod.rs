@@ -34,6 +34,7 @@ mod errors;
 mod give_back;
 #[cfg(test)]
 mod give_back_tests;
+mod host;
 mod ledger;
 mod open;
 mod result;

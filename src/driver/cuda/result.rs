@@ -55,6 +55,8 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemPoolTrimTo",
     "cuMemsetD8_v2",
     "cuMemcpyDtoH_v2",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
     "cuMemcpyHtoD_v2",
     "cuStreamCreate",
     "cuStreamSynchronize",
@@ -591,6 +593,29 @@ pub(super) unsafe fn memcpy_htod(ptr: sys::CUdeviceptr, data: &[u8]) -> Result<(
     // SAFETY: `data` is valid for reads of `data.len()` bytes for the whole (synchronous) call; the
     // destination is the caller's own writable memory (point 1).
     unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()).result() }
+}
+
+/// `len` bytes of page-locked host memory in the current context (`cuMemHostAlloc`, no flags).
+///
+/// See [cuMemHostAlloc() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g572ca4011bfcb25034888a14d4e035b9)
+pub(super) fn mem_host_alloc(len: usize) -> Result<*mut std::ffi::c_void, CuError> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: `ptr` is valid for the call and written before success; new memory affects nothing that exists.
+    unsafe {
+        sys::cuMemHostAlloc(ptr.as_mut_ptr(), len, 0).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// Frees page-locked host memory (`cuMemFreeHost`).
+///
+/// See [cuMemFreeHost() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g62e0fdbe181dab6b1c90fa1a51c7b92c)
+///
+/// # Safety
+/// 1. `ptr` came from [`mem_host_alloc`] in the current context and is not used or freed again.
+pub(super) unsafe fn mem_free_host(ptr: *mut std::ffi::c_void) -> Result<(), CuError> {
+    // SAFETY: the pointer is a live page-locked allocation freed once (point 1).
+    unsafe { sys::cuMemFreeHost(ptr).result() }
 }
 
 /// Whether `device` can access memory of `peer`.

@@ -5,8 +5,8 @@
 use super::store::Owner;
 use super::{FaultKind, LatencyModel, SimDriver};
 use crate::driver::{
-    CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage,
-    StreamId, VaRange,
+    CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
+    PhysHandle, PhysPage, StreamId, VaRange,
 };
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
@@ -267,6 +267,11 @@ impl Driver for SimDriver {
         self.begin(Op::CaptureInfo, 0)?;
         self.streams.alive(Op::CaptureInfo.name(), stream)?;
         Ok(self.captures.status(stream))
+    }
+    /// Answers as [`capture_status`](Driver::capture_status) does, for any thread; not counted, never
+    /// faulted.
+    fn capture_probe(&self) -> Option<CaptureProbe> {
+        Some(self.captures.probe())
     }
     /// Device 0 (this one) is a no-op; a device outside the machine ([`SimConfig::devices`](super::SimConfig::devices)) is
     /// [`DriverError::PeerAccess`]. Not counted: it makes no driver call, it configures later

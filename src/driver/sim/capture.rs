@@ -19,8 +19,9 @@
 //! An event recorded on a capturing stream is a node of the graph: it never completes, and once its capture
 //! has ended a query of it is [`DriverError::CapturedEvent`].
 
+use crate::base::sync::{Arc, Mutex};
 use crate::driver::{
-    CaptureMisuse, CaptureMode, CaptureStatus, DriverError, EventId, Op, StreamId,
+    CaptureMisuse, CaptureMode, CaptureProbe, CaptureStatus, DriverError, EventId, Op, StreamId,
 };
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
@@ -37,11 +38,14 @@ struct Capture {
 }
 
 /// The captures under way, the events recorded during one, and what was refused.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub(super) struct Captures {
     last_id: u64,
     /// By stream, in stream order, so the stream a refusal names does not depend on hashing.
     active: BTreeMap<StreamId, Capture>,
+    /// The status of every stream in `active`, for [`probe`](Self::probe)s asked from other threads;
+    /// published after every change.
+    published: Arc<Mutex<BTreeMap<StreamId, CaptureStatus>>>,
     /// Events recorded on a stream while it was capturing: the stream and the capture's id.
     events: FxHashMap<u64, (StreamId, u64)>,
     refusals: u64,
@@ -76,6 +80,7 @@ impl Captures {
             invalidated: false,
         };
         self.active.insert(stream, capture);
+        self.publish();
         Ok(self.last_id)
     }
 
@@ -89,10 +94,25 @@ impl Captures {
                 stream,
                 misuse: CaptureMisuse::NotCapturing,
             })?;
+        self.publish();
         if capture.invalidated {
             return Err(DriverError::CaptureInvalidated { stream });
         }
         Ok(())
+    }
+
+    /// Makes the statuses of the captures under way what [`probe`](Self::probe)s answer.
+    fn publish(&self) {
+        let statuses = self.active.keys().map(|&s| (s, self.status(s))).collect();
+        *self.published.lock() = statuses;
+    }
+
+    /// [`status`](Self::status), for any thread (`Driver::capture_probe`).
+    pub(super) fn probe(&self) -> CaptureProbe {
+        let published = Arc::clone(&self.published);
+        CaptureProbe::new(move |stream| {
+            Ok((published.lock().get(&stream).copied()).unwrap_or(CaptureStatus::None))
+        })
     }
 
     /// `cuStreamGetCaptureInfo`.
@@ -159,6 +179,7 @@ impl Captures {
                 self.invalidated += 1;
             }
         }
+        self.publish();
         self.refusals += 1;
         Err(DriverError::CaptureUnsupported { op, stream: first })
     }
@@ -194,6 +215,7 @@ impl Captures {
             return Ok(());
         };
         self.invalidated += newly_invalidated;
+        self.publish();
         self.refusals += 1;
         Err(DriverError::CaptureUnsupported { op, stream })
     }

@@ -268,6 +268,8 @@ fn cuvmm_keys() {
     assert!(!parse("cross_stream_reuse:False").cross_stream_reuse);
     assert!(parse("").lend_chunk_pages);
     assert!(!parse("lend_chunk_pages:False").lend_chunk_pages);
+    assert!(parse("").capture_detection);
+    assert!(!parse("capture_detection:False").capture_detection);
     assert_eq!(
         parse("max_idle_mb:7,max_idle_mb:unlimited").max_idle_bytes,
         u64::MAX
@@ -284,6 +286,7 @@ fn cuvmm_keys() {
         ("small_size_kb:1.5", "small_size_kb"),
         ("cross_stream_reuse:true", "cross_stream_reuse"),
         ("cross_stream_reuse:1", "cross_stream_reuse"),
+        ("capture_detection:no", "capture_detection"),
     ];
     for (s, key) in bad {
         assert_eq!(bad_key(s), key, "{s}");

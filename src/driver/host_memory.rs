@@ -1,0 +1,106 @@
+//! Host memory that device memory is copied to and from ([`Driver::alloc_host`](super::Driver::alloc_host)):
+//! what a sleeping tag's bytes are kept in.
+
+use super::error::DriverError;
+use std::fmt;
+
+/// The storage behind a [`HostMemory`]: an ordinary `Vec<u8>`, or a backend's own (page-locked memory on
+/// CUDA, which `cuMemcpy` reaches at the link's speed instead of through a staging buffer).
+pub trait HostBytes: Send {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, to write.
+    fn bytes_mut(&mut self) -> &mut [u8];
+    /// Whether the memory is page-locked (pinned).
+    fn pinned(&self) -> bool {
+        false
+    }
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// Host bytes for copies of device memory, owned: freed when dropped.
+pub struct HostMemory(Box<dyn HostBytes>);
+
+impl HostMemory {
+    /// `len` zero bytes of ordinary (pageable) memory, or [`DriverError::HostOutOfMemory`] when the host
+    /// cannot give them (a failed allocation is an error, not an abort).
+    pub fn pageable(len: usize) -> Result<Self, DriverError> {
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(len)
+            .map_err(|_| DriverError::HostOutOfMemory { bytes: len as u64 })?;
+        bytes.resize(len, 0);
+        Ok(Self(Box::new(bytes)))
+    }
+
+    /// Host memory a backend made.
+    pub fn new(bytes: impl HostBytes + 'static) -> Self {
+        Self(Box::new(bytes))
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.bytes()
+    }
+
+    /// The bytes, to write.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.0.bytes_mut()
+    }
+
+    /// How many bytes it holds.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether it holds no byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the memory is page-locked (pinned).
+    pub fn is_pinned(&self) -> bool {
+        self.0.pinned()
+    }
+}
+
+impl fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostMemory")
+            .field("len", &self.len())
+            .field("pinned", &self.is_pinned())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pageable_memory_is_zeroed_and_writable() {
+        let mut host = HostMemory::pageable(5).unwrap();
+        assert_eq!(host.as_slice(), &[0; 5]);
+        host.as_mut_slice().copy_from_slice(b"bytes");
+        assert_eq!(host.as_slice(), b"bytes");
+        assert!(!host.is_pinned());
+        assert!(HostMemory::pageable(0).unwrap().is_empty());
+    }
+
+    #[test]
+    fn memory_the_host_cannot_give_is_an_error_not_an_abort() {
+        let huge = usize::MAX / 2;
+        assert_eq!(
+            HostMemory::pageable(huge).unwrap_err(),
+            DriverError::HostOutOfMemory { bytes: huge as u64 }
+        );
+    }
+}
