@@ -34,7 +34,7 @@ pub use base::size;
 pub use driver::{Driver, DriverError, StreamId};
 #[cfg(feature = "cuda")]
 pub use facade::cuda_buffer::{CudaBuffer, TypedView, TypedViewMut};
-pub use facade::{allocator, allocator::Allocator, allocator::DeviceBuffer, summary};
+pub use facade::{allocator, allocator::Allocator, device_buffer::DeviceBuffer, summary};
 pub use strategy::Strategy;
 pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};

@@ -15,6 +15,15 @@ const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 const S2: StreamId = StreamId(2);
 
+/// A simulated device of `pages` pages.
+fn device(pages: u64) -> SimDriver {
+    SimDriver::new(
+        SimConfig::default()
+            .with_capacity(pages * PAGE)
+            .with_granularity(PAGE),
+    )
+}
+
 /// An allocator on a device of `pages` pages, with a backing store, configured by `config`.
 fn allocator(pages: u64, config: Config) -> Expandable<SimDriver> {
     let sim = SimDriver::new(
@@ -265,11 +274,7 @@ fn a_failed_event_record_leaves_the_block_live() {
 
 #[test]
 fn dropping_the_allocator_waits_for_streams_with_pending_work() {
-    let mut sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(16 * PAGE)
-            .with_granularity(PAGE),
-    );
+    let mut sim = device(16);
     {
         let mut alloc = Expandable::new(&mut sim, Config::default()).unwrap();
         let a = alloc.alloc(2 * PAGE, S0).unwrap();
@@ -291,12 +296,7 @@ fn dropping_the_allocator_waits_for_streams_with_pending_work() {
 
 #[test]
 fn device_buffers_record_streams() {
-    let sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(16 * PAGE)
-            .with_granularity(PAGE),
-    );
-    let alloc = Allocator::expandable(sim, Config::default()).unwrap();
+    let alloc = Allocator::expandable(device(16), Config::default()).unwrap();
     let buffer = alloc.alloc_on(3 * PAGE, S0).unwrap();
     let addr = buffer.ptr();
     alloc.with_strategy(|s| s.driver_mut().launch(S1, &[range(addr, PAGE)]).unwrap());
@@ -437,11 +437,7 @@ fn without_cross_stream_reuse_blocks_stay_in_their_streams_segments() {
 #[test]
 fn dropping_the_allocator_after_its_streams_were_destroyed_names_none_of_them() {
     let (sa, sb) = (StreamId(21), StreamId(22));
-    let mut sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(16 * PAGE)
-            .with_granularity(PAGE),
-    );
+    let mut sim = device(16);
     {
         let mut alloc = Expandable::new(&mut sim, Config::default()).unwrap();
         let a = alloc.alloc(2 * PAGE, sa).unwrap();

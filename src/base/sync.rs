@@ -45,4 +45,10 @@ mod loom_mutex {
             }
         }
     }
+
+    impl<T: Default> Default for Mutex<T> {
+        fn default() -> Self {
+            Self::new(T::default())
+        }
+    }
 }

@@ -77,7 +77,7 @@ impl<D: Driver> Expandable<D> {
         }
         let mut compacting = Compacting::by_device();
         if self.waits.any_parked() {
-            self.stream_done(StreamId::DEFAULT, Wait::Block, &mut compacting)?;
+            self.device_done(&mut compacting)?;
         }
         let segments = &mut self.segments;
         self.waits.drain(&mut self.driver, |slot, addr| {
@@ -218,6 +218,15 @@ impl<D: Driver> Expandable<D> {
         false
     }
 
+    /// Synchronizes the device, once per compaction: every stream's queued work is complete after it.
+    fn device_done(&mut self, compacting: &mut Compacting) -> Result<(), Error> {
+        if !compacting.device_done {
+            synchronize_device(&mut self.driver, &mut self.books)?;
+            compacting.device_done = true;
+        }
+        Ok(())
+    }
+
     /// Whether `stream`'s queued work is known complete for this compaction: synchronized (`Wait::Block`;
     /// the device, once, in a compaction [`by_device`](Compacting::by_device)) or shown idle by an event
     /// query (`Wait::Query`), each stream at most once.
@@ -231,8 +240,7 @@ impl<D: Driver> Expandable<D> {
             return Ok(true);
         }
         if compacting.by_device && wait == Wait::Block {
-            synchronize_device(&mut self.driver, &mut self.books)?;
-            compacting.device_done = true;
+            self.device_done(compacting)?;
             return Ok(true);
         }
         let done = match wait {

@@ -1,4 +1,4 @@
-//! The facade: a thread-safe [`Allocator`] handle around any [`Strategy`], and [`DeviceBuffer`], which frees
+//! The facade: a thread-safe [`Allocator`] handle around any [`Strategy`], and [`DeviceBuffer`](crate::DeviceBuffer), which frees
 //! its memory when dropped.
 //!
 //! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
@@ -110,34 +110,10 @@ impl<S: Strategy> Allocator<S> {
         }
     }
 
-    /// Allocates `size` bytes on the default stream.
-    pub fn alloc(&self, size: u64) -> Result<DeviceBuffer<S>, Error> {
-        self.alloc_on(size, StreamId::DEFAULT)
-    }
-
-    /// Allocates `size` bytes for use on `stream`. The memory may be reused by later work on that stream as
-    /// soon as the buffer is dropped.
-    pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
-        let (ptr, in_capture) = self.allocate(size, stream, None)?;
-        Ok(self.buffer(ptr, size, stream, !in_capture))
-    }
-
-    /// The guard of a live allocation; `cacheable`: its free may keep it in its stream's cache.
-    fn buffer(&self, ptr: u64, size: u64, stream: StreamId, cacheable: bool) -> DeviceBuffer<S> {
-        DeviceBuffer {
-            allocator: self.clone(),
-            ptr,
-            size,
-            stream,
-            live: true,
-            cacheable,
-        }
-    }
-
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
     /// Once `stream` has contended for the strategy's lock, the allocator notes the block's size and
     /// stream (in a book sharded by address), so that its free is served by the stream's cache as a
-    /// [`DeviceBuffer`]'s drop is.
+    /// [`DeviceBuffer`](crate::DeviceBuffer)'s drop is.
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
         let (ptr, in_capture) = self.allocate(size, stream, None)?;
         let shared = &*self.shared;
@@ -149,20 +125,6 @@ impl<S: Strategy> Allocator<S> {
             }
         }
         Ok(ptr)
-    }
-
-    /// Allocates `size` bytes for use on `stream` under the tag `tag`: memory that
-    /// [`sleep`](Self::sleep) can give back while its addresses stay reserved, and [`wake`](Self::wake)
-    /// maps again at the same addresses. Tagged memory shares no page with other memory and never enters
-    /// a stream cache. Refused with [`Error::TagAsleep`] while the tag sleeps.
-    pub fn alloc_tagged(
-        &self,
-        size: u64,
-        stream: StreamId,
-        tag: &str,
-    ) -> Result<DeviceBuffer<S>, Error> {
-        let (ptr, _) = self.allocate(size, stream, Some(tag))?;
-        Ok(self.buffer(ptr, size, stream, false))
     }
 
     /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
@@ -195,7 +157,7 @@ impl<S: Strategy> Allocator<S> {
     /// Allocates `size` bytes on `stream`, under `tag` if given; says whether a capture was underway, in
     /// which case the memory may be a graph pool's and must never enter a stream cache. Tagged memory never
     /// comes from (nor goes to) a stream cache.
-    fn allocate(
+    pub(super) fn allocate(
         &self,
         size: u64,
         stream: StreamId,
@@ -247,8 +209,8 @@ impl<S: Strategy> Allocator<S> {
         }
     }
 
-    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a [`DeviceBuffer`]'s, which must then
-    /// not be dropped). A block whose size and stream the allocator noted goes where a [`DeviceBuffer`]'s
+    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a [`DeviceBuffer`](crate::DeviceBuffer)'s, which must then
+    /// not be dropped). A block whose size and stream the allocator noted goes where a [`DeviceBuffer`](crate::DeviceBuffer)'s
     /// would, its stream's cache when that is active; any other to the strategy.
     ///
     /// A second free of an address is a [`Error::DoubleFree`] when the first has returned; two frees of one
@@ -280,7 +242,7 @@ impl<S: Strategy> Allocator<S> {
 
     /// Frees a buffer whose size and stream are known: into its stream's cache when that is active (or
     /// the strategy is busy), else to the strategy.
-    fn free_buffer(
+    pub(super) fn free_buffer(
         &self,
         ptr: u64,
         size: u64,
@@ -352,7 +314,7 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// Records that the allocation at `ptr` is also used by work queued on `stream`: once freed, its memory
-    /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`].
+    /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream).
     pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<(), Error> {
         let shared = &*self.shared;
         shared.strategy.lock().record_stream(ptr, stream)?;
@@ -489,6 +451,12 @@ impl<S: Strategy> Allocator<S> {
         self.shared.caches.seed_bug();
     }
 
+    /// Keeps an error raised where it could not be returned (a buffer's drop), for
+    /// [`take_deferred_errors`](Self::take_deferred_errors).
+    pub(super) fn defer(&self, err: Error) {
+        self.shared.deferred.lock().push(err);
+    }
+
     /// Errors raised while dropping buffers, oldest first. Each was also reported through `tracing`.
     pub fn take_deferred_errors(&self) -> Vec<Error> {
         std::mem::take(&mut *self.shared.deferred.lock())
@@ -519,86 +487,5 @@ impl<S: Strategy> Allocator<S> {
     /// ([`Strategy::memory_fraction`]).
     pub fn memory_fraction(&self) -> Option<f64> {
         self.shared.strategy.lock().memory_fraction()
-    }
-}
-
-/// Device memory from an [`Allocator`], freed when dropped.
-pub struct DeviceBuffer<S: Strategy> {
-    allocator: Allocator<S>,
-    ptr: u64,
-    size: u64,
-    stream: StreamId,
-    live: bool,
-    /// False for memory allocated while a capture was underway (perhaps a graph pool's): never kept in a
-    /// stream cache, where a request outside the pool could take it.
-    cacheable: bool,
-}
-
-impl<S: Strategy> DeviceBuffer<S> {
-    /// The device address.
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// The size asked for, in bytes.
-    pub fn len(&self) -> u64 {
-        self.size
-    }
-
-    /// Always false: zero-byte requests are refused.
-    pub fn is_empty(&self) -> bool {
-        self.size == 0
-    }
-
-    /// The stream the buffer was allocated for.
-    pub fn stream(&self) -> StreamId {
-        self.stream
-    }
-
-    /// Records that work queued on `stream` (not the buffer's own) uses the buffer, as PyTorch's
-    /// `Tensor.record_stream`: when the buffer is freed, the allocator records an event on `stream` and
-    /// hands the memory out again only once that event has completed. Call it for every other stream the
-    /// buffer is used on, before the buffer is freed.
-    pub fn record_stream(&self, stream: StreamId) -> Result<(), Error> {
-        self.allocator.record_stream(self.ptr, stream)
-    }
-
-    /// Keeps an error raised where it could not be returned, for
-    /// [`Allocator::take_deferred_errors`].
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn defer(&self, err: Error) {
-        self.allocator.shared.deferred.lock().push(err);
-    }
-
-    /// Frees the buffer now and returns any error, instead of deferring it as `Drop` must.
-    pub fn free(mut self) -> Result<(), Error> {
-        self.live = false;
-        self.release()
-    }
-
-    fn release(&self) -> Result<(), Error> {
-        (self.allocator).free_buffer(self.ptr, self.size, self.stream, self.cacheable)
-    }
-}
-
-impl<S: Strategy> fmt::Debug for DeviceBuffer<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceBuffer")
-            .field("ptr", &format_args!("{:#x}", self.ptr))
-            .field("len", &self.size)
-            .field("stream", &self.stream)
-            .finish()
-    }
-}
-
-impl<S: Strategy> Drop for DeviceBuffer<S> {
-    fn drop(&mut self) {
-        if !self.live {
-            return;
-        }
-        if let Err(err) = self.release() {
-            tracing::error!(%err, ptr = self.ptr, "cuvmm: freeing a DeviceBuffer failed");
-            self.allocator.shared.deferred.lock().push(err);
-        }
     }
 }

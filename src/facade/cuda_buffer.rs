@@ -26,7 +26,8 @@
 
 use crate::driver::StreamId;
 use crate::driver::cuda::keeping_current_context;
-use crate::facade::allocator::{Allocator, DeviceBuffer};
+use crate::facade::allocator::Allocator;
+use crate::facade::device_buffer::DeviceBuffer;
 use crate::strategy::Strategy;
 use crate::strategy::error::Error;
 use cudarc::driver::{

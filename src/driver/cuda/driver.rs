@@ -1,6 +1,6 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
-use super::calls::{Calls, bytes, cuda_error, keeping_current_context, raw_stream};
+use super::calls::{Calls, bytes, cuda_error, raw_stream};
 use super::errors;
 use super::host::Pinned;
 use super::ledger::Ledger;
@@ -9,8 +9,8 @@ use super::result;
 use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
-    CaptureMode, CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId,
-    HostMemory, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId, HostMemory, MemInfo,
+    Op, PhysHandle, PhysPage, StreamId, VaRange,
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
@@ -18,6 +18,7 @@ use cudarc::driver::sys::{self, CUdevice};
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
+mod capture;
 mod sharing;
 
 /// A CUDA device, driven through the virtual-memory API.
@@ -200,40 +201,6 @@ impl CudaDriver {
         std::mem::take(&mut self.calls.deferred)
     }
 
-    /// Begins capturing `stream` into a graph in `mode` (`cuStreamBeginCapture`) and returns the capture's
-    /// id (`cuStreamGetCaptureInfo`). For tests: cuvmm itself never captures. Not counted. Refused with
-    /// [`DriverError::CaptureMisuse`] on the legacy default stream and on a stream already capturing.
-    pub fn begin_capture(
-        &mut self,
-        stream: StreamId,
-        mode: CaptureMode,
-    ) -> Result<u64, DriverError> {
-        let raw = self.stream(Op::CaptureInfo, stream)?;
-        let began = self.calls.call(Op::CaptureInfo, 0, || {
-            // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
-            // caller's, whose `StreamId` contract is that it is alive (point 1); CUDA refuses the legacy one.
-            unsafe { result::stream_begin_capture(raw_stream(raw), mode) }?;
-            // SAFETY: as above (point 1).
-            unsafe { result::stream_capture_info(raw_stream(raw)) }.map(|(_, id)| id)
-        });
-        began.map_err(|e| errors::on_capture(e, stream, false))
-    }
-
-    /// Ends the capture of `stream` (`cuStreamEndCapture`) and destroys the graph it made. For tests. Not
-    /// counted. [`DriverError::CaptureInvalidated`] if a call CUDA refused invalidated the capture (the
-    /// stream has stopped capturing either way), [`DriverError::CaptureMisuse`] if it was not capturing.
-    pub fn end_capture(&mut self, stream: StreamId) -> Result<(), DriverError> {
-        let raw = self.stream(Op::CaptureInfo, stream)?;
-        let ended = self.calls.call(Op::CaptureInfo, 0, || {
-            // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
-            // caller's, whose `StreamId` contract is that it is alive (point 1).
-            let graph = unsafe { result::stream_end_capture(raw_stream(raw)) }?;
-            // SAFETY: the graph was just made by the capture's end and nothing else holds it (points 1-2).
-            unsafe { result::graph_destroy(graph) }
-        });
-        ended.map_err(|e| errors::on_capture(e, stream, true))
-    }
-
     /// Runs one operation, counting it once with the driver time its calls took.
     fn counted<T>(
         &mut self,
@@ -333,16 +300,6 @@ impl Drop for CudaDriver {
         for err in std::mem::take(&mut self.calls.deferred) {
             tracing::error!(%err, "cuvmm: CudaDriver dropped with an error nobody collected");
         }
-    }
-}
-
-/// A capture status from what `cuStreamGetCaptureInfo` answered.
-fn capture_status_of((status, id): (sys::CUstreamCaptureStatus, u64)) -> CaptureStatus {
-    use sys::CUstreamCaptureStatus as Status;
-    match status {
-        Status::CU_STREAM_CAPTURE_STATUS_NONE => CaptureStatus::None,
-        Status::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureStatus::Active { id, mode: None },
-        Status::CU_STREAM_CAPTURE_STATUS_INVALIDATED => CaptureStatus::Invalidated { id },
     }
 }
 
@@ -490,43 +447,13 @@ impl Driver for CudaDriver {
     }
 
     fn capture_status(&mut self, stream: StreamId) -> Result<CaptureStatus, DriverError> {
-        self.counted(Op::CaptureInfo, |d| {
-            let raw = d.stream(Op::CaptureInfo, stream)?;
-            let info = d.calls.call(Op::CaptureInfo, 0, || {
-                // SAFETY: the stream is one of CUDA's default streams, a stand-in this driver created, or the
-                // caller's, whose `StreamId` contract is that it is alive (point 1).
-                unsafe { result::stream_capture_info(raw_stream(raw)) }
-            });
-            Ok(capture_status_of(
-                info.map_err(|e| errors::on_stream(e, stream))?,
-            ))
-        })
+        self.counted(Op::CaptureInfo, |d| d.capture_info(stream))
     }
 
-    /// `cuStreamGetCaptureInfo` on the caller's stream, from any thread, with the device's context made
-    /// current for the call and the thread's own given back. `None` with stand-in streams, which only this
-    /// driver queues work on. The probe holds the context weakly: once the driver is dropped it answers
-    /// [`DriverError::NoDriver`].
+    /// `cuStreamGetCaptureInfo` on the caller's stream, from any thread (`driver/capture.rs`). `None` with
+    /// stand-in streams, which only this driver queues work on.
     fn capture_probe(&self) -> Option<CaptureProbe> {
-        if self.streams.creates() {
-            return None;
-        }
-        let context = Arc::downgrade(&self.calls.ctx);
-        Some(CaptureProbe::new(move |stream| {
-            let Some(ctx) = context.upgrade() else {
-                return Err(DriverError::NoDriver {
-                    reason: "the CUDA driver the capture probe asks was dropped".to_string(),
-                });
-            };
-            let info = keeping_current_context(|| {
-                ctx.bind_to_thread()?;
-                // SAFETY: the stream is the caller's, whose `StreamId` contract is that it is alive (point
-                // 1), or one of CUDA's default streams; the context that owns it is current.
-                unsafe { result::stream_capture_info(raw_stream(stream.0)) }
-            });
-            let info = info.map_err(|e| errors::on_stream(cuda_error(Op::CaptureInfo, &e), stream));
-            Ok(capture_status_of(info?))
-        }))
+        self.probe()
     }
 
     /// Checks `cuDeviceCanAccessPeer` ([`DriverError::PeerAccess`] if the peer cannot reach this device's

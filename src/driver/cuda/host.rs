@@ -3,9 +3,10 @@
 
 use super::calls::keeping_current_context;
 use super::errors;
-use super::result;
 use crate::driver::HostBytes;
-use cudarc::driver::CudaContext;
+use cudarc::driver::DriverError as CuError;
+use cudarc::driver::{CudaContext, sys};
+use std::mem::MaybeUninit;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -31,7 +32,7 @@ impl Pinned {
     ) -> Result<Self, cudarc::driver::DriverError> {
         let ptr = keeping_current_context(|| {
             ctx.bind_to_thread()?;
-            result::mem_host_alloc(len)
+            mem_host_alloc(len)
         })?;
         let ptr =
             NonNull::new(ptr.cast::<u8>()).expect("cuMemHostAlloc succeeded with a null pointer");
@@ -68,11 +69,34 @@ impl Drop for Pinned {
             self.ctx.bind_to_thread()?;
             // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `self.ctx` keeps alive,
             // and is freed once: no borrow of it outlives `self`.
-            unsafe { result::mem_free_host(self.ptr.as_ptr().cast()) }
+            unsafe { mem_free_host(self.ptr.as_ptr().cast()) }
         });
         if let Err(e) = freed {
             let (code, name) = errors::code_and_name(&e);
             tracing::error!(code, %name, bytes = self.len, "cuvmm: cuMemFreeHost failed: the memory leaks");
         }
     }
+}
+
+/// `len` bytes of page-locked host memory in the current context (`cuMemHostAlloc`, no flags).
+///
+/// See [cuMemHostAlloc() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g572ca4011bfcb25034888a14d4e035b9)
+fn mem_host_alloc(len: usize) -> Result<*mut std::ffi::c_void, CuError> {
+    let mut ptr = MaybeUninit::uninit();
+    // SAFETY: `ptr` is valid for the call and written before success; new memory affects nothing that exists.
+    unsafe {
+        sys::cuMemHostAlloc(ptr.as_mut_ptr(), len, 0).result()?;
+        Ok(ptr.assume_init())
+    }
+}
+
+/// Frees page-locked host memory (`cuMemFreeHost`).
+///
+/// See [cuMemFreeHost() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g62e0fdbe181dab6b1c90fa1a51c7b92c)
+///
+/// # Safety
+/// 1. `ptr` came from [`mem_host_alloc`] in the current context and is not used or freed again.
+unsafe fn mem_free_host(ptr: *mut std::ffi::c_void) -> Result<(), CuError> {
+    // SAFETY: the pointer is a live page-locked allocation freed once (point 1).
+    unsafe { sys::cuMemFreeHost(ptr).result() }
 }

@@ -12,7 +12,6 @@
 //! loaded and [`missing_symbols`] found nothing missing: with `dynamic-loading`, cudarc panics on a call it
 //! cannot resolve.
 
-use crate::driver::CaptureMode;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
 use std::mem::MaybeUninit;
@@ -166,79 +165,6 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), CuE
 pub(super) fn ctx_synchronize() -> Result<(), CuError> {
     // SAFETY: the call takes no argument; without a current context the driver returns an error.
     unsafe { sys::cuCtxSynchronize().result() }
-}
-
-/// Whether `stream` is being captured into a graph, and the capture's id (meaningful when capturing).
-///
-/// See [cuStreamGetCaptureInfo() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
-///
-/// # Safety
-/// 1. `stream` is null, `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`, or a stream that is alive.
-pub(super) unsafe fn stream_capture_info(
-    stream: sys::CUstream,
-) -> Result<(sys::CUstreamCaptureStatus, u64), CuError> {
-    let mut status = MaybeUninit::uninit();
-    let mut id = MaybeUninit::uninit();
-    // SAFETY: the stream is alive (point 1); `status` and `id` are valid for the call and the driver writes
-    // both before returning success; the graph, dependencies and count outputs are optional and left null.
-    unsafe {
-        sys::cuStreamGetCaptureInfo_v2(
-            stream,
-            status.as_mut_ptr(),
-            id.as_mut_ptr(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        )
-        .result()?;
-        Ok((status.assume_init(), id.assume_init()))
-    }
-}
-
-/// Begins capturing `stream` into a new graph, in `mode`.
-///
-/// See [cuStreamBeginCapture() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
-///
-/// # Safety
-/// 1. `stream` is `CU_STREAM_PER_THREAD` or a stream that is alive.
-pub(super) unsafe fn stream_begin_capture(
-    stream: sys::CUstream,
-    mode: CaptureMode,
-) -> Result<(), CuError> {
-    let mode = match mode {
-        CaptureMode::Global => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
-        CaptureMode::ThreadLocal => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-        CaptureMode::Relaxed => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-    };
-    // SAFETY: the stream is alive (point 1); the driver refuses the legacy stream itself.
-    unsafe { sys::cuStreamBeginCapture_v2(stream, mode).result() }
-}
-
-/// Ends the capture of `stream` and returns its graph, which the caller must destroy.
-///
-/// See [cuStreamEndCapture() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html)
-///
-/// # Safety
-/// 1. `stream` is `CU_STREAM_PER_THREAD` or a stream that is alive.
-pub(super) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<sys::CUgraph, CuError> {
-    let mut graph = MaybeUninit::uninit();
-    // SAFETY: the stream is alive (point 1); `graph` is valid for the call and written before success.
-    unsafe {
-        sys::cuStreamEndCapture(stream, graph.as_mut_ptr()).result()?;
-        Ok(graph.assume_init())
-    }
-}
-
-/// Destroys a graph from [`stream_end_capture`].
-///
-/// See [cuGraphDestroy() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__GRAPH.html)
-///
-/// # Safety
-/// 1. `graph` was returned by [`stream_end_capture`] and has not been destroyed.
-/// 2. No one will use `graph` afterwards.
-pub(super) unsafe fn graph_destroy(graph: sys::CUgraph) -> Result<(), CuError> {
-    // SAFETY: the graph is alive and not used again (points 1-2).
-    unsafe { sys::cuGraphDestroy(graph).result() }
 }
 
 /// Whether the CUDA driver library (libcuda.so / nvcuda.dll) can be loaded.
@@ -593,29 +519,6 @@ pub(super) unsafe fn memcpy_htod(ptr: sys::CUdeviceptr, data: &[u8]) -> Result<(
     // SAFETY: `data` is valid for reads of `data.len()` bytes for the whole (synchronous) call; the
     // destination is the caller's own writable memory (point 1).
     unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()).result() }
-}
-
-/// `len` bytes of page-locked host memory in the current context (`cuMemHostAlloc`, no flags).
-///
-/// See [cuMemHostAlloc() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g572ca4011bfcb25034888a14d4e035b9)
-pub(super) fn mem_host_alloc(len: usize) -> Result<*mut std::ffi::c_void, CuError> {
-    let mut ptr = MaybeUninit::uninit();
-    // SAFETY: `ptr` is valid for the call and written before success; new memory affects nothing that exists.
-    unsafe {
-        sys::cuMemHostAlloc(ptr.as_mut_ptr(), len, 0).result()?;
-        Ok(ptr.assume_init())
-    }
-}
-
-/// Frees page-locked host memory (`cuMemFreeHost`).
-///
-/// See [cuMemFreeHost() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g62e0fdbe181dab6b1c90fa1a51c7b92c)
-///
-/// # Safety
-/// 1. `ptr` came from [`mem_host_alloc`] in the current context and is not used or freed again.
-pub(super) unsafe fn mem_free_host(ptr: *mut std::ffi::c_void) -> Result<(), CuError> {
-    // SAFETY: the pointer is a live page-locked allocation freed once (point 1).
-    unsafe { sys::cuMemFreeHost(ptr).result() }
 }
 
 /// Whether `device` can access memory of `peer`.
