@@ -1,5 +1,5 @@
-//! The facade: a thread-safe [`Allocator`] handle around any [`Strategy`], and [`DeviceBuffer`](crate::DeviceBuffer), which frees
-//! its memory when dropped.
+//! The facade: a thread-safe [`Allocator`] handle around any [`Strategy`], and
+//! [`DeviceBuffer`](crate::DeviceBuffer), which frees its memory when dropped.
 //!
 //! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
 //! `parking_lot::Mutex` guards the strategy: every operation on it holds the lock for a few microseconds of

@@ -11,11 +11,11 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// `len` bytes of page-locked host memory of `ctx`, freed with `cuMemFreeHost` when dropped. It holds the
-/// context, so the memory outlives neither.
+/// context (`Some` until the drop), so the memory outlives neither.
 pub(super) struct Pinned {
     ptr: NonNull<u8>,
     len: usize,
-    ctx: Arc<CudaContext>,
+    ctx: Option<Arc<CudaContext>>,
 }
 
 // SAFETY: `Pinned` owns its memory alone (no other pointer to it is handed out but the borrows of
@@ -41,7 +41,7 @@ impl Pinned {
         Ok(Self {
             ptr,
             len,
-            ctx: Arc::clone(ctx),
+            ctx: Some(Arc::clone(ctx)),
         })
     }
 }
@@ -65,11 +65,19 @@ impl HostBytes for Pinned {
 
 impl Drop for Pinned {
     fn drop(&mut self) {
-        let freed = keeping_current_context(|| {
-            self.ctx.bind_to_thread()?;
-            // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `self.ctx` keeps alive,
-            // and is freed once: no borrow of it outlives `self`.
-            unsafe { mem_free_host(self.ptr.as_ptr().cast()) }
+        let Some(ctx) = self.ctx.take() else {
+            return;
+        };
+        let ptr = self.ptr.as_ptr().cast();
+        // The context is let go inside too: where this was its last holder (a tag asleep when the allocator
+        // is dropped, after the driver), cudarc's release makes it current, and the thread gets its own back.
+        let freed = keeping_current_context(move || {
+            ctx.bind_to_thread()?;
+            // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `ctx` keeps alive, and is
+            // freed once: no borrow of it outlives `self`.
+            let freed = unsafe { mem_free_host(ptr) };
+            drop(ctx);
+            freed
         });
         if let Err(e) = freed {
             let (code, name) = errors::code_and_name(&e);

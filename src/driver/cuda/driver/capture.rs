@@ -68,17 +68,22 @@ impl CudaDriver {
         }
         let context = Arc::downgrade(&self.calls.ctx);
         Some(CaptureProbe::new(move |stream| {
-            let Some(ctx) = context.upgrade() else {
+            // The context is held only inside: should this be its last holder (the driver dropped meanwhile),
+            // cudarc's release makes it current, and the thread gets its own back.
+            let info = keeping_current_context(|| {
+                let ctx = context.upgrade()?;
+                let info = ctx.bind_to_thread().and_then(|()| {
+                    // SAFETY: the stream is the caller's, whose `StreamId` contract is that it is alive
+                    // (point 1), or one of CUDA's default streams; the context that owns it is current.
+                    unsafe { stream_capture_info(raw_stream(stream.0)) }
+                });
+                Some(info)
+            });
+            let Some(info) = info else {
                 return Err(DriverError::NoDriver {
                     reason: "the CUDA driver the capture probe asks was dropped".to_string(),
                 });
             };
-            let info = keeping_current_context(|| {
-                ctx.bind_to_thread()?;
-                // SAFETY: the stream is the caller's, whose `StreamId` contract is that it is alive (point
-                // 1), or one of CUDA's default streams; the context that owns it is current.
-                unsafe { stream_capture_info(raw_stream(stream.0)) }
-            });
             let info = info.map_err(|e| errors::on_stream(cuda_error(Op::CaptureInfo, &e), stream));
             Ok(capture_status_of(info?))
         }))
