@@ -2,11 +2,12 @@
 //!
 //! - `hot_path/<size>`: an alloc + free pair served from cached, mapped pages after a warm-up, so no
 //!   driver call is made (checked after each benchmark, not timed);
-//! - `facade/*`: the same through the thread-safe [`Allocator`] (lock included), raw and with the
-//!   [`DeviceBuffer`] guard, at 512 B, 64 KiB and 20 MiB;
-//! - `facade_cached/*`: raw and `DeviceBuffer` pairs once the stream has contended, so they are served by
-//!   its stream cache without the strategy's lock (what each thread of a busy service runs; sizes up to
-//!   1 MiB are cached);
+//! - `facade/*`: the same through the thread-safe [`Allocator`] with its stream caches waiting for
+//!   contention (`stream_cache_eager:False`, the PyTorch backend's default), so each pair takes the
+//!   strategy's lock: raw and with the [`DeviceBuffer`] guard, at 512 B, 64 KiB and 20 MiB;
+//! - `facade_cached/*`: raw and `DeviceBuffer` pairs with the default configuration, whose stream caches keep
+//!   frees from the first, so pairs are served by the thread's cache without the strategy's lock (what
+//!   every thread of a Rust service runs);
 //! - `cuda/*` (feature `cuda`, skipped without a GPU): cuvmm's raw and `DeviceBuffer` paths on a real
 //!   stream against cuMemAllocAsync / cuMemFreeAsync (the device's default pool, release threshold at its
 //!   maximum) and cuMemAlloc / cuMemFree, 512 B to 20 MiB, 1 to 8 threads each on its own stream;
@@ -58,10 +59,15 @@ fn hot_path(c: &mut Criterion) {
 
 const FACADE_SIZES: [(&str, u64); 3] = [("512B", 512), ("64KiB", 64 * KIB), ("20MiB", 20 * MIB)];
 
-fn facade_allocator() -> Allocator<Expandable<SimDriver>> {
+/// A facade over a 1 GiB simulated device, with the stream caches eager (the default) or not.
+fn facade_allocator(eager: bool) -> Allocator<Expandable<SimDriver>> {
+    let config = Config {
+        stream_cache_eager: Some(eager),
+        ..Config::default()
+    };
     Allocator::expandable(
         SimDriver::new(SimConfig::default().with_capacity(1 << 30)),
-        Config::default(),
+        config,
     )
     .expect("valid configuration")
 }
@@ -94,7 +100,7 @@ fn facade_pairs(
 fn facade(c: &mut Criterion) {
     let mut group = c.benchmark_group("facade");
     for (name, size) in FACADE_SIZES {
-        let alloc = facade_allocator();
+        let alloc = facade_allocator(false);
         alloc
             .alloc(size)
             .expect("warm-up alloc")
@@ -104,11 +110,9 @@ fn facade(c: &mut Criterion) {
     }
     group.finish();
     let mut group = c.benchmark_group("facade_cached");
-    for (name, size) in FACADE_SIZES.into_iter().filter(|&(_, size)| size <= MIB) {
-        let alloc = facade_allocator();
-        // A free that finds the lock taken turns the stream's cache on, as a second thread would.
-        let buffer = alloc.alloc(size).expect("warm-up alloc");
-        alloc.with_strategy(|_| drop(buffer));
+    for (name, size) in FACADE_SIZES {
+        let alloc = facade_allocator(true);
+        drop(alloc.alloc(size).expect("warm-up alloc"));
         facade_pairs(&mut group, &alloc, name, size);
         assert!(
             alloc.stream_cached().0 > 0,

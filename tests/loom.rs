@@ -3,9 +3,11 @@
 //! `Arc` reference count change, is run.
 //!
 //! The facade (`src/facade/allocator.rs`, `src/facade/stream_cache.rs`): an `Arc` shared by every handle and buffer; one
-//! `Mutex` around the strategy; stream cache shards (two in loom builds), each a `Mutex` around its kept-back
-//! buffers plus two relaxed atomics (whether the shard is active, and its length, read without the lock: a
-//! stale value only sends a request or a free the slow way); a `Mutex` and an atomic length for the addresses
+//! `Mutex` around the strategy; stream cache shards (two in loom builds, one per thread number modulo two),
+//! each a `Mutex` around its kept-back buffers plus a relaxed length read without the lock, and one relaxed
+//! flag for whether the caches are on (a stale value only sends a request or a free the slow way); the
+//! per-thread handles buffers hold (two slots, each a `Mutex`) and the count of the program's own handles,
+//! whose last drop lets go of them; a `Mutex` and an atomic length for the addresses
 //! used on other streams; the book of raw allocations' sizes and streams (two shards, each a `Mutex`, and a
 //! relaxed flag); and a `Mutex` around the errors that `DeviceBuffer::drop` could not return. No path
 //! holds two of these locks at once, except `with_strategy`, whose closure may free buffers into a shard
@@ -59,13 +61,14 @@ fn checker() -> loom::model::Builder {
 /// Explores every interleaving of `model` with at most [`PREEMPTIONS`] preemptions, counting them; prints
 /// and returns the count.
 fn explore(name: &str, model: impl Fn() + Sync + Send + 'static) -> usize {
-    static RUNS: AtomicUsize = AtomicUsize::new(0);
-    let before = RUNS.load(Ordering::SeqCst);
+    // A count of this model's own (tests run in parallel: a static would count theirs too).
+    let count = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&count);
     checker().check(move || {
-        RUNS.fetch_add(1, Ordering::SeqCst);
+        counted.fetch_add(1, Ordering::SeqCst);
         model();
     });
-    let runs = RUNS.load(Ordering::SeqCst) - before;
+    let runs = count.load(Ordering::SeqCst);
     eprintln!("loom {name}: {runs} interleavings explored");
     runs
 }
@@ -146,13 +149,15 @@ fn deferred_errors_taken_while_a_drop_records_one_are_never_lost() {
     let runs = explore("deferred errors vs take", || {
         let alloc = allocator();
         let buffer = alloc.alloc(PAGE).expect("room");
-        // Freed behind the buffer's back: its drop fails and defers a DoubleFree.
+        // Freed behind the buffer's back: its drop keeps the address in this thread's stream cache, and the
+        // drain that reading the statistics makes fails to free it and defers a DoubleFree.
         alloc.free_raw(buffer.ptr()).expect("free");
         let taker = {
             let alloc = alloc.clone();
             thread::spawn(move || alloc.take_deferred_errors().len())
         };
         drop(buffer);
+        let _ = alloc.stats();
         let taken = taker.join().expect("taker") + alloc.take_deferred_errors().len();
         assert_eq!(taken, 1, "the drop's error was lost or duplicated");
         assert_drained(&alloc);
@@ -183,27 +188,29 @@ fn the_allocator_outlives_every_handle_and_buffer_and_is_dropped_once() {
     assert!(runs > 1, "loom explored only {runs} interleaving");
 }
 
-/// Two cached buffers of stream 0, kept back while the lock was held (as when another thread is in a
-/// driver call); two threads ask for that size on that stream while the main thread empties the cache.
+/// Two cached buffers of stream 0, kept back in this thread's cache shard; this thread and another ask for
+/// that size on that stream while a third empties the cache. In loom builds a thread's shard is its number
+/// in the model modulo two: the takers are threads 0 (this one) and 2, which share a shard, and the drainer
+/// is thread 1, so both takers race for the same entries while the drain takes them.
 fn two_takers_and_a_drain(alloc: &Alloc) {
     let kept: Vec<_> = (0..2)
         .map(|_| alloc.alloc_on(PAGE, StreamId(0)).expect("room"))
         .collect();
     alloc.with_strategy(|_| drop(kept));
-    let takers: Vec<_> = (0..2)
-        .map(|_| {
-            let alloc = alloc.clone();
-            thread::spawn(move || alloc.alloc_on(PAGE, StreamId(0)).expect("room"))
-        })
-        .collect();
-    alloc.empty_cache().expect("empty_cache");
-    let got: Vec<_> = takers
-        .into_iter()
-        .map(|t| t.join().expect("taker"))
-        .collect();
-    assert_ne!(got[0].ptr(), got[1].ptr(), "one buffer handed out twice");
+    let drainer = {
+        let alloc = alloc.clone();
+        thread::spawn(move || alloc.empty_cache().expect("empty_cache"))
+    };
+    let taker = {
+        let alloc = alloc.clone();
+        thread::spawn(move || alloc.alloc_on(PAGE, StreamId(0)).expect("room"))
+    };
+    let mine = alloc.alloc_on(PAGE, StreamId(0)).expect("room");
+    drainer.join().expect("drainer");
+    let theirs = taker.join().expect("taker");
+    assert_ne!(mine.ptr(), theirs.ptr(), "one buffer handed out twice");
     alloc.check_invariants().expect("invariants hold");
-    drop(got);
+    drop((mine, theirs));
     assert_drained(alloc);
     assert!(alloc.take_deferred_errors().is_empty());
 }
@@ -261,10 +268,11 @@ fn frees_on_two_streams_under_contention_are_kept_back_and_given_back_whole() {
 #[test]
 fn raw_frees_through_the_caches_are_reused_only_on_their_stream_and_never_after_a_record_stream() {
     let runs = explore("raw path: free + alloc on two streams", || {
-        // Streams whose ids hash to one cache shard: a shard's entries must be told apart by stream.
+        // The workers are threads 1 and 2, whose shards are told apart from this thread's only by stream.
         let (s0, s1) = (StreamId(0), StreamId(13));
         let alloc = allocator();
-        // Both streams have contended once: their caches are active, and raw blocks are noted at alloc.
+        // Each stream has had a free kept back (the caches are on from the start by default; the held lock
+        // turns them on otherwise), so raw blocks are noted at alloc.
         for stream in [s0, s1] {
             let buffer = alloc.alloc_on(PAGE, stream).expect("room");
             alloc.with_strategy(|_| drop(buffer));

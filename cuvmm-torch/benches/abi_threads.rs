@@ -3,10 +3,12 @@
 //! measures the facade's other entry points (it cannot reach this crate, which depends on it).
 //!
 //! Each benchmark's time is that of one pair on every thread at once; criterion's throughput is the pairs
-//! of all threads per second, so `thrpt` at N threads over `thrpt` at 1 is the speedup. Sizes 512 B and
-//! 64 KiB are kept back by the stream caches once threads contend; 20 MiB never is (PyTorch's large pool),
-//! so its pairs always take the strategy's lock. Each size runs on a device of its own, so its one-thread
-//! run sees the strategy exactly, as a program that never contends does.
+//! of all threads per second, so `thrpt` at N threads over `thrpt` at 1 is the speedup. The configuration is
+//! `CUVMM_ALLOC_CONF`'s, else the PyTorch backend's default, whose stream caches wait for contention: one
+//! thread then runs the strategy's path (each size on a device of its own, so its one-thread run sees the
+//! strategy exactly, as a program that never contends does), and threads that contend run the caches'.
+//! `CUVMM_ALLOC_CONF=stream_cache_eager:True` measures the caches from the first pair, as the Rust library's
+//! default does.
 //!
 //! `cargo bench -p cuvmm-torch --bench abi_threads`
 
@@ -59,7 +61,11 @@ fn threads(n: usize, iters: u64, size: isize, device: i32) -> Duration {
 }
 
 fn main() {
-    cuvmm_torch::install(Settings::sim(16 * GIB, SIZES.len()));
+    let config = cuvmm::Config::from_env().expect("CUVMM_ALLOC_CONF is a valid configuration");
+    cuvmm_torch::install(Settings {
+        config,
+        ..Settings::sim(16 * GIB, SIZES.len())
+    });
     let mut c = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(2))

@@ -194,8 +194,12 @@ impl Registry {
             }
             Backend::Cuda => DeviceSpec::Cuda { ordinal }.open(SimConfig::default())?,
         };
-        let allocator = Allocator::expandable(device, self.settings.config.clone())
-            .map_err(|e| InitError::Allocator(Arc::new(e)))?;
+        let mut config = self.settings.config.clone();
+        // PyTorch's statistics and reserved memory are matched to the byte only while a program that never
+        // contends sees exactly the strategy: the stream caches wait for contention unless told otherwise.
+        config.stream_cache_eager.get_or_insert(false);
+        let allocator =
+            Allocator::expandable(device, config).map_err(|e| InitError::Allocator(Arc::new(e)))?;
         tracing::info!(ordinal, backend = ?self.settings.backend, "cuvmm-torch: allocator ready");
         Ok(allocator)
     }

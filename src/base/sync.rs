@@ -18,6 +18,38 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 #[cfg(loom)]
 pub(crate) use loom_mutex::Mutex;
 
+/// A small number for the calling thread, the same at every call from it: what spreads threads over the stream
+/// caches' shards (`facade/stream_cache.rs`). Threads are numbered as they first ask, so that up to as many
+/// threads as there are shards each get their own. Under loom, a hash of loom's thread id, which is the same
+/// in every execution of a model.
+#[cfg(not(loom))]
+#[inline]
+pub(crate) fn thread_slot() -> usize {
+    use std::cell::Cell;
+    use std::sync::atomic::Ordering;
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+    }
+    SLOT.with(|slot| {
+        if slot.get() == usize::MAX {
+            slot.set(NEXT.fetch_add(1, Ordering::Relaxed) & (usize::MAX >> 1));
+        }
+        slot.get()
+    })
+}
+
+/// See the non-loom `thread_slot`: loom's number of the thread in the model's execution (0 for the thread that
+/// runs the model, then in the order threads are spawned), the same in every execution. Loom shows it only
+/// through `Debug` (`ThreadId(N)`).
+#[cfg(loom)]
+pub(crate) fn thread_slot() -> usize {
+    let id = format!("{:?}", loom::thread::current().id());
+    (id.chars().filter(char::is_ascii_digit).collect::<String>())
+        .parse()
+        .unwrap_or(0)
+}
+
 #[cfg(loom)]
 mod loom_mutex {
     /// loom's mutex with `parking_lot`'s signature: `lock` returns the guard (a poisoned lock is taken

@@ -3,16 +3,17 @@
 //!
 //! The strategies are plain `&mut self` state machines; the facade is the only place that locks. One
 //! `parking_lot::Mutex` guards the strategy: every operation on it holds the lock for a few microseconds of
-//! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-stream
-//! caches (`facade/stream_cache.rs`) keep freed buffers back for their stream once threads have contended
-//! for that lock, so that steady-state reuse on one stream never waits for another stream's driver calls
-//! (docs/DESIGN.md, "Locking").
+//! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-thread
+//! stream caches (`facade/stream_cache.rs`) keep freed buffers back for their stream (from the start, or once
+//! threads have contended for that lock), so that steady-state reuse on a stream takes no lock another thread
+//! holds and never waits for another stream's driver calls (docs/DESIGN.md, "Locking").
 
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
 use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
 use crate::expandable::Expandable;
 use crate::facade::raw_book::{RawBlock, RawBook};
 use crate::facade::stream_cache::{Put, StreamCaches};
+use crate::facade::thread_handles::ThreadHandles;
 use crate::strategy::Strategy;
 use crate::strategy::config::Config;
 use crate::strategy::error::{Error, InvariantViolation};
@@ -50,17 +51,36 @@ struct Shared<S> {
     /// active stream cache asks it before serving a request, so a capture nobody announced gets no cached
     /// buffer (and the strategy gives it a pool of its own).
     capture_probe: Option<CaptureProbe>,
+    /// The program's own handles alive (clones of the one the allocator was made as): when the last is
+    /// dropped, `thread_handles` lets go of its handles, which refer back to this state.
+    handles: AtomicUsize,
+    /// The handles [`DeviceBuffer`](crate::DeviceBuffer)s hold, one per thread slot.
+    thread_handles: ThreadHandles<Allocator<S>>,
 }
 
 /// A thread-safe allocator handle. Cloning it is cheap and shares the same allocator.
 pub struct Allocator<S> {
     shared: Arc<Shared<S>>,
+    /// Whether this is one of the program's handles, counted in `handles` (else one of `thread_handles`).
+    counted: bool,
 }
 
 impl<S> Clone for Allocator<S> {
     fn clone(&self) -> Self {
+        self.shared.handles.fetch_add(1, Ordering::Relaxed);
         Self {
             shared: Arc::clone(&self.shared),
+            counted: true,
+        }
+    }
+}
+
+impl<S> Drop for Allocator<S> {
+    fn drop(&mut self) {
+        // The last of the program's handles: the per-thread ones go with their last buffer from now on.
+        // (Acquire-release, as `Arc`'s own count: whatever a handle did happens before the cycle is broken.)
+        if self.counted && self.shared.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+            drop(self.shared.thread_handles.take_all());
         }
     }
 }
@@ -75,30 +95,34 @@ impl<D: Driver> Allocator<Expandable<D>> {
     /// cuvmm's expandable allocator on `driver`, for a program: an allocation on a stream that is being
     /// captured into a CUDA graph with no pool begun for it goes to a pool of its own
     /// ([`Expandable::detect_captures`]), at the cost of one capture query per allocation that reaches the
-    /// strategy or an active stream cache, unless [`Config::capture_detection`] is off.
+    /// strategy or the stream caches, unless [`Config::capture_detection`] is off. The stream caches keep
+    /// frees back from the start unless [`Config::stream_cache_eager`] says otherwise.
     pub fn expandable(driver: D, config: Config) -> Result<Self, Error> {
         let stream_cache = config.stream_cache;
+        let eager = config.stream_cache_eager.unwrap_or(true);
         let detect = config.capture_detection;
         let mut strategy = Expandable::new(driver, config)?;
         strategy.detect_captures(detect);
-        Ok(Self::with_stream_cache(strategy, stream_cache))
+        Ok(Self::with_stream_cache(strategy, stream_cache, eager))
     }
 }
 
 impl<S: Strategy> Allocator<S> {
-    /// Wraps a strategy, with stream caches of [`DEFAULT_STREAM_CACHE`] bytes per shard.
+    /// Wraps a strategy, with stream caches of [`DEFAULT_STREAM_CACHE`] bytes per shard, on from the start.
     pub fn new(strategy: S) -> Self {
-        Self::with_stream_cache(strategy, DEFAULT_STREAM_CACHE)
+        Self::with_stream_cache(strategy, DEFAULT_STREAM_CACHE, true)
     }
 
     /// Wraps a strategy, with stream caches of `bytes` per shard; 0 turns them off, so that every free
-    /// goes straight to the strategy.
-    pub fn with_stream_cache(strategy: S, bytes: u64) -> Self {
+    /// goes straight to the strategy. `eager`: they keep frees back from the start; else only once a thread
+    /// finds the strategy's lock taken, so that a program that never contends sees exactly the strategy
+    /// ([`Config::stream_cache_eager`]).
+    pub fn with_stream_cache(strategy: S, bytes: u64, eager: bool) -> Self {
         let capture_probe = strategy.capture_probe();
         Self {
             shared: Arc::new(Shared {
                 strategy: Mutex::new(strategy),
-                caches: StreamCaches::new(bytes),
+                caches: StreamCaches::new(bytes, eager),
                 raw: RawBook::new(),
                 recorded: Mutex::new(FxHashSet::default()),
                 recorded_len: AtomicUsize::new(0),
@@ -106,19 +130,31 @@ impl<S: Strategy> Allocator<S> {
                 deferred: Mutex::new(Vec::new()),
                 capturing: AtomicUsize::new(0),
                 capture_probe,
+                handles: AtomicUsize::new(1),
+                thread_handles: ThreadHandles::new(),
             }),
+            counted: true,
         }
     }
 
+    /// The calling thread's handle for a [`DeviceBuffer`](crate::DeviceBuffer) to hold
+    /// (`facade/thread_handles.rs`).
+    pub(super) fn buffer_handle(&self) -> Arc<Self> {
+        (self.shared.thread_handles).get(|| Self {
+            shared: Arc::clone(&self.shared),
+            counted: false,
+        })
+    }
+
     /// Allocates without a guard: the caller must pass the address to [`free_raw`](Allocator::free_raw).
-    /// Once `stream` has contended for the strategy's lock, the allocator notes the block's size and
-    /// stream (in a book sharded by address), so that its free is served by the stream's cache as a
-    /// [`DeviceBuffer`](crate::DeviceBuffer)'s drop is.
+    /// While the stream caches are on, the allocator notes the block's size and stream (in a book sharded by
+    /// address), so that its free is served by the caches as a [`DeviceBuffer`](crate::DeviceBuffer)'s drop
+    /// is.
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
         let (ptr, in_capture) = self.allocate(size, stream, None)?;
         let shared = &*self.shared;
         // Memory allocated during a capture may be a graph pool's: never entered, so never cached.
-        if !in_capture && shared.caches.cacheable(size) && shared.caches.is_active(stream) {
+        if !in_capture && shared.caches.cacheable(size) && shared.caches.is_on() {
             if let Some(old) = shared.raw.insert(ptr, RawBlock { size, stream }) {
                 tracing::error!(ptr, ?old, "cuvmm: an address was handed out twice");
                 debug_assert!(false, "address {ptr:#x} handed out twice");
@@ -144,9 +180,17 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept, so pointers
-    /// and captured CUDA graphs that use them stay valid. Does nothing for a tag awake.
+    /// and captured CUDA graphs that use them stay valid. Does nothing for a tag awake. Out of memory with
+    /// buffers in the stream caches, it gives them back to the strategy and tries once more.
     pub fn wake(&self, tag: &str) -> Result<(), Error> {
-        self.shared.strategy.lock().wake(tag)
+        let result = self.shared.strategy.lock().wake(tag);
+        match result {
+            Err(err) if err.is_out_of_memory() && self.shared.caches.any_held() => {
+                self.drain_caches()?;
+                self.shared.strategy.lock().wake(tag)
+            }
+            other => other,
+        }
     }
 
     /// The tags asleep and the bytes each gave back, by name.
@@ -166,7 +210,9 @@ impl<S: Strategy> Allocator<S> {
         let shared = &*self.shared;
         let cacheable = shared.caches.cacheable(size) && tag.is_none();
         let capturing = shared.capturing.load(Ordering::Acquire) > 0;
-        if cacheable && !capturing && !self.unannounced_capture(stream) {
+        // The capture query (a driver call on CUDA) only when the thread's cache could serve the request.
+        if cacheable && !capturing && shared.caches.may_hold() && !self.unannounced_capture(stream)
+        {
             if let Some(ptr) = shared.caches.take(stream, size) {
                 return Ok((ptr, false));
             }
@@ -175,7 +221,7 @@ impl<S: Strategy> Allocator<S> {
             None => strategy.alloc(size, stream),
             Some(tag) => strategy.alloc_tagged(size, stream, tag),
         };
-        let mut strategy = self.strategy_for(stream, cacheable);
+        let mut strategy = self.strategy_for(cacheable);
         let result = alloc(&mut strategy);
         // The strategy may have found a capture it was not told of.
         let underway = strategy.captures_underway();
@@ -196,13 +242,13 @@ impl<S: Strategy> Allocator<S> {
         result.map(|ptr| (ptr, in_capture))
     }
 
-    /// Whether `stream`'s cache could serve a request while the stream is captured with no pool begun: it is
-    /// active and the capture probe says the stream captures (or cannot tell). Asked only of an active cache,
-    /// so a program whose threads never contend makes no call for it.
+    /// Whether the stream caches could serve a request while `stream` is captured with no pool begun: they
+    /// are on and the capture probe says the stream captures (or cannot tell). Asked only while the caches
+    /// are on, so a program whose caches wait for contention and never contends makes no call for it.
     fn unannounced_capture(&self, stream: StreamId) -> bool {
         let shared = &*self.shared;
         match &shared.capture_probe {
-            Some(probe) if shared.caches.is_active(stream) => {
+            Some(probe) if shared.caches.is_on() => {
                 !matches!(probe.status(stream), Ok(CaptureStatus::None))
             }
             _ => false,
@@ -240,8 +286,8 @@ impl<S: Strategy> Allocator<S> {
         was
     }
 
-    /// Frees a buffer whose size and stream are known: into its stream's cache when that is active (or
-    /// the strategy is busy), else to the strategy.
+    /// Frees a buffer whose size and stream are known: into the calling thread's stream cache when the caches
+    /// are on (or the strategy is busy, which turns them on), else to the strategy.
     pub(super) fn free_buffer(
         &self,
         ptr: u64,
@@ -252,15 +298,10 @@ impl<S: Strategy> Allocator<S> {
         let shared = &*self.shared;
         let recorded = self.forget_recorded(ptr);
         if !recorded && cacheable && shared.caches.cacheable(size) {
-            if !shared.caches.is_active(stream) {
-                // Once threads contend (another shard is active), every stream's frees are kept back.
-                if shared.caches.any_active() {
-                    shared.caches.activate(stream);
-                } else {
-                    match shared.strategy.try_lock() {
-                        Some(mut strategy) => return strategy.free(ptr),
-                        None => shared.caches.activate(stream),
-                    }
+            if !shared.caches.is_on() {
+                match shared.strategy.try_lock() {
+                    Some(mut strategy) => return strategy.free(ptr),
+                    None => shared.caches.turn_on(),
                 }
             }
             match shared.caches.put(stream, size, ptr) {
@@ -272,19 +313,14 @@ impl<S: Strategy> Allocator<S> {
         shared.strategy.lock().free(ptr)
     }
 
-    /// The strategy, locked. When another thread holds it, or threads have contended before (another
-    /// shard is active), the stream's cache turns active (for requests that it could serve).
-    fn strategy_for(&self, stream: StreamId, cacheable: bool) -> impl DerefMut<Target = S> + '_ {
-        let caches = &self.shared.caches;
-        let join = cacheable && !caches.is_active(stream) && caches.any_active();
-        if join {
-            caches.activate(stream);
-        }
+    /// The strategy, locked. When another thread holds it, the stream caches turn on (for a request they
+    /// could serve).
+    fn strategy_for(&self, cacheable: bool) -> impl DerefMut<Target = S> + '_ {
         if let Some(strategy) = self.shared.strategy.try_lock() {
             return strategy;
         }
         if cacheable {
-            caches.activate(stream);
+            self.shared.caches.turn_on();
         }
         self.shared.strategy.lock()
     }

@@ -1,6 +1,7 @@
 //! [`DeviceBuffer`]: device memory from an [`Allocator`] that frees itself when dropped, and the
 //! allocator's calls that return one.
 
+use crate::base::sync::Arc;
 use crate::driver::StreamId;
 use crate::facade::allocator::Allocator;
 use crate::strategy::Strategy;
@@ -18,7 +19,7 @@ impl<S: Strategy> Allocator<S> {
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
         let (ptr, in_capture) = self.allocate(size, stream, None)?;
         Ok(DeviceBuffer::new(
-            self.clone(),
+            self.buffer_handle(),
             ptr,
             size,
             stream,
@@ -37,13 +38,20 @@ impl<S: Strategy> Allocator<S> {
         tag: &str,
     ) -> Result<DeviceBuffer<S>, Error> {
         let (ptr, _) = self.allocate(size, stream, Some(tag))?;
-        Ok(DeviceBuffer::new(self.clone(), ptr, size, stream, false))
+        Ok(DeviceBuffer::new(
+            self.buffer_handle(),
+            ptr,
+            size,
+            stream,
+            false,
+        ))
     }
 }
 
 /// Device memory from an [`Allocator`], freed when dropped.
 pub struct DeviceBuffer<S: Strategy> {
-    allocator: Allocator<S>,
+    /// The allocating thread's handle (`facade/thread_handles.rs`), which keeps the allocator alive.
+    allocator: Arc<Allocator<S>>,
     ptr: u64,
     size: u64,
     stream: StreamId,
@@ -57,7 +65,7 @@ impl<S: Strategy> DeviceBuffer<S> {
     /// The guard of a live allocation of `allocator`; `cacheable`: its free may keep it in its stream's
     /// cache.
     fn new(
-        allocator: Allocator<S>,
+        allocator: Arc<Allocator<S>>,
         ptr: u64,
         size: u64,
         stream: StreamId,

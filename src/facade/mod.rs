@@ -1,5 +1,6 @@
 //! Layer 5, what a program holds: the thread-safe [`Allocator`](allocator::Allocator), buffers that free on
-//! drop, the per-stream caches in front of the lock, and `memory_summary()`.
+//! drop (and the per-thread handles they hold), the per-thread stream caches in front of the lock, and
+//! `memory_summary()`.
 
 pub mod allocator;
 #[cfg(feature = "cuda")]
@@ -9,3 +10,4 @@ mod raw_book;
 mod sharing;
 mod stream_cache;
 pub mod summary;
+mod thread_handles;

@@ -1,36 +1,34 @@
-//! Per-stream caches of freed buffers, in front of the strategy's lock: what lets threads on different
-//! streams reuse their own freed memory without waiting for each other, or for another stream's driver
-//! calls (docs/DESIGN.md, "Locking").
+//! Per-thread caches of freed buffers, each entry tagged with the stream it was freed on, in front of the
+//! strategy's lock: what lets a thread reuse freed memory of its stream without taking that lock, and threads
+//! on different (or the same) streams without waiting for each other, or for another stream's driver calls
+//! (docs/DESIGN.md, "Locking").
 //!
 //! A cached entry is a block the strategy still counts as allocated: the facade kept it back at `free`,
 //! and hands it out again to the next request of exactly the same size on the same stream. Reuse on the
-//! stream that freed it is safe without any event, as in the strategy itself (stream order). Entries go
-//! back to the strategy when the shard is full (the oldest), and all of them whenever the facade needs the
-//! strategy's own view to be exact: statistics, summaries, snapshots, `empty_cache`, `trim`, invariant
-//! checks, and before retrying an allocation that ran out of memory.
+//! stream that freed it is safe without any event, as in the strategy itself (stream order), whichever
+//! thread freed or asks for it. Entries go back to the strategy when the shard is full (the oldest), and all
+//! of them whenever the facade needs the strategy's own view to be exact: statistics, summaries, snapshots,
+//! `empty_cache`, `trim`, invariant checks, and before retrying an allocation that ran out of memory.
 //!
-//! A shard starts *inactive*: its streams' frees go straight to the strategy, so a program that never
-//! contends sees exactly the strategy's behaviour. The first time one of its streams finds the strategy's
-//! lock taken, the shard turns active and keeps freed buffers from then on; so does the shard of any stream
-//! that reaches the strategy once another shard is active (threads contend: the stream that held the lock
-//! never finds it taken, and would otherwise stay on the strategy's path while the other's cache serves it).
+//! The caches are *on* from the start when eager (`stream_cache_eager`, the Rust library's default).
+//! Otherwise they start *off*: every free goes straight to the strategy, so a program that never contends
+//! sees exactly the strategy's behaviour, until a thread first finds the strategy's lock taken; from then on
+//! every thread's frees are kept back.
 //!
-//! Streams share a shard when their ids hash alike; that costs contention on the shard's lock, never
-//! correctness, since entries carry their stream.
+//! Shards are the calling thread's (`base::sync::thread_slot`): a thread that frees and asks again takes
+//! only its own shard's lock, which no other thread takes unless it frees memory this thread allocated or
+//! drains the caches. Threads share a shard only beyond [`SHARDS`] of them; that costs contention on the
+//! shard's lock, never correctness, since entries carry their stream.
 
-use crate::base::size::MIB;
-use crate::base::sync::{AtomicBool, AtomicUsize, Mutex};
+use crate::base::sync::{AtomicBool, AtomicUsize, Mutex, thread_slot};
 use crate::driver::StreamId;
 use crate::strategy::error::InvariantViolation;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
-/// Number of shards (a power of two). Two in loom builds, which model-check the same code with fewer
-/// locks to interleave.
-const SHARDS: usize = if cfg!(loom) { 2 } else { 16 };
-/// Blocks larger than this are never cached: they are PyTorch's large pool, where a request costs more
-/// than the lock, and holding them back would strand megabytes.
-pub const MAX_CACHED_BLOCK: u64 = MIB;
+/// Number of shards (a power of two): one per thread for up to this many threads. Two in loom builds, which
+/// model-check the same code with fewer locks to interleave.
+const SHARDS: usize = if cfg!(loom) { 2 } else { 64 };
 /// Entries per shard at most: a request scans them, newest first.
 const MAX_ENTRIES: usize = 64;
 
@@ -53,8 +51,6 @@ struct Held {
 #[derive(Debug)]
 #[repr(align(128))]
 struct Shard {
-    /// Whether frees on this shard's streams are kept back.
-    active: AtomicBool,
     /// `held.entries.len()`, readable without the lock so that an empty shard costs a request one load.
     len: AtomicUsize,
     held: Mutex<Held>,
@@ -63,7 +59,6 @@ struct Shard {
 impl Shard {
     fn new() -> Self {
         Self {
-            active: AtomicBool::new(false),
             len: AtomicUsize::new(0),
             held: Mutex::new(Held::default()),
         }
@@ -86,9 +81,9 @@ pub(crate) enum Put {
 pub(crate) struct StreamCaches {
     shards: Box<[Shard]>,
     capacity: u64,
-    /// Shards active: 0 (a program that never contends) lets `holds` and `any_held` skip the shards.
-    /// Written only when a shard turns active.
-    active_shards: AtomicUsize,
+    /// Whether frees are kept back now. Written only when the caches turn on; read with every request and
+    /// free, so it shares no cache line with anything written often.
+    on: AtomicBool,
     /// A bug planted on purpose, for `tests/loom.rs` to show that its model catches it: `take` looks the
     /// entry up under one lock and removes it under another, so two requests can get the same buffer.
     #[cfg(loom)]
@@ -96,12 +91,12 @@ pub(crate) struct StreamCaches {
 }
 
 impl StreamCaches {
-    /// Caches of `capacity` bytes per shard; 0 turns them off.
-    pub(crate) fn new(capacity: u64) -> Self {
+    /// Caches of `capacity` bytes per shard (0 turns them off for good), on from the start if `eager`.
+    pub(crate) fn new(capacity: u64, eager: bool) -> Self {
         Self {
             shards: (0..SHARDS).map(|_| Shard::new()).collect(),
             capacity,
-            active_shards: AtomicUsize::new(0),
+            on: AtomicBool::new(eager && capacity > 0),
             #[cfg(loom)]
             seeded_bug: std::sync::atomic::AtomicBool::new(false),
         }
@@ -110,34 +105,40 @@ impl StreamCaches {
     /// Whether a buffer of `size` bytes may be cached.
     #[inline]
     pub(crate) fn cacheable(&self, size: u64) -> bool {
-        size <= MAX_CACHED_BLOCK && size <= self.capacity
+        size <= self.capacity
     }
 
+    /// The calling thread's shard.
     #[inline]
-    fn shard(&self, stream: StreamId) -> &Shard {
-        // Fibonacci hashing: stream ids are small integers on the simulator and aligned pointers on CUDA;
-        // the top bits of the product spread both.
-        let index = stream.0.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> (64 - SHARDS.trailing_zeros());
-        &self.shards[index as usize]
+    fn own_shard(&self) -> &Shard {
+        &self.shards[thread_slot() % SHARDS]
     }
 
-    /// Whether frees on `stream` are kept back now.
+    /// Whether frees are kept back now.
     #[inline]
-    pub(crate) fn is_active(&self, stream: StreamId) -> bool {
-        self.shard(stream).active.load(Ordering::Relaxed)
+    pub(crate) fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
     }
 
-    /// Starts keeping back frees on `stream` (and the streams sharing its shard).
-    pub(crate) fn activate(&self, stream: StreamId) {
-        if !self.shard(stream).active.swap(true, Ordering::Relaxed) {
-            self.active_shards.fetch_add(1, Ordering::Relaxed);
+    /// Starts keeping frees back (threads contend).
+    pub(crate) fn turn_on(&self) {
+        if self.capacity > 0 && !self.is_on() {
+            self.on.store(true, Ordering::Relaxed);
         }
     }
 
-    /// A cached buffer of exactly `size` bytes freed on `stream`, newest first, if there is one.
+    /// Whether the calling thread's shard holds anything: if not, [`take`](Self::take) finds nothing, and a
+    /// request need not ask whether its stream is being captured before trying.
+    #[inline]
+    pub(crate) fn may_hold(&self) -> bool {
+        self.own_shard().len.load(Ordering::Relaxed) != 0
+    }
+
+    /// A buffer of exactly `size` bytes freed on `stream` that the calling thread's shard holds, newest
+    /// first, if there is one.
     #[inline]
     pub(crate) fn take(&self, stream: StreamId, size: u64) -> Option<u64> {
-        let shard = self.shard(stream);
+        let shard = self.own_shard();
         if shard.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
@@ -164,13 +165,13 @@ impl StreamCaches {
         Some(entry.ptr)
     }
 
-    /// Keeps the buffer at `ptr` of `size` bytes, freed on `stream`, pushing out the oldest entries while
-    /// the shard is over its capacity.
+    /// Keeps the buffer at `ptr` of `size` bytes, freed on `stream`, in the calling thread's shard, pushing
+    /// out its oldest entry if the shard is full.
     pub(crate) fn put(&self, stream: StreamId, size: u64, ptr: u64) -> Put {
         if !self.cacheable(size) {
             return Put::Refused;
         }
-        let shard = self.shard(stream);
+        let shard = self.own_shard();
         let mut held = shard.held.lock();
         let mut evicted = None;
         if held.entries.len() == MAX_ENTRIES || held.bytes + size > self.capacity {
@@ -190,10 +191,6 @@ impl StreamCaches {
         held.entries.push_back(Entry { stream, size, ptr });
         held.bytes += size;
         shard.len.store(held.entries.len(), Ordering::Relaxed);
-        // A shard that holds entries is active.
-        if !shard.active.load(Ordering::Relaxed) {
-            self.activate(stream);
-        }
         evicted.map_or(Put::Kept, Put::KeptEvicting)
     }
 
@@ -205,31 +202,25 @@ impl StreamCaches {
 
     /// Whether `ptr` is cached (freed): a second free of it is the caller's double free.
     pub(crate) fn holds(&self, ptr: u64) -> bool {
-        self.active_shards.load(Ordering::Relaxed) != 0
+        self.is_on()
             && self.shards.iter().any(|shard| {
                 shard.len.load(Ordering::Relaxed) != 0
                     && shard.held.lock().entries.iter().any(|e| e.ptr == ptr)
             })
     }
 
-    /// Whether any shard is active: threads have contended for the strategy's lock.
-    #[inline]
-    pub(crate) fn any_active(&self) -> bool {
-        self.active_shards.load(Ordering::Relaxed) != 0
-    }
-
     /// Whether any shard holds a buffer.
     pub(crate) fn any_held(&self) -> bool {
-        self.active_shards.load(Ordering::Relaxed) != 0
+        self.is_on()
             && self
                 .shards
                 .iter()
                 .any(|shard| shard.len.load(Ordering::Relaxed) != 0)
     }
 
-    /// Empties every shard; returns the addresses, for the caller to free to the strategy. Shards stay
-    /// active: a stream that contended once will likely again, and an inactive shard would send its next
-    /// frees to a lock that a slow operation may hold.
+    /// Empties every shard; returns the addresses, for the caller to free to the strategy. The caches stay
+    /// on: threads that contended once will likely again, and caches turned off would send their next frees
+    /// to a lock that a slow operation may hold.
     pub(crate) fn drain(&self) -> Vec<u64> {
         let mut ptrs = Vec::new();
         for shard in self.shards.iter() {
@@ -253,10 +244,10 @@ impl StreamCaches {
         })
     }
 
-    /// Each shard's counters agree with its entries, each entry is in its stream's shard, and no address
-    /// is held twice: what each shard's lock guards, so it holds while other threads use the caches. (Whether
-    /// a shard is active is a hint, read and written without the lock; a stale value only sends a free or a
-    /// request the slow way, or lets a double free through `free_raw` go unnoticed while a drain races it.)
+    /// Each shard's counters agree with its entries and stay within its capacity, and no address is held
+    /// twice: what each shard's lock guards, so it holds while other threads use the caches. (Whether the
+    /// caches are on is a hint, read and written without a lock; a stale value only sends a free the slow
+    /// way, or lets a double free through `free_raw` go unnoticed while the caches turn on.)
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
         let mut seen = rustc_hash::FxHashSet::default();
         for shard in self.shards.iter() {
@@ -270,8 +261,12 @@ impl StreamCaches {
                     held.entries.len() as u64,
                 ),
             ])?;
+            if held.bytes > self.capacity || held.entries.len() > MAX_ENTRIES {
+                let addr = held.entries.back().map_or(0, |e| e.ptr);
+                return Err(InvariantViolation::StreamCache { addr });
+            }
             for entry in &held.entries {
-                if !std::ptr::eq(self.shard(entry.stream), shard) || !seen.insert(entry.ptr) {
+                if !seen.insert(entry.ptr) {
                     return Err(InvariantViolation::StreamCache { addr: entry.ptr });
                 }
             }
@@ -283,12 +278,13 @@ impl StreamCaches {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::base::size::MIB;
 
     const KIB: u64 = 1 << 10;
 
     #[test]
     fn takes_back_only_the_same_size_on_the_same_stream_newest_first() {
-        let caches = StreamCaches::new(MIB);
+        let caches = StreamCaches::new(MIB, true);
         let (s0, s1) = (StreamId(0), StreamId(1));
         assert_eq!(caches.put(s0, 64 * KIB, 0x1000), Put::Kept);
         assert_eq!(caches.put(s0, 64 * KIB, 0x2000), Put::Kept);
@@ -303,8 +299,34 @@ mod tests {
     }
 
     #[test]
+    fn a_thread_takes_only_what_its_own_shard_holds() {
+        let caches = StreamCaches::new(MIB, true);
+        let s = StreamId(5);
+        let other = std::thread::scope(|scope| {
+            let put = scope.spawn(|| {
+                assert_eq!(caches.put(s, 4 * KIB, 0x1000), Put::Kept);
+                thread_slot()
+            });
+            put.join().unwrap()
+        });
+        // Another thread's free of the same size and stream is not this thread's to take (unless the two
+        // threads' slots share a shard, past `SHARDS` threads made by the test binary)...
+        if other % SHARDS != thread_slot() % SHARDS {
+            assert_eq!(caches.take(s, 4 * KIB), None);
+        }
+        assert_eq!(caches.put(s, 4 * KIB, 0x2000), Put::Kept);
+        assert_eq!(caches.take(s, 4 * KIB), Some(0x2000));
+        // ...and a drain gives both back.
+        assert_eq!(caches.put(s, 4 * KIB, 0x2000), Put::Kept);
+        let mut ptrs = caches.drain();
+        ptrs.sort_unstable();
+        assert_eq!(ptrs, [0x1000, 0x2000]);
+        caches.check_invariants().unwrap();
+    }
+
+    #[test]
     fn a_full_shard_pushes_out_its_oldest_entry() {
-        let caches = StreamCaches::new(128 * KIB);
+        let caches = StreamCaches::new(128 * KIB, true);
         let s = StreamId(7);
         assert_eq!(caches.put(s, 64 * KIB, 0x1000), Put::Kept);
         assert_eq!(caches.put(s, 64 * KIB, 0x2000), Put::Kept);
@@ -316,36 +338,43 @@ mod tests {
     }
 
     #[test]
-    fn draining_empties_every_shard_and_leaves_it_active() {
-        let caches = StreamCaches::new(MIB);
-        for stream in 0..40 {
-            caches.activate(StreamId(stream));
-            assert_eq!(
-                caches.put(StreamId(stream), KIB, 0x1000 * (stream + 1)),
-                Put::Kept
-            );
-        }
-        assert!(caches.any_held() && caches.is_active(StreamId(3)));
+    fn draining_empties_every_shard_and_leaves_the_caches_on() {
+        let caches = StreamCaches::new(MIB, false);
+        assert!(!caches.is_on());
+        caches.turn_on();
+        std::thread::scope(|scope| {
+            for stream in 0..8 {
+                let caches = &caches;
+                scope.spawn(move || {
+                    let put = caches.put(StreamId(stream), KIB, 0x1000 * (stream + 1));
+                    assert_eq!(put, Put::Kept);
+                });
+            }
+        });
+        assert!(caches.any_held() && caches.is_on());
         let mut ptrs = caches.drain();
         ptrs.sort_unstable();
-        assert_eq!(ptrs, (1..=40).map(|i| 0x1000 * i).collect::<Vec<_>>());
-        assert!(!caches.any_held() && caches.is_active(StreamId(3)));
+        assert_eq!(ptrs, (1..=8).map(|i| 0x1000 * i).collect::<Vec<_>>());
+        assert!(!caches.any_held() && caches.is_on());
         assert_eq!(caches.held(), (0, 0));
     }
 
     #[test]
-    fn large_blocks_and_a_zero_capacity_are_never_cached() {
-        assert!(!StreamCaches::new(0).cacheable(KIB));
-        let caches = StreamCaches::new(64 * MIB);
-        assert!(caches.cacheable(MAX_CACHED_BLOCK) && !caches.cacheable(MAX_CACHED_BLOCK + 1));
-        assert_eq!(caches.put(StreamId(0), 2 * MIB, 0x1000), Put::Refused);
+    fn buffers_over_the_capacity_and_a_zero_capacity_are_never_cached() {
+        let off = StreamCaches::new(0, true);
+        off.turn_on();
+        assert!(!off.cacheable(KIB) && !off.is_on());
+        let caches = StreamCaches::new(32 * MIB, true);
+        assert!(caches.cacheable(20 * MIB) && !caches.cacheable(32 * MIB + 1));
+        assert_eq!(caches.put(StreamId(0), 20 * MIB, 0x1000), Put::Kept);
+        assert_eq!(caches.put(StreamId(0), 64 * MIB, 0x2000), Put::Refused);
     }
 
     #[test]
     fn an_entry_counted_wrong_is_reported() {
-        let caches = StreamCaches::new(MIB);
+        let caches = StreamCaches::new(MIB, true);
         caches.put(StreamId(0), KIB, 0x1000);
-        caches.shard(StreamId(0)).held.lock().bytes += 1;
+        caches.own_shard().held.lock().bytes += 1;
         assert!(matches!(
             caches.check_invariants(),
             Err(InvariantViolation::Stat { .. })

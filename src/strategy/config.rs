@@ -16,9 +16,10 @@ pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 /// large pool (`docs/DESIGN.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
 
-/// The default of [`Config::stream_cache`]: bytes of freed small buffers each stream cache shard of the
-/// facade may keep back once threads contend (docs/DESIGN.md, "Locking").
-pub const DEFAULT_STREAM_CACHE: u64 = 8 * MIB;
+/// The default of [`Config::stream_cache`]: bytes of freed buffers each stream cache shard of the facade
+/// (one per thread) may keep back (docs/DESIGN.md, "Locking"); enough for one 20 MiB buffer, PyTorch's large
+/// handle, so that a loop of large requests is served without the strategy's lock too.
+pub const DEFAULT_STREAM_CACHE: u64 = 32 * MIB;
 /// The default of [`Config::large_handle_headroom`]: chunks up to the budget, so that a job makes PyTorch's
 /// driver calls on any device it fits in easily (measured in `docs/DESIGN.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE_HEADROOM: f64 = 0.0;
@@ -134,10 +135,18 @@ pub struct Config {
     /// default 20 MiB as PyTorch's expandable segments), rounded down to whole pages; one page or less
     /// turns multi-page handles off. [`Compaction::Eager`] always uses one page per handle.
     pub large_handle: u64,
-    /// Bytes of freed buffers of at most 1 MiB that each of the facade's stream cache shards may keep back
-    /// for reuse on their stream once threads contend for the allocator (`stream_cache_mb`; default 8 MiB,
-    /// 0 turns the caches off). Only [`Allocator`](crate::Allocator) reads it; replays do not.
+    /// Bytes of freed buffers that each of the facade's stream cache shards (one per thread) may keep back
+    /// for reuse on their stream (`stream_cache_mb`; default 32 MiB, 0 turns the caches off); a buffer larger
+    /// than this is never kept. Only [`Allocator`](crate::Allocator) reads it; replays do not.
     pub stream_cache: u64,
+    /// When the stream caches start keeping frees back (`stream_cache_eager`): `Some(true)`, from the first
+    /// free, so that a repeated request is served without the strategy's lock even on one thread, at the cost
+    /// of statistics' peaks that may count buffers sitting in a cache and addresses that may differ from the
+    /// strategy's own choice; `Some(false)`, only once threads have contended for the strategy's lock, so that
+    /// a program that never contends sees exactly the strategy. `None` (the default) lets the embedder
+    /// choose: [`Allocator::expandable`](crate::Allocator::expandable) takes `true`, the PyTorch backend
+    /// `false` (its statistics and reserved memory match PyTorch's to the byte).
+    pub stream_cache_eager: Option<bool>,
     /// The fraction of the budget, in [0, 1], that [`Compaction::Pressure`] keeps free of new large-pool
     /// chunks (`large_handle_headroom`, default 0): past `(1 - headroom) x budget` reserved, growth takes
     /// single pages, which a job near its limit can move where they are needed; 0 makes chunks up to the
@@ -209,6 +218,7 @@ impl Default for Config {
             memory_limit: None,
             large_handle: DEFAULT_LARGE_HANDLE,
             stream_cache: DEFAULT_STREAM_CACHE,
+            stream_cache_eager: None,
             large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
             lend_chunk_pages: true,
             capture_detection: true,
@@ -278,7 +288,8 @@ impl Config {
     /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
     /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
-    /// `cross_stream_reuse`, `lend_chunk_pages` and `capture_detection` (`True`/`False`), `compaction`, `reserve_budget_mb`,
+    /// `cross_stream_reuse`, `lend_chunk_pages`, `capture_detection` and `stream_cache_eager` (`True`/`False`),
+    /// `compaction`, `reserve_budget_mb`,
     /// `reserve_budget_fraction`, `per_process_memory_fraction`, `large_handle_mb`, `large_handle_headroom`,
     /// `stream_cache_mb`.
     ///

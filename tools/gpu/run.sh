@@ -20,7 +20,8 @@
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
 #   bench-cuda    cached alloc+free pairs per entry point at 1-8 threads on real streams, against cudarc's
 #                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals), as JSON (BENCH_ARGS adds options);
-#                 then again with capture_detection:False
+#                 then again with capture_detection:False, and with stream_cache_eager:False (one thread on the
+#                 strategy's lock, as the PyTorch backend runs)
 #   sleep-wake    sleep and wake of 1, 10 and 40 GiB tagged regions through PyTorch, with and without their
 #                 contents: bytes given back, free memory gained, times (tools/sleep_wake_bench.py)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
@@ -90,12 +91,13 @@ run_step() {
         step info 60 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
         step info 60 cat "$bin/COMMIT" ;;
     bench-cuda)
-        # JSON only: the tables are printed from it elsewhere. Twice: as a program gets it, then without
-        # capture detection (one driver query per allocation that reaches the strategy or an active cache).
-        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json \
-            ${BENCH_ARGS:-}
-        step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json \
-            --alloc-conf capture_detection:False ${BENCH_ARGS:-} ;;
+        # JSON only: the tables are printed from it elsewhere. As a program gets it, then without capture
+        # detection (one driver query per allocation that reaches the strategy or the caches), then with
+        # caches that wait for contention (the PyTorch backend's default).
+        for conf in "" capture_detection:False stream_cache_eager:False; do
+            step bench-cuda 300 "$bin/cuvmm" bench-threads --backend cuda --size 512,64KiB,20MiB --format json \
+                ${conf:+--alloc-conf $conf} ${BENCH_ARGS:-}
+        done ;;
     sleep-wake)
         cpp_layer
         step sleep-wake 240 python3 tools/sleep_wake_bench.py ${SLEEP_WAKE_ARGS:-} ;;

@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 mod cuda;
 
 /// The (threads, streams) of the throughput measurement: each thread on its own stream, then 8 threads
-/// sharing 2 streams (4 to a stream, contending on its cache shard).
+/// sharing 2 streams (4 to a stream, each thread with its own cache shard).
 const SCENARIOS: [(usize, usize); 5] = [(1, 1), (2, 2), (4, 4), (8, 8), (8, 2)];
 /// The simulated device: 8 GiB with 2 MiB pages.
 const CAPACITY: u64 = 8 * GIB;
@@ -57,7 +57,7 @@ const WARM_UP: usize = 1_000;
 /// The cached allocations of the latency measurement arrive at this interval, as a service's requests do.
 const ARRIVAL: Duration = Duration::from_micros(50);
 /// How long the latency measurement's stream serves requests, with the other stream already growing,
-/// before it is timed: a stream's cache turns active when it first finds the lock taken.
+/// before it is timed: caches that wait for contention turn on when a thread first finds the lock taken.
 const SETTLE: Duration = Duration::from_millis(50);
 
 /// Options of `bench-threads`.

@@ -19,12 +19,13 @@
 //! An event recorded on a capturing stream is a node of the graph: it never completes, and once its capture
 //! has ended a query of it is [`DriverError::CapturedEvent`].
 
-use crate::base::sync::{Arc, Mutex};
+use crate::base::sync::{Arc, AtomicBool, Mutex};
 use crate::driver::{
     CaptureMisuse, CaptureMode, CaptureProbe, CaptureStatus, DriverError, EventId, Op, StreamId,
 };
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::thread::ThreadId;
 
 /// One capture under way.
@@ -37,6 +38,15 @@ struct Capture {
     invalidated: bool,
 }
 
+/// What [`Captures::probe`]s answer from any thread.
+#[derive(Debug, Default)]
+struct Published {
+    /// Whether `statuses` has any: a probe while nothing captures (the common case) reads only this, so
+    /// threads asking at once share no written cache line, as with CUDA's query.
+    any: AtomicBool,
+    statuses: Mutex<BTreeMap<StreamId, CaptureStatus>>,
+}
+
 /// The captures under way, the events recorded during one, and what was refused.
 #[derive(Debug, Default)]
 pub(super) struct Captures {
@@ -45,7 +55,7 @@ pub(super) struct Captures {
     active: BTreeMap<StreamId, Capture>,
     /// The status of every stream in `active`, for [`probe`](Self::probe)s asked from other threads;
     /// published after every change.
-    published: Arc<Mutex<BTreeMap<StreamId, CaptureStatus>>>,
+    published: Arc<Published>,
     /// Events recorded on a stream while it was capturing: the stream and the capture's id.
     events: FxHashMap<u64, (StreamId, u64)>,
     refusals: u64,
@@ -103,15 +113,27 @@ impl Captures {
 
     /// Makes the statuses of the captures under way what [`probe`](Self::probe)s answer.
     fn publish(&self) {
-        let statuses = self.active.keys().map(|&s| (s, self.status(s))).collect();
-        *self.published.lock() = statuses;
+        let statuses: BTreeMap<_, _> = self.active.keys().map(|&s| (s, self.status(s))).collect();
+        let mut published = self.published.statuses.lock();
+        // Set under the lock, so that a probe that sees `any` also sees the statuses it was set with.
+        self.published
+            .any
+            .store(!statuses.is_empty(), Ordering::Release);
+        *published = statuses;
     }
 
     /// [`status`](Self::status), for any thread (`Driver::capture_probe`).
     pub(super) fn probe(&self) -> CaptureProbe {
         let published = Arc::clone(&self.published);
         CaptureProbe::new(move |stream| {
-            Ok((published.lock().get(&stream).copied()).unwrap_or(CaptureStatus::None))
+            if !published.any.load(Ordering::Acquire) {
+                return Ok(CaptureStatus::None);
+            }
+            let statuses = published.statuses.lock();
+            Ok(statuses
+                .get(&stream)
+                .copied()
+                .unwrap_or(CaptureStatus::None))
         })
     }
 

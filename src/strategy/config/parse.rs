@@ -136,6 +136,7 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
         "cross_stream_reuse" => config.cross_stream_reuse = boolean(key, value)?,
         "lend_chunk_pages" => config.lend_chunk_pages = boolean(key, value)?,
         "capture_detection" => config.capture_detection = boolean(key, value)?,
+        "stream_cache_eager" => config.stream_cache_eager = Some(boolean(key, value)?),
         "compaction" => {
             config.compaction = match value {
                 "pressure" => Compaction::Pressure,

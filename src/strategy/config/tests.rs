@@ -462,7 +462,16 @@ fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
             .large_handle,
         4 * MIB
     );
-    assert_eq!(Config::default().stream_cache, 8 * MIB);
+    assert_eq!(Config::default().stream_cache, 32 * MIB);
+    assert_eq!(Config::default().stream_cache_eager, None);
+    for (conf, eager) in [
+        ("stream_cache_eager:True", true),
+        ("stream_cache_eager:False", false),
+    ] {
+        let config = Config::from_alloc_conf(conf).unwrap();
+        assert_eq!(config.stream_cache_eager, Some(eager), "{conf}");
+    }
+    assert!(Config::from_alloc_conf("stream_cache_eager:true").is_err());
     for (conf, bytes) in [("stream_cache_mb:0", 0), ("stream_cache_mb:32", 32 * MIB)] {
         assert_eq!(
             Config::from_alloc_conf(conf).unwrap().stream_cache,
