@@ -1,4 +1,4 @@
-//! Two threads capturing at once, and a capture nobody announced.
+//! Two threads capturing at once, a capture nobody announced, and the capture probe the stream caches ask.
 
 use super::*;
 
@@ -150,5 +150,33 @@ fn a_capture_nobody_announced_gets_a_pool_and_keeps_it() {
     drop(graph);
     drop((out, eager, eager2, input));
     // The implicit pool is never released (the allocator cannot know when the graph dies): no leak check.
+    finish(&allocator);
+}
+
+/// The stream caches ask the capture probe from whatever thread allocates, without the strategy's lock: it
+/// must answer on a thread where no context is current (a new thread's), before, during and after a capture
+/// of a stream the program made.
+#[test]
+fn the_capture_probe_answers_on_a_thread_with_no_context_current() {
+    let test = "the_capture_probe_answers_on_a_thread_with_no_context_current";
+    let Some((allocator, cx, _, _)) = open(test, |_| Config::default()) else {
+        return;
+    };
+    let probe =
+        (allocator.with_strategy(|s| s.driver().capture_probe())).expect("a probe on real streams");
+    let cs = cx.new_stream().expect("capture stream");
+    let stream = sid(&cs);
+    let ask = || std::thread::scope(|scope| scope.spawn(|| probe.status(stream)).join().unwrap());
+    assert!(matches!(ask(), Ok(CaptureStatus::None)), "{:?}", ask());
+    let global = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    cs.begin_capture(global).expect("cuStreamBeginCapture");
+    let capture = capture_id(&allocator, stream);
+    let during = ask();
+    drop(cs.end_capture(sys::CUgraphInstantiate_flags(0)));
+    match during {
+        Ok(CaptureStatus::Active { id, .. }) => assert_eq!(id, capture),
+        other => panic!("during the capture the probe answered {other:?}"),
+    }
+    assert!(matches!(ask(), Ok(CaptureStatus::None)), "{:?}", ask());
     finish(&allocator);
 }

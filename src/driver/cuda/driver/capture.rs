@@ -10,6 +10,7 @@ use cudarc::driver::DriverError as CuError;
 use cudarc::driver::sys;
 use std::mem::MaybeUninit;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 impl CudaDriver {
     /// Begins capturing `stream` into a graph in `mode` (`cuStreamBeginCapture`) and returns the capture's
@@ -59,15 +60,32 @@ impl CudaDriver {
         ))
     }
 
-    /// A [`CaptureProbe`] with the device's context made current for each call and the thread's own given
-    /// back, or `None` with stand-in streams. It holds the context weakly: once the driver is dropped it
-    /// answers [`DriverError::NoDriver`].
+    /// A [`CaptureProbe`], or `None` with stand-in streams. A stream the program made is asked directly,
+    /// with no context made current, unless the driver once refused that; a default stream (whose meaning
+    /// depends on the current context), or any stream after such a refusal, is asked with the device's
+    /// context made current and the thread's own given back. It holds the context weakly: once the driver
+    /// is dropped, such a call answers [`DriverError::NoDriver`].
     pub(super) fn probe(&self) -> Option<CaptureProbe> {
         if self.streams.creates() {
             return None;
         }
         let context = Arc::downgrade(&self.calls.ctx);
+        // Whether a stream the program made may be asked without making the context current: until the
+        // driver refuses such a call that succeeds with the context current.
+        let direct = Arc::new(AtomicBool::new(true));
         Some(CaptureProbe::new(move |stream| {
+            // The hot path (every request a stream cache could serve): a stream the program made names its
+            // context, so the query needs none current, and touches nothing other threads write (not even
+            // the context's reference count, which upgrading `context` would).
+            let made = stream.0 > StreamId::PER_THREAD.0;
+            if made && direct.load(Ordering::Relaxed) {
+                // SAFETY: the stream is the caller's, whose `StreamId` contract is that it is alive (point 1),
+                // and so is the context that owns it; a driver that wants that context current fails the
+                // call, which is then made again below with it current.
+                if let Ok(info) = unsafe { stream_capture_info(raw_stream(stream.0)) } {
+                    return Ok(capture_status_of(info));
+                }
+            }
             // The context is held only inside: should this be its last holder (the driver dropped meanwhile),
             // cudarc's release makes it current, and the thread gets its own back.
             let info = keeping_current_context(|| {
@@ -84,6 +102,11 @@ impl CudaDriver {
                     reason: "the CUDA driver the capture probe asks was dropped".to_string(),
                 });
             };
+            if made && info.is_ok() && direct.swap(false, Ordering::Relaxed) {
+                tracing::debug!(
+                    "cuvmm: CUDA answers capture queries only with the context current"
+                );
+            }
             let info = info.map_err(|e| errors::on_stream(cuda_error(Op::CaptureInfo, &e), stream));
             Ok(capture_status_of(info?))
         }))
