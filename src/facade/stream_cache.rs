@@ -4,9 +4,9 @@
 //! (docs/DESIGN.md, "Locking").
 //!
 //! A cached entry is a block the strategy still counts as allocated: the facade kept it back at `free`,
-//! and hands it out again to the next request of exactly the same size on the same stream. Reuse on the
-//! stream that freed it is safe without any event, as in the strategy itself (stream order), whichever
-//! thread freed or asks for it. Entries go back to the strategy when the shard is full (the oldest), and all
+//! and hands it out again to the next request of exactly the same size on the same stream from the thread
+//! that freed it. Reuse on the stream that freed it is safe without any event, as in the strategy itself
+//! (stream order), whichever thread allocated the buffer. Entries go back to the strategy when the shard is full (the oldest), and all
 //! of them whenever the facade needs the strategy's own view to be exact: statistics, summaries, snapshots,
 //! `empty_cache`, `trim`, invariant checks, and before retrying an allocation that ran out of memory.
 //!
@@ -16,8 +16,9 @@
 //! every thread's frees are kept back.
 //!
 //! Shards are the calling thread's (`base::sync::thread_slot`): a thread that frees and asks again takes
-//! only its own shard's lock, which no other thread takes unless it frees memory this thread allocated or
-//! drains the caches. Threads share a shard only beyond [`SHARDS`] of them; that costs contention on the
+//! only its own shard's lock, which other threads take only to read every shard (a drain, the bytes held,
+//! a double-free check, invariants). A buffer freed on another thread than its own goes to the freeing
+//! thread's shard. Threads share a shard only beyond [`SHARDS`] of them; that costs contention on the
 //! shard's lock, never correctness, since entries carry their stream.
 
 use crate::base::sync::{AtomicBool, AtomicUsize, Mutex, thread_slot};
