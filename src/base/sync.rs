@@ -20,7 +20,7 @@ pub(crate) use loom_mutex::Mutex;
 
 /// A small number for the calling thread, the same at every call from it: what spreads threads over the stream
 /// caches' shards (`facade/stream_cache.rs`). Threads are numbered as they first ask, so that up to as many
-/// threads as there are shards each get their own. Under loom, a hash of loom's thread id, which is the same
+/// threads as there are shards each get their own. Under loom, loom's number of the thread, which is the same
 /// in every execution of a model.
 #[cfg(not(loom))]
 #[inline]

@@ -6,9 +6,10 @@
 //! A cached entry is a block the strategy still counts as allocated: the facade kept it back at `free`,
 //! and hands it out again to the next request of exactly the same size on the same stream from the thread
 //! that freed it. Reuse on the stream that freed it is safe without any event, as in the strategy itself
-//! (stream order), whichever thread allocated the buffer. Entries go back to the strategy when the shard is full (the oldest), and all
-//! of them whenever the facade needs the strategy's own view to be exact: statistics, summaries, snapshots,
-//! `empty_cache`, `trim`, invariant checks, and before retrying an allocation that ran out of memory.
+//! (stream order), whichever thread allocated the buffer. Entries go back to the strategy when the shard is
+//! full (the oldest), and all of them whenever the facade needs the strategy's own view to be exact:
+//! statistics, summaries, snapshots, `empty_cache`, `trim`, invariant checks, and before retrying an
+//! allocation (or a wake) that ran out of memory.
 //!
 //! The caches are *on* from the start when eager (`stream_cache_eager`, the Rust library's default).
 //! Otherwise they start *off*: every free goes straight to the strategy, so a program that never contends
