@@ -255,13 +255,15 @@ impl<S: Strategy> Allocator<S> {
         }
     }
 
-    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a [`DeviceBuffer`](crate::DeviceBuffer)'s, which must then
-    /// not be dropped). A block whose size and stream the allocator noted goes where a [`DeviceBuffer`](crate::DeviceBuffer)'s
-    /// would, its stream's cache when that is active; any other to the strategy.
+    /// Frees an address from [`alloc_raw`](Allocator::alloc_raw) (or a
+    /// [`DeviceBuffer`](crate::DeviceBuffer)'s, which must then not be dropped). A block whose size and
+    /// stream the allocator noted goes where a buffer's would, the calling thread's stream cache while the
+    /// caches are on; any other to the strategy.
     ///
-    /// A second free of an address is a [`Error::DoubleFree`] when the first has returned; two frees of one
-    /// address racing each other are the caller's bug, found at the latest when the caches are next
-    /// drained.
+    /// A second `free_raw` of an address is a [`Error::DoubleFree`] when the first has returned; two frees
+    /// of one address racing each other, or a buffer dropped after its address was freed here, are the
+    /// caller's bug, found at the latest when the caches are next drained (the drop's error is then
+    /// deferred, [`take_deferred_errors`](Self::take_deferred_errors)).
     pub fn free_raw(&self, ptr: u64) -> Result<(), Error> {
         let shared = &*self.shared;
         if let Some(block) = shared.raw.remove(ptr) {
