@@ -52,7 +52,8 @@ def main(argv=None):
 
     free = torch.cuda.caching_allocator_delete
     result = {"allocator": args.allocator, "device_name": torch.cuda.get_device_name(0),
-              "torch_version": torch.__version__, "pairs": args.pairs, "sizes": {}}
+              "torch_version": torch.__version__, "pairs": args.pairs, "sizes": {},
+              "cuvmm_alloc_conf": os.environ.get("CUVMM_ALLOC_CONF", "")}
     for size in SIZES:
         free(alloc(size))  # the first pair may reach the driver; the timed ones find the block cached
         rates = [rate(alloc, free, size, args.pairs) for _ in range(args.repetitions)]

@@ -14,7 +14,8 @@
 #   traces        every shared trace replayed with --touch on the GPU, and on the simulator for comparison
 #   torch         every shared trace through PyTorch: default allocator, expandable segments, cuvmm plugged in
 #   train         a small GPT trained under each allocator: figures, and the smallest memory fraction that completes
-#   hot           cached alloc+free pairs per second through PyTorch's allocator interface, each allocator
+#   hot           cached alloc+free pairs per second through PyTorch's allocator interface, each allocator,
+#                 and cuvmm again with stream_cache_eager:True (the C ABI's pairs served by the caches)
 #   torch-suite   PyTorch's uses of its allocator (record_stream, a memory limit, CUDA graphs, torch.compile,
 #                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
@@ -149,7 +150,8 @@ run_step() {
         cpp_layer
         for allocator in native expandable cuvmm; do
             step hot 120 python3 tools/hot_path.py --allocator "$allocator"
-        done ;;
+        done
+        CUVMM_ALLOC_CONF=stream_cache_eager:True step hot 120 python3 tools/hot_path.py --allocator cuvmm ;;
     torch-suite)
         # The suite's budget leaves it time to print its table before the step's limit; TORCH_SUITE_ARGS picks
         # cases or allocators (--case, --allocator: tools/gpu/torch_suite.py --list).
