@@ -71,6 +71,12 @@ fn without_contention_nothing_is_cached_and_the_statistics_are_the_strategys() {
     alloc.check_invariants().unwrap();
 }
 
+/// Whether every `again` of [`served_while_locked`] was served without waiting and returned the same (the
+/// same cached buffer each time).
+fn all_served_alike<T: PartialEq, E: PartialEq>(served: &[Result<T, E>]) -> bool {
+    served.iter().all(Result::is_ok) && served.windows(2).all(|w| w[0] == w[1])
+}
+
 /// Runs `warm` on a new thread, then `again` three times on it while this thread holds the strategy's lock;
 /// returns what each `again` returned, or an error if one waited for the lock (30 s).
 fn served_while_locked<T: Send + 'static>(
@@ -129,10 +135,9 @@ fn a_buffer_freed_under_contention_is_reused_on_its_stream_without_the_lock() {
         |alloc| alloc.alloc_on(16 * KIB, S1).unwrap().ptr(),
     );
     assert!(
-        served.iter().all(Result::is_ok),
-        "a cached request waited for the lock"
+        all_served_alike(&served),
+        "a cached request waited for the lock: {served:?}"
     );
-    assert!(served.windows(2).all(|w| w[0] == w[1]), "{served:?}");
     alloc.check_invariants().unwrap();
 }
 
@@ -289,7 +294,7 @@ fn a_raw_free_under_contention_is_reused_on_its_stream_without_the_lock() {
         },
     );
     assert!(
-        served.iter().all(Result::is_ok) && served.windows(2).all(|w| w[0] == w[1]),
+        all_served_alike(&served),
         "a cached raw request or free waited for the lock: {served:?}"
     );
     // A second free of the cached address is a double free; the statistics see it freed.
@@ -406,7 +411,7 @@ fn eager_caches_serve_one_threads_repeated_requests_without_the_lock_at_every_si
             move |alloc| alloc.alloc_on(size, S0).unwrap().ptr(),
         );
         assert!(
-            served.iter().all(Result::is_ok) && served.windows(2).all(|w| w[0] == w[1]),
+            all_served_alike(&served),
             "{size} B: a buffer pair waited for the lock: {served:?}"
         );
         let served = served_while_locked(
@@ -419,7 +424,7 @@ fn eager_caches_serve_one_threads_repeated_requests_without_the_lock_at_every_si
             },
         );
         assert!(
-            served.iter().all(Result::is_ok) && served.windows(2).all(|w| w[0] == w[1]),
+            all_served_alike(&served),
             "{size} B: a raw pair waited for the lock: {served:?}"
         );
     }
