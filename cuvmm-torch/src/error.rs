@@ -3,16 +3,13 @@
 //! Every exported function clears this thread's record when it starts and sets it when it fails, so
 //! `cuvmm_last_error()` describes the latest cuvmm call made on the calling thread (null if it succeeded),
 //! and `cuvmm_last_oom()` gives the numbers of that error when it was out-of-memory.
-//!
-//! [`TransportError`] is what passing exported memory between processes ([`transport`]) fails with.
 
 use crate::structs::COomInfo;
-use crate::transport::{self, Address};
+use crate::transport::TransportError;
 use cuvmm::ConfigError;
 use cuvmm::driver::device::DeviceError;
 use std::cell::{Cell, RefCell};
 use std::ffi::CString;
-use std::io;
 use std::sync::Arc;
 
 /// Why a device's allocator could not be built. Kept (cloned into every later call's error) because it is
@@ -182,88 +179,4 @@ pub fn last_error() -> Option<String> {
             .as_ref()
             .map(|text| text.to_string_lossy().into_owned())
     })
-}
-
-/// Why serving or fetching exported memory's descriptors ([`transport`]) failed.
-#[derive(Debug, thiserror::Error)]
-pub enum TransportError {
-    /// Bytes that are not a cuvmm socket name.
-    #[error("invalid cuvmm IPC address {name:?}: {reason}")]
-    InvalidAddress {
-        /// The bytes given, shown with non-printable bytes escaped.
-        name: String,
-        /// What is wrong with them.
-        reason: &'static str,
-    },
-    /// Nobody listens at the address: the exporting process has exited or never served exports.
-    #[error(
-        "the exporting process is gone or serves no cuvmm exports (nothing listens at {address})"
-    )]
-    Gone {
-        /// The address tried.
-        address: Address,
-    },
-    /// The other side did not answer within [`transport::TIMEOUT`].
-    #[error("{address} did not answer within {} s while {doing}", transport::TIMEOUT.as_secs())]
-    Timeout {
-        /// The server's address.
-        address: Address,
-        /// What this side was doing.
-        doing: &'static str,
-    },
-    /// The exporting process closed the connection before sending everything.
-    #[error("the exporting process at {address} closed the connection while {doing}")]
-    Disconnected {
-        /// The server's address.
-        address: Address,
-        /// What this side was doing.
-        doing: &'static str,
-    },
-    /// The server's replies do not follow this version's protocol.
-    #[error("protocol mismatch with {address}: {detail} (do both processes load the same cuvmm?)")]
-    Protocol {
-        /// The server's address.
-        address: Address,
-        /// What was wrong.
-        detail: String,
-    },
-    /// The exporting process refused the request; its words (e.g. that it freed the memory).
-    #[error("the exporting process refused export {id:#018x}: {message}")]
-    Refused {
-        /// The export asked for.
-        id: u64,
-        /// The exporter's text.
-        message: String,
-    },
-    /// The kernel dropped descriptors in transit (`MSG_CTRUNC`).
-    #[error(
-        "descriptors of export {id:#018x} were dropped in transit (MSG_CTRUNC), most likely because this \
-         process reached its open-file limit (soft RLIMIT_NOFILE {limit}); raise it with `ulimit -n`"
-    )]
-    Truncated {
-        /// The export asked for.
-        id: u64,
-        /// This process's soft limit on open files, or `unlimited`.
-        limit: String,
-    },
-    /// The socket at the address belongs to another user, so its descriptors are not trusted.
-    #[error(
-        "{address} is served by uid {uid}, not this process's uid {own}: refusing its descriptors"
-    )]
-    ForeignServer {
-        /// The server's address.
-        address: Address,
-        /// The server's uid.
-        uid: u32,
-        /// This process's uid.
-        own: u32,
-    },
-    /// A system call failed.
-    #[error("{doing}: {source}")]
-    Io {
-        /// What was being done.
-        doing: String,
-        /// The error.
-        source: io::Error,
-    },
 }

@@ -24,5 +24,6 @@ pub mod sharing;
 pub mod structs;
 pub mod transport;
 
-pub use error::{AbiError, InitError, TransportError, last_error};
+pub use error::{AbiError, InitError, last_error};
 pub use registry::{Backend, Registry, Settings, install};
+pub use transport::TransportError;

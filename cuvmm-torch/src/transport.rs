@@ -28,11 +28,10 @@
 //! [`MAX_ERROR_TEXT`] bytes). The server closes each descriptor once sent; the importer may take them
 //! batch by batch ([`fetch_each`]) so it needs no more than one batch open beyond what it keeps.
 //!
-//! Failures are [`TransportError`]s (in [`error`](crate::error), with the crate's other errors), each
+//! Failures are [`TransportError`]s (wrapped in the crate's [`AbiError`](crate::AbiError)), each
 //! saying what the user can do: the exporter is gone, its refusal in its own words, a protocol mismatch,
 //! a timeout, or descriptors dropped at this process's open-file limit.
 
-use crate::error::TransportError;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
@@ -67,6 +66,90 @@ const KIND_BATCH: u32 = 0;
 const KIND_ERROR: u32 = 1;
 /// The longest abstract name: `sun_path` is 108 bytes, the first of them the NUL that marks it abstract.
 const MAX_NAME: usize = 107;
+
+/// Why serving or fetching exported memory's descriptors failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Bytes that are not a cuvmm socket name.
+    #[error("invalid cuvmm IPC address {name:?}: {reason}")]
+    InvalidAddress {
+        /// The bytes given, shown with non-printable bytes escaped.
+        name: String,
+        /// What is wrong with them.
+        reason: &'static str,
+    },
+    /// Nobody listens at the address: the exporting process has exited or never served exports.
+    #[error(
+        "the exporting process is gone or serves no cuvmm exports (nothing listens at {address})"
+    )]
+    Gone {
+        /// The address tried.
+        address: Address,
+    },
+    /// The other side did not answer within [`TIMEOUT`].
+    #[error("{address} did not answer within {} s while {doing}", TIMEOUT.as_secs())]
+    Timeout {
+        /// The server's address.
+        address: Address,
+        /// What this side was doing.
+        doing: &'static str,
+    },
+    /// The exporting process closed the connection before sending everything.
+    #[error("the exporting process at {address} closed the connection while {doing}")]
+    Disconnected {
+        /// The server's address.
+        address: Address,
+        /// What this side was doing.
+        doing: &'static str,
+    },
+    /// The server's replies do not follow this version's protocol.
+    #[error("protocol mismatch with {address}: {detail} (do both processes load the same cuvmm?)")]
+    Protocol {
+        /// The server's address.
+        address: Address,
+        /// What was wrong.
+        detail: String,
+    },
+    /// The exporting process refused the request; its words (e.g. that it freed the memory).
+    #[error("the exporting process refused export {id:#018x}: {message}")]
+    Refused {
+        /// The export asked for.
+        id: u64,
+        /// The exporter's text.
+        message: String,
+    },
+    /// The kernel dropped descriptors in transit (`MSG_CTRUNC`).
+    #[error(
+        "descriptors of export {id:#018x} were dropped in transit (MSG_CTRUNC), most likely because this \
+         process reached its open-file limit (soft RLIMIT_NOFILE {limit}); raise it with `ulimit -n`"
+    )]
+    Truncated {
+        /// The export asked for.
+        id: u64,
+        /// This process's soft limit on open files, or `unlimited`.
+        limit: String,
+    },
+    /// The socket at the address belongs to another user, so its descriptors are not trusted.
+    #[error(
+        "{address} is served by uid {uid}, not this process's uid {own}: refusing its descriptors"
+    )]
+    ForeignServer {
+        /// The server's address.
+        address: Address,
+        /// The server's uid.
+        uid: u32,
+        /// This process's uid.
+        own: u32,
+    },
+    /// A system call failed.
+    #[error("{doing}: {source}")]
+    Io {
+        /// What was being done.
+        doing: String,
+        /// The error.
+        source: io::Error,
+    },
+}
 
 /// Where an exporting process serves its exports: an abstract Unix socket name such as
 /// `cuvmm-ipc.<pid>.<random>`, written into the handle string as [`Address::as_bytes`] and read back
