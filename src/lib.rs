@@ -5,10 +5,11 @@
 //! next request needs them. A simulated device ([`driver::sim::SimDriver`]) runs everything without a GPU.
 //!
 //! Layers, from the bottom: [`driver`] (the seam to the device), `page_map`, the strategy [`expandable`], and
-//! the facade ([`Allocator`]). The laboratory around them, `lab` (trace formats, workloads, replay,
-//! experiments, reports, and the models of PyTorch's allocators cuvmm is measured against), is behind the
-//! `lab` feature (on by default, and needed by the `cli` feature). A program that only allocates turns
-//! default features off and compiles the allocator's own dependencies alone. See `docs/DESIGN.md`.
+//! the facade ([`Allocator`]). This crate is the allocator alone: its default build compiles cudarc (feature
+//! `cuda`), bitvec, parking_lot, tracing, thiserror and serde's derive, nothing else. The laboratory around it
+//! (trace formats, workloads, replay, experiments, reports, the models of PyTorch's allocators cuvmm is
+//! measured against, and the `cuvmm` command-line tool) is a crate of its own, `cuvmm-lab`, and the PyTorch
+//! allocator library is `cuvmm-torch`. See `docs/DESIGN.md`.
 
 // The folders are the layers, lowest first, one group per layer (docs/DESIGN.md's map; tests/layering.rs
 // checks it).
@@ -27,9 +28,6 @@ pub mod expandable;
 
 mod facade;
 
-#[cfg(feature = "lab")]
-pub mod lab;
-
 pub use base::size;
 pub use driver::{Driver, DriverError, StreamId};
 #[cfg(feature = "cuda")]
@@ -42,7 +40,7 @@ pub use strategy::graph_pool::{GraphPool, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
 pub use strategy::{config, error, graph_pool, history, oom, pool, sharing, snapshot, stats};
 
-/// The README's examples, compiled and run as doctests so they stay true (some use the laboratory).
-#[cfg(all(doctest, feature = "lab"))]
+/// The README's examples, compiled and run as doctests so they stay true.
+#[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;

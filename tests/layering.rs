@@ -1,16 +1,18 @@
-//! The library's structure, read from `src/`: arrows between files run one way.
+//! The workspace's structure, read from its sources: arrows between files run one way.
 //!
-//! Every file of the library crate (`src/`, less the CLI in `src/bin/`) is read; what it names through
+//! Every file of every crate of the workspace is read (the library's `src/`, the laboratory's
+//! `cuvmm-lab/src/` and its CLI `cuvmm-lab/src/bin/cuvmm/`, `cuvmm-torch/src/`); what a file names through
 //! `use crate::…`, `use super::…`, `use self::…`, a child module's path, or a `crate::`/`super::` path in its
 //! code is an arrow to the file that defines the item, followed through `pub use` re-exports. A `pub use`
 //! of a child's item is the module's face, not a use: it is an arrow only if the file names the item
 //! elsewhere. Comments and string literals are ignored.
 //!
 //! Checked:
-//! - no two files import each other, directly or round a longer cycle;
-//! - no file imports a file of a higher layer (`LAYERS`, lowest first; docs/DESIGN.md's map).
+//! - in every crate, no two files import each other, directly or round a longer cycle;
+//! - in the library, no file imports a file of a higher layer (`LAYERS`, lowest first; docs/DESIGN.md's
+//!   map). Between crates the arrows are Cargo's: the library depends on neither of the others.
 //!
-//! Each folder of `src/` is a layer; a new folder must be given its layer in `LAYERS`.
+//! Each folder of the library's `src/` is a layer; a new folder must be given its layer in `LAYERS`.
 
 mod common;
 
@@ -26,8 +28,17 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("strategy interface", &["src/strategy/"]),
     ("strategies", &["src/expandable/"]),
     ("facade", &["src/facade/"]),
-    ("laboratory", &["src/lab/"]),
     ("crate root", &["src/lib.rs"]),
+];
+
+/// The crates of the workspace: the folder their module tree starts in (relative to the workspace root; the
+/// root file is its `lib.rs` or `main.rs`), and folders under it that are other crates (the laboratory's
+/// `bin/`).
+const CRATES: &[(&str, &[&str])] = &[
+    ("src", &[]),
+    ("cuvmm-lab/src", &["bin/"]),
+    ("cuvmm-lab/src/bin/cuvmm", &[]),
+    ("cuvmm-torch/src", &[]),
 ];
 
 /// A module path from the crate root (`["expandable", "segment"]`).
@@ -48,11 +59,12 @@ struct Use {
     exported_as: Option<String>,
 }
 
-/// The module path of a file named relative to `src/`: `lib.rs` is the root, `a/mod.rs` and `a.rs` are `a`.
+/// The module path of a file named relative to its crate's folder: the root file (`lib.rs`, `main.rs`) is
+/// the root, `a/mod.rs` and `a.rs` are `a`.
 fn module_of(relative: &str) -> ModPath {
     let stem = relative.trim_end_matches(".rs");
     let mut segs: ModPath = stem.split('/').map(str::to_owned).collect();
-    if segs == ["lib"] || segs.last().is_some_and(|s| s == "mod") {
+    if segs == ["lib"] || segs == ["main"] || segs.last().is_some_and(|s| s == "mod") {
         segs.pop();
     }
     segs
@@ -226,27 +238,36 @@ fn layer(name: &str) -> Option<(usize, &'static str)> {
         })
 }
 
-/// Reads `src/` and returns the files and the arrows between them (by index, self-arrows left out).
+/// Reads the library's `src/` and returns its files and the arrows between them (by index, self-arrows
+/// left out).
 fn graph() -> (Vec<File>, BTreeMap<usize, BTreeSet<usize>>) {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    graph_of(CRATES[0])
+}
+
+/// Reads one crate of [`CRATES`] and returns its files (named from the workspace root) and the arrows
+/// between them.
+fn graph_of(
+    (folder, other_crates): (&str, &[&str]),
+) -> (Vec<File>, BTreeMap<usize, BTreeSet<usize>>) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(folder);
     let mut paths = Vec::new();
-    rust_files(&root.join("src"), &mut paths);
+    rust_files(&dir, &mut paths);
     paths.sort();
     let mut files = Vec::new();
     let mut modules = BTreeMap::new();
     for path in paths {
         let relative = path
-            .strip_prefix(root.join("src"))
-            .expect("under src/")
+            .strip_prefix(&dir)
+            .expect("under the crate's folder")
             .to_string_lossy()
             .replace('\\', "/");
-        if relative.starts_with("bin/") {
-            continue; // The CLI is a crate of its own, above the library.
+        if other_crates.iter().any(|c| relative.starts_with(c)) {
+            continue; // Another crate's.
         }
         modules.insert(module_of(&relative), files.len());
         let code = strip(&std::fs::read_to_string(&path).expect("readable source"));
         files.push(File {
-            name: format!("src/{relative}"),
+            name: format!("{folder}/{relative}"),
             code,
         });
     }
@@ -351,15 +372,18 @@ fn graph() -> (Vec<File>, BTreeMap<usize, BTreeSet<usize>>) {
 }
 
 #[test]
-fn no_two_files_import_each_other() {
-    let (files, edges) = graph();
+fn no_two_files_import_each_other_in_any_crate() {
     let mut report = String::new();
-    for component in cycles(files.len(), &edges) {
-        let members: BTreeSet<usize> = component.iter().copied().collect();
-        report.push_str("cycle:\n");
-        for &a in &members {
-            for &b in edges[&a].intersection(&members) {
-                report.push_str(&format!("  {} -> {}\n", files[a].name, files[b].name));
+    for &krate in CRATES {
+        let (files, edges) = graph_of(krate);
+        assert!(files.len() > 3, "the sources of {} were not found", krate.0);
+        for component in cycles(files.len(), &edges) {
+            let members: BTreeSet<usize> = component.iter().copied().collect();
+            report.push_str("cycle:\n");
+            for &a in &members {
+                for &b in edges[&a].intersection(&members) {
+                    report.push_str(&format!("  {} -> {}\n", files[a].name, files[b].name));
+                }
             }
         }
     }
@@ -429,26 +453,36 @@ fn the_reader_finds_arrows_and_cycles() {
         Some("strategies")
     );
     assert!(layer("src/strategy/stats.rs") < layer("src/expandable/mod.rs"));
-    // The laboratory is one folder, above everything a program uses; PyTorch's models are in it.
-    assert_eq!(
-        layer("src/lab/pytorch_model/expandable_segments.rs").map(|l| l.1),
-        Some("laboratory")
+    assert!(layer("src/lib.rs") > layer("src/facade/allocator.rs"));
+
+    // The other crates are read as crates of their own: the CLI's modules from its `main.rs`.
+    let (cli, cli_edges) = graph_of(CRATES[2]);
+    let main = cli
+        .iter()
+        .position(|f| f.name.ends_with("bin/cuvmm/main.rs"));
+    let main = main.expect("the CLI's main.rs is read");
+    assert!(
+        cli_edges.get(&main).is_some_and(|e| !e.is_empty()),
+        "main.rs names its modules"
     );
-    assert!(layer("src/facade/allocator.rs") < layer("src/lab/replay/mod.rs"));
-    assert!(layer("src/lib.rs") > layer("src/lab/mod.rs"));
+    let (lab, _) = graph_of(CRATES[1]);
+    assert!(
+        lab.iter().all(|f| !f.name.contains("/bin/")),
+        "the CLI is not the laboratory's library"
+    );
 }
 
 /// Where stand-in streams may be opened: the laboratory's trace replays and experiments (`driver-bench`
 /// among them), whose stream numbers name no stream of this process, the CLI, and the driver code that
 /// defines them.
 const STAND_IN_ALLOWED: &[&str] = &[
-    "src/lab/replay/",
-    "src/lab/experiments/",
-    "src/bin/",
+    "cuvmm-lab/src/replay/",
+    "cuvmm-lab/src/experiments/",
+    "cuvmm-lab/src/bin/",
     "src/driver/",
 ];
 
-/// Every program-facing path (the library outside the laboratory, cuvmm-torch, the examples) works on the
+/// Every program-facing path (the library, cuvmm-torch, the examples) works on the
 /// caller's streams: none opens a device with stand-in streams, where every wait for the program's work
 /// would wait on an empty stream instead (the corruption of issue 29).
 #[test]

@@ -21,7 +21,7 @@
 //! (`Allocator::seed_stream_cache_bug`) and must fail.
 //!
 //! Runs only under `RUSTFLAGS="--cfg loom"`, where `src/base/sync.rs` swaps in loom's `Mutex`, `Arc` and atomics:
-//! `RUSTFLAGS="--cfg loom" cargo test --release --no-default-features --test loom --target-dir target/loom`
+//! `RUSTFLAGS="--cfg loom" cargo test --release -p cuvmm --test loom --target-dir target/loom`
 //! (what `.ci/run` runs; without the `cli` feature the binary and clap are not built).
 //! Each model prints how many interleavings it explored.
 #![cfg(loom)]

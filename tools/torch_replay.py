@@ -73,7 +73,7 @@ def parse_trace(text, source="<trace>"):
     """``(name, events)`` of a cuvmm trace given as text. Events are ``("alloc", id, size, stream)``,
     ``("free", id)``, ``("record_stream", id, stream)`` and ``("empty_cache",)``. Raises ``TraceError``
     naming the line for anything ``docs/trace-format.md`` refuses, including events no program could make (a
-    free of an id that is not live, an id allocated twice while live), as ``src/lab/trace/text.rs`` does."""
+    free of an id that is not live, an id allocated twice while live), as ``cuvmm-lab/src/trace/text.rs`` does."""
     lines = text.removeprefix("\ufeff").split("\n")
     lines = [line.removesuffix("\r") for line in lines]
     if lines[0] != HEADER:

@@ -2,9 +2,9 @@
 //! in `tests/harness/pytorch_snapshot.rs`, which `tests/fuzz_corpus.rs` also runs.
 #![no_main]
 
-#[path = "../../tests/harness/pytorch_snapshot.rs"]
+#[path = "../../cuvmm-lab/tests/harness/pytorch_snapshot.rs"]
 mod pytorch_snapshot;
-#[path = "../../tests/harness/trace_replay.rs"]
+#[path = "../../cuvmm-lab/tests/harness/trace_replay.rs"]
 mod trace_replay;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

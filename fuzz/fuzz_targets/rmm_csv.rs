@@ -2,9 +2,9 @@
 //! in `tests/harness/rmm_csv.rs`, which `tests/fuzz_corpus.rs` also runs.
 #![no_main]
 
-#[path = "../../tests/harness/rmm_csv.rs"]
+#[path = "../../cuvmm-lab/tests/harness/rmm_csv.rs"]
 mod rmm_csv;
-#[path = "../../tests/harness/trace_replay.rs"]
+#[path = "../../cuvmm-lab/tests/harness/trace_replay.rs"]
 mod trace_replay;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {

@@ -8,14 +8,14 @@
 mod input;
 #[path = "../../tests/harness/ops_common.rs"]
 mod ops_common;
-#[path = "../../tests/harness/split_input.rs"]
+#[path = "../../cuvmm-lab/tests/harness/split_input.rs"]
 mod split_input;
-#[path = "../../tests/harness/split_ops.rs"]
+#[path = "../../cuvmm-lab/tests/harness/split_ops.rs"]
 mod split_ops;
 #[path = "../../tests/harness/strategy_ops.rs"]
 mod strategy_ops;
 
 use cuvmm::driver::sim::SimDriver;
-use cuvmm::lab::pytorch_model::Split;
+use cuvmm_lab::pytorch_model::Split;
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| strategy_ops::fuzz::<Split<SimDriver>>(data));

@@ -80,7 +80,7 @@ pub struct TraceEntry {
 
 /// The last `max_entries` events, oldest first.
 #[derive(Clone, Debug)]
-pub(crate) struct History {
+pub struct History {
     max_entries: usize,
     entries: VecDeque<TraceEntry>,
 }
@@ -111,7 +111,7 @@ impl History {
 
 /// Records `action` in `history` if recording is on. Inlined so that, off, an event costs one branch.
 #[inline]
-pub(crate) fn record(
+pub fn record(
     history: &mut Option<History>,
     action: TraceAction,
     addr: u64,
@@ -131,12 +131,7 @@ pub(crate) fn record(
 
 /// Records an out-of-memory of a request of `size` bytes on `stream` in `history`, if recording is on, with
 /// the device's free bytes at that moment (PyTorch's `TraceEntry::OOM`).
-pub(crate) fn record_oom(
-    history: &mut Option<History>,
-    size: u64,
-    stream: StreamId,
-    device_free: u64,
-) {
+pub fn record_oom(history: &mut Option<History>, size: u64, stream: StreamId, device_free: u64) {
     if let Some(h) = history {
         h.push(TraceEntry {
             action: TraceAction::Oom,

@@ -168,11 +168,7 @@ impl MemorySnapshot {
     }
 
     /// A snapshot of `segments` on device `device` with its recorded `events`.
-    pub(crate) fn new(
-        device: usize,
-        mut segments: Vec<SnapshotSegment>,
-        events: Vec<TraceEntry>,
-    ) -> Self {
+    pub fn new(device: usize, mut segments: Vec<SnapshotSegment>, events: Vec<TraceEntry>) -> Self {
         segments.sort_by_key(|s| s.address);
         let mut device_traces = vec![Vec::new(); device + 1];
         device_traces[device] = events;

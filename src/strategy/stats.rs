@@ -88,7 +88,7 @@ pub struct PoolStats {
 /// A statistic kept for all pools and for each pool, as PyTorch's `StatArray`: every change to one pool
 /// changes the total by the same amount, so each has its own true peak.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct StatArray {
+pub struct StatArray {
     /// All pools together.
     pub all: Stat,
     /// Per pool, indexed by [`Pool::index`].
@@ -139,15 +139,24 @@ impl StatArray {
 /// The per-pool statistics a strategy keeps, as PyTorch's `DeviceStats` arrays, borrowed to make a
 /// [`Stats`] ([`Stats::from_pools`]): the one path from counters to statistics for every strategy.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct PoolArrays<'a> {
+pub struct PoolArrays<'a> {
+    /// Bytes of allocated blocks (PyTorch's `allocated_bytes`).
     pub allocated_bytes: &'a StatArray,
+    /// Bytes of allocated blocks and blocks waiting for other streams (`active_bytes`).
     pub active_bytes: &'a StatArray,
+    /// Bytes the program asked for, before rounding (`requested_bytes`).
     pub requested_bytes: &'a StatArray,
+    /// Physical bytes held (`reserved_bytes`).
     pub reserved_bytes: &'a StatArray,
+    /// Bytes of free blocks split off a segment a live block also uses (`inactive_split_bytes`).
     pub inactive_split_bytes: &'a StatArray,
+    /// Allocated blocks (`allocation`).
     pub allocation: &'a StatArray,
+    /// Active blocks (`active`).
     pub active: &'a StatArray,
+    /// Segments (`segment`).
     pub segment: &'a StatArray,
+    /// Inactive split blocks (`inactive_split`).
     pub inactive_split: &'a StatArray,
 }
 
@@ -237,7 +246,7 @@ pub struct Stats {
 impl Stats {
     /// The statistics PyTorch keeps per pool, totals and pools, from `arrays`; every other field is its
     /// default, for the strategy to fill (`Stats { num_ooms, .., ..Stats::from_pools(arrays) }`).
-    pub(crate) fn from_pools(arrays: PoolArrays<'_>) -> Self {
+    pub fn from_pools(arrays: PoolArrays<'_>) -> Self {
         Self {
             allocated_bytes: arrays.allocated_bytes.all,
             reserved_bytes: arrays.reserved_bytes.all,

@@ -3,8 +3,6 @@
 
 pub mod memory;
 pub mod sim_device;
-#[cfg(feature = "lab")]
-pub mod snapshot;
 pub mod source;
 
 use cuvmm::Config;
@@ -59,17 +57,4 @@ pub fn write_pattern(a: &mut Expandable<SimDriver>, addr: u64, id: u64, size: u6
 /// Whether `addr` of the allocator's simulated device holds [`pattern`]`(id, size)`.
 pub fn holds_pattern(a: &Expandable<SimDriver>, addr: u64, id: u64, size: u64) -> bool {
     a.driver().read(addr, size as usize).expect("readable") == pattern(id, size as usize)
-}
-
-/// Runs the `cuvmm` binary with `args` and waits for it.
-pub fn cuvmm(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_cuvmm"))
-        .args(args)
-        .output()
-        .expect("run cuvmm")
-}
-
-/// What a run printed on stderr.
-pub fn stderr(output: &std::process::Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
 }

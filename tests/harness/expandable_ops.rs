@@ -30,7 +30,7 @@
 //!
 
 use crate::expandable_input::{Action, PAGE, Setup, decode};
-use crate::ops_common::{Content, Faults, Live, LiveSet, Model, Summary, check_bad_free};
+use crate::ops_common::{Content, Faults, Live, LiveSet, Model, OnSim, Summary, check_bad_free};
 use crate::strategy_ops::OpsHarness;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
@@ -43,6 +43,12 @@ const CONTENT: Content = Content {
     every: PAGE,
     sample: PAGE,
 };
+
+impl OnSim for Expandable<SimDriver> {
+    fn sim_mut(&mut self) -> &mut SimDriver {
+        self.driver_mut()
+    }
+}
 
 impl OpsHarness for Expandable<SimDriver> {
     type Setup = Setup;

@@ -7,8 +7,6 @@
 use crate::input::Input;
 use cuvmm::driver::sim::{FaultKind, SimDriver};
 use cuvmm::driver::{DriverCounters, Op};
-use cuvmm::expandable::Expandable;
-use cuvmm::lab::pytorch_model::Split;
 use cuvmm::{Error, Strategy};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,22 +16,11 @@ const FAULT_OPCODE: u8 = 14;
 /// Addresses remembered after a free, for frees of addresses that are no longer live.
 const FREED_KEPT: usize = 16;
 
-/// An allocator on the simulated device, as the harnesses drive it: its strategy calls and its device.
+/// An allocator on the simulated device, as the harnesses drive it: its strategy calls and its device
+/// (implemented beside each harness: `expandable_ops.rs`, `split_ops.rs`).
 pub trait OnSim: Strategy {
     /// The simulated device, to arm faults and write bytes.
     fn sim_mut(&mut self) -> &mut SimDriver;
-}
-
-impl OnSim for Split<SimDriver> {
-    fn sim_mut(&mut self) -> &mut SimDriver {
-        self.driver_mut()
-    }
-}
-
-impl OnSim for Expandable<SimDriver> {
-    fn sim_mut(&mut self) -> &mut SimDriver {
-        self.driver_mut()
-    }
 }
 
 /// Decodes the two bytes after a fault opcode: the driver call (`ops[b & 0x7f % len]`), how it fails (bit

@@ -16,7 +16,7 @@ cargo build --locked --release --features cuda --bin cuvmm --example service
 cargo build --locked --release -p cuvmm-torch
 # The test binaries' paths, from cargo's JSON messages: the library's unit tests and four integration tests
 # (only those: every test binary of the crate with fat LTO takes many minutes).
-cargo test --locked --release --features cuda --no-run --message-format=json \
+cargo test --locked --release -p cuvmm --features cuda --no-run --message-format=json \
     --lib --test conformance_cuda --test cuda_streams --test cuda_graphs --test conformance_sim 2>/dev/null |
     python3 -c '
 import json, shutil, sys

@@ -13,7 +13,7 @@
 //!
 //! The simulator's clock uses the model of its [`SimConfig`](super::SimConfig) (A100 by default, `cuvmm
 //! compare --latency-model h100` or `h200` for the measured ones); a replay's report gives its calls' estimate under every
-//! model (`lab::replay::ByModel`).
+//! model (`cuvmm_lab::replay::ByModel`).
 
 use crate::base::size::MIB;
 use crate::driver::{DriverCounters, Op};

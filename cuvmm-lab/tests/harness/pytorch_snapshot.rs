@@ -1,0 +1,73 @@
+//! The `pytorch_snapshot` harness: the PyTorch memory snapshot reader (`trace::pytorch::parse_devices`,
+//! then `PytorchTrace::to_trace`) on arbitrary bytes. The fuzz target and `tests/fuzz_corpus.rs` both run
+//! [`run`].
+//!
+//! Properties checked:
+//! - reading never panics, and never exhausts memory or the stack (libFuzzer reports both), whatever the
+//!   bytes;
+//! - reading is deterministic: the same bytes give the same result twice;
+//! - an error is one line that starts with the file's name;
+//! - each device's trace is valid and replays (`trace_replay::check`).
+
+use crate::trace_replay;
+use cuvmm_lab::trace::pytorch::{self, PytorchTrace};
+use std::path::Path;
+
+/// The name the snapshot goes by in traces and errors.
+pub const FILE: &str = "fuzz.pickle";
+
+/// What one input did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The snapshot was read: its devices' traces and their events in all.
+    Read {
+        /// Traces (devices).
+        traces: usize,
+        /// Events of all of them.
+        events: usize,
+    },
+    /// The bytes were refused with a typed error.
+    Refused,
+}
+
+/// Reads `data` as a snapshot, every device and then device 1 alone, and checks the properties listed in
+/// the module docs.
+pub fn run(data: &[u8]) -> Result<Outcome, String> {
+    let path = Path::new(FILE);
+    let mut outcome = Outcome::Refused;
+    for device in [None, Some(1)] {
+        let first = pytorch::parse_devices(path, data, device);
+        let again = pytorch::parse_devices(path, data, device);
+        if format!("{first:?}") != format!("{again:?}") {
+            return Err(format!("device {device:?}: read twice, two results"));
+        }
+        match first {
+            Ok(traces) => {
+                let events = check_traces(&traces)?;
+                if device.is_none() {
+                    outcome = Outcome::Read {
+                        traces: traces.len(),
+                        events,
+                    };
+                }
+            }
+            Err(e) => {
+                let message = e.to_string();
+                if !message.starts_with(FILE) || message.contains('\n') {
+                    return Err(format!("error not one line naming the file: {message:?}"));
+                }
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+fn check_traces(traces: &[PytorchTrace]) -> Result<usize, String> {
+    let mut events = 0;
+    for t in traces {
+        let trace = t.to_trace(format!("{FILE}:{}", t.device));
+        trace_replay::check(&trace)?;
+        events += trace.events.len();
+    }
+    Ok(events)
+}
