@@ -34,7 +34,9 @@
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
 //! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
 //! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block for another
-//! process) calls the parts; `snapshot.rs` and `invariants.rs` read them.
+//! process) calls the parts; `pools.rs` (what PyTorch's `MemPool` and cudagraph trees ask of a pool: use
+//! counts, `use_on_oom`, checkpoints, one pool's `empty_cache`) calls `alloc.rs` and below, and `alloc.rs`
+//! asks it for a pool's free memory when out of memory; `snapshot.rs` and `invariants.rs` read them.
 
 mod accounting;
 mod alloc;
@@ -46,6 +48,7 @@ mod imports;
 mod invariants;
 mod lending;
 mod physical;
+mod pools;
 mod reclaim;
 mod segment;
 mod segments;
