@@ -321,3 +321,26 @@ fn the_facade_reaches_every_pool_operation() {
     assert!(a.empty_pool_cache(pool).unwrap() > 0);
     a.check_invariants().unwrap();
 }
+
+/// PyTorch 2.15's `allocateWithAddress`: a block at an address of a segment's free memory, and nowhere
+/// else.
+#[test]
+fn a_block_is_allocated_at_a_free_address_and_nowhere_else() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let x = a.alloc(2 * PAGE, s).unwrap();
+    a.free(x).unwrap();
+    let y = a.alloc_at(x + PAGE, 1000).unwrap();
+    assert_eq!(y, x + PAGE);
+    assert_eq!(a.stats().allocated_bytes.current, 1024);
+    for (addr, size) in [(y, 512), (y + 512, 512), (x + 100, 512), (1 << 50, 512)] {
+        assert!(
+            matches!(a.alloc_at(addr, size), Err(Error::UnknownAddress { .. })),
+            "{addr:#x}"
+        );
+    }
+    assert!(matches!(a.alloc_at(x, 0), Err(Error::ZeroSize)));
+    a.check_invariants().unwrap();
+    a.free(y).unwrap();
+    a.check_invariants().unwrap();
+}

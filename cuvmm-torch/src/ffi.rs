@@ -9,6 +9,9 @@
 //! back a snapshot handed out.
 #![allow(unsafe_code)]
 
+mod pools;
+pub use pools::*;
+
 use crate::error::{self, AbiError};
 use crate::ops;
 use crate::registry::global;

@@ -2,25 +2,19 @@
 //! (`graphs.rs`): how many users it has, its free memory serving an allocation that would otherwise run
 //! out (`use_on_oom`), its live blocks as a checkpoint keeps them and the pool put back to a checkpoint,
 //! and one pool's cached memory given back (`emptyCache(pool)`). A pool that splits no page (`no_split`)
-//! is a rounding of the request in `alloc.rs`.
+//! is a rounding of the request in `alloc.rs`; the out-of-memory fallback to a pool is `carve.rs`.
 //!
 //! A live pool's pages stay mapped where they are (`graphs.rs`), so putting it back to a checkpoint maps
 //! nothing: its blocks allocated since are freed, and the blocks live at the checkpoint are carved again at
-//! their addresses, in the free memory the pool kept.
+//! their addresses (`carve.rs`), in the free memory the pool kept.
 
-use super::Expandable;
-use super::accounting::SlotCounts;
 use super::reclaim::{Compacting, Wait};
 use super::settle::free_reservation_settled;
+use super::{Expandable, ROUND};
 use crate::base::size::round_up;
-use crate::driver::{Driver, StreamId};
+use crate::driver::Driver;
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, PoolBlock};
-use crate::strategy::history::TraceAction;
-use crate::strategy::pool::Pool;
-
-/// How many of a segment's best-fitting free blocks the fallback of a pool compares.
-const FIT_CANDIDATES: usize = 8;
 
 impl<D: Driver> Expandable<D> {
     /// How many users `pool` has: begins and increfs not yet released; 0 for a pool that is not live
@@ -116,17 +110,7 @@ impl<D: Driver> Expandable<D> {
                 continue;
             }
             let slot = slot_of(self, block.addr).ok_or(refuse("the pool's segment is gone"))?;
-            let end = block.addr + block.size;
-            let fits = {
-                let mut over = self.segments.at(slot).blocks_overlapping(block.addr, end);
-                match (over.next(), over.next()) {
-                    (Some((start, free)), None) => {
-                        !free.is_occupied() && start <= block.addr && end <= start + free.size
-                    }
-                    _ => false,
-                }
-            };
-            if !fits {
+            if !self.is_free(slot, block.addr, block.size) {
                 return Err(refuse(
                     "a block of the checkpoint overlaps memory in use since",
                 ));
@@ -135,6 +119,30 @@ impl<D: Driver> Expandable<D> {
             self.place(slot, block.addr, block.size, block.requested, stream)?;
         }
         Ok(now.iter().map(|b| b.addr).collect())
+    }
+
+    /// Allocates `size` bytes at `addr` (512-byte aligned), which must lie in the free memory of one
+    /// segment (PyTorch's `allocateWithAddress`): carved there, on the segment's stream and in its pool,
+    /// with its pages backed.
+    ///
+    /// # Errors
+    /// [`Error::ZeroSize`]; [`Error::UnknownAddress`] for an address outside the free memory of every
+    /// segment (or unaligned, or a sleeping tag's); out of memory backing its pages.
+    pub fn alloc_at(&mut self, addr: u64, size: u64) -> Result<u64, Error> {
+        if size == 0 {
+            return Err(Error::ZeroSize);
+        }
+        let rounded = round_up(size, ROUND).ok_or(Error::TooLarge {
+            requested: size,
+            capacity: self.device_total,
+        })?;
+        let slot = (self.segments.slot_of(addr))
+            .filter(|&slot| addr % ROUND == 0 && self.is_free(slot, addr, rounded))
+            .filter(|&slot| !self.tags.sleeps(self.segments.at(slot).tag))
+            .ok_or(Error::UnknownAddress { addr })?;
+        let stream = self.segments.at(slot).stream;
+        self.place(slot, addr, rounded, size, stream)?;
+        Ok(addr)
     }
 
     /// Gives back the cached memory of `pool`, once released (PyTorch's `emptyCache(pool)`, which a
@@ -194,73 +202,5 @@ impl<D: Driver> Expandable<D> {
             self.graphs.forget_released(pool);
         }
         Ok(reserved.saturating_sub(self.books.counters.reserved.current))
-    }
-
-    /// An allocation outside every pool that ran out of memory, served from the free memory of a pool that
-    /// lends it (`use_on_oom`), as PyTorch's allocator does before giving up: the best-fitting free block
-    /// of the pool's segments of the request's stream and class whose pages are all mapped. No page is
-    /// mapped for it. Returns its address, or `None` if no such pool has such a block.
-    pub(super) fn serve_from_pools(
-        &mut self,
-        requested: u64,
-        rounded: u64,
-        stream: StreamId,
-        class: Pool,
-    ) -> Result<Option<u64>, Error> {
-        for pool in self.graphs.use_on_oom() {
-            let size = match self.graphs.no_split(Some(pool)) {
-                true => round_up(rounded, self.page_size).unwrap_or(rounded),
-                false => rounded,
-            };
-            let key = (stream, class, Some(pool), None);
-            let mut best: Option<(u64, usize, u64)> = None;
-            for slot in self.segments.of_key(&key) {
-                let seg = self.segments.at(slot);
-                if seg.whole_pages && size % self.page_size != 0 {
-                    continue;
-                }
-                if let Some((0, block_size, addr)) = seg.mapped_fit(size, FIT_CANDIDATES, false)
-                    && best.is_none_or(|(smallest, ..)| block_size < smallest)
-                {
-                    best = Some((block_size, slot, addr));
-                }
-            }
-            if let Some((_, slot, addr)) = best {
-                self.place(slot, addr, size, requested, stream)?;
-                tracing::info!(%pool, requested, "cuvmm: out of memory; served from a pool's free memory");
-                return Ok(Some(addr));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Carves the live block `addr .. addr + size` (for `requested` bytes on `stream`) in segment `slot`,
-    /// inside one free block, backs its pages and counts it, as an allocation does; on failure the block
-    /// is free again.
-    fn place(
-        &mut self,
-        slot: usize,
-        addr: u64,
-        size: u64,
-        requested: u64,
-        stream: StreamId,
-    ) -> Result<(), Error> {
-        let class = self.segments.at(slot).pool;
-        let before = SlotCounts::of(self.segments.at(slot));
-        self.segments.at_mut(slot).carve(addr, size, requested);
-        self.books.set_carving(Some((class, size)));
-        self.books.refresh(self.segments.at(slot), before);
-        let backed = self.back_with_pages(slot, addr, size);
-        self.books.set_carving(None);
-        if let Err(err) = backed {
-            let before = SlotCounts::of(self.segments.at(slot));
-            self.segments.at_mut(slot).free_live_at_addr(addr, size);
-            self.books.refresh(self.segments.at(slot), before);
-            return Err(err);
-        }
-        self.books.count_block(class, size, requested, true);
-        self.books
-            .record(TraceAction::Alloc, addr, requested, stream);
-        Ok(())
     }
 }

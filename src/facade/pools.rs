@@ -42,6 +42,12 @@ impl<D: Driver> Allocator<Expandable<D>> {
         self.with_strategy(|strategy| strategy.restore_pool(pool, checkpoint))
     }
 
+    /// Allocates `size` bytes at `addr`, in the free memory of a segment ([`Expandable::alloc_at`]).
+    pub fn alloc_at(&self, addr: u64, size: u64) -> Result<u64, Error> {
+        self.drain_caches()?;
+        self.with_strategy(|strategy| strategy.alloc_at(addr, size))
+    }
+
     /// Gives back the cached memory of the released `pool` ([`Expandable::empty_pool_cache`]); returns the
     /// bytes given back.
     pub fn empty_pool_cache(&self, pool: GraphPool) -> Result<u64, Error> {
