@@ -569,7 +569,8 @@ pub struct Released {
 }
 
 /// Takes out the wholly free segments of `device`'s released pools (`pool`, or every one for `None`),
-/// once the device's work is done with their blocks freed on other streams.
+/// once the device's work is done with their blocks freed on other streams. Nothing while a pool is being
+/// allocated to (a capture may be underway).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`], [`AbiError::Init`]; a driver failure.
@@ -579,6 +580,11 @@ pub fn release(
     pool: Option<GraphPool>,
 ) -> Result<Vec<Released>, AbiError> {
     if !ANY.load(Ordering::Acquire) {
+        return Ok(Vec::new());
+    }
+    // Giving memory back (cudaFree, cuMemRelease) is refused during a capture: it waits until no pool is
+    // being allocated to.
+    if capturing(registry, device)? {
         return Ok(Vec::new());
     }
     let allocator = registry.allocator(device)?;
@@ -592,7 +598,7 @@ pub fn release(
         .filter(|s| chosen(s))
         .flat_map(|s| s.blocks.values())
         .any(|b| matches!(b.state, State::Pending { .. }));
-    if pending && !capturing(registry, device)? {
+    if pending {
         allocator
             .with_strategy(|s| s.driver_mut().synchronize_device())
             .map_err(cuvmm::Error::from)?;

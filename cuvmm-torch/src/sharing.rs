@@ -273,21 +273,25 @@ pub fn open(registry: &Registry, device: i32, bytes: &[u8]) -> Result<u64, AbiEr
         false => Some(HandleString::decode(&handle.rest)?),
     };
     let allocator = registry.allocator(device)?;
-    match (handle.take_descriptors(), own) {
-        (Ok(fds), _) => {
-            let parts: Vec<_> = (handle.parts().iter().zip(&fds))
-                .map(|(part, fd)| part.with_fd(fd.as_fd()))
-                .collect();
-            Ok(allocator.open_shared(&parts)?)
-        }
+    let taken = handle.take_descriptors().map_err(|err| err.to_string());
+    let mapped = taken.and_then(|fds| {
+        let parts: Vec<_> = (handle.parts().iter().zip(&fds))
+            .map(|(part, fd)| part.with_fd(fd.as_fd()))
+            .collect();
+        allocator.open_shared(&parts).map_err(|err| err.to_string())
+    });
+    match (mapped, own) {
+        (Ok(addr), _) => Ok(addr),
+        // Refused, or the descriptor numbers no longer name the export (its memory freed, the numbers
+        // reused): the exporter's server says which.
         (Err(err), Some(own)) => {
-            tracing::debug!(%err, "cuvmm: pidfd_getfd refused; fetching over the exporter's socket");
+            tracing::debug!(%err, "cuvmm: pidfd_getfd did not serve; fetching over the exporter's socket");
             open_own(registry, device, &own)
         }
         (Err(err), None) => Err(AbiError::BadHandle {
             why: format!(
-                "the exporting process (pid {}) did not let this one take its descriptors \
-                 (pidfd_getfd: {err}); PyTorch's expandable segments need ptrace rights over the \
+                "the exporting process (pid {}) did not let this one take its descriptors, or they \
+                 are not its memory's any more ({err}); PyTorch's expandable segments need ptrace rights over the \
                  exporter: run the exporter with cuvmm too, share from its native allocator \
                  (expandable_segments:False), or allow it (sysctl kernel.yama.ptrace_scope=0)",
                 handle.pid
