@@ -413,6 +413,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     Filter* raw = box.get();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      // The filter of a pool already begun is in use by cuvmm: it stays, and the second begin is refused.
+      TORCH_CHECK(!filters_.count({device, pool.first, pool.second}), "cuvmm: beginAllocateToPool: pool (",
+                  pool.first, ", ", pool.second, ") is already being allocated to");
       filters_[{device, pool.first, pool.second}] = std::move(box);
       auto own = own_allocators_.find({device, pool});
       underway_.push_back({device, pool, raw, own == own_allocators_.end() ? nullptr : own->second});

@@ -3,7 +3,10 @@
 //! panic crosses into PyTorch. A failure returns null, nonzero or nothing, after being logged and recorded
 //! for `cuvmm_last_error`.
 //!
-//! The only `unsafe` of the crate is here: `#[unsafe(no_mangle)]` on each export (the symbol names are
+//! The shells of `MemPool`'s and cudagraph trees' pool operations, of the pools with an allocator of their
+//! own and of the PyTorch version are in the child module `ffi/pools.rs`, re-exported here.
+//!
+//! The only `unsafe` of the crate is here (and in `ffi/pools.rs`): `#[unsafe(no_mangle)]` on each export (the symbol names are
 //! cuvmm's own, prefixed `cuvmm_`, so they clash with nothing), reading or taking back the C strings
 //! that the callers of two functions promise are valid, writing a struct where the caller says, and taking
 //! back a snapshot handed out.
