@@ -248,6 +248,7 @@ out["deleted"] = [reserved, stats()["reserved_bytes"]]
 out["release_unknown"] = h.try_call(lambda: C._cuda_releasePool(0, (0, 12345)))
 C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88))
 out["empty_during_capture"] = h.try_call(C._cuda_emptyCache)
+out["begun_twice"] = h.try_call(lambda: C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88)))
 C._cuda_endAllocateToPool(0, (0, 88))
 C._cuda_releasePool(0, (0, 88))
 
@@ -567,6 +568,7 @@ class MemPools(unittest.TestCase):
     def test_calls_from_destructors_warn_instead_of_raising(self):
         self.assertEqual(self.out["release_unknown"], "returned")
         self.assertEqual(self.out["empty_during_capture"], "returned")
+        self.assertIn("already being allocated to", self.out["begun_twice"], "refused, the first begin intact")
 
     def test_a_use_on_oom_pool_serves_a_request_that_ran_out(self):
         self.assertTrue(self.out["without_use_on_oom"].startswith("OutOfMemoryError"), self.out)
