@@ -126,6 +126,79 @@ int cuvmm_release_pool(int device, unsigned long long pool_a, unsigned long long
  * when made): it stays live until cuvmm_release_pool is called once more. */
 int cuvmm_incref_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
 
+/* ---- What PyTorch's MemPool and cudagraph trees ask beyond a capture ---- */
+
+/* How many users the pool has: increfs and begins not yet released (MemPool.use_count()); 0 for a pool
+ * that is not live; -1 on failure. */
+int cuvmm_pool_use_count(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* MemPool(use_on_oom=True): while the pool lives, its free memory on the request's stream may serve an
+ * allocation outside every pool that would otherwise run out of memory (no out-of-memory is counted then);
+ * the block is the pool's once freed. 0 turns it off (~MemPool does). 0 or -1. */
+int cuvmm_set_use_on_oom(int device, unsigned long long pool_a, unsigned long long pool_b, int on);
+
+/* MemPool(no_split=True): from now on each allocation in the pool takes whole pages (2 MiB on NVIDIA GPUs),
+ * so no two share a page. 0 or -1. */
+int cuvmm_set_no_split(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* A live block of a pool, as a checkpoint keeps it (size as cuvmm rounded it). */
+typedef struct {
+    uint64_t address, size, requested_size;
+} cuvmm_pool_block;
+
+/* A checkpoint of the pool (cudagraph trees' getCheckpointState): writes up to `cap` of its live blocks to
+ * `out` (NULL with cap 0 only counts) and returns how many there are (call again with more room if above
+ * cap), or -1. */
+long long cuvmm_pool_blocks(int device, unsigned long long pool_a, unsigned long long pool_b,
+                            cuvmm_pool_block *out, size_t cap);
+
+/* Puts the live pool back as a checkpoint found it (setCheckpointPoolState): its blocks allocated since are
+ * freed, and the checkpoint's `n` blocks are live again at their addresses (the pool's memory stays mapped
+ * while it lives, so nothing is mapped). Refused (-1, nothing freed) for a pool that is not live, a block
+ * outside the pool, or a block of the pool still used on another stream. 0 or -1. */
+int cuvmm_pool_restore(int device, unsigned long long pool_a, unsigned long long pool_b,
+                       const cuvmm_pool_block *blocks, size_t n);
+
+/* emptyCache(pool), which ~MemPool calls: once the pool is released, its idle pages and empty segments go
+ * back to the driver (nothing of the rest of the device's cache); a live pool keeps its memory. Returns the
+ * bytes given back, or -1 (a capture underway, a driver failure). */
+long long cuvmm_empty_pool_cache(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* allocateWithAddress (PyTorch 2.15): `size` bytes at `ptr`, which must be 512-byte aligned and lie in the
+ * free memory of one of `device`'s segments (its stream and pool are the segment's). `ptr`, or NULL. */
+void *cuvmm_malloc_at(int device, void *ptr, ssize_t size);
+
+/* ---- Pools with an allocator of their own (MemPool(allocator=...): vLLM's sleep mode, NCCL pools) ----
+ *
+ * The pool's memory comes from its allocator, in segments of PyTorch's sizes (2 MiB for a request up to
+ * 1 MiB, 20 MiB up to 10 MiB, else the request rounded up to 2 MiB); cuvmm carves blocks in them by best
+ * fit on the request's stream and merges them when freed, as PyTorch's caching allocator does, and counts
+ * them in the device's statistics and snapshot. cuvmm_free, cuvmm_free_any and cuvmm_record_stream take
+ * their blocks too. The pool's use count is cuvmm's (cuvmm_incref_pool, begin, release as for any pool). */
+
+/* A block of `size` bytes in the pool for `stream` (no_split nonzero: the free block found is handed out
+ * whole); or NULL with *grow the bytes of a segment to get from the pool's allocator (then call
+ * cuvmm_foreign_add_segment and ask again); or NULL with *grow 0 on failure. */
+void *cuvmm_foreign_malloc(int device, unsigned long long pool_a, unsigned long long pool_b, ssize_t size,
+                           cudaStream_t stream, int no_split, size_t *grow);
+
+/* A segment of `size` bytes at `ptr` that the pool's allocator made, for `stream`'s requests. 0 or -1. */
+int cuvmm_foreign_add_segment(int device, unsigned long long pool_a, unsigned long long pool_b,
+                              cudaStream_t stream, void *ptr, size_t size);
+
+typedef struct {
+    unsigned long long pool_a, pool_b;
+    uint64_t address, size;
+} cuvmm_foreign_segment;
+
+/* Takes out the wholly free segments of the released pool (of every released pool of `device` when `all`
+ * is nonzero), waiting for the device first if blocks freed on other streams are pending, and returns them
+ * (*len of them; free the array with cuvmm_foreign_segments_free) for the caller to give back to the pools'
+ * allocators. NULL with *len 0 when there is none, or on failure. */
+cuvmm_foreign_segment *cuvmm_foreign_release(int device, unsigned long long pool_a, unsigned long long pool_b,
+                                             int all, size_t *len);
+void cuvmm_foreign_segments_free(cuvmm_foreign_segment *segments, size_t len);
+
 /* ---- Peers ---- */
 
 /* Device `peer` may read and write every range of `device` mapped now and every one mapped later
@@ -135,17 +208,27 @@ int cuvmm_add_peer(int device, int peer);
 /* Sharing memory with another process (PyTorch's shareIpcHandle / getIpcDevPtr, torch.multiprocessing).
  * cuvmm_ipc_share: the handle string of the live allocation at ptr (bytes to free with cuvmm_bytes_free),
  * its length in *len, and the allocation's offset in the range an importer maps in *offset; NULL on failure
- * (tagged memory, a device whose handles are not exportable, an unknown address). The descriptors travel
- * over a Unix socket the exporting process serves; a handle string opens once. The allocation must stay
- * live while cuvmm_ipc_share runs: a free of it racing the share is a use after free (PyTorch holds the
- * storage); an export not yet opened when its allocation is freed later is forgotten then.
- * cuvmm_ipc_open: maps that memory on device (in another process of the same user, or this one); returns
- * the start of the range (the allocation is at the exporter's offset); NULL on failure.
+ * (a device whose handles are not exportable, an unknown address). Where the memory under the allocation is
+ * whole handles of one size (the usual case) the string is in the layout of PyTorch's expandable segments
+ * (the pid and descriptor numbers, which a process on PyTorch's allocator takes with pidfd_getfd; the
+ * layout of the PyTorch named by cuvmm_set_torch_version), followed by cuvmm's own string (a Unix socket the
+ * exporting process serves, for where pidfd_getfd is refused); otherwise cuvmm's own string alone. The
+ * exporting process lets its descendants take its descriptors (PR_SET_PTRACER; CUVMM_IPC_PTRACER=any for
+ * any process of the user, none for none). The export is held until the allocation is freed (or its tag
+ * sleeps); sharing it again gives the same string. The allocation must stay live while cuvmm_ipc_share
+ * runs (PyTorch holds the storage).
+ * cuvmm_ipc_open: maps that memory on device (in another process of the same user, or this one), or
+ * memory PyTorch's expandable segments shared (PyTorch 2.4 to 2.15 layouts; taken with pidfd_getfd);
+ * returns the start of the range (the allocation is at the exporter's offset); NULL on failure.
  * cuvmm_ipc_close: unmaps it once all work on it is done; 0 or -1. */
 uint8_t *cuvmm_ipc_share(int device, void *ptr, size_t *len, uint64_t *offset);
 void cuvmm_bytes_free(uint8_t *bytes, size_t len);
 void *cuvmm_ipc_open(int device, const uint8_t *bytes, size_t len);
 int cuvmm_ipc_close(int device, void *ptr);
+
+/* The PyTorch this process runs under (the C++ layer calls it when installed): handle strings are written
+ * in its layout (version 2 up to PyTorch 2.12, version 3 from 2.13; version 2 until called). */
+void cuvmm_set_torch_version(int major, int minor);
 
 /* ---- Sleep and wake: memory given back while its addresses stay reserved ---- */
 
@@ -169,7 +252,8 @@ int cuvmm_wake(int device, const char *tag);
 
 /* ---- The C++ layer: what PyTorch's CUDAAllocator interface needs beyond the above ---- */
 
-/* PyTorch's raw_delete, which names no device: frees `ptr` on whichever device's allocator handed it out
+/* PyTorch's raw_delete, which names no device: frees `ptr` on whichever device's allocator (or pool with an
+ * allocator of its own) handed it out
  * (on the simulated backend two devices may hand out the same address: use cuvmm_free there). NULL is
  * ignored; an address no device handed out is an error. */
 void cuvmm_free_any(void *ptr);

@@ -74,13 +74,15 @@ out["live_in_pool"] = [C._cuda_checkPoolLiveAllocations(0, pool, {in_pool}),
                        C._cuda_checkPoolLiveAllocations(0, pool, {outside}),
                        C._cuda_checkPoolLiveAllocations(0, pool, set())]
 state = C._cuda_getCheckpointState(0, pool)
-C._cuda_setCheckpointPoolState(0, state, [], [])  # the same live allocations: allowed
+C._cuda_setCheckpointPoolState(0, state, [], [])  # the same live allocations
 lib.cuvmm_free(in_pool, size, 0, None)
 try:
-    C._cuda_setCheckpointPoolState(0, state, [], [])
+    C._cuda_setCheckpointPoolState(0, state, [], [])  # in_pool live again, at its address
     out["rewind"] = "rewound"
 except RuntimeError as error:
     out["rewind"] = str(error)
+out["live_after_rewind"] = C._cuda_checkPoolLiveAllocations(0, pool, {in_pool})
+lib.cuvmm_free(in_pool, size, 0, None)
 C._cuda_releasePool(0, pool)
 lib.cuvmm_free(outside, size, 0, None)
 C._cuda_emptyCache()
@@ -155,6 +157,156 @@ std::string try_open(py::bytes handle) {
   }
 }
 void close_handle(uint64_t p) { opened.erase(p); }
+void close_all() { opened.clear(); }
+static std::vector<std::shared_ptr<CCA::AllocatorState>> states;
+int64_t checkpoint(uint64_t a, uint64_t b) {
+  states.push_back(CCA::getCheckpointState(0, {a, b}));
+  return static_cast<int64_t>(states.size()) - 1;
+}
+py::tuple restore(int64_t i) {
+  auto delta = CCA::setCheckpointPoolState(0, states.at(i));
+  std::vector<uint64_t> freed, allocd;
+  for (void* p : delta.ptrs_freed) freed.push_back(reinterpret_cast<uint64_t>(p));
+  for (auto& d : delta.dataptrs_allocd) {
+    allocd.push_back(reinterpret_cast<uint64_t>(d.get()));
+    d.release_context();  // the block stays allocated; the test frees it
+  }
+  return py::make_tuple(freed, allocd);
+}
+std::string try_call(py::object f) {
+  try {
+    f();
+    return "returned";
+  } catch (const py::error_already_set& e) {
+    return std::string("raised: ") + e.what();
+  }
+}
+"""
+HARNESS_FUNCTIONS = ["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
+                     "close_handle", "close_all", "checkpoint", "restore", "try_call"]
+
+# A pool's own allocator for CUDAPluggableAllocator: addresses from a range no simulated device hands out
+# (never dereferenced), each call noted.
+FAKE_ALLOC = r"""
+#include <stddef.h>
+#include <sys/types.h>
+static unsigned long long next = 0x100000000000ULL, ptrs[64];
+static size_t sizes[64];
+static int allocs, frees;
+void *fake_malloc(ssize_t size, int device, void *stream) {
+    (void)device; (void)stream;
+    unsigned long long p = next;
+    next += ((size_t)size + 0xFFFFF) & ~(size_t)0xFFFFF;
+    if (allocs < 64) { ptrs[allocs] = p; sizes[allocs] = (size_t)size; }
+    allocs++;
+    return (void *)p;
+}
+void fake_free(void *p, ssize_t size, int device, void *stream) { (void)p; (void)size; (void)device; (void)stream; frees++; }
+int fake_allocs(void) { return allocs; }
+int fake_frees(void) { return frees; }
+size_t fake_size(int i) { return sizes[i]; }
+unsigned long long fake_ptr(int i) { return ptrs[i]; }
+"""
+
+# PyTorch's MemPool and cudagraph trees' checkpoints, through PyTorch's own Python API where it needs no
+# CUDA driver, and the harness where it does.
+MEMPOOL_PROBE = r"""
+import ctypes, json, torch, cuvmm_torch
+from torch.utils import cpp_extension
+C, out = torch._C, {}
+out["layer"] = cuvmm_torch.install(cpp=True)
+h = cpp_extension.load_inline(
+    "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD, functions=HARNESS_FUNCTIONS,
+    extra_include_paths=cuvmm_torch.cuda_runtime()[0], extra_ldflags=["-lc10_cuda"])
+# PyTorch's Python API initializes CUDA lazily (device properties, ...), which the stand-ins cannot answer;
+# the calls below need none of it.
+torch.cuda._initialized = True
+
+def stats():
+    s = C._cuda_memoryStats(0)
+    return {k: s[k]["all"]["current"] for k in ("allocated_bytes", "reserved_bytes", "segment")}
+
+def allocated_blocks(pool):
+    return [[b["address"], b["size"], b["requested_size"]] for s in C._cuda_memorySnapshot(pool)["segments"]
+            for b in s["blocks"] if b["state"] == "active_allocated"]
+
+# A MemPool made, used, counted and deleted; no_split: each allocation takes whole pages.
+pool = torch.cuda.MemPool(no_split=True)
+counts = [pool.use_count()]
+with torch.cuda.use_mem_pool(pool, device=0):
+    counts.append(pool.use_count())
+    a, b = h.alloc(1000), h.alloc(1000)
+counts.append(pool.use_count())
+out["counts"], out["ab"], out["pool_blocks"] = counts, [a, b], allocated_blocks(pool.id)
+h.release(a)
+reserved = stats()["reserved_bytes"]
+del pool  # ~MemPool, with b alive: setUseOnOOM(false), releasePool, emptyCache(pool); none may throw
+out["deleted_with_b_alive"] = stats()["reserved_bytes"]
+h.release(b)
+C._cuda_emptyCache()
+out["deleted"] = [reserved, stats()["reserved_bytes"]]
+out["release_unknown"] = h.try_call(lambda: C._cuda_releasePool(0, (0, 12345)))
+C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88))
+out["empty_during_capture"] = h.try_call(C._cuda_emptyCache)
+out["begun_twice"] = h.try_call(lambda: C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88)))
+C._cuda_endAllocateToPool(0, (0, 88))
+C._cuda_releasePool(0, (0, 88))
+
+# use_on_oom (4 GiB device): a live pool holding 3 GiB free lends it to a request that ran out.
+def pool_holding(use_on_oom):
+    p = torch.cuda.MemPool(use_on_oom=use_on_oom)
+    with torch.cuda.use_mem_pool(p, device=0):
+        x = h.alloc(3 << 30)
+    h.release(x)
+    return p
+lender = pool_holding(False)
+out["without_use_on_oom"] = h.try_alloc(2 << 30)
+del lender
+lender = pool_holding(True)
+out["with_use_on_oom"] = h.try_alloc(2 << 30)
+del lender
+C._cuda_emptyCache()
+out["after_lenders"] = stats()
+
+# A pool with an allocator of its own (CUDAPluggableAllocator, as vLLM's and NCCL's pools are built).
+fake = ctypes.CDLL(FAKE_ALLOC)
+fake.fake_size.restype, fake.fake_ptr.restype = ctypes.c_size_t, ctypes.c_ulonglong
+plug = torch.cuda.memory.CUDAPluggableAllocator(FAKE_ALLOC, "fake_malloc", "fake_free")
+own = torch.cuda.MemPool(plug.allocator())
+before = stats()
+with torch.cuda.use_mem_pool(own, device=0):
+    small, large, small2 = h.alloc(1000), h.alloc(3 << 20), h.alloc(2000)
+outside = h.alloc(1000)
+out["own"] = {
+    "sizes": [fake.fake_size(i) for i in range(fake.fake_allocs())],
+    "segments": [fake.fake_ptr(i) for i in range(fake.fake_allocs())],
+    "blocks": [small, large, small2, outside],
+    "stats": [before, stats()],
+    "snapshot": [[s["address"], s["total_size"], list(s["segment_pool_id"])]
+                 for s in C._cuda_memorySnapshot(own.id)["segments"]],
+}
+for p in (small, large, small2, outside):
+    h.release(p)
+out["own"]["frees_while_live"] = fake.fake_frees()
+del own
+out["own"]["frees_after_del"] = fake.fake_frees()
+out["own"]["after"] = stats()
+
+# cudagraph trees: a checkpoint of a pool, blocks freed and allocated, the pool put back.
+graph = (0, 77)
+C._cuda_beginAllocateCurrentThreadToPool(0, graph)
+x = h.alloc(3 << 20)
+state = h.checkpoint(*graph)
+y = h.alloc(5 << 20)
+h.release(x)
+z = h.alloc(1 << 20)
+freed, allocd = h.restore(state)
+out["checkpoint"] = {"xyz": [x, y, z], "freed": sorted(freed), "allocd": allocd,
+                     "live": C._cuda_checkPoolLiveAllocations(0, graph, {x})}
+h.release(x)
+C._cuda_endAllocateToPool(0, graph)
+C._cuda_releasePool(0, graph)
+print(json.dumps(out))
 """
 
 SHIM_PROBE = r"""
@@ -163,20 +315,25 @@ from torch.utils import cpp_extension
 C, size = torch._C, int(SIZE)
 out = {"layer": cuvmm_torch.install(cpp=True)}
 h = cpp_extension.load_inline(
-    "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD,
-    functions=["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
-               "close_handle"],
+    "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD, functions=HARNESS_FUNCTIONS,
     extra_include_paths=cuvmm_torch.cuda_runtime()[0], extra_ldflags=["-lc10_cuda"])
 h.observe()
 ptr = h.alloc(size)
 out["allocated"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
 handle, out["offset"] = h.share(ptr)
-out["magic"] = handle[:8].decode("latin-1")
+out["kind"] = list(handle[:2])
+out["torch_version"] = [int(v) for v in torch.__version__.split(".")[:2]]
 opened = h.open_handle(handle)
 out["opened"] = [ptr, opened, h.open_handle(handle)]
 h.close_handle(opened)
 out["reopen"] = h.try_open(handle)
+# The same handle without cuvmm's string after the descriptors: what PyTorch's expandable segments send.
+header = 24 if handle[0] == 2 else 32
+count = int.from_bytes(handle[18:26], "little")
+out["pytorch_layout_alone"] = h.try_open(handle[:2 + header + 4 * count])
+h.close_all()
 h.release(ptr)
+out["after_free"] = h.try_open(handle)
 out["released"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
 out["huge"] = h.try_alloc(100 << 30)
 C._cuda_setMemoryFraction(0.5, 0)
@@ -291,7 +448,8 @@ class CppLayer(unittest.TestCase):
         in_pool, outside = self.out["pool_ptrs"]
         self.assertEqual(self.out["pool_of"], {str(in_pool): [[0, 7]], str(outside): [[0, 0]]})
         self.assertEqual(self.out["live_in_pool"], [True, False, False])
-        self.assertIn("cudagraph_trees = False", self.out["rewind"])
+        self.assertEqual(self.out["rewind"], "rewound")
+        self.assertTrue(self.out["live_after_rewind"], "the checkpoint's block is live again at its address")
         self.assertEqual(self.out["after_pool"]["reserved_bytes"]["current"], 0, "released and emptied")
 
     def test_memory_fraction_and_empty_cache_reach_cuvmm(self):
@@ -322,7 +480,8 @@ class ThroughPyTorchsInterface(unittest.TestCase):
                             os.path.join(fakes, target + ".c")], check=True)
         build = os.path.join(ROOT, "target", "cpp-layer", f"harness-{torch.__version__}")
         os.makedirs(build, exist_ok=True)
-        code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS", repr(HARNESS))
+        code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
+        code = code.replace("HARNESS", repr(HARNESS))
         code = code.replace("BUILD", repr(build))
         cls.out = run_probe(code, LD_PRELOAD=os.path.join(fakes, "libfakecudart.so"), LD_LIBRARY_PATH=fakes)
 
@@ -349,13 +508,96 @@ class ThroughPyTorchsInterface(unittest.TestCase):
         self.assertEqual(over_limit[:3], [0, 3 * gib, 2 * gib], "the limit, as PyTorch passes it")
         self.assertGreaterEqual(self.out["num_ooms"], 1)
 
-    def test_a_shared_allocation_opens_once_at_an_address_of_its_own(self):
+    def test_a_shared_allocation_opens_at_an_address_of_its_own_while_it_lives(self):
         ptr, opened, again = self.out["opened"]
-        self.assertEqual(self.out["magic"], "CUVMMIPC")
+        version = 3 if self.out["torch_version"] >= [2, 13] else 2
+        self.assertEqual(self.out["kind"], [version, ord("e")], "PyTorch's expandable-segment layout")
         self.assertEqual(self.out["offset"], 0)
         self.assertNotEqual(opened, ptr, "mapped again, elsewhere")
         self.assertEqual(again, opened, "one mapping per handle while it is in use")
-        self.assertIn("no such export", self.out["reopen"])
+        self.assertEqual(self.out["reopen"], "opened", "held until the allocation is freed")
+        self.assertEqual(self.out["pytorch_layout_alone"], "opened", "taken with pidfd_getfd")
+        self.assertIn("no such export", self.out["after_free"])
+
+
+@unittest.skipIf(missing_for_build(), missing_for_build())
+class MemPools(unittest.TestCase):
+    """torch.cuda.MemPool (use_count, no_split, use_on_oom, an allocator of its own, deleted without an
+    abort) and cudagraph trees' checkpoints, through PyTorch's own entry points."""
+
+    @classmethod
+    def setUpClass(cls):
+        import torch  # noqa: PLC0415
+
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise unittest.SkipTest("no C compiler for the CUDA stand-ins")
+        cls.scratch = tempfile.TemporaryDirectory()
+        fakes = cls.scratch.name
+        for source, target, flags in [(FAKE_CUDART, "libfakecudart.so", []),
+                                      (FAKE_LIBCUDA, "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"]),
+                                      (FAKE_ALLOC, "libfakealloc.so", [])]:
+            with open(os.path.join(fakes, target + ".c"), "w") as file:
+                file.write(source)
+            subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
+                            os.path.join(fakes, target + ".c")], check=True)
+        build = os.path.join(ROOT, "target", "cpp-layer", f"harness-{torch.__version__}")
+        os.makedirs(build, exist_ok=True)
+        code = MEMPOOL_PROBE.replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
+        code = code.replace("HARNESS", repr(HARNESS)).replace("BUILD", repr(build))
+        code = code.replace("FAKE_ALLOC", repr(os.path.join(fakes, "libfakealloc.so")))
+        cls.out = run_probe(code, LD_PRELOAD=os.path.join(fakes, "libfakecudart.so"), LD_LIBRARY_PATH=fakes)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.scratch.cleanup()
+
+    def test_a_mempool_is_counted_used_and_deleted_without_an_abort(self):
+        self.assertEqual(self.out["counts"], [1, 2, 1])
+        reserved, after = self.out["deleted"]
+        self.assertGreater(reserved, 0)
+        self.assertEqual(self.out["deleted_with_b_alive"], 2 << 20, "only the page of the live tensor stays")
+        self.assertEqual(after, 0, "its last tensor freed, the pool's memory goes back")
+
+    def test_a_no_split_pool_gives_each_allocation_whole_pages(self):
+        a, b = self.out["ab"]
+        page = 2 << 20
+        self.assertEqual(sorted(self.out["pool_blocks"]), sorted([[a, page, 1000], [b, page, 1000]]))
+        self.assertEqual((a % page, b % page), (0, 0))
+
+    def test_calls_from_destructors_warn_instead_of_raising(self):
+        self.assertEqual(self.out["release_unknown"], "returned")
+        self.assertEqual(self.out["empty_during_capture"], "returned")
+        self.assertIn("already being allocated to", self.out["begun_twice"], "refused, the first begin intact")
+
+    def test_a_use_on_oom_pool_serves_a_request_that_ran_out(self):
+        self.assertTrue(self.out["without_use_on_oom"].startswith("OutOfMemoryError"), self.out)
+        self.assertEqual(self.out["with_use_on_oom"], "allocated")
+        self.assertEqual(self.out["after_lenders"]["reserved_bytes"], 0)
+
+    def test_a_pool_with_its_own_allocator_takes_segments_from_it(self):
+        own = self.out["own"]
+        mib = 1 << 20
+        self.assertEqual(own["sizes"], [2 * mib, 20 * mib], "PyTorch's segment sizes, one per pool kind")
+        small_seg, large_seg = own["segments"]
+        small, large, small2, outside = own["blocks"]
+        self.assertEqual((small, small2), (small_seg, small_seg + 1024), "carved from its segment")
+        self.assertEqual(large, large_seg)
+        self.assertFalse(small_seg <= outside < small_seg + 2 * mib, "outside the pool: cuvmm's memory")
+        before, during = own["stats"]
+        self.assertEqual(during["allocated_bytes"] - before["allocated_bytes"], 1024 + 3 * mib + 2048 + 1024)
+        self.assertEqual(during["segment"] - before["segment"], 2 + 1)
+        self.assertEqual(sorted(s[:2] for s in own["snapshot"]), [[small_seg, 2 * mib], [large_seg, 20 * mib]])
+        self.assertEqual(own["frees_while_live"], 0, "kept while the pool lives, as PyTorch keeps them")
+        self.assertEqual(own["frees_after_del"], 2, "given back to its allocator when the pool is deleted")
+        self.assertEqual(own["after"]["allocated_bytes"], 0)
+
+    def test_a_checkpoint_puts_the_pool_back(self):
+        cp = self.out["checkpoint"]
+        x, y, z = cp["xyz"]
+        self.assertEqual(cp["freed"], sorted([y, z]), "every block live when called")
+        self.assertEqual(cp["allocd"], [x], "the checkpoint's, live again at its address")
+        self.assertTrue(cp["live"])
 
 
 @unittest.skipIf(missing_for_install(), missing_for_install())

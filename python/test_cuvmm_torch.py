@@ -103,6 +103,18 @@ class Symbols(unittest.TestCase):
                 "cuvmm_bytes_free",
                 "cuvmm_ipc_open",
                 "cuvmm_ipc_close",
+                "cuvmm_set_torch_version",
+                "cuvmm_pool_use_count",
+                "cuvmm_set_use_on_oom",
+                "cuvmm_set_no_split",
+                "cuvmm_pool_blocks",
+                "cuvmm_pool_restore",
+                "cuvmm_empty_pool_cache",
+                "cuvmm_malloc_at",
+                "cuvmm_foreign_malloc",
+                "cuvmm_foreign_add_segment",
+                "cuvmm_foreign_release",
+                "cuvmm_foreign_segments_free",
             },
         )
         for name in declared:

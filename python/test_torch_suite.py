@@ -22,7 +22,8 @@ import torch_suite  # noqa: E402
 
 BRIEF_CASES = ["record_stream", "record_stream_cuvmm", "memory_limit", "graphs_back_to_back",
                "graph_after_empty_cache", "graph_threads", "compile_reduce_overhead", "memory_stats", "oom",
-               "multiprocessing", "nccl", "transformers", "sleep_wake"]
+               "multiprocessing", "nccl", "transformers", "sleep_wake", "mempool", "mempool_own_allocator",
+               "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm", "sleep_mode_pool"]
 
 
 def parse(*argv):
@@ -55,6 +56,8 @@ class RegistryTest(unittest.TestCase):
 
     def test_the_cuvmm_variant_applies_to_cuvmm_only(self):
         self.assertEqual(torch_cases.CASES["record_stream_cuvmm"].allocators, ("cuvmm",))
+        self.assertEqual(torch_cases.CASES["ipc_cuvmm_to_pytorch"].allocators, ("cuvmm",))
+        self.assertEqual(torch_cases.CASES["ipc_pytorch_to_cuvmm"].allocators, ("native", "expandable"))
         self.assertEqual(torch_cases.CASES["record_stream"].allocators, torch_cases.ALLOCATORS)
 
     def test_a_name_cannot_be_registered_twice(self):
@@ -121,8 +124,11 @@ class PlanTest(unittest.TestCase):
         units, skipped = torch_suite.plan(["native", "cuvmm"], BRIEF_CASES)
         registry = torch_cases.CASES
         shared = [c for c in BRIEF_CASES if not registry[c].fresh]
-        self.assertEqual(units[0], ("native", [c for c in shared if c != "record_stream_cuvmm"]))
-        self.assertEqual(units[1], ("cuvmm", shared))
+        applies = {a: [c for c in shared if a in registry[c].allocators] for a in ("native", "cuvmm")}
+        self.assertEqual(units[0], ("native", applies["native"]))
+        self.assertEqual(units[1], ("cuvmm", applies["cuvmm"]))
+        self.assertNotIn("record_stream_cuvmm", applies["native"])
+        self.assertNotIn("ipc_pytorch_to_cuvmm", applies["cuvmm"])
         fresh = units[2:]
         self.assertTrue(all(len(names) == 1 and registry[names[0]].fresh for _, names in fresh))
         limits = [registry[names[0]].timeout for _, names in fresh]
@@ -130,7 +136,8 @@ class PlanTest(unittest.TestCase):
         applies = [(a, c.name) for c in registry.values() if c.fresh for a in ("native", "cuvmm") if a in c.allocators]
         self.assertEqual(sorted((a, names[0]) for a, names in fresh), sorted(applies))
         self.assertEqual([(r["allocator"], r["case"], r["status"]) for r in skipped],
-                         [("native", "record_stream_cuvmm", "skip"), ("native", "sleep_wake", "skip")])
+                         [("native", "record_stream_cuvmm", "skip"), ("native", "sleep_wake", "skip"),
+                          ("native", "ipc_cuvmm_to_pytorch", "skip"), ("cuvmm", "ipc_pytorch_to_cuvmm", "skip")])
 
     def test_isolate_gives_every_case_a_process(self):
         units, skipped = torch_suite.plan(["expandable"], ["record_stream", "oom", "record_stream_cuvmm"], isolate=True)

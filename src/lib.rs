@@ -36,7 +36,7 @@ pub use facade::{allocator, allocator::Allocator, device_buffer::DeviceBuffer, s
 pub use strategy::Strategy;
 pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
-pub use strategy::graph_pool::{GraphPool, StreamFilter};
+pub use strategy::graph_pool::{GraphPool, PoolBlock, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
 pub use strategy::{config, error, graph_pool, history, oom, pool, sharing, snapshot, stats};
 

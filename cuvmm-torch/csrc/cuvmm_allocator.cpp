@@ -6,17 +6,24 @@
 // docs/DESIGN.md, "The C++ layer". The library is opened with dlopen and its functions looked up by name,
 // so a library older than this file fails at install with the names it lacks, and the same library
 // (one registry of allocators) serves this layer and cuvmm_torch's ctypes calls.
+//
+// Every virtual method of CUDAAllocator and its bases in the PyTorch it is built against is overridden
+// (python/test_cpp_layer.py reads the installed headers and names any that is not; PyTorch 2.11 to 2.15,
+// by TORCH_VERSION_*). Nothing PyTorch reaches from a destructor or a deleter throws (releasePool,
+// setUseOnOOM, emptyCache, raw_delete, the IPC deleter): a failure there is a warning.
 
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -28,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -49,17 +57,20 @@ namespace CDA = c10::CachingDeviceAllocator;
 using c10::DeviceIndex;
 using c10::MempoolId_t;
 
-// The C functions, required ones then those a library may lack (graph pools, peers: PyTorch's calls
-// that need them fail with a clear error there).
+// The C functions, required ones then those a library may lack (peers, IPC: PyTorch's calls that need
+// them fail with a clear error there).
 #define CUVMM_REQUIRED(X)                                                                        \
   X(cuvmm_malloc) X(cuvmm_free_any) X(cuvmm_record_stream) X(cuvmm_empty_cache)                 \
   X(cuvmm_get_device_stats) X(cuvmm_reset_peak_stats) X(cuvmm_reset_accumulated_stats)              \
   X(cuvmm_set_memory_fraction) X(cuvmm_memory_fraction) X(cuvmm_record_history)                 \
-  X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)
+  X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)             \
+  X(cuvmm_pool_use_count) X(cuvmm_set_use_on_oom) X(cuvmm_set_no_split) X(cuvmm_pool_blocks)         \
+  X(cuvmm_pool_restore) X(cuvmm_empty_pool_cache) X(cuvmm_malloc_at) X(cuvmm_foreign_malloc)         \
+  X(cuvmm_foreign_add_segment) X(cuvmm_foreign_release) X(cuvmm_foreign_segments_free)               \
+  X(cuvmm_set_torch_version) X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool)          \
+  X(cuvmm_release_pool) X(cuvmm_incref_pool)
 #define CUVMM_OPTIONAL(X)                                                                        \
-  X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool) X(cuvmm_release_pool)           \
-  X(cuvmm_incref_pool) X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open)    \
-  X(cuvmm_ipc_close)
+  X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)
 
 struct Api {
 #define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
@@ -87,19 +98,19 @@ struct Api {
 };
 
 // PyTorch's own handle strings (CUDACachingAllocator.cpp): a bare cudaIpcMemHandle_t from an old PyTorch,
-// or a version byte, a type byte ('c': cudaIpcMemHandle_t follows; 'e': expandable segments) and the rest.
+// or a version byte (2 up to PyTorch 2.12, 3 from 2.13), a type byte ('c': cudaIpcMemHandle_t follows; 'e':
+// an expandable segment's descriptors, which the library opens, as it opens cuvmm's own) and the rest.
 constexpr size_t kCudaIpcHandleSize = 64;
-constexpr char kTorchHandleVersion = 2;
+constexpr char kNewestTorchHandleVersion = 3;
 
-// Whether `handle` is PyTorch's, from a process on PyTorch's own allocator; sets `raw` to its
-// cudaIpcMemHandle_t when it has one ('c'), and throws for the expandable-segment kind cuvmm cannot open.
-bool torch_handle(const std::string& handle, cudaIpcMemHandle_t* raw) {
+// Whether `handle` holds a cudaMalloc block's cudaIpcMemHandle_t (from a process on PyTorch's allocator
+// without expandable segments); sets `raw` to it.
+bool cuda_malloc_handle(const std::string& handle, cudaIpcMemHandle_t* raw) {
   size_t at = 0;
   if (handle.size() != kCudaIpcHandleSize) {
-    if (handle.size() < 2 || handle[0] > kTorchHandleVersion) return false;  // cuvmm's start with 'C'
-    TORCH_CHECK(handle[1] == 'c', "cuvmm: this tensor was shared by a process on PyTorch's expandable "
-                "segments, whose handles cuvmm cannot open: install cuvmm in that process too, or share "
-                "from its native allocator (expandable_segments:False)");
+    if (handle.size() < 2 || handle[0] < 1 || handle[0] > kNewestTorchHandleVersion || handle[1] != 'c') {
+      return false;  // an expandable segment's, or cuvmm's own ("CUVMMIPC")
+    }
     at = 2;
   }
   TORCH_CHECK(handle.size() >= at + kCudaIpcHandleSize, "cuvmm: a truncated CUDA IPC handle");
@@ -119,12 +130,35 @@ struct Filter {
   }
 };
 
-// A pool's live allocations at a checkpoint (cudagraph trees' getCheckpointState).
+// A pool's live blocks at a checkpoint (cudagraph trees' getCheckpointState).
 struct Checkpoint : CCA::AllocatorState {
   DeviceIndex device;
   MempoolId_t pool;
-  std::unordered_set<void*> live;
+  std::vector<cuvmm_pool_block> blocks;
 };
+
+// A pool being allocated to (beginAllocateToPool .. endAllocateToPool), in the order begun; `own` is the
+// pool's own allocator, for a MemPool made with one (its allocations go there, in segments cuvmm carves).
+struct Underway {
+  DeviceIndex device;
+  MempoolId_t pool;
+  Filter* filter;
+  std::shared_ptr<CCA::CUDAAllocator> own;
+};
+
+// Runs `f`, turning an exception into a warning: for what PyTorch calls from a destructor or a deleter.
+template <typename F>
+void without_throwing(const char* what, F f) noexcept {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    try {
+      TORCH_WARN("cuvmm: ", what, ": ", e.what());
+    } catch (...) {
+    }
+  } catch (...) {
+  }
+}
 
 // A snapshot from the C ABI, freed when it goes out of scope.
 using Snapshot = std::unique_ptr<cuvmm_snapshot, void (*)(cuvmm_snapshot*)>;
@@ -148,6 +182,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 
   static CuvmmAllocator* instance;  // for the raw deleter, which gets only the pointer
 
+  // Shared memory's handles are written in the layout of the PyTorch this layer is built against.
+  void set_torch_version() { api_.cuvmm_set_torch_version(TORCH_VERSION_MAJOR, TORCH_VERSION_MINOR); }
+
   // ---- allocation ----
   c10::DataPtr allocate(size_t n) override {
     DeviceIndex device = c10::cuda::current_device();
@@ -155,6 +192,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  bool is_simple_data_ptr(const c10::DataPtr& ptr) const override { return ptr.get() == ptr.get_context(); }
   void* raw_alloc(size_t n) override {
     DeviceIndex device = c10::cuda::current_device();
     return n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
@@ -162,10 +200,14 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
     return n == 0 ? nullptr : malloc_on(n, c10::cuda::current_device(), stream);
   }
+  // A deleter: it must not throw.
   void raw_delete(void* p) override {
     if (p == nullptr) return;
     api_.cuvmm_free_any(p);
-    if (const char* error = api_.cuvmm_last_error()) TORCH_WARN("cuvmm: ", error);  // never throw in a deleter
+    if (const char* error = api_.cuvmm_last_error()) {
+      std::string text = error;
+      without_throwing("raw_delete", [&] { TORCH_WARN("cuvmm: ", text); });
+    }
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
@@ -190,8 +232,28 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     use(device);
     check(api_.cuvmm_set_memory_fraction(device, fraction) == 0, "setMemoryFraction");
   }
-  void emptyCache(MempoolId_t /*pool: cuvmm gives back every device's idle memory*/) override {
-    for_each_used([&](DeviceIndex d) { api_.cuvmm_empty_cache(d); check(true, "emptyCache"); });
+  // torch.cuda.empty_cache() ({0, 0}: every device's cache, and the free segments of released pools with
+  // an allocator of their own) or MemPool's destructor (one pool's). ~MemPool calls it: it never throws; a
+  // failure (a capture underway) is a warning, and the memory stays cached, as PyTorch leaves it then.
+  void emptyCache(MempoolId_t pool) override {
+    without_throwing("emptyCache", [&] {
+      bool all = pool == MempoolId_t{0, 0};
+      for_each_used([&](DeviceIndex d) {
+        if (all) {
+          api_.cuvmm_empty_cache(d);
+        } else {
+          api_.cuvmm_empty_pool_cache(d, pool.first, pool.second);
+        }
+        if (const char* error = api_.cuvmm_last_error()) TORCH_WARN("cuvmm: emptyCache: ", error);
+        give_back_segments(d, pool, all);
+      });
+    });
+  }
+  std::pair<size_t, size_t> getMemoryInfo(DeviceIndex device) override {
+    c10::cuda::CUDAGuard guard(device);
+    size_t free = 0, total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    return {free, total};
   }
   void cacheInfo(DeviceIndex device, size_t* largest) override {
     *largest = std::max(*largest, static_cast<size_t>(stats(device).largest_free_block));
@@ -214,6 +276,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     if (!ptr.get() || ptr.get_deleter() != &delete_fn) return;  // not ours (from_blob, ...): as PyTorch
     api_.cuvmm_record_stream(ptr.get(), ptr.device().index(), stream.stream());
     check(true, "recordStream");
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    recordStream(ptr, c10::cuda::CUDAStream(stream));
   }
 
   // ---- statistics ----
@@ -254,6 +319,10 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     const char* conf = std::getenv("CUVMM_ALLOC_CONF");
     info.config_metadata.last_allocator_settings = conf ? conf : "";
     info.device_traces.resize(std::max(device_count_, 1));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      info.external_annotations = annotations_;
+    }
     for_each_used([&](DeviceIndex device) {
       Snapshot s = take(device);
       for (size_t i = 0; i < s->num_segments; ++i) {
@@ -273,6 +342,53 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     return info;
   }
   bool isHistoryEnabled() override { return history_entries_ > 0; }
+  // record_function's annotations, kept while history is recorded and shown in snapshots.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    if (history_entries_ == 0) return;
+    CDA::AnnotationEntry entry(c10::cuda::current_device(), c10::getApproximateTime());
+    for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (annotations_.size() >= history_entries_) annotations_.erase(annotations_.begin());
+    annotations_.push_back(std::move(entry));
+  }
+  // cuvmm records no stack traces or contexts with its events (`context` is not kept), so a compile
+  // context, a pointer's context and user metadata have nothing to attach to.
+  void pushCompileContext(std::string& /*md*/) override {}
+  void popCompileContext() override {}
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15
+  bool supportsUserMetadata() override { return false; }
+  void setUserMetadata(const std::string& /*metadata*/) override {
+    TORCH_WARN_ONCE("cuvmm does not record user metadata in its snapshots; the value set via "
+                    "torch.cuda.memory._set_memory_metadata is ignored");
+  }
+  std::string getUserMetadata() override { return ""; }
+  void annotateMemory(const void* /*ptr*/, const std::string& /*metadata*/) override {
+    TORCH_WARN_ONCE("cuvmm does not record memory annotations in its snapshots; the value passed to "
+                    "torch.cuda.memory._annotate_memory is ignored");
+  }
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* /*ptr*/) override { return nullptr; }
+  // cuvmm learns of captures from beginAllocateToPool and its own capture query.
+  void markCaptureBegin(DeviceIndex /*device*/) override {}
+  void markCaptureEnd(DeviceIndex /*device*/) override {}
+  // cuvmm rejects no allocation ahead of an out-of-memory (no throw_on_cudamalloc_oom policy): the
+  // observers are kept and never called.
+  void attachOomRejectionObserver(CCA::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
+  // A block at `addr`, which must lie in free memory of one of cuvmm's segments on the current device.
+  c10::DataPtr allocateWithAddress(size_t size, void* addr) override {
+    DeviceIndex device = c10::cuda::current_device();
+    use(device);
+    void* p = api_.cuvmm_malloc_at(device, addr, static_cast<ssize_t>(size));
+    TORCH_CHECK(p, last_error("allocateWithAddress"));
+    return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+#else
+  // The metadata of the calling thread (PyTorch keeps it per thread, to attach to its events).
+  void setUserMetadata(const std::string& metadata) override { user_metadata() = metadata; }
+  std::string getUserMetadata() override { return user_metadata(); }
+#endif
   void recordHistory(bool enabled, CCA::CreateContextFn /*stack traces: not kept*/, size_t max_entries,
                      CCA::RecordContext /*when*/, bool clear, const std::vector<std::string>& /*skip*/) override {
     size_t entries = enabled ? std::max<size_t>(max_entries, 1) : 0;
@@ -290,72 +406,105 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     TORCH_WARN_ONCE("cuvmm: allocator trace trackers are not called; use torch.cuda.memory._snapshot()");
   }
 
-  // ---- CUDA graphs: private pools ----
+  // ---- CUDA graphs and MemPool: private pools ----
   void beginAllocateToPool(DeviceIndex device, MempoolId_t pool, std::function<bool(cudaStream_t)> filter) override {
-    TORCH_CHECK(api_.cuvmm_begin_allocate_to_pool, "cuvmm: this libcuvmm_torch.so has no private pools "
-                "(CUDA graphs, MemPool): rebuild it from a newer cuvmm");
     use(device);
     auto box = std::make_unique<Filter>(Filter{std::move(filter)});
     Filter* raw = box.get();
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      // The filter of a pool already begun is in use by cuvmm: it stays, and the second begin is refused.
+      TORCH_CHECK(!filters_.count({device, pool.first, pool.second}), "cuvmm: beginAllocateToPool: pool (",
+                  pool.first, ", ", pool.second, ") is already being allocated to");
       filters_[{device, pool.first, pool.second}] = std::move(box);
+      auto own = own_allocators_.find({device, pool});
+      underway_.push_back({device, pool, raw, own == own_allocators_.end() ? nullptr : own->second});
+      if (underway_.back().own) ++own_underway_;
     }
     if (api_.cuvmm_begin_allocate_to_pool(device, pool.first, pool.second, &Filter::call, raw) != 0) {
       std::string error = last_error("beginAllocateToPool");
-      std::lock_guard<std::mutex> lock(mutex_);
-      filters_.erase({device, pool.first, pool.second});
+      forget_underway(device, pool);
       TORCH_CHECK(false, error);
     }
   }
   void endAllocateToPool(DeviceIndex device, MempoolId_t pool) override {
-    TORCH_CHECK(api_.cuvmm_end_allocate_to_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
     int status = api_.cuvmm_end_allocate_to_pool(device, pool.first, pool.second);
     std::string error = status == 0 ? "" : last_error("endAllocateToPool");
-    {
-      std::lock_guard<std::mutex> lock(mutex_);  // the filter is no longer called once end returned
-      filters_.erase({device, pool.first, pool.second});
-    }
+    forget_underway(device, pool);  // the filter is no longer called once end returned
     TORCH_CHECK(status == 0, error);
   }
   // Called from ~CUDAGraph and ~MemPool: it must not throw. A pool cuvmm does not know as live (released
   // more often than begun and increfed) is a warning.
   void releasePool(DeviceIndex device, MempoolId_t pool) override {
-    if (!api_.cuvmm_release_pool) return;
     if (api_.cuvmm_release_pool(device, pool.first, pool.second) != 0) {
-      TORCH_WARN(last_error("releasePool"));
+      std::string error = last_error("releasePool");
+      without_throwing("releasePool", [&] { TORCH_WARN(error); });
     }
   }
+  int getPoolUseCount(DeviceIndex device, MempoolId_t pool) override {
+    int count = api_.cuvmm_pool_use_count(device, pool.first, pool.second);
+    check(count >= 0, "getPoolUseCount");
+    return count;
+  }
+  // A MemPool made (or a graph sharing its pool): one more user. With an allocator of its own, the pool's
+  // allocations go to that allocator, in segments cuvmm carves (cuvmm-torch/src/foreign.rs).
   void createOrIncrefPool(DeviceIndex device, MempoolId_t pool,
                           std::shared_ptr<CCA::CUDAAllocator> allocator) override {
-    // A pool served by another allocator cannot be cuvmm's.
-    TORCH_CHECK(!allocator || allocator.get() == this,
-                "cuvmm: a MemPool with an allocator of its own is not supported while cuvmm is installed");
-    TORCH_CHECK(api_.cuvmm_incref_pool, "cuvmm: this libcuvmm_torch.so has no private pools");
+    use(device);
+    if (allocator && allocator.get() != this) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      own_allocators_[{device, pool}] = std::move(allocator);
+    }
     check(api_.cuvmm_incref_pool(device, pool.first, pool.second) == 0, "createOrIncrefPool");
+  }
+  // ~MemPool calls it with false: it never throws.
+  void setUseOnOOM(DeviceIndex device, MempoolId_t pool, bool use_on_oom) override {
+    if (api_.cuvmm_set_use_on_oom(device, pool.first, pool.second, use_on_oom ? 1 : 0) != 0) {
+      std::string error = last_error("setUseOnOOM");
+      without_throwing("setUseOnOOM", [&] { TORCH_WARN(error); });
+    }
+  }
+  void setNoSplit(DeviceIndex device, MempoolId_t pool) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      no_split_.insert({device, pool});
+    }
+    check(api_.cuvmm_set_no_split(device, pool.first, pool.second) == 0, "setNoSplit");
   }
   bool checkPoolLiveAllocations(DeviceIndex device, MempoolId_t pool,
                                 const std::unordered_set<void*>& expected) override {
-    return pool_live(device, pool) == expected;
+    std::vector<cuvmm_pool_block> blocks = pool_blocks(device, pool);
+    if (blocks.size() != expected.size()) return false;
+    for (const auto& b : blocks) {
+      if (!expected.count(reinterpret_cast<void*>(b.address))) return false;
+    }
+    return true;
   }
   std::shared_ptr<CCA::AllocatorState> getCheckpointState(DeviceIndex device, MempoolId_t pool) override {
     auto state = std::make_shared<Checkpoint>();
     state->device = device;
     state->pool = pool;
-    state->live = pool_live(device, pool);
+    state->blocks = pool_blocks(device, pool);
     return state;
   }
+  // Puts the pool back as the checkpoint found it: the blocks live then are live again at the same
+  // addresses, those allocated since are gone. As PyTorch's: every block live before the call counts as
+  // freed, every block of the checkpoint as allocated, with a DataPtr whose deleter frees it.
   CCA::CheckpointDelta setCheckpointPoolState(DeviceIndex device,
                                               std::shared_ptr<CCA::AllocatorState> pps) override {
     auto* state = dynamic_cast<Checkpoint*>(pps.get());
     TORCH_CHECK(state && state->device == device, "cuvmm: not a checkpoint of cuvmm's for this device");
-    // Nothing to restore when the pool holds what it held then; cuvmm cannot yet re-create blocks at
-    // their old addresses, which is what rewinding a pool to a checkpoint takes.
-    TORCH_CHECK(pool_live(device, state->pool) == state->live,
-                "cuvmm: rewinding a CUDA graph pool to a checkpoint is not supported (cudagraph trees "
-                "re-recording after a divergence). Set torch._inductor.config.triton.cudagraph_trees = False, "
-                "or use PyTorch's own allocator for this model.");
-    return {};
+    std::vector<cuvmm_pool_block> before = pool_blocks(device, state->pool);
+    check(api_.cuvmm_pool_restore(device, state->pool.first, state->pool.second, state->blocks.data(),
+                                  state->blocks.size()) == 0,
+          "setCheckpointPoolState");
+    CCA::CheckpointDelta delta;
+    for (const auto& b : before) delta.ptrs_freed.push_back(reinterpret_cast<void*>(b.address));
+    for (const auto& b : state->blocks) {
+      void* p = reinterpret_cast<void*>(b.address);
+      delta.dataptrs_allocd.emplace_back(p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
 
   // ---- peers, copies, IPC ----
@@ -405,13 +554,14 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     void* base = nullptr;
     std::function<void(void*)> close;
     cudaIpcMemHandle_t raw;
-    if (torch_handle(handle, &raw)) {
+    if (cuda_malloc_handle(handle, &raw)) {
       C10_CUDA_CHECK(cudaIpcOpenMemHandle(&base, raw, cudaIpcMemLazyEnablePeerAccess));
       close = [device](void* p) {
         c10::cuda::CUDAGuard guard(device);
         if (cudaIpcCloseMemHandle(p) != cudaSuccess) (void)cudaGetLastError();
       };
     } else {
+      // An expandable segment's descriptors (from cuvmm, or from PyTorch's expandable segments), or cuvmm's own.
       TORCH_CHECK(api_.cuvmm_ipc_open, "cuvmm: this libcuvmm_torch.so cannot open shared memory: rebuild it");
       base = api_.cuvmm_ipc_open(device, reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
       TORCH_CHECK(base, last_error("getIpcDevPtr"));
@@ -447,6 +597,22 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 
   void* malloc_on(size_t n, DeviceIndex device, cudaStream_t stream) {
     use(device);
+    if (own_underway_.load(std::memory_order_acquire) > 0) {
+      // The pool begun last whose filter accepts the stream gets the allocation, as in PyTorch.
+      std::shared_ptr<CCA::CUDAAllocator> own;
+      MempoolId_t pool;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (auto it = underway_.rbegin(); it != underway_.rend(); ++it) {
+          if (it->device == device && Filter::call(it->filter, stream)) {
+            own = it->own;
+            pool = it->pool;
+            break;
+          }
+        }
+      }
+      if (own) return malloc_in_own_pool(n, device, stream, pool, own);
+    }
     void* p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);
     if (p) return p;
     std::string error = last_error("malloc");
@@ -463,6 +629,89 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     TORCH_CHECK(false, error);
   }
+
+  // A block in a pool with an allocator of its own: carved by cuvmm in segments that allocator makes.
+  void* malloc_in_own_pool(size_t n, DeviceIndex device, cudaStream_t stream, MempoolId_t pool,
+                           const std::shared_ptr<CCA::CUDAAllocator>& own) {
+    bool no_split = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      no_split = no_split_.count({device, pool}) > 0;
+    }
+    for (int round = 0; round < 2; ++round) {
+      size_t grow = 0;
+      void* p = api_.cuvmm_foreign_malloc(device, pool.first, pool.second, static_cast<ssize_t>(n), stream,
+                                          no_split ? 1 : 0, &grow);
+      if (p) return p;
+      TORCH_CHECK(grow > 0, last_error("malloc in a pool with an allocator of its own"));
+      void* segment = nullptr;
+      {
+        // As PyTorch calls a pool's allocator: allowed during a capture (relaxed mode).
+        c10::cuda::CUDAGuard guard(device);
+        c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+        segment = own->raw_alloc_with_stream(grow, stream);
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, segment, "cuvmm: the allocator of pool (", pool.first, ", ",
+                       pool.second, ") could not allocate a segment of ", grow, " bytes");
+      if (api_.cuvmm_foreign_add_segment(device, pool.first, pool.second, stream, segment, grow) != 0) {
+        std::string error = last_error("a segment of a pool's allocator");
+        own->raw_delete(segment);
+        TORCH_CHECK(false, error);
+      }
+    }
+    TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
+  }
+  // Gives the released pools' free segments back to their allocators (one pool's, or all with `all`).
+  void give_back_segments(DeviceIndex device, MempoolId_t pool, bool all) {
+    size_t len = 0;
+    cuvmm_foreign_segment* segments =
+        api_.cuvmm_foreign_release(device, pool.first, pool.second, all ? 1 : 0, &len);
+    if (const char* error = api_.cuvmm_last_error()) TORCH_WARN("cuvmm: emptyCache: ", error);
+    for (size_t i = 0; i < len; ++i) {
+      const cuvmm_foreign_segment& seg = segments[i];
+      std::shared_ptr<CCA::CUDAAllocator> own;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto found = own_allocators_.find({device, MempoolId_t{seg.pool_a, seg.pool_b}});
+        if (found != own_allocators_.end()) own = found->second;
+      }
+      if (own) {
+        c10::cuda::CUDAGuard guard(device);
+        own->raw_delete(reinterpret_cast<void*>(seg.address));
+      }
+    }
+    api_.cuvmm_foreign_segments_free(segments, len);
+  }
+  void forget_underway(DeviceIndex device, MempoolId_t pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = underway_.begin(); it != underway_.end(); ++it) {
+      if (it->device == device && it->pool == pool) {
+        if (it->own) --own_underway_;
+        underway_.erase(it);
+        break;
+      }
+    }
+    filters_.erase({device, pool.first, pool.second});
+  }
+  // The live blocks of `pool` on `device`.
+  std::vector<cuvmm_pool_block> pool_blocks(DeviceIndex device, MempoolId_t pool) {
+    std::vector<cuvmm_pool_block> blocks;
+    for (;;) {
+      long long n = api_.cuvmm_pool_blocks(device, pool.first, pool.second, blocks.data(), blocks.size());
+      check(n >= 0, "pool blocks");
+      if (static_cast<size_t>(n) <= blocks.size()) {
+        blocks.resize(static_cast<size_t>(n));
+        return blocks;
+      }
+      blocks.resize(static_cast<size_t>(n));
+    }
+  }
+#if !(TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15)
+  static std::string& user_metadata() {
+    static thread_local std::string metadata;
+    return metadata;
+  }
+#endif
 
   // The first use of a device turns on history recording there if it is on.
   void use(DeviceIndex device) {
@@ -523,28 +772,22 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     return out;
   }
-  // The allocated blocks of `pool` on `device`.
-  std::unordered_set<void*> pool_live(DeviceIndex device, MempoolId_t pool) {
-    std::unordered_set<void*> live;
-    Snapshot s = take(device);
-    for (size_t i = 0; i < s->num_segments; ++i) {
-      const cuvmm_segment_info& seg = s->segments[i];
-      if (MempoolId_t{seg.pool_a, seg.pool_b} != pool) continue;
-      for (size_t j = seg.first_block; j < seg.first_block + seg.num_blocks; ++j) {
-        if (s->blocks[j].state == 1) live.insert(reinterpret_cast<void*>(s->blocks[j].address));
-      }
-    }
-    return live;
-  }
-
   Api api_;
   std::atomic<bool> initialized_{false};
   int device_count_ = 0;
   std::atomic<uint64_t> used_{0};  // bit d: device d has been named
   std::atomic<size_t> history_entries_{0};
-  std::mutex mutex_;  // guards the two below
+  std::mutex mutex_;  // guards what follows, to ipc_mutex_
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::map<std::tuple<DeviceIndex, c10::CaptureId_t, c10::CaptureId_t>, std::unique_ptr<Filter>> filters_;
+  std::vector<Underway> underway_;
+  std::atomic<int> own_underway_{0};  // entries of underway_ with an allocator of their own
+  std::map<std::pair<DeviceIndex, MempoolId_t>, std::shared_ptr<CCA::CUDAAllocator>> own_allocators_;
+  std::set<std::pair<DeviceIndex, MempoolId_t>> no_split_;
+  std::vector<CDA::AnnotationEntry> annotations_;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15
+  std::vector<CCA::OomRejectionObserver> oom_rejection_observers_;
+#endif
   std::mutex ipc_mutex_;  // guards imports_
   std::unordered_map<std::string, std::weak_ptr<void>> imports_;
 };
@@ -556,6 +799,7 @@ CuvmmAllocator* CuvmmAllocator::instance = nullptr;
 void install(const std::string& path) {
   TORCH_CHECK(CuvmmAllocator::instance == nullptr, "cuvmm: already installed");
   auto allocator = std::make_shared<CuvmmAllocator>(Api::open(path));
+  allocator->set_torch_version();
   CuvmmAllocator::instance = allocator.get();
   try {
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);

@@ -3,11 +3,19 @@
 //! panic crosses into PyTorch. A failure returns null, nonzero or nothing, after being logged and recorded
 //! for `cuvmm_last_error`.
 //!
-//! The only `unsafe` of the crate is here: `#[unsafe(no_mangle)]` on each export (the symbol names are
+//! The shells of `MemPool`'s and cudagraph trees' pool operations, of the pools with an allocator of their
+//! own and of the PyTorch version are in the child module `ffi/pools.rs`, re-exported here.
+//!
+//! The only `unsafe` of the crate is here (and in `ffi/pools.rs`): `#[unsafe(no_mangle)]` on each export (the symbol names are
 //! cuvmm's own, prefixed `cuvmm_`, so they clash with nothing), reading or taking back the C strings
 //! that the callers of two functions promise are valid, writing a struct where the caller says, and taking
 //! back a snapshot handed out.
 #![allow(unsafe_code)]
+
+mod pools;
+mod shell;
+pub use pools::*;
+use shell::{address, shell, stream_id, to_c};
 
 use crate::error::{self, AbiError};
 use crate::ops;
@@ -16,53 +24,9 @@ use crate::sharing;
 use crate::structs::{CDeviceStats, COomInfo, CSnapshot, OwnedSnapshot};
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
-use std::panic::{self, AssertUnwindSafe};
+use std::panic;
 use std::path::Path;
 use std::ptr;
-
-/// Runs `body` for the exported function `operation`: clears this thread's last error, catches a panic,
-/// records and logs a failure, and returns `on_error` then.
-fn shell<T: Copy>(
-    operation: &'static str,
-    on_error: T,
-    body: impl FnOnce() -> Result<T, AbiError>,
-) -> T {
-    let run = || {
-        error::clear_last_error();
-        let outcome = panic::catch_unwind(AssertUnwindSafe(body)).unwrap_or_else(|payload| {
-            Err(AbiError::Panic {
-                message: panic_message(payload.as_ref()),
-            })
-        });
-        outcome.unwrap_or_else(|e| {
-            error::record(operation, &e);
-            on_error
-        })
-    };
-    // Recording the error formats and logs; a panic there (a host's tracing subscriber, say) stops here too.
-    panic::catch_unwind(AssertUnwindSafe(run)).unwrap_or(on_error)
-}
-
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic with no message".to_string())
-}
-
-/// A C string handed to the caller, who frees it with [`cuvmm_string_free`].
-fn to_c(text: String) -> Result<*mut c_char, AbiError> {
-    Ok(CString::new(text)?.into_raw())
-}
-
-fn address(ptr: *mut c_void) -> u64 {
-    ptr.expose_provenance() as u64
-}
-
-fn stream_id(stream: *mut c_void) -> u64 {
-    stream.expose_provenance() as u64
-}
 
 /// PyTorch's allocation function: `size` bytes on `device` for `stream`; null on failure.
 #[unsafe(no_mangle)]

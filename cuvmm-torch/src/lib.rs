@@ -9,8 +9,13 @@
 //! - [`registry`]: one cuvmm [`Allocator`](cuvmm::Allocator) per device, built on first use from
 //!   `CUVMM_ALLOC_CONF`, on the backend `CUVMM_BACKEND` names (`cuda`, or `sim`: no GPU needed).
 //! - [`ops`]: each operation in safe Rust on typed values.
+//! - [`pools`]: what PyTorch's `MemPool` and cudagraph trees ask of a pool (use counts, `use_on_oom`,
+//!   `no_split`, checkpoints, one pool's `empty_cache`), and the pools with an allocator of their own.
 //! - [`ffi`]: the exported shells; no panic crosses them, and a failure is recorded for `cuvmm_last_error`.
-//! - [`sharing`]: sharing memory with other processes (PyTorch's IPC), over [`transport`].
+//! - [`sharing`]: sharing memory with other processes (PyTorch's IPC), in PyTorch's handle layout
+//!   ([`torch_handle`]) where the memory allows, over `pidfd_getfd` or [`transport`].
+//! - [`foreign`]: pools with an allocator of their own (PyTorch's `MemPool(allocator=...)`), carved as
+//!   PyTorch's caching allocator carves them.
 //! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
 //! - [`error`]: the errors, and the per-thread last error.
 //! - [`transport`]: an exporting process serves its exports' file descriptors on an abstract Unix socket;
@@ -18,10 +23,13 @@
 
 pub mod error;
 pub mod ffi;
+pub mod foreign;
 pub mod ops;
+pub mod pools;
 pub mod registry;
 pub mod sharing;
 pub mod structs;
+pub mod torch_handle;
 pub mod transport;
 
 pub use error::{AbiError, InitError, last_error};

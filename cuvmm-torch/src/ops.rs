@@ -5,7 +5,7 @@
 use crate::error::AbiError;
 use crate::registry::{Registry, TorchAllocator};
 use crate::structs::{CDeviceStats, COomInfo, OwnedSnapshot};
-use cuvmm::{GraphPool, StreamFilter, StreamId};
+use cuvmm::{GraphPool, Strategy as _, StreamFilter, StreamId};
 use std::cell::RefCell;
 use std::path::Path;
 
@@ -26,7 +26,17 @@ pub fn set_tag(tag: Option<String>) {
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the allocator's refusal (a capture underway, pages
 /// lent elsewhere, a driver failure).
 pub fn sleep(registry: &Registry, device: i32, tag: &str, keep: bool) -> Result<u64, AbiError> {
-    Ok(registry.allocator(device)?.sleep(tag, keep)?)
+    let allocator = registry.allocator(device)?;
+    // Shared memory of the tag: importers keep what they mapped, but its descriptors here would outlive
+    // the pages the sleep gives back.
+    if crate::sharing::pending_exports() > 0 {
+        let ranges: Vec<(u64, u64)> = (allocator.snapshot()?.segments.iter())
+            .filter(|s| s.tag.as_deref() == Some(tag))
+            .map(|s| (s.address, s.address + s.total_size))
+            .collect();
+        crate::sharing::forget_in(registry, device, &ranges);
+    }
+    Ok(allocator.sleep(tag, keep)?)
 }
 
 /// Wakes `tag` of `device`: its memory is mapped again at the same addresses, with its bytes if kept.
@@ -97,6 +107,9 @@ pub fn free(registry: &Registry, ptr: u64, device: i32) -> Result<(), AbiError> 
     if ptr == 0 {
         return Ok(());
     }
+    if let Some(freed) = crate::foreign::free(registry, ptr) {
+        return freed;
+    }
     let allocator = registry.allocator(device)?;
     crate::sharing::forget(registry, device, ptr);
     Ok(allocator.free_raw(ptr)?)
@@ -112,6 +125,9 @@ pub fn record_stream(
     device: i32,
     stream: u64,
 ) -> Result<(), AbiError> {
+    if let Some(recorded) = crate::foreign::record_stream(ptr, stream) {
+        return recorded;
+    }
     Ok(registry
         .allocator(device)?
         .record_stream(ptr, StreamId(stream))?)
@@ -123,7 +139,8 @@ pub fn record_stream(
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn memory_stats_json(registry: &Registry, device: i32) -> Result<String, AbiError> {
-    let stats = registry.allocator(device)?.stats();
+    let mut stats = registry.allocator(device)?.stats();
+    crate::foreign::merge_stats(device, &mut stats);
     Ok(serde_json::to_string(&stats.to_pytorch_keys())?)
 }
 
@@ -221,6 +238,9 @@ pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
     if ptr == 0 {
         return Ok(());
     }
+    if let Some(freed) = crate::foreign::free(registry, ptr) {
+        return freed;
+    }
     for (device, allocator) in registry.built() {
         // An export of `ptr` on `device` exists only while `ptr` is live there: forgetting it where `ptr` is
         // not live forgets nothing.
@@ -238,7 +258,8 @@ pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn device_stats(registry: &Registry, device: i32) -> Result<CDeviceStats, AbiError> {
-    let stats = registry.allocator(device)?.stats();
+    let mut stats = registry.allocator(device)?.stats();
+    crate::foreign::merge_stats(device, &mut stats);
     Ok(CDeviceStats::new(
         &stats,
         registry.settings().config.max_split_size,
@@ -250,7 +271,10 @@ pub fn device_stats(registry: &Registry, device: i32) -> Result<CDeviceStats, Ab
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn reset_peak_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
-    Ok(registry.allocator(device)?.reset_peak_stats()?)
+    let allocator = registry.allocator(device)?;
+    allocator.reset_peak_stats()?;
+    crate::foreign::reset_peaks(device, &allocator.with_strategy(|s| s.stats()));
+    Ok(())
 }
 
 /// Sets every cumulative count of `device`'s statistics to 0.
@@ -258,7 +282,9 @@ pub fn reset_peak_stats(registry: &Registry, device: i32) -> Result<(), AbiError
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn reset_accumulated_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
-    Ok(registry.allocator(device)?.reset_accumulated_stats()?)
+    registry.allocator(device)?.reset_accumulated_stats()?;
+    crate::foreign::reset_accumulated(device);
+    Ok(())
 }
 
 /// Limits what `device`'s allocator may reserve to `fraction` of the device's memory, from now on.
@@ -288,7 +314,11 @@ pub fn memory_fraction(registry: &Registry, device: i32) -> Result<f64, AbiError
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] if a cached buffer could
 /// not be given back first.
 pub fn snapshot(registry: &Registry, device: i32) -> Result<OwnedSnapshot, AbiError> {
-    let snapshot = registry.allocator(device)?.snapshot()?;
+    let mut snapshot = registry.allocator(device)?.snapshot()?;
+    snapshot
+        .segments
+        .extend(crate::foreign::snapshot(device, None));
+    snapshot.segments.sort_by_key(|s| s.address);
     Ok(OwnedSnapshot::new(&snapshot))
 }
 

@@ -3,25 +3,32 @@
 //!
 //! The exporter ([`share`]) exports the mappings under the allocation as file descriptors
 //! ([`cuvmm::Allocator::share`]), keeps them in the process's table of exports under a random id, and
-//! returns a *handle string*: where its server listens ([`crate::transport`]), the id, and the layout of the
-//! parts. The importer ([`open`]) fetches the descriptors from that server over a Unix socket (SCM_RIGHTS),
-//! maps them ([`cuvmm::Allocator::open_shared`]) and closes them; [`close`] unmaps. A Unix socket, rather
-//! than the `pidfd_getfd` PyTorch's expandable segments use, works where ptrace is restricted (Yama's
-//! `ptrace_scope=1` refuses a child reading its parent's descriptors).
+//! returns a *handle string*. Where the mappings are whole handles of one size (the usual case), it is in
+//! PyTorch's own layout for an expandable segment (`torch_handle.rs`): the pid and the descriptor numbers,
+//! which an importer takes with `pidfd_getfd`, so a process on PyTorch's allocator opens it; cuvmm's own
+//! handle string follows, which PyTorch does not read. Otherwise it is cuvmm's own handle string alone.
 //!
-//! An export is fetched once: its descriptors are sent and closed, and its id forgotten. An export not yet
-//! fetched when its allocation is freed is forgotten then ([`forget`]), so the table holds nothing of freed
-//! memory. PyTorch shares a storage anew (a new handle string) each time it sends it.
+//! The importer ([`open`]) takes the descriptors with `pidfd_getfd` when the handle is in PyTorch's
+//! layout, whether a cuvmm or a PyTorch process made it; where that is refused (no ptrace rights over the
+//! exporter, another pid namespace) and the handle carries cuvmm's string, it fetches them from the
+//! exporter's server over a Unix socket (SCM_RIGHTS, [`crate::transport`]). It maps them
+//! ([`cuvmm::Allocator::open_shared`]) and closes them; [`close`] unmaps.
 //!
-//! # The handle string (version 1, little-endian)
+//! An export is held until its allocation is freed ([`forget`]): a reader of PyTorch's layout may take the
+//! descriptors at any time, as from PyTorch's own expandable segments, which keep theirs as long as the
+//! memory. Sharing the allocation again returns the same handle string; each fetch over the socket sends
+//! duplicates. The table holds nothing of freed memory.
+//!
+//! # cuvmm's handle string (version 1, little-endian)
 //! `"CUVMMIPC"`, version `u16`, the server's address (`u16` length, bytes), export id `u64`, offset of the
 //! allocation in the range `u64`, allocation size `u64`, number of parts `u32`, and per part its handle
-//! size, offset in the handle and size (`u64` each). Its first byte is above the version PyTorch's own
-//! handles start with, so a process on PyTorch's allocator given one refuses it (as "a future version")
-//! rather than misreading it.
+//! size, offset in the handle and size (`u64` each). Alone, its first byte is above the versions PyTorch's
+//! handles start with, so a process on PyTorch's allocator refuses it (as "a future version") rather than
+//! misreading it.
 
 use crate::error::AbiError;
 use crate::registry::Registry;
+use crate::torch_handle::{self, TorchHandle};
 use crate::transport::{self, Address};
 use cuvmm::sharing::SharedPart;
 use std::collections::HashMap;
@@ -144,8 +151,8 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// An export waiting for its importer: the descriptors, and the allocation they share (to forget it when
-/// that is freed).
+/// An export held until its allocation is freed: the descriptors, the allocation they share, and the handle
+/// string given for it (given again if the allocation is shared again).
 #[derive(Debug)]
 struct Export {
     /// Which registry's allocator (tests build several registries in one process).
@@ -153,9 +160,11 @@ struct Export {
     device: i32,
     ptr: u64,
     fds: Vec<OwnedFd>,
+    handle: Vec<u8>,
+    offset: u64,
 }
 
-/// The process's exports not yet fetched, by id.
+/// The process's exports, by id.
 #[derive(Debug, Default)]
 struct ExportTable {
     exports: Mutex<HashMap<u64, Export>>,
@@ -180,61 +189,119 @@ impl ExportTable {
 
 impl transport::Exports for ExportTable {
     fn descriptors(&self, id: u64) -> Result<Vec<OwnedFd>, String> {
-        let mut exports = self.lock();
-        let export = exports.remove(&id);
-        self.len.store(exports.len(), Ordering::Release);
-        export.map(|export| export.fds).ok_or_else(|| {
-            "no such export: it was opened already, or the exporting process freed that memory"
-                .to_owned()
-        })
+        let exports = self.lock();
+        let export = exports
+            .get(&id)
+            .ok_or_else(|| "no such export: the exporting process freed that memory".to_owned())?;
+        (export.fds.iter())
+            .map(|fd| {
+                fd.try_clone()
+                    .map_err(|err| format!("cannot duplicate a descriptor: {err}"))
+            })
+            .collect()
     }
 }
 
 static EXPORTS: LazyLock<Arc<ExportTable>> = LazyLock::new(Arc::default);
 
 /// Exports the live allocation at `ptr` of `device`: returns its handle string and the allocation's offset
-/// in the range the importer maps. `ptr` must stay live until this returns: a [`forget`] racing it (a free
-/// of the memory being shared, a use after free) may leave the export in the table (PyTorch holds the
-/// storage while sharing it).
+/// in the range the importer maps (the same as before if it was shared already and not freed since). `ptr`
+/// must stay live until this returns: a [`forget`] racing it (a free of the memory being shared, a use after
+/// free) may leave the export in the table (PyTorch holds the storage while sharing it).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; [`AbiError::Allocator`] for an address that is not
-/// the start of a live allocation, tagged memory, or a device whose handles cannot be exported;
+/// the start of a live allocation, or a device whose handles cannot be exported;
 /// [`AbiError::Transport`] if the process's server cannot start.
 pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64), AbiError> {
+    let id = registry.id();
+    let held = (EXPORTS.lock().values())
+        .find(|e| e.registry == id && e.device == device && e.ptr == ptr)
+        .map(|e| (e.handle.clone(), e.offset));
+    if let Some(held) = held {
+        return Ok(held);
+    }
     let shared = registry.allocator(device)?.share(ptr)?;
     let table: Arc<ExportTable> = Arc::clone(&EXPORTS);
     let address = transport::serve(table)?;
-    let id = transport::random_u64();
-    let handle = HandleString {
+    let export_id = transport::random_u64();
+    let own = HandleString {
         address,
-        id,
+        id: export_id,
         offset: shared.offset,
         size: shared.size,
         parts: shared.parts.iter().map(|part| part.with_fd(())).collect(),
     };
-    let fds = shared.parts.into_iter().map(|part| part.fd).collect();
+    let segment_size = torch_handle::uniform_size(&shared.parts);
+    let fds: Vec<OwnedFd> = shared.parts.into_iter().map(|part| part.fd).collect();
+    let handle = match segment_size {
+        Some(size) => {
+            torch_handle::let_importers_take_descriptors();
+            torch_handle::for_export(size, &fds, own.encode()).encode()
+        }
+        None => own.encode(),
+    };
     EXPORTS.insert(
-        id,
+        export_id,
         Export {
-            registry: registry.id(),
+            registry: id,
             device,
             ptr,
             fds,
+            handle: handle.clone(),
+            offset: own.offset,
         },
     );
-    Ok((handle.encode(), handle.offset))
+    Ok((handle, own.offset))
 }
 
-/// Maps on `device` the memory a handle string from [`share`] (in any process of this user) describes;
-/// returns the start of the range (the allocation lies at the offset [`share`] returned).
+/// Maps on `device` the memory a handle string describes: one from [`share`] (in any process of this user),
+/// or one PyTorch's expandable segments wrote (`torch_handle.rs`); returns the start of the range (the
+/// allocation lies at the offset the exporter returned).
 ///
 /// # Errors
-/// [`AbiError::BadHandle`] for bytes that are not a handle string; [`AbiError::Transport`] if the exporting
-/// process cannot be reached or no longer has the export; [`AbiError::Allocator`] if the memory cannot be
-/// mapped.
+/// [`AbiError::BadHandle`] for bytes that are not a handle string cuvmm reads; [`AbiError::Transport`] if
+/// the exporting process cannot be reached or no longer has the export; the refusal of `pidfd_getfd` when
+/// the handle has no other way; [`AbiError::Allocator`] if the memory cannot be mapped.
 pub fn open(registry: &Registry, device: i32, bytes: &[u8]) -> Result<u64, AbiError> {
-    let handle = HandleString::decode(bytes)?;
+    if !TorchHandle::is_torch(bytes) {
+        return open_own(registry, device, &HandleString::decode(bytes)?);
+    }
+    let handle = TorchHandle::decode(bytes)?;
+    let own = match handle.rest.is_empty() {
+        true => None,
+        false => Some(HandleString::decode(&handle.rest)?),
+    };
+    let allocator = registry.allocator(device)?;
+    let taken = handle.take_descriptors().map_err(|err| err.to_string());
+    let mapped = taken.and_then(|fds| {
+        let parts: Vec<_> = (handle.parts().iter().zip(&fds))
+            .map(|(part, fd)| part.with_fd(fd.as_fd()))
+            .collect();
+        allocator.open_shared(&parts).map_err(|err| err.to_string())
+    });
+    match (mapped, own) {
+        (Ok(addr), _) => Ok(addr),
+        // Refused, or the descriptor numbers no longer name the export (its memory freed, the numbers
+        // reused): the exporter's server says which.
+        (Err(err), Some(own)) => {
+            tracing::debug!(%err, "cuvmm: pidfd_getfd did not serve; fetching over the exporter's socket");
+            open_own(registry, device, &own)
+        }
+        (Err(err), None) => Err(AbiError::BadHandle {
+            why: format!(
+                "the exporting process (pid {}) did not let this one take its descriptors, or they \
+                 are not its memory's any more ({err}); PyTorch's expandable segments need ptrace rights over the \
+                 exporter: run the exporter with cuvmm too, share from its native allocator \
+                 (expandable_segments:False), or allow it (sysctl kernel.yama.ptrace_scope=0)",
+                handle.pid
+            ),
+        }),
+    }
+}
+
+/// Maps the memory of cuvmm's own handle string, fetching the descriptors over the exporter's socket.
+fn open_own(registry: &Registry, device: i32, handle: &HandleString) -> Result<u64, AbiError> {
     let allocator = registry.allocator(device)?;
     let fds = transport::fetch(&handle.address, handle.id)?;
     if fds.len() != handle.parts.len() {
@@ -256,8 +323,8 @@ pub fn close(registry: &Registry, device: i32, ptr: u64) -> Result<(), AbiError>
     Ok(registry.allocator(device)?.close_shared(ptr)?)
 }
 
-/// Forgets the exports not yet fetched of the allocation at `ptr` of `device`, which is being freed,
-/// closing their descriptors. One atomic load when there are none.
+/// Forgets the exports of the allocation at `ptr` of `device`, which is being freed, closing their
+/// descriptors. One atomic load when there are none.
 pub fn forget(registry: &Registry, device: i32, ptr: u64) {
     if EXPORTS.len.load(Ordering::Acquire) == 0 {
         return;
@@ -268,7 +335,23 @@ pub fn forget(registry: &Registry, device: i32, ptr: u64) {
     EXPORTS.len.store(exports.len(), Ordering::Release);
 }
 
-/// Exports not yet fetched (for the tests).
+/// Forgets the exports of `device` whose allocation starts in one of `ranges` (`[start, end)`): memory
+/// whose pages are about to be given back (a sleep), whose descriptors would outlive them.
+pub fn forget_in(registry: &Registry, device: i32, ranges: &[(u64, u64)]) {
+    if EXPORTS.len.load(Ordering::Acquire) == 0 || ranges.is_empty() {
+        return;
+    }
+    let mut exports = EXPORTS.lock();
+    let id = registry.id();
+    exports.retain(|_, e| {
+        !(e.registry == id
+            && e.device == device
+            && ranges.iter().any(|&(lo, hi)| lo <= e.ptr && e.ptr < hi))
+    });
+    EXPORTS.len.store(exports.len(), Ordering::Release);
+}
+
+/// Exports held (for the tests).
 pub fn pending_exports() -> usize {
     EXPORTS.len.load(Ordering::Acquire)
 }

@@ -369,3 +369,49 @@ fn trace_action(action: cuvmm::history::TraceAction) -> c_int {
         Oom => 8,
     }
 }
+
+/// `cuvmm_pool_block`: a live block of a private pool, as a checkpoint keeps it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CPoolBlock {
+    /// Where it starts.
+    pub address: u64,
+    /// Its size, rounded as cuvmm rounded it.
+    pub size: u64,
+    /// The size its allocation asked for.
+    pub requested_size: u64,
+}
+
+impl From<cuvmm::PoolBlock> for CPoolBlock {
+    fn from(b: cuvmm::PoolBlock) -> Self {
+        Self {
+            address: b.addr,
+            size: b.size,
+            requested_size: b.requested,
+        }
+    }
+}
+
+impl From<CPoolBlock> for cuvmm::PoolBlock {
+    fn from(b: CPoolBlock) -> Self {
+        Self {
+            addr: b.address,
+            size: b.size,
+            requested: b.requested_size,
+        }
+    }
+}
+
+/// `cuvmm_foreign_segment`: a segment of a pool with an allocator of its own, to give back to it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CForeignSegment {
+    /// The pool's id, first half.
+    pub pool_a: u64,
+    /// The pool's id, second half.
+    pub pool_b: u64,
+    /// Where the segment starts.
+    pub address: u64,
+    /// Its size.
+    pub size: u64,
+}

@@ -64,6 +64,11 @@ impl<D: Driver> Expandable<D> {
         } else {
             Pool::Large
         };
+        // A pool that splits no page (`MemPool(no_split=True)`): each allocation takes whole pages.
+        let rounded = match self.graphs.no_split(graph) {
+            true => round_up(rounded, self.page_size).unwrap_or(rounded),
+            false => rounded,
+        };
         let marks = self.reclaim_marks();
         let (slot, addr, borrowed) = self.find_block(rounded, stream, pool, (graph, tag))?;
         let before = SlotCounts::of(self.segments.at(slot));
@@ -91,6 +96,13 @@ impl<D: Driver> Expandable<D> {
                 self.books.refresh(self.segments.at(slot), before);
                 if !err.is_out_of_memory() {
                     return Err(err);
+                }
+                // The free memory of pools that lend it when memory runs out (`pools.rs`).
+                if graph.is_none()
+                    && tag.is_none()
+                    && let Some(addr) = self.serve_from_pools(size, rounded, stream, pool)?
+                {
+                    return Ok(addr);
                 }
                 // Under memory pressure nothing idle is worth keeping: give it all back before reporting
                 // (not during a capture, which forbids the waits and unmaps that takes).

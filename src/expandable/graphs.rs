@@ -46,6 +46,12 @@ pub(super) struct Graphs {
     deferred: Vec<u64>,
     /// Whether an allocation asks the driver if its stream is capturing (captures not announced).
     detect: bool,
+    /// Pools whose free memory may serve an allocation outside every pool that would otherwise fail
+    /// (PyTorch's `MemPool(use_on_oom=True)`), in the order they were named.
+    use_on_oom: Vec<GraphPool>,
+    /// Pools whose allocations take whole pages, so that no two of them share a page (PyTorch's
+    /// `MemPool(no_split=True)`).
+    no_split: Vec<GraphPool>,
 }
 
 impl Graphs {
@@ -110,6 +116,40 @@ impl Graphs {
     /// Forgets the released `pool`, whose last segment is gone.
     pub(super) fn forget_released(&mut self, pool: GraphPool) {
         self.released.retain(|&p| p != pool);
+    }
+
+    /// How many users `pool` has: begins and increfs not yet released (0 for a pool that is not live).
+    pub(super) fn use_count(&self, pool: GraphPool) -> usize {
+        self.live.get(&pool).copied().unwrap_or(0)
+    }
+
+    /// Says whether `pool`'s free memory may serve an allocation that would otherwise run out of memory.
+    pub(super) fn set_use_on_oom(&mut self, pool: GraphPool, on: bool) {
+        self.use_on_oom.retain(|&p| p != pool);
+        if on {
+            self.use_on_oom.push(pool);
+        }
+    }
+
+    /// The live pools whose free memory may serve an allocation that would otherwise fail, in the order
+    /// they were named.
+    pub(super) fn use_on_oom(&self) -> Vec<GraphPool> {
+        (self.use_on_oom.iter().copied())
+            .filter(|&pool| self.pool_is_live(pool))
+            .collect()
+    }
+
+    /// From now on, `pool`'s allocations take whole pages.
+    pub(super) fn set_no_split(&mut self, pool: GraphPool) {
+        if !self.no_split.contains(&pool) {
+            self.no_split.push(pool);
+        }
+    }
+
+    /// Whether an allocation in `pool` takes whole pages.
+    #[inline]
+    pub(super) fn no_split(&self, pool: Option<GraphPool>) -> bool {
+        !self.no_split.is_empty() && pool.is_some_and(|pool| self.no_split.contains(&pool))
     }
 }
 
@@ -192,9 +232,10 @@ impl Graphs {
         Ok(())
     }
 
-    /// The pool an allocation on `stream` goes to, if any: the first pool underway whose filter accepts the
-    /// stream; with capture detection on, an implicit pool for a capture not announced. Ends the implicit
-    /// pools whose capture has ended.
+    /// The pool an allocation on `stream` goes to, if any: the pool begun last whose filter accepts the
+    /// stream (PyTorch searches its captures underway from the newest, so a `use_mem_pool` inside another
+    /// allocates to the inner pool); with capture detection on, an implicit pool for a capture not
+    /// announced. Ends the implicit pools whose capture has ended.
     pub(super) fn pool_for<D: Driver>(
         &mut self,
         driver: &mut D,
@@ -206,7 +247,7 @@ impl Graphs {
         // The stream's capture status, asked once, when a filter or the detection needs it.
         let mut status: Option<CaptureStatus> = None;
         self.end_finished_implicit_pools(driver)?;
-        for i in 0..self.underway.len() {
+        for i in (0..self.underway.len()).rev() {
             let accepts = match &self.underway[i].filter {
                 StreamFilter::Streams(streams) => streams.contains(&stream),
                 StreamFilter::Custom(accepts) => accepts(stream),

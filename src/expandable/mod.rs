@@ -34,11 +34,15 @@
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
 //! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
 //! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block for another
-//! process) calls the parts; `snapshot.rs` and `invariants.rs` read them.
+//! process) calls the parts; `pools.rs` (what PyTorch's `MemPool` and cudagraph trees ask of a pool: use
+//! counts, `use_on_oom`, checkpoints, one pool's `empty_cache`) calls `alloc.rs` and below; `carve.rs`
+//! (a block carved at a given address: a checkpoint's, or an out-of-memory request's in a pool's free
+//! memory) calls `grow.rs` and below; `snapshot.rs` and `invariants.rs` read them.
 
 mod accounting;
 mod alloc;
 mod blocks;
+mod carve;
 mod free_index;
 mod graphs;
 mod grow;
@@ -46,6 +50,7 @@ mod imports;
 mod invariants;
 mod lending;
 mod physical;
+mod pools;
 mod reclaim;
 mod segment;
 mod segments;

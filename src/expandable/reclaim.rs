@@ -40,7 +40,7 @@ pub(crate) struct Compacting {
 
 impl Compacting {
     /// A compaction whose blocking waits synchronize the device once, naming no stream.
-    fn by_device() -> Self {
+    pub(super) fn by_device() -> Self {
         Self {
             by_device: true,
             ..Self::default()

@@ -2,15 +2,16 @@
 //! process exported (`crate::strategy::sharing` says what is shared and why whole mappings).
 //!
 //! Exporting reads the page map and makes one `export_handle` call per mapping; it changes nothing here.
-//! The block's pages stay where they are while it is live: compaction and lending move only idle pages, and
-//! tagged memory, which a sleep would unmap, is not shared.
+//! The block's pages stay where they are while it is live: compaction and lending move only idle pages. A
+//! tagged block is shared too: a sleep gives the exporter's handles back, while an importer's mapping keeps
+//! the memory (and the bytes it had) until that importer closes it.
 //!
 //! Imported memory is a part of its own (`imports.rs`), which `mod.rs` calls.
 
 use super::Expandable;
 use crate::driver::{Driver, PhysPage};
 use crate::strategy::error::Error;
-use crate::strategy::sharing::{SharedMemory, SharedPart, SharingError};
+use crate::strategy::sharing::{SharedMemory, SharedPart};
 
 impl<D: Driver> Expandable<D> {
     /// Exports the mappings that cover the live block at `addr` (see the module's doc).
@@ -22,10 +23,6 @@ impl<D: Driver> Expandable<D> {
             Some(block) if !self.graphs.is_deferred(addr) => block,
             _ => return Err(Error::UnknownAddress { addr }),
         };
-        if let Some(tag) = seg.tag {
-            let tag = self.tags.name(tag).to_owned();
-            return Err(SharingError::Tagged { addr, tag }.into());
-        }
         let pages = seg.pages_of(addr, block.size);
         let pages = (self.physical).widen_to_chunks(&self.lending, seg, pages);
         let chunk_size = self.physical.chunk_pages() as u64 * self.page_size;

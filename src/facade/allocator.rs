@@ -328,7 +328,7 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// Gives every buffer the stream caches hold back to the strategy, so that its view is exact.
-    fn drain_caches(&self) -> Result<(), Error> {
+    pub(super) fn drain_caches(&self) -> Result<(), Error> {
         let ptrs = self.shared.caches.drain();
         if ptrs.is_empty() {
             return Ok(());

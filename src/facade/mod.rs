@@ -6,6 +6,7 @@ pub mod allocator;
 #[cfg(feature = "cuda")]
 pub mod cuda_buffer;
 pub(crate) mod device_buffer;
+mod pools;
 mod raw_book;
 mod sharing;
 mod stream_cache;

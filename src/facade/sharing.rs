@@ -12,7 +12,9 @@ impl<S: Strategy> Allocator<S> {
     /// Exports the memory of the live allocation at `ptr` for another process to map with
     /// [`open_shared`](Self::open_shared): the whole mappings that cover it, each physical handle as a
     /// file descriptor. The allocation must stay live while the other process uses it. Memory allocated
-    /// under a tag is refused (a sleep would unmap it under the other process).
+    /// under a tag is shared too: a sleep gives this process's pages back, while an importer's mapping
+    /// keeps the memory, with the bytes it had, until the importer closes it (open it again after the
+    /// wake to see the woken memory).
     pub fn share(&self, ptr: u64) -> Result<SharedMemory, Error> {
         // A buffer freed into a stream cache is free: once the caches are drained, the strategy says so.
         self.drain_caches_deferring();

@@ -39,6 +39,19 @@ impl fmt::Display for GraphPool {
     }
 }
 
+/// A live block of a private pool: what a checkpoint of the pool keeps of it, so that the pool can be put
+/// back as it was (PyTorch's cudagraph trees checkpoint a pool after each recording and put it back before
+/// recording another branch).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PoolBlock {
+    /// Where the block starts.
+    pub addr: u64,
+    /// Its size, rounded as the allocator rounded it.
+    pub size: u64,
+    /// The size its allocation asked for.
+    pub requested: u64,
+}
+
 /// Which streams allocate to a pool while it is begun.
 pub enum StreamFilter {
     /// These streams.

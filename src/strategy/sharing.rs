@@ -91,15 +91,6 @@ pub enum SharingError {
         /// The address given.
         addr: u64,
     },
-    /// Memory allocated under a tag is not shared: a sleep would give its pages back while the other
-    /// process still maps them, and the wake would map new ones it does not see.
-    #[error("the allocation at {addr:#x} is under tag {tag:?}, whose memory cannot be shared")]
-    Tagged {
-        /// The allocation.
-        addr: u64,
-        /// Its tag.
-        tag: String,
-    },
 }
 
 /// Checks that `parts` describe a range: at least one part, none empty, each inside its handle. Returns

@@ -19,6 +19,10 @@
 #   torch-suite   PyTorch's uses of its allocator (record_stream, a memory limit, CUDA graphs, torch.compile,
 #                 memory_stats, OOM, IPC, NCCL, transformers) under each allocator, checked against references:
 #                 a JSON line per case and allocator, and a table (also $OUT/torch-suite.jsonl)
+#   mempools      the suite's cases of issue 41 alone: MemPool (use_count, deletion, no_split, use_on_oom, an
+#                 allocator of its own), torch.compile training with two shapes, IPC between cuvmm and
+#                 PyTorch's allocators both ways, a vLLM-style sleep mode on a pluggable MemPool
+#                 ($OUT/mempools.jsonl)
 #   bench-cuda    cached alloc+free pairs per entry point at 1-8 threads on real streams, against cudarc's
 #                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals), as JSON (BENCH_ARGS adds options);
 #                 then again with capture_detection:False, and with stream_cache_eager:False (one thread on the
@@ -31,7 +35,7 @@
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
 #
-# The PyTorch steps (torch, train, hot, torch-suite, sleep-wake) first build the C++ layer, once
+# The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake) first build the C++ layer, once
 # ($OUT/cpp-layer.txt).
 #
 # RUN_BUDGET=SECONDS bounds the whole run: each step's limit is cut to what is left, and a step with less than
@@ -161,6 +165,14 @@ run_step() {
         limit=$(clip "${TORCH_SUITE_LIMIT:-540}")
         step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit > 60 ? limit - 30 : limit / 2)) \
             --json "$out/torch-suite.jsonl" ${TORCH_SUITE_ARGS:-} ;;
+    mempools)
+        cpp_layer
+        export PYTHONUNBUFFERED=1
+        local limit
+        limit=$(clip "${MEMPOOLS_LIMIT:-540}")
+        step mempools "$limit" python3 tools/gpu/torch_suite.py --budget $((limit > 60 ? limit - 30 : limit / 2)) \
+            --json "$out/mempools.jsonl" --case mempool,mempool_own_allocator,compile_train_two_shapes \
+            --case ipc_cuvmm_to_pytorch,ipc_pytorch_to_cuvmm,sleep_mode_pool ;;
     *) echo "run.sh: unknown step $1"; return 2 ;;
     esac
 }

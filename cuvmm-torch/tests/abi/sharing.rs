@@ -4,6 +4,7 @@
 
 use super::*;
 use cuvmm_torch::sharing::{HandleString, pending_exports};
+use cuvmm_torch::torch_handle::TorchHandle;
 
 /// `cuvmm_ipc_share`'s handle string and offset.
 fn share(device: i32, ptr: *mut c_void) -> Option<(Vec<u8>, u64)> {
@@ -25,45 +26,150 @@ fn open(device: i32, handle: &[u8]) -> *mut c_void {
     unsafe { cuvmm_ipc_open(device, handle.as_ptr(), handle.len()) }
 }
 
+/// The handle string of a sharing: PyTorch's layout with cuvmm's own string after it.
+fn decode(handle: &[u8]) -> (TorchHandle, HandleString) {
+    let torch = TorchHandle::decode(handle).unwrap_or_else(|e| panic!("{e}"));
+    let own = HandleString::decode(&torch.rest).unwrap();
+    (torch, own)
+}
+
+/// A shared allocation's handle is in PyTorch's layout (what a process on PyTorch's allocator reads: this
+/// process's pid and descriptors, whole handles of one size) with cuvmm's string after it; it opens with
+/// `pidfd_getfd`, as often as asked while the allocation lives, and sharing again gives the same handle.
 #[test]
-fn a_shared_allocation_opens_once_and_closes() {
+fn a_shared_allocation_opens_in_pytorchs_layout_while_it_lives() {
     setup();
     let device = 11;
     let ptr = cuvmm_malloc(3 << 20, device, stream(0x61));
     assert!(!ptr.is_null(), "{:?}", last_error());
     let (handle, offset) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
-    let decoded = HandleString::decode(&handle).unwrap();
-    assert_eq!(decoded.offset, offset);
-    assert!(decoded.size >= 3 << 20);
-    let range: u64 = decoded.parts.iter().map(|p| p.size).sum();
+    let (torch, own) = decode(&handle);
+    assert!(matches!(torch.version, 2 | 3), "{torch:?}");
+    assert_eq!(torch.pid, std::process::id() as i32);
+    assert_eq!(torch.segment_size, 20 << 20, "the large pool's chunks");
+    assert_eq!(torch.fds.len(), own.parts.len());
+    assert_eq!(own.offset, offset);
+    assert!(own.size >= 3 << 20);
+    let range: u64 = own.parts.iter().map(|p| p.size).sum();
     assert!(
-        offset + decoded.size <= range,
+        offset + own.size <= range,
         "the range covers the allocation"
     );
-    assert_eq!(HandleString::decode(&decoded.encode()).unwrap(), decoded);
+    assert_eq!(HandleString::decode(&own.encode()).unwrap(), own);
+    assert_eq!(TorchHandle::decode(&torch.encode()).unwrap(), torch);
+    assert_eq!(
+        share(device, ptr).unwrap(),
+        (handle.clone(), offset),
+        "shared again: the same"
+    );
 
     let base = open(device, &handle);
     assert!(!base.is_null(), "{:?}", last_error());
     assert_ne!(base, ptr, "mapped at addresses of its own");
     check_invariants(device);
-    assert!(open(device, &handle).is_null(), "an export opens once");
-    assert_failed("second open", "no such export");
-    assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
+    let again = open(device, &handle);
+    assert!(!again.is_null(), "opens again: {:?}", last_error());
+    assert_ne!(again, base);
+    for mapped in [base, again] {
+        assert_eq!(cuvmm_ipc_close(device, mapped), 0, "{:?}", last_error());
+    }
     assert_eq!(cuvmm_ipc_close(device, base), -1);
     assert_failed("second close", "not open");
     cuvmm_free(ptr, 0, device, stream(0x61));
+    assert!(
+        open(device, &handle).is_null(),
+        "freed: its descriptors are gone"
+    );
     check_invariants(device);
 }
 
+/// Where `pidfd_getfd` is refused (here: a pid no process has), a cuvmm importer fetches the same
+/// descriptors over the exporter's socket; a handle in PyTorch's layout without cuvmm's string (from
+/// PyTorch's own allocator) then fails, saying what to do.
 #[test]
-fn an_export_not_opened_is_forgotten_when_its_memory_is_freed() {
+fn a_refused_pidfd_falls_back_to_the_exporters_socket() {
+    setup();
+    let device = 16;
+    let ptr = cuvmm_malloc(1 << 20, device, stream(0x64));
+    let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
+    let (mut torch, _) = decode(&handle);
+    assert_eq!(torch.segment_size, 2 << 20, "a small pool's page");
+    torch.pid = i32::MAX;
+    let base = open(device, &torch.encode());
+    assert!(!base.is_null(), "{:?}", last_error());
+    assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
+    torch.rest.clear();
+    assert!(open(device, &torch.encode()).is_null());
+    assert_failed("PyTorch's layout, pidfd refused", "ptrace");
+    cuvmm_free(ptr, 0, device, stream(0x64));
+    check_invariants(device);
+}
+
+/// PyTorch 2.13 and later write a longer header (version 3, with a handle type): cuvmm writes it when the
+/// C++ layer says it runs under such a PyTorch, and reads both.
+#[test]
+fn the_version_3_layout_opens_too() {
+    setup();
+    let device = 17;
+    let ptr = cuvmm_malloc(1 << 20, device, stream(0x65));
+    let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
+    let (mut torch, _) = decode(&handle);
+    torch.version = 3;
+    let v3 = torch.encode();
+    assert_eq!(v3.len(), handle.len() + 8, "a handle type and padding more");
+    assert_eq!(&v3[26..30], &1i32.to_le_bytes(), "POSIX descriptors");
+    let base = open(device, &v3);
+    assert!(!base.is_null(), "{:?}", last_error());
+    assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
+    let mut fabric = v3.clone();
+    fabric[26] = 2;
+    assert!(open(device, &fabric).is_null());
+    assert_failed("fabric handles", "fabric");
+    cuvmm_free(ptr, 0, device, stream(0x65));
+}
+
+/// Tagged memory is shared too; a sleep forgets its exports (their pages are given back), while what an
+/// importer opened stays mapped.
+#[test]
+fn tagged_memory_is_shared_until_it_sleeps() {
+    setup();
+    let device = 18;
+    let tag = CString::new("weights").unwrap();
+    // SAFETY: `tag` is a NUL-terminated string valid during the call.
+    assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+    let ptr = cuvmm_malloc(3 << 20, device, stream(0x66));
+    // SAFETY: a null tag makes the thread's allocations untagged again.
+    assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+    assert!(!ptr.is_null(), "{:?}", last_error());
+    let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
+    let base = open(device, &handle);
+    assert!(!base.is_null(), "{:?}", last_error());
+    // SAFETY: as above.
+    let slept = unsafe { cuvmm_sleep(device, tag.as_ptr(), 0) };
+    assert!(slept > 0, "{:?}", last_error());
+    assert!(open(device, &handle).is_null(), "its exports are forgotten");
+    check_invariants(device);
+    assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
+    // SAFETY: as above.
+    let woken = unsafe { cuvmm_wake(device, tag.as_ptr()) };
+    assert_eq!(woken, 0, "{:?}", last_error());
+    cuvmm_free(ptr, 0, device, stream(0x66));
+    check_invariants(device);
+}
+
+/// An export is held until its allocation is freed, then forgotten: its descriptors closed, its handle
+/// string opening nothing.
+#[test]
+fn an_export_is_forgotten_when_its_memory_is_freed() {
     setup();
     let device = 12;
     let ptr = cuvmm_malloc(1 << 20, device, stream(0x62));
     let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
     assert!(pending_exports() >= 1);
     cuvmm_free(ptr, 0, device, stream(0x62));
-    assert!(open(device, &handle).is_null());
+    let (mut torch, _) = decode(&handle);
+    torch.pid = i32::MAX;
+    assert!(open(device, &torch.encode()).is_null());
     assert_failed("open after free", "no such export");
     check_invariants(device);
 }
@@ -76,11 +182,13 @@ fn bad_handles_and_addresses_are_refused() {
     let (handle, _) = share(device, ptr).unwrap_or_else(|| panic!("{:?}", last_error()));
     for (bytes, expected) in [
         (&handle[..10], "cut short"),
+        (&b"CUVMMIPX"[..], "not a cuvmm handle"),
         (
             &b"\x02c0123456789012345678901234567890123456789012345678901234567890123"[..],
-            "not a cuvmm handle",
+            "cudaIpcOpenMemHandle",
         ),
         (&[&handle[..], &[0u8][..]].concat()[..], "length"),
+        (&decode(&handle).1.encode()[..10], "cut short"),
     ] {
         assert!(open(device, bytes).is_null());
         assert_failed("open of a bad handle", expected);

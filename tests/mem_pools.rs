@@ -1,0 +1,346 @@
+//! What PyTorch's `MemPool` and cudagraph trees ask of a private pool beyond a capture, on the simulated
+//! device: use counts, nested pools (the inner one wins), checkpoints and putting a pool back to one, a
+//! pool's free memory serving an allocation that ran out (`use_on_oom`), a pool that splits no page
+//! (`no_split`), and one pool's cache given back (`emptyCache(pool)`). Every test walks the invariants.
+
+mod common;
+
+use cuvmm::driver::sim::SimDriver;
+use cuvmm::expandable::Expandable;
+use cuvmm::{
+    Allocator, Config, Error, GraphPool, PoolBlock, Strategy as _, StreamFilter, StreamId,
+};
+
+const PAGE: u64 = 4096;
+const PAGES: u64 = 32;
+
+type Alloc = Expandable<SimDriver>;
+
+fn new_alloc() -> Alloc {
+    common::expandable_with(
+        PAGE,
+        PAGES,
+        Config {
+            small_size: 1024,
+            large_handle: PAGE,
+            ..Config::default()
+        },
+        true,
+    )
+}
+
+/// `stream`'s allocations go to `pool` (as `torch.cuda.use_mem_pool` begins it for the current thread).
+fn begin(a: &mut Alloc, pool: GraphPool, stream: StreamId) {
+    a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![stream]))
+        .unwrap();
+}
+
+/// Ends `pool`'s allocations and drops the use its begin made (the end of `use_mem_pool`).
+fn end(a: &mut Alloc, pool: GraphPool) {
+    a.end_allocate_to_pool(pool).unwrap();
+    a.release_pool(pool).unwrap();
+}
+
+fn pool_of(a: &Alloc, addr: u64) -> GraphPool {
+    let snapshot = a.snapshot().unwrap();
+    let seg = (snapshot.segments.iter())
+        .find(|s| s.address <= addr && addr < s.address + s.total_size)
+        .expect("a segment holds it");
+    seg.graph_pool
+}
+
+#[test]
+fn a_pools_use_count_follows_increfs_begins_and_releases() {
+    let mut a = new_alloc();
+    let pool = GraphPool(0, 1);
+    assert_eq!(a.pool_use_count(pool), 0);
+    a.incref_pool(pool).unwrap();
+    assert_eq!(a.pool_use_count(pool), 1, "a MemPool made");
+    begin(&mut a, pool, StreamId(1));
+    assert_eq!(a.pool_use_count(pool), 2, "inside use_mem_pool");
+    end(&mut a, pool);
+    assert_eq!(a.pool_use_count(pool), 1);
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.pool_use_count(pool), 0, "the MemPool deleted");
+    a.check_invariants().unwrap();
+}
+
+/// `use_mem_pool(p2)` inside `use_mem_pool(p1)` on one thread: both accept the stream, and the pool begun
+/// last gets the allocation, as in PyTorch; once it ends, the outer one does again.
+#[test]
+fn nested_pools_allocate_to_the_inner_one() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let (outer, inner) = (GraphPool(0, 1), GraphPool(0, 2));
+    begin(&mut a, outer, s);
+    let x = a.alloc(2 * PAGE, s).unwrap();
+    begin(&mut a, inner, s);
+    let y = a.alloc(2 * PAGE, s).unwrap();
+    end(&mut a, inner);
+    let z = a.alloc(2 * PAGE, s).unwrap();
+    end(&mut a, outer);
+    assert_eq!(
+        [pool_of(&a, x), pool_of(&a, y), pool_of(&a, z)],
+        [outer, inner, outer]
+    );
+    a.check_invariants().unwrap();
+}
+
+/// cudagraph trees: a checkpoint after recording, then blocks freed and allocated in the pool; putting
+/// the pool back frees those allocated since and makes the checkpoint's blocks live again at the same
+/// addresses, with the statistics of that state.
+#[test]
+fn a_pool_put_back_to_a_checkpoint_has_its_blocks_at_their_addresses() {
+    let mut a = new_alloc();
+    let s = StreamId(3);
+    let pool = GraphPool(4, 0);
+    a.incref_pool(pool).unwrap();
+    begin(&mut a, pool, s);
+    let x = a.alloc(3 * PAGE, s).unwrap();
+    let y = a.alloc(PAGE + 512, s).unwrap();
+    let checkpoint = a.pool_blocks(pool);
+    assert_eq!(
+        checkpoint,
+        vec![
+            PoolBlock {
+                addr: x,
+                size: 3 * PAGE,
+                requested: 3 * PAGE
+            },
+            PoolBlock {
+                addr: y,
+                size: PAGE + 512,
+                requested: PAGE + 512
+            },
+        ]
+    );
+    let stats = a.stats();
+    // Replayed and diverged: x died, z took part of its memory, w came after.
+    a.free(x).unwrap();
+    let z = a.alloc(PAGE, s).unwrap();
+    let w = a.alloc(5 * PAGE, s).unwrap();
+    assert!(z >= x && z < x + 3 * PAGE, "z reuses x's memory");
+    let reserved = a.stats().reserved_bytes.current;
+    let freed = a.restore_pool(pool, &checkpoint).unwrap();
+    let mut freed_sorted = freed.clone();
+    freed_sorted.sort_unstable();
+    let mut expected = vec![y, z, w];
+    expected.sort_unstable();
+    assert_eq!(freed_sorted, expected, "every block live when called");
+    assert_eq!(a.pool_blocks(pool), checkpoint);
+    let now = a.stats();
+    assert_eq!(now.allocated_bytes.current, stats.allocated_bytes.current);
+    assert_eq!(now.allocation.current, stats.allocation.current);
+    assert_eq!(
+        now.reserved_bytes.current, reserved,
+        "nothing mapped or unmapped"
+    );
+    assert!(
+        matches!(a.free(w), Err(Error::DoubleFree { .. })),
+        "w was freed by the checkpoint"
+    );
+    a.check_invariants().unwrap();
+    // The pool goes on: its blocks free and are reused as any.
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    end(&mut a, pool);
+    a.release_pool(pool).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_checkpoint_that_cannot_be_put_back_is_refused_with_the_pool_unchanged() {
+    let mut a = new_alloc();
+    let (s, side) = (StreamId(3), StreamId(4));
+    let pool = GraphPool(4, 0);
+    begin(&mut a, pool, s);
+    let x = a.alloc(2 * PAGE, s).unwrap();
+    let checkpoint = a.pool_blocks(pool);
+    let outside = a.alloc(PAGE, StreamId(9)).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    let foreign = [PoolBlock {
+        addr: outside,
+        size: PAGE,
+        requested: PAGE,
+    }];
+    let refused = a.restore_pool(pool, &foreign).unwrap_err();
+    assert!(
+        refused.to_string().contains("outside the pool"),
+        "{refused}"
+    );
+    // A block live since and used on another stream cannot be freed by the checkpoint.
+    begin(&mut a, GraphPool(0, 99), StreamId(99));
+    a.end_allocate_to_pool(GraphPool(0, 99)).unwrap();
+    a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![s]))
+        .unwrap();
+    let y = a.alloc(PAGE, s).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    a.record_stream(y, side).unwrap();
+    let refused = a.restore_pool(pool, &checkpoint).unwrap_err();
+    assert!(refused.to_string().contains("another stream"), "{refused}");
+    assert_eq!(a.pool_blocks(pool).len(), 2, "nothing freed");
+    assert!(matches!(
+        a.restore_pool(GraphPool(0, 77), &[]),
+        Err(Error::GraphPool { .. })
+    ));
+    a.check_invariants().unwrap();
+    for addr in [x, y, outside] {
+        a.free(addr).unwrap();
+    }
+}
+
+/// A pool made with `use_on_oom`: an allocation outside every pool that would run out of memory takes the
+/// pool's free memory instead (no OOM counted), and gives it back to the pool when freed. Without the flag,
+/// the same request fails.
+#[test]
+fn a_use_on_oom_pools_free_memory_serves_a_request_that_ran_out() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let pool = GraphPool(0, 5);
+    a.incref_pool(pool).unwrap();
+    begin(&mut a, pool, s);
+    let temp = a.alloc(24 * PAGE, s).unwrap();
+    a.free(temp).unwrap();
+    end(&mut a, pool);
+    let _held = a.alloc(6 * PAGE, s).unwrap();
+    let err = a.alloc(10 * PAGE, s).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    let ooms = a.stats().num_ooms;
+    a.set_pool_use_on_oom(pool, true);
+    let x = a.alloc(10 * PAGE, s).unwrap();
+    assert!(x >= temp && x < temp + 24 * PAGE, "in the pool's memory");
+    assert_eq!(pool_of(&a, x), pool);
+    assert_eq!(a.stats().num_ooms, ooms, "no out-of-memory counted");
+    // Another stream's request finds none of the pool's memory on its stream.
+    assert!(
+        a.alloc(10 * PAGE, StreamId(2))
+            .unwrap_err()
+            .is_out_of_memory()
+    );
+    a.check_invariants().unwrap();
+    a.free(x).unwrap();
+    assert!(
+        a.pool_blocks(pool).is_empty(),
+        "freed, it is the pool's free memory"
+    );
+    a.set_pool_use_on_oom(pool, false);
+    assert!(a.alloc(10 * PAGE, s).unwrap_err().is_out_of_memory());
+    a.check_invariants().unwrap();
+}
+
+/// A `no_split` pool: each allocation takes whole pages, so no two share one; the request is still counted
+/// as asked.
+#[test]
+fn a_no_split_pools_allocations_share_no_page() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let pool = GraphPool(0, 6);
+    a.incref_pool(pool).unwrap();
+    a.set_pool_no_split(pool);
+    begin(&mut a, pool, s);
+    let x = a.alloc(700, s).unwrap();
+    let y = a.alloc(PAGE + 1, s).unwrap();
+    end(&mut a, pool);
+    let sizes: Vec<u64> = a.pool_blocks(pool).iter().map(|b| b.size).collect();
+    assert_eq!(sizes, vec![PAGE, 2 * PAGE]);
+    assert_eq!(x % PAGE, 0);
+    assert_eq!(y % PAGE, 0);
+    assert!(y >= x + PAGE, "no shared page");
+    let stats = a.stats();
+    assert_eq!(stats.requested_bytes.current, 700 + PAGE + 1);
+    // Outside the pool, requests still share pages.
+    let u = a.alloc(700, s).unwrap();
+    let v = a.alloc(700, s).unwrap();
+    assert_eq!(u / PAGE, v / PAGE);
+    a.check_invariants().unwrap();
+    for addr in [x, y, u, v] {
+        a.free(addr).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+/// `emptyCache(pool)` (what `del pool` does after releasing it): a live pool keeps its memory; a released
+/// one gives back its idle pages and segments, and nothing of the common cache.
+#[test]
+fn one_pools_cache_goes_back_once_it_is_released_and_nothing_else() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let pool = GraphPool(0, 8);
+    a.incref_pool(pool).unwrap();
+    begin(&mut a, pool, s);
+    let p = a.alloc(6 * PAGE, s).unwrap();
+    end(&mut a, pool);
+    let c = a.alloc(4 * PAGE, s).unwrap();
+    a.free(c).unwrap();
+    a.free(p).unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    assert_eq!(reserved, 10 * PAGE);
+    assert_eq!(a.empty_pool_cache(pool).unwrap(), 0, "the pool is live");
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.empty_pool_cache(pool).unwrap(), 6 * PAGE);
+    assert_eq!(
+        a.stats().reserved_bytes.current,
+        4 * PAGE,
+        "the common cache stays"
+    );
+    assert!(
+        a.snapshot()
+            .unwrap()
+            .segments
+            .iter()
+            .all(|seg| seg.graph_pool != pool)
+    );
+    assert_eq!(a.empty_pool_cache(pool).unwrap(), 0, "nothing left");
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
+
+/// The same operations through the thread-safe facade.
+#[test]
+fn the_facade_reaches_every_pool_operation() {
+    let a = Allocator::new(new_alloc());
+    let s = StreamId(1);
+    let pool = GraphPool(0, 3);
+    a.incref_pool(pool).unwrap();
+    a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![s]))
+        .unwrap();
+    let x = a.alloc_raw(2 * PAGE, s).unwrap();
+    let checkpoint = a.pool_blocks(pool);
+    a.free_raw(x).unwrap();
+    let y = a.alloc_raw(3 * PAGE, s).unwrap();
+    assert_eq!(a.pool_use_count(pool), 2);
+    assert_eq!(a.restore_pool(pool, &checkpoint).unwrap(), vec![y]);
+    assert_eq!(a.pool_blocks(pool), checkpoint);
+    a.end_allocate_to_pool(pool).unwrap();
+    a.release_pool(pool).unwrap();
+    a.set_pool_use_on_oom(pool, true);
+    a.set_pool_no_split(pool);
+    a.free_raw(x).unwrap();
+    a.release_pool(pool).unwrap();
+    assert!(a.empty_pool_cache(pool).unwrap() > 0);
+    a.check_invariants().unwrap();
+}
+
+/// PyTorch 2.15's `allocateWithAddress`: a block at an address of a segment's free memory, and nowhere
+/// else.
+#[test]
+fn a_block_is_allocated_at_a_free_address_and_nowhere_else() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let x = a.alloc(2 * PAGE, s).unwrap();
+    a.free(x).unwrap();
+    let y = a.alloc_at(x + PAGE, 1000).unwrap();
+    assert_eq!(y, x + PAGE);
+    assert_eq!(a.stats().allocated_bytes.current, 1024);
+    for (addr, size) in [(y, 512), (y + 512, 512), (x + 100, 512), (1 << 50, 512)] {
+        assert!(
+            matches!(a.alloc_at(addr, size), Err(Error::UnknownAddress { .. })),
+            "{addr:#x}"
+        );
+    }
+    assert!(matches!(a.alloc_at(x, 0), Err(Error::ZeroSize)));
+    a.check_invariants().unwrap();
+    a.free(y).unwrap();
+    a.check_invariants().unwrap();
+}
