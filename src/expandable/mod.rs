@@ -39,14 +39,21 @@
 mod accounting;
 mod alloc;
 mod blocks;
+mod compacting;
+mod compaction;
 mod free_index;
 mod graphs;
-mod grow;
+mod handle_size;
+mod held_back;
 mod imports;
 mod invariants;
-mod lending;
-mod physical;
-mod reclaim;
+mod parked;
+mod parts;
+mod peers;
+mod placement;
+mod policies;
+mod request;
+mod reservations;
 mod segment;
 mod segments;
 mod settle;
@@ -54,13 +61,15 @@ mod sharing;
 mod sleep;
 mod snapshot;
 mod streams;
+mod supply;
 mod tags;
 
+pub(crate) use held_back::HeldBack;
 pub use segment::ROUND;
 
 use crate::driver::{CaptureProbe, Driver, DriverCounters, StreamId};
 use crate::strategy::Strategy;
-use crate::strategy::config::{Compaction, Config, ConfigError};
+use crate::strategy::config::{Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::pool::Pool;
@@ -69,10 +78,10 @@ use crate::strategy::stats::Stats;
 use accounting::{Books, Derived};
 use graphs::Graphs;
 use imports::Imports;
-use lending::Lending;
-use physical::{Physical, Setup};
+use policies::Policies;
 use segments::Segments;
 use streams::StreamWaits;
+use supply::{Setup, Supply};
 use tags::Tags;
 
 /// Most chunks the set of chunk handles has room for when the allocator starts (16,384 chunks of 20 MiB are
@@ -88,10 +97,10 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     /// The reservations and their blocks.
     segments: Segments,
-    /// The handle pool, the chunks, the budget and the limit.
-    physical: Physical,
-    /// Pages of chunks in use lent elsewhere.
-    lending: Lending,
+    /// The physical pages: the handle pool, the chunks, the budget and the limit, the pages lent.
+    supply: Supply,
+    /// The compaction and handle-size policies, chosen from `config`.
+    policies: Policies,
     /// Other streams' uses of live blocks, and frees waiting for their events.
     waits: StreamWaits,
     /// CUDA graphs' private pools, the captures underway and the frees they defer.
@@ -102,6 +111,8 @@ pub struct Expandable<D: Driver> {
     books: Books,
     /// Memory other processes shared, mapped here (`imports.rs`).
     imports: Imports,
+    /// Memory the caller holds back and gives back when a request runs out (`request.rs`).
+    held_back: Option<Box<dyn HeldBack>>,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -120,11 +131,8 @@ impl<D: Driver> Expandable<D> {
             .into());
         }
         config.validate()?;
-        // The largest whole number of pages not above `large_handle`, at least one.
-        let chunk_pages = match config.compaction {
-            Compaction::Pressure => (config.large_handle / page_size).max(1) as usize,
-            Compaction::Eager => 1,
-        };
+        let policies = Policies::chosen(&config, page_size);
+        let chunk_pages = policies.handle_size.chunk_pages();
         let info = driver.mem_info()?;
         let device_total = info.total;
         let budget = config.budget_bytes(info.total, info.free);
@@ -139,25 +147,26 @@ impl<D: Driver> Expandable<D> {
             1 => 0,
             k => (budget / (k as u64 * page_size)).min(MAX_CHUNKS_RESERVED) as usize,
         };
+        let setup = Setup {
+            chunk_pages,
+            page_size,
+            budget,
+            limit,
+            chunk_room,
+        };
         Ok(Self {
             driver,
             page_size,
             device_total,
             segments: Segments::default(),
-            physical: Physical::set_up(Setup {
-                chunk_pages,
-                page_size,
-                eager: config.compaction == Compaction::Eager,
-                budget,
-                limit,
-                chunk_room,
-            }),
-            lending: Lending::allowed(lending),
+            supply: Supply::set_up(setup, lending),
+            policies,
             waits: StreamWaits::default(),
             graphs: Graphs::default(),
             tags: Tags::default(),
             books: Books::open(page_size, config.max_split_size),
             imports: Imports::default(),
+            held_back: None,
             config,
         })
     }
@@ -246,7 +255,8 @@ impl<D: Driver> Strategy for Expandable<D> {
                 operation: "empty_cache",
             });
         }
-        self.release_cache()?;
+        let (supply, mut parts) = self.supply_and_parts();
+        supply.release_cache(&mut parts)?;
         self.free_empty_segments()
     }
 
@@ -256,7 +266,8 @@ impl<D: Driver> Strategy for Expandable<D> {
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway { operation: "trim" });
         }
-        self.release_idle(bytes)
+        let (supply, mut parts) = self.supply_and_parts();
+        supply.release_idle(&mut parts, bytes)
     }
 
     fn begin_allocate_to_pool(
@@ -316,7 +327,7 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.books.counters.stats(Derived {
             largest_free_block: self.segments.largest_free_mapped_block(),
             idle_mapped_bytes: self.books.idle_pages() as u64 * self.page_size,
-            idle_handle_bytes: self.physical.pooled_pages() as u64 * self.page_size,
+            idle_handle_bytes: self.supply.physical().pooled_pages() as u64 * self.page_size,
             lent_bytes: (lent_small + lent_large) as u64 * self.page_size,
             graph_pool_bytes,
             graph_pools,
@@ -379,13 +390,13 @@ impl<D: Driver> Strategy for Expandable<D> {
             .into());
         }
         let limit = (fraction * self.device_total as f64) as u64;
-        self.physical.set_limit(limit);
+        self.supply.set_limit(limit);
         Ok(())
     }
 
     fn memory_fraction(&self) -> Option<f64> {
         let total = self.device_total.max(1) as f64;
-        self.physical.limit().map(|limit| limit as f64 / total)
+        (self.supply.physical().limit()).map(|limit| limit as f64 / total)
     }
 }
 
