@@ -209,6 +209,12 @@ impl<D: Driver> Expandable<D> {
     pub fn detect_captures(&mut self, on: bool) {
         self.graphs.set_detect(on);
     }
+
+    /// Gives the allocator the memory its caller holds back (the facade's stream caches): a request that
+    /// runs out of memory frees it and tries once more, as part of its one retry (`request.rs`).
+    pub(crate) fn hold_back(&mut self, held: Box<dyn HeldBack>) {
+        self.held_back = Some(held);
+    }
 }
 
 impl<D: Driver> Strategy for Expandable<D> {
