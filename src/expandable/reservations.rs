@@ -4,7 +4,7 @@
 use super::Expandable;
 use super::segment::Segment;
 use super::segments::SegmentKey;
-use super::settle::{free_reservation_settled, unmap_settled};
+use super::settle::free_reservation_settled;
 use super::streams::synchronize_device;
 use crate::base::size::round_up;
 use crate::driver::Driver;
@@ -85,15 +85,7 @@ impl<D: Driver> Expandable<D> {
         }
         note(self.waits.forget_all(&mut self.driver));
         for seg in segments {
-            if seg.pages.mapped_count() > 0 {
-                for run in seg.pages.mapped_runs(0..seg.pages.len()) {
-                    let va = seg.page_addr(run.start);
-                    match unmap_settled(&mut self.driver, va, run.len() as u64 * self.page_size) {
-                        Ok(()) => self.supply.pool_unmapped(&seg, run),
-                        Err(err) => note(Err(err.into())),
-                    }
-                }
-            }
+            (self.supply).unmap_segment(&mut self.driver, &seg, &mut note);
             note(free_reservation_settled(&mut self.driver, seg.va).map_err(Error::from));
         }
         (self.supply).release_all(&mut self.driver, &mut self.books, note);

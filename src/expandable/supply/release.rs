@@ -7,8 +7,8 @@ use crate::driver::{Driver, PhysHandle, PhysPage};
 use crate::expandable::accounting::Books;
 use crate::expandable::compacting::{Compacting, Wait};
 use crate::expandable::segment::Segment;
+use crate::expandable::settle::unmap_settled;
 use crate::strategy::error::Error;
-use std::ops::Range;
 
 impl Supply {
     /// Everything cached goes back to the driver (`empty_cache`, and a request's release before its retry):
@@ -105,16 +105,33 @@ impl Supply {
         }
     }
 
-    /// Takes the handles of the pages `run` of `seg`, unmapped on drop, into the pool: a chunk once (it is
-    /// listed once per page of it), a lent page not at all (it is a second mapping of a chunk kept at home).
-    pub(crate) fn pool_unmapped(&mut self, seg: &Segment, run: Range<usize>) {
-        let lending = &self.lending;
-        let mut handles: Vec<PhysHandle> = run
-            .filter(|&page| !lending.is_alias(seg.page_addr(page)))
-            .filter_map(|page| seg.pages.handle(page))
-            .collect();
-        handles.dedup();
-        self.physical.pool_pages(handles);
+    /// Unmaps every mapped run of `seg`, taken out of the segments on drop, live blocks' pages included, and
+    /// pools the handles for [`release_all`](Self::release_all): a chunk once (it is listed once per page of
+    /// it), a lent page not at all (it is a second mapping of a chunk kept at home). A run that cannot be
+    /// unmapped keeps its handles; each failure goes to `note`.
+    pub(crate) fn unmap_segment<D: Driver>(
+        &mut self,
+        driver: &mut D,
+        seg: &Segment,
+        note: &mut impl FnMut(Result<(), Error>),
+    ) {
+        if seg.pages.mapped_count() == 0 {
+            return;
+        }
+        for run in seg.pages.mapped_runs(0..seg.pages.len()) {
+            let va = seg.page_addr(run.start);
+            if let Err(err) = unmap_settled(driver, va, run.len() as u64 * self.page_size) {
+                note(Err(err.into()));
+                continue;
+            }
+            let lending = &self.lending;
+            let mut handles: Vec<PhysHandle> = run
+                .filter(|&page| !lending.is_alias(seg.page_addr(page)))
+                .filter_map(|page| seg.pages.handle(page))
+                .collect();
+            handles.dedup();
+            self.physical.pool_pages(handles);
+        }
     }
 
     /// Forgets every lent page and releases every handle held (drop, once every segment is unmapped); goes
