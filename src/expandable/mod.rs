@@ -8,33 +8,43 @@
 //! Growth order for a request under `compaction:pressure` (the default): a free block whose pages are mapped
 //! -> pooled handles -> new handles (20 MiB chunks in the large pool) while reserved memory stays under the
 //! budget -> idle pages whose stream an event query shows done, oldest first, then idle pages of chunks in
-//! use lent (`lending.rs`) -> the same after one synchronization per stream -> `create` -> on
-//! out-of-memory, release the cache and retry once ->
-//! [`Error::OutOfMemory`]. `compaction:eager` takes idle pages (synchronizing) before creating any. See
-//! `docs/DESIGN.md` for why.
+//! use lent (`supply/lending.rs`) -> the same after one synchronization per stream -> `create` -> on
+//! out-of-memory, release the cache and retry once, then give back what the caller holds back (the
+//! facade's stream caches) and serve the request once more -> [`Error::OutOfMemory`]. `compaction:eager`
+//! takes idle pages (synchronizing) before creating any. See `docs/DESIGN.md` for why.
 //!
 //! A block used on other streams than its own (`record_stream`) is freed only once events recorded on those
 //! streams at the free complete (`streams.rs`); until then it is *pending*: active, not allocated.
 
 #![deny(unsafe_code)]
 //!
-//! The allocator is a composition of parts that own their state, each behind a narrow interface, driven by
-//! [`Expandable`], which holds them and sequences each operation:
+//! The allocator is a composition of parts that own their state, each behind a narrow interface, and of
+//! policies that decide, driven by [`Expandable`], which holds them and sequences each operation. The parts:
 //! - `segments.rs` (`Segments`): the reservations, found by slot, address and key;
 //!   each a `segment.rs` (blocks in `blocks.rs`, free index in `free_index.rs`);
-//! - `physical.rs` (`Physical`): the handle pool, the chunks, the budget and the memory limit;
-//! - `lending.rs` (`Lending`): the pages of chunks in use lent elsewhere;
+//! - `supply/` (`Supply`): the physical pages, the one part that creates, maps, unmaps, lends and releases
+//!   handles: the handle pool, the chunks, the budget and the limit (`physical.rs`), the pages of chunks in
+//!   use lent elsewhere (`lending.rs`); it is lent the other parts it needs for a call (`Parts`, `parts.rs`);
 //! - `streams.rs` (`StreamWaits`): other streams' uses of live blocks, parked frees and their events;
+//!   `compacting.rs` (`Compacting`): what one compaction knows of streams;
 //! - `graphs.rs` (`Graphs`): private pools, captures underway, deferred frees;
 //! - `tags.rs` (`Tags`): tags, asleep or awake, and what a sleeping tag keeps;
 //! - `imports.rs` (`Imports`): memory other processes shared, mapped here;
 //! - `accounting.rs` (`Books`): the counters, page counts and history behind the statistics;
 //! - `settle.rs`: settling a failed driver call (functions of the driver).
 //!
+//! The policies, a trait each with one file per policy, chosen from the configuration in `policies.rs` (a
+//! new policy is a new file and one line there):
+//! - `compaction/` (`pressure.rs`, `eager.rs`): when growth reclaims idle pages, in what order, how, and
+//!   which requests keep to whole pages;
+//! - `handle_size/` (`chunks.rs`, `single_pages.rs`): chunks or single pages for new memory.
+//!
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
-//! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
-//! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block for another
-//! process) calls the parts; `snapshot.rs` and `invariants.rs` read them.
+//! `sleep.rs` (sleep and wake) -> `request.rs` (a request, and all of out-of-memory: the one retry, what the
+//! caller holds back, `held_back.rs`, the diagnosis) -> `alloc.rs` (the block path) -> `placement.rs` ->
+//! `reservations.rs` -> the supply and `parked.rs` (the frees that wait) -> the parts; `peers.rs` and
+//! `sharing.rs` (exporting a block for another process) call the parts; `snapshot.rs` and `invariants.rs`
+//! read them.
 
 mod accounting;
 mod alloc;

@@ -157,7 +157,8 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// For each segment of `pool` of a stream other than `stream`, of the request's class, that has a cached
-    /// fit for `size` bytes, `(block size, slot, address)` ([`Segment::cached_fit`](super::segment::Segment::cached_fit)).
+    /// fit for `size` bytes, `(block size, slot, address)`
+    /// ([`Segment::cached_fit`](super::segment::Segment::cached_fit)).
     fn borrow_candidates(
         &self,
         size: u64,

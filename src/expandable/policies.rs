@@ -29,7 +29,8 @@ impl Policies {
                 pages,
                 headroom: config.large_handle_headroom,
             }),
-            // Eager compaction moves idle pages one by one, which a chunk, unmapped only whole, would not let it.
+            // Eager compaction moves idle pages one by one, which a chunk, unmapped only whole, would not
+            // let it do.
             Compaction::Pressure | Compaction::Eager => Box::new(SinglePages),
         };
         Self {

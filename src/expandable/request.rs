@@ -131,8 +131,8 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// Frees what the caller holds back ([`HeldBack`](super::HeldBack)), if anything: whether it gave anything back. A free
-    /// that fails is returned after the others are done.
+    /// Frees what the caller holds back ([`HeldBack`](super::HeldBack)), if anything; says whether it gave
+    /// anything back. A free that fails is returned after the others are done.
     fn give_back_held(&mut self) -> Result<bool, Error> {
         let Some(held) = self.held_back.as_ref().filter(|held| held.any()) else {
             return Ok(false);

@@ -1,5 +1,5 @@
 //! The supply of physical pages: the one part that creates, reuses, reclaims, lends and releases handles.
-//! It answers "back this block with pages" ([`Supply::back`]) and "give this much idle memory back"
+//! It answers "back this block with pages" ([`Supply::back_block`]) and "give this much idle memory back"
 //! ([`Supply::release_idle`], [`Supply::release_cache`]); no other part creates, maps, unmaps or releases a
 //! handle.
 //!

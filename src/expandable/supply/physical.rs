@@ -31,9 +31,11 @@ pub(crate) struct Physical {
     /// Pages per large-pool handle, as the handle-size policy says (1: no chunks).
     chunk_pages: usize,
     page_size: u64,
-    /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
+    /// Reserved bytes under which `compaction:pressure` grows without reclaiming
+    /// ([`Config::budget_bytes`](crate::Config::budget_bytes)).
     budget: u64,
-    /// The most bytes that may be reserved ([`Config::memory_limit`]); `None`: the device's memory.
+    /// The most bytes that may be reserved ([`Config::memory_limit`](crate::Config::memory_limit)); `None`:
+    /// the device's memory.
     limit: Option<u64>,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
@@ -48,7 +50,7 @@ pub(crate) struct Physical {
 pub(crate) struct Growth {
     /// Bytes reserved now.
     pub reserved: u64,
-    /// The budget ([`Config::budget_bytes`], lowered to the memory limit).
+    /// The budget ([`Config::budget_bytes`](crate::Config::budget_bytes), lowered to the memory limit).
     pub budget: u64,
     /// Bytes the growth would add.
     pub extra: u64,
