@@ -21,6 +21,7 @@
 //! - `name(` or `module::name` (a free function): every file with a free function `name`.
 //!
 //! An arrow from a file to itself is dropped. Checked: no two files call each other, and no longer cycle.
+//! Checked besides: only the supply (`supply/`) creates, maps, unmaps or releases a handle.
 
 mod common;
 
@@ -425,6 +426,52 @@ fn no_cycle_of_calls_between_files_of_the_core() {
     assert!(
         found.is_empty(),
         "cycles of calls between files of the core:\n{}",
+        found.join("\n")
+    );
+}
+
+/// Physical memory is the supply's (`src/expandable/supply/`): no other file of the core creates, maps,
+/// unmaps or releases a handle, so that a policy about physical memory has one part to act through. Memory
+/// other processes shared is a part of its own with its own handles (`imports.rs`), and `settle.rs` holds the
+/// settled forms of those calls.
+#[test]
+fn only_the_supply_creates_maps_unmaps_or_releases_handles() {
+    const ACTS: &[&str] = &[
+        "driver.create(",
+        "driver.create_each(",
+        "driver.map(",
+        "driver.map_each(",
+        "driver.map_from(",
+        "driver.unmap(",
+        "driver.release(",
+        "unmap_settled(",
+        "release_settled(",
+        "undo_failed_map(",
+    ];
+    const OWNERS: &[&str] = &[
+        "src/expandable/supply/",
+        "src/expandable/imports.rs",
+        "src/expandable/settle.rs",
+    ];
+    let mut found = Vec::new();
+    for (name, src) in core_files() {
+        if OWNERS.iter().any(|owner| name.starts_with(owner)) {
+            continue;
+        }
+        let code: String = without_tests(&strip(&src))
+            .chars()
+            .filter(|c| !c.is_whitespace())
+            .collect::<String>()
+            .replace("driver).", "driver.");
+        found.extend(
+            (ACTS.iter())
+                .filter(|act| code.contains(*act))
+                .map(|act| format!("{name}: {act}")),
+        );
+    }
+    assert!(
+        found.is_empty(),
+        "handles acted on outside the supply:\n{}",
         found.join("\n")
     );
 }

@@ -1,4 +1,4 @@
-//! Lending (`src/expandable/lending.rs`): under memory pressure, the idle pages of a chunk that a live
+//! Lending (`src/expandable/supply/lending.rs`): under memory pressure, the idle pages of a chunk that a live
 //! block still touches are mapped a second time where a request needs them, instead of running out of
 //! memory. The bytes must be the chunk's own memory, nothing may be lost or held twice, and everything must
 //! come back when the blocks are freed.

@@ -226,3 +226,33 @@ fn eager_serves_whole_pages_in_place_from_the_holes_of_other_blocks() {
     assert_eq!(a.driver().counters().get(Op::Unmap), 0);
     assert_eq!(a.stats().num_synchronizations, 0);
 }
+
+#[test]
+fn a_request_that_runs_out_counts_one_retry_and_one_out_of_memory() {
+    // 25 pages, 20 live in two chunks, a budget far above the device: a 12-page request tries a chunk (out of
+    // memory), then single pages (5 created, then out of memory), releases the cache once (nothing idle)
+    // and creates again, in vain.
+    let config = Config {
+        reserve_budget: Some(Budget::Bytes(1000 * PAGE)),
+        ..Config::default()
+    };
+    let mut a = expandable_with(PAGE, 25, config, false);
+    let live: Vec<u64> = (0..2).map(|_| a.alloc(10 * PAGE, S0).unwrap()).collect();
+    let err = a.alloc(12 * PAGE, S0).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    a.check_invariants().unwrap();
+    // One request, one retry (PyTorch counts one per request), though it both fell back from a chunk and
+    // released the cache; what it created went back.
+    let stats = a.stats();
+    assert_eq!(
+        (stats.num_alloc_retries, stats.num_ooms),
+        (1, 1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.reserved_bytes.current, 20 * PAGE);
+    assert_eq!(a.driver().counters().get(Op::Release), 5);
+    for b in live {
+        a.free(b).unwrap();
+    }
+    a.check_invariants().unwrap();
+}

@@ -1,9 +1,10 @@
 //! Carving a block at a given address of a segment's free memory, backed and counted as an allocation is:
 //! what putting a pool back to a checkpoint does (`pools.rs`), and the fallback of an allocation that ran
-//! out of memory to the free memory of a pool that lends it (`use_on_oom`), which `alloc.rs` asks for.
+//! out of memory to the free memory of a pool that lends it (`use_on_oom`), which `request.rs` asks for.
 
 use super::Expandable;
 use super::accounting::SlotCounts;
+use super::supply::Shortage;
 use crate::base::size::round_up;
 use crate::driver::{Driver, StreamId};
 use crate::strategy::error::Error;
@@ -80,7 +81,14 @@ impl<D: Driver> Expandable<D> {
         self.segments.at_mut(slot).carve(addr, size, requested);
         self.books.set_carving(Some((class, size)));
         self.books.refresh(self.segments.at(slot), before);
-        let backed = self.back_with_pages(slot, addr, size);
+        // A pool's memory stays mapped while it lives, so this rarely maps a page; it releases no cache for
+        // it (a checkpoint put back, or a request that already ran out).
+        let (supply, mut parts) = self.supply_and_parts();
+        let backed = supply.back_block(
+            &mut parts,
+            (slot, addr, size),
+            &mut Shortage::allowing(false),
+        );
         self.books.set_carving(None);
         if let Err(err) = backed {
             let before = SlotCounts::of(self.segments.at(slot));

@@ -36,6 +36,7 @@ struct PoolTotals {
 }
 
 pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
+    let (physical, lending) = (a.supply.physical(), a.supply.lending());
     let mut totals = [PoolTotals::default(), PoolTotals::default()];
     let mut idle = 0;
     let mut held: HashSet<u64> = HashSet::new();
@@ -96,7 +97,7 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     prev_free = None;
                     let pages = seg.pages_of(addr, block.size);
                     let page = pages.start;
-                    let handle = seg.pages.handle(page).filter(|&h| a.physical.is_chunk(h));
+                    let handle = seg.pages.handle(page).filter(|&h| physical.is_chunk(h));
                     if block.size != a.page_size || seg.page_addr(page) != addr {
                         return Err(V::Misaligned {
                             addr,
@@ -156,20 +157,20 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             let Some(handle) = seg.pages.handle(page) else {
                 continue;
             };
-            if let Some(piece) = a.lending.alias_at(seg.page_addr(page)) {
+            if let Some(piece) = lending.alias_at(seg.page_addr(page)) {
                 // A second mapping: its memory is held at home.
-                (a.lending).check_alias(
+                lending.check_alias(
                     &a.segments,
-                    (a.page_size, a.physical.chunk_pages()),
+                    (a.page_size, physical.chunk_pages()),
                     (piece, handle, seg.page_addr(page)),
                 )?;
                 t.mapped -= 1;
                 continue;
             }
             held_pages += 1;
-            if a.physical.is_chunk(handle) {
+            if physical.is_chunk(handle) {
                 // A chunk is inserted at the first page of its group, and every page of the group holds it.
-                let k = a.physical.chunk_pages();
+                let k = physical.chunk_pages();
                 let group = page - page % k;
                 let whole = group + k <= seg.pages.len()
                     && (group..group + k).all(|p| seg.pages.handle(p) == Some(handle));
@@ -193,33 +194,33 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         t.touched += seg.pages.touched_count() as u64;
         idle += seg.pages.idle_count();
     }
-    (a.lending).check_lenders(
+    lending.check_lenders(
         &a.segments,
-        a.physical.chunk_pages(),
+        physical.chunk_pages(),
         &lent_blocks,
         lent_per_pool,
         a.books.lent_pages(),
     )?;
     let mapped = held_pages;
-    let (pooled, pooled_chunks) = a.physical.pooled();
+    let (pooled, pooled_chunks) = physical.pooled();
     for handle in pooled {
-        if a.physical.is_chunk(*handle) || !held.insert(handle.0) {
+        if physical.is_chunk(*handle) || !held.insert(handle.0) {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
         held_pages += 1;
     }
     for handle in pooled_chunks {
-        if !a.physical.is_chunk(*handle) || !held.insert(handle.0) {
+        if !physical.is_chunk(*handle) || !held.insert(handle.0) {
             return Err(V::HandleHeldTwice { handle: handle.0 });
         }
         chunks_seen += 1;
-        held_pages += a.physical.chunk_pages() as u64;
+        held_pages += physical.chunk_pages() as u64;
     }
-    let chunks = a.physical.chunks();
-    if chunks_seen != chunks.len() || (a.physical.chunk_pages() == 1 && !chunks.is_empty()) {
+    let chunks = physical.chunks();
+    if chunks_seen != chunks.len() || (physical.chunk_pages() == 1 && !chunks.is_empty()) {
         return Err(V::HandleCount {
             mapped,
-            pooled: a.physical.pooled_pages() as u64,
+            pooled: physical.pooled_pages() as u64,
             created: chunks_seen as u64,
             released: chunks.len() as u64,
         });
@@ -232,16 +233,12 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     if held_pages != c.created - c.released {
         return Err(V::HandleCount {
             mapped,
-            pooled: a.physical.pooled_pages() as u64,
+            pooled: physical.pooled_pages() as u64,
             created: c.created,
             released: c.released,
         });
     }
-    if let Some(limit) = a
-        .physical
-        .limit()
-        .filter(|&limit| c.reserved.current > limit)
-    {
+    if let Some(limit) = physical.limit().filter(|&limit| c.reserved.current > limit) {
         return Err(V::OverLimit {
             reserved: c.reserved.current,
             limit,

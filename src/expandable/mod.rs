@@ -8,50 +8,67 @@
 //! Growth order for a request under `compaction:pressure` (the default): a free block whose pages are mapped
 //! -> pooled handles -> new handles (20 MiB chunks in the large pool) while reserved memory stays under the
 //! budget -> idle pages whose stream an event query shows done, oldest first, then idle pages of chunks in
-//! use lent (`lending.rs`) -> the same after one synchronization per stream -> `create` -> on
-//! out-of-memory, release the cache and retry once ->
-//! [`Error::OutOfMemory`]. `compaction:eager` takes idle pages (synchronizing) before creating any. See
-//! `docs/DESIGN.md` for why.
+//! use lent (`supply/lending.rs`) -> the same after one synchronization per stream -> `create` -> on
+//! out-of-memory, release the cache and retry once, then give back what the caller holds back (the
+//! facade's stream caches) and serve the request once more -> [`Error::OutOfMemory`]. `compaction:eager`
+//! takes idle pages (synchronizing) before creating any. See `docs/DESIGN.md` for why.
 //!
 //! A block used on other streams than its own (`record_stream`) is freed only once events recorded on those
 //! streams at the free complete (`streams.rs`); until then it is *pending*: active, not allocated.
 
 #![deny(unsafe_code)]
 //!
-//! The allocator is a composition of parts that own their state, each behind a narrow interface, driven by
-//! [`Expandable`], which holds them and sequences each operation:
+//! The allocator is a composition of parts that own their state, each behind a narrow interface, and of
+//! policies that decide, driven by [`Expandable`], which holds them and sequences each operation. The parts:
 //! - `segments.rs` (`Segments`): the reservations, found by slot, address and key;
 //!   each a `segment.rs` (blocks in `blocks.rs`, free index in `free_index.rs`);
-//! - `physical.rs` (`Physical`): the handle pool, the chunks, the budget and the memory limit;
-//! - `lending.rs` (`Lending`): the pages of chunks in use lent elsewhere;
+//! - `supply/` (`Supply`): the physical pages, the one part that creates, maps, unmaps, lends and releases
+//!   handles: the handle pool, the chunks, the budget and the limit (`physical.rs`), the pages of chunks in
+//!   use lent elsewhere (`lending.rs`); it is lent the other parts it needs for a call (`Parts`, `parts.rs`);
 //! - `streams.rs` (`StreamWaits`): other streams' uses of live blocks, parked frees and their events;
+//!   `compacting.rs` (`Compacting`): what one compaction knows of streams;
 //! - `graphs.rs` (`Graphs`): private pools, captures underway, deferred frees;
 //! - `tags.rs` (`Tags`): tags, asleep or awake, and what a sleeping tag keeps;
 //! - `imports.rs` (`Imports`): memory other processes shared, mapped here;
 //! - `accounting.rs` (`Books`): the counters, page counts and history behind the statistics;
 //! - `settle.rs`: settling a failed driver call (functions of the driver).
 //!
+//! The policies, a trait each with one file per policy, chosen from the configuration in `policies.rs` (a
+//! new policy is a new file and one line there):
+//! - `compaction/` (`pressure.rs`, `eager.rs`): when growth reclaims idle pages, in what order, how, and
+//!   which requests keep to whole pages;
+//! - `handle_size/` (`chunks.rs`, `single_pages.rs`): chunks or single pages for new memory.
+//!
 //! The orchestration is layered, each file calling only the ones below it: `mod.rs` (the `Strategy`) ->
-//! `sleep.rs` (sleep and wake) -> `alloc.rs` (the block path) -> `grow.rs` (backing blocks with pages) ->
-//! `reclaim.rs` (compaction, release, teardown) -> the parts; `sharing.rs` (exporting a block for another
-//! process) calls the parts; `pools.rs` (what PyTorch's `MemPool` and cudagraph trees ask of a pool: use
-//! counts, `use_on_oom`, checkpoints, one pool's `empty_cache`) calls `alloc.rs` and below; `carve.rs`
-//! (a block carved at a given address: a checkpoint's, or an out-of-memory request's in a pool's free
-//! memory) calls `grow.rs` and below; `snapshot.rs` and `invariants.rs` read them.
+//! `sleep.rs` (sleep and wake) -> `request.rs` (a request, and all of out-of-memory: the one retry, what the
+//! caller holds back, `held_back.rs`, the diagnosis) -> `alloc.rs` (the block path) -> `placement.rs` ->
+//! `reservations.rs` -> the supply and `parked.rs` (the frees that wait) -> the parts; `pools.rs` (what
+//! PyTorch's `MemPool` and cudagraph trees ask of a pool: use counts, `use_on_oom`, checkpoints, one pool's
+//! `empty_cache`) calls `alloc.rs` and below; `carve.rs` (a block carved at a given address: a checkpoint's,
+//! or an out-of-memory request's in a pool's free memory) calls the supply and below; `peers.rs` and
+//! `sharing.rs` (exporting a block for another process) call the parts; `snapshot.rs` and `invariants.rs`
+//! read them.
 
 mod accounting;
 mod alloc;
 mod blocks;
 mod carve;
+mod compacting;
+mod compaction;
 mod free_index;
 mod graphs;
-mod grow;
+mod handle_size;
+mod held_back;
 mod imports;
 mod invariants;
-mod lending;
-mod physical;
+mod parked;
+mod parts;
+mod peers;
+mod placement;
+mod policies;
 mod pools;
-mod reclaim;
+mod request;
+mod reservations;
 mod segment;
 mod segments;
 mod settle;
@@ -59,13 +76,15 @@ mod sharing;
 mod sleep;
 mod snapshot;
 mod streams;
+mod supply;
 mod tags;
 
+pub(crate) use held_back::HeldBack;
 pub use segment::ROUND;
 
 use crate::driver::{CaptureProbe, Driver, DriverCounters, StreamId};
 use crate::strategy::Strategy;
-use crate::strategy::config::{Compaction, Config, ConfigError};
+use crate::strategy::config::{Config, ConfigError};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::pool::Pool;
@@ -74,10 +93,10 @@ use crate::strategy::stats::Stats;
 use accounting::{Books, Derived};
 use graphs::Graphs;
 use imports::Imports;
-use lending::Lending;
-use physical::{Physical, Setup};
+use policies::Policies;
 use segments::Segments;
 use streams::StreamWaits;
+use supply::{Setup, Supply};
 use tags::Tags;
 
 /// Most chunks the set of chunk handles has room for when the allocator starts (16,384 chunks of 20 MiB are
@@ -93,10 +112,10 @@ pub struct Expandable<D: Driver> {
     device_total: u64,
     /// The reservations and their blocks.
     segments: Segments,
-    /// The handle pool, the chunks, the budget and the limit.
-    physical: Physical,
-    /// Pages of chunks in use lent elsewhere.
-    lending: Lending,
+    /// The physical pages: the handle pool, the chunks, the budget and the limit, the pages lent.
+    supply: Supply,
+    /// The compaction and handle-size policies, chosen from `config`.
+    policies: Policies,
     /// Other streams' uses of live blocks, and frees waiting for their events.
     waits: StreamWaits,
     /// CUDA graphs' private pools, the captures underway and the frees they defer.
@@ -107,6 +126,8 @@ pub struct Expandable<D: Driver> {
     books: Books,
     /// Memory other processes shared, mapped here (`imports.rs`).
     imports: Imports,
+    /// Memory the caller holds back and gives back when a request runs out (`request.rs`).
+    held_back: Option<Box<dyn HeldBack>>,
 }
 
 impl<D: Driver> Expandable<D> {
@@ -125,11 +146,8 @@ impl<D: Driver> Expandable<D> {
             .into());
         }
         config.validate()?;
-        // The largest whole number of pages not above `large_handle`, at least one.
-        let chunk_pages = match config.compaction {
-            Compaction::Pressure => (config.large_handle / page_size).max(1) as usize,
-            Compaction::Eager => 1,
-        };
+        let policies = Policies::chosen(&config, page_size);
+        let chunk_pages = policies.handle_size.chunk_pages();
         let info = driver.mem_info()?;
         let device_total = info.total;
         let budget = config.budget_bytes(info.total, info.free);
@@ -144,25 +162,26 @@ impl<D: Driver> Expandable<D> {
             1 => 0,
             k => (budget / (k as u64 * page_size)).min(MAX_CHUNKS_RESERVED) as usize,
         };
+        let setup = Setup {
+            chunk_pages,
+            page_size,
+            budget,
+            limit,
+            chunk_room,
+        };
         Ok(Self {
             driver,
             page_size,
             device_total,
             segments: Segments::default(),
-            physical: Physical::set_up(Setup {
-                chunk_pages,
-                page_size,
-                eager: config.compaction == Compaction::Eager,
-                budget,
-                limit,
-                chunk_room,
-            }),
-            lending: Lending::allowed(lending),
+            supply: Supply::set_up(setup, lending),
+            policies,
             waits: StreamWaits::default(),
             graphs: Graphs::default(),
             tags: Tags::default(),
             books: Books::open(page_size, config.max_split_size),
             imports: Imports::default(),
+            held_back: None,
             config,
         })
     }
@@ -204,6 +223,12 @@ impl<D: Driver> Expandable<D> {
     /// replay has no captures); the facade turns it on.
     pub fn detect_captures(&mut self, on: bool) {
         self.graphs.set_detect(on);
+    }
+
+    /// Gives the allocator the memory its caller holds back (the facade's stream caches): a request that
+    /// runs out of memory frees it and tries once more, as part of its one retry (`request.rs`).
+    pub(crate) fn hold_back(&mut self, held: Box<dyn HeldBack>) {
+        self.held_back = Some(held);
     }
 }
 
@@ -251,7 +276,8 @@ impl<D: Driver> Strategy for Expandable<D> {
                 operation: "empty_cache",
             });
         }
-        self.release_cache()?;
+        let (supply, mut parts) = self.supply_and_parts();
+        supply.release_cache(&mut parts)?;
         self.free_empty_segments()
     }
 
@@ -261,7 +287,8 @@ impl<D: Driver> Strategy for Expandable<D> {
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway { operation: "trim" });
         }
-        self.release_idle(bytes)
+        let (supply, mut parts) = self.supply_and_parts();
+        supply.release_idle(&mut parts, bytes)
     }
 
     fn begin_allocate_to_pool(
@@ -321,7 +348,7 @@ impl<D: Driver> Strategy for Expandable<D> {
         self.books.counters.stats(Derived {
             largest_free_block: self.segments.largest_free_mapped_block(),
             idle_mapped_bytes: self.books.idle_pages() as u64 * self.page_size,
-            idle_handle_bytes: self.physical.pooled_pages() as u64 * self.page_size,
+            idle_handle_bytes: self.supply.physical().pooled_pages() as u64 * self.page_size,
             lent_bytes: (lent_small + lent_large) as u64 * self.page_size,
             graph_pool_bytes,
             graph_pools,
@@ -384,13 +411,13 @@ impl<D: Driver> Strategy for Expandable<D> {
             .into());
         }
         let limit = (fraction * self.device_total as f64) as u64;
-        self.physical.set_limit(limit);
+        self.supply.set_limit(limit);
         Ok(())
     }
 
     fn memory_fraction(&self) -> Option<f64> {
         let total = self.device_total.max(1) as f64;
-        self.physical.limit().map(|limit| limit as f64 / total)
+        (self.supply.physical().limit()).map(|limit| limit as f64 / total)
     }
 }
 

@@ -2,13 +2,12 @@
 //! (`graphs.rs`): how many users it has, its free memory serving an allocation that would otherwise run
 //! out (`use_on_oom`), its live blocks as a checkpoint keeps them and the pool put back to a checkpoint,
 //! and one pool's cached memory given back (`emptyCache(pool)`). A pool that splits no page (`no_split`)
-//! is a rounding of the request in `alloc.rs`; the out-of-memory fallback to a pool is `carve.rs`.
+//! is a rounding of the request in `request.rs`; the out-of-memory fallback to a pool is `carve.rs`.
 //!
 //! A live pool's pages stay mapped where they are (`graphs.rs`), so putting it back to a checkpoint maps
 //! nothing: its blocks allocated since are freed, and the blocks live at the checkpoint are carved again at
 //! their addresses (`carve.rs`), in the free memory the pool kept.
 
-use super::reclaim::{Compacting, Wait};
 use super::settle::free_reservation_settled;
 use super::{Expandable, ROUND};
 use crate::base::size::round_up;
@@ -166,28 +165,8 @@ impl<D: Driver> Expandable<D> {
             .filter(|(_, seg)| seg.graph == Some(pool))
             .map(|(slot, _)| slot)
             .collect();
-        let reserved = self.books.counters.reserved.current;
-        let mut compacting = Compacting::by_device();
-        let mut handles = Vec::new();
-        for &slot in &slots {
-            let stream = self.segments.at(slot).stream;
-            let mut end = self.segments.at(slot).pages.len();
-            while let Some(run) = self.segments.at(slot).pages.last_idle_run_before(end) {
-                end = run.start;
-                let run = (self.physical).whole_chunks(&self.lending, self.segments.at(slot), run);
-                if run.is_empty() || !self.stream_done(stream, Wait::Block, &mut compacting)? {
-                    continue;
-                }
-                self.unmap_idle_run(slot, run, &mut handles)?;
-            }
-        }
-        let pages = handles.len() as u64;
-        self.put_back(handles);
-        (self.physical).release_pooled(
-            &mut self.driver,
-            &mut self.books,
-            pages * self.page_size,
-        )?;
+        let (supply, mut parts) = self.supply_and_parts();
+        let released = supply.release_idle_of(&mut parts, &slots)?;
         for slot in slots {
             let seg = self.segments.at(slot);
             if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
@@ -201,6 +180,6 @@ impl<D: Driver> Expandable<D> {
         if !self.segments.any_of_graph(pool) {
             self.graphs.forget_released(pool);
         }
-        Ok(reserved.saturating_sub(self.books.counters.reserved.current))
+        Ok(released)
     }
 }

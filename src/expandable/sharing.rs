@@ -23,18 +23,19 @@ impl<D: Driver> Expandable<D> {
             Some(block) if !self.graphs.is_deferred(addr) => block,
             _ => return Err(Error::UnknownAddress { addr }),
         };
+        let (physical, lending) = (self.supply.physical(), self.supply.lending());
         let pages = seg.pages_of(addr, block.size);
-        let pages = (self.physical).widen_to_chunks(&self.lending, seg, pages);
-        let chunk_size = self.physical.chunk_pages() as u64 * self.page_size;
+        let pages = physical.widen_to_chunks(lending, seg, pages);
+        let chunk_size = physical.chunk_pages() as u64 * self.page_size;
         // The mappings in address order: a lent page is a mapping of one page of a chunk, a chunk at home
         // one of all of it, any other page one of its own handle.
         let mut layout: Vec<(PhysPage, u64, u64)> = Vec::new();
         let mut page = pages.start;
         while page < pages.end {
             let handle = (seg.pages.handle(page)).ok_or(Error::UnknownAddress { addr })?;
-            let (source, handle_size, size) = match self.lending.alias_at(seg.page_addr(page)) {
+            let (source, handle_size, size) = match lending.alias_at(seg.page_addr(page)) {
                 Some(&piece) => (piece, chunk_size, self.page_size),
-                None => match self.physical.chunk_at(&self.lending, seg, page) {
+                None => match physical.chunk_at(lending, seg, page) {
                     // Widened to whole chunks, the range starts each chunk at its first page.
                     Some(chunk) if chunk.start == page => {
                         (PhysPage { handle, offset: 0 }, chunk_size, chunk_size)

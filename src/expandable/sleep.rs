@@ -28,7 +28,7 @@
 //! [`DriverError::HostOutOfMemory`] before anything changed, not an abort.
 
 use super::Expandable;
-use super::reclaim::Wait;
+use super::compacting::{Compacting, Wait};
 use crate::driver::{Driver, DriverError, HostMemory, PhysPage, StreamId};
 use crate::strategy::error::Error;
 
@@ -57,7 +57,7 @@ impl<D: Driver> Expandable<D> {
         let id = self.tags.id(tag);
         let slots = self.segments.of_tag(id);
         if self.tags.is_awake(id) {
-            let lent = self.lending.lent_from(&slots);
+            let lent = self.supply.lent_from(&slots);
             if lent > 0 {
                 return Err(Error::TagPagesLent {
                     tag: tag.to_owned(),
@@ -107,18 +107,6 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// Maps the missing pages of each block (`back_with_pages`, which takes no page of a sleeping tag).
-    fn map_blocks(&mut self, blocks: &[(u64, u64)]) -> Result<(), Error> {
-        for &(addr, size) in blocks {
-            let slot = self
-                .segments
-                .slot_of(addr)
-                .ok_or(Error::UnknownAddress { addr })?;
-            self.back_with_pages(slot, addr, size)?;
-        }
-        Ok(())
-    }
-
     /// The tags asleep (or half way) and the bytes each would map at its wake, by name.
     pub fn asleep_tags(&self) -> Vec<(String, u64)> {
         self.tags.asleep_list(&self.segments, self.page_size)
@@ -129,7 +117,7 @@ impl<D: Driver> Expandable<D> {
     /// query shows idle is not synchronized. Then frees the pending blocks whose events completed.
     fn wait_for_tag(&mut self, slots: &[usize]) -> Result<(), Error> {
         if self.graphs.any_deferred() {
-            self.insert_deferred_events()?;
+            self.parts().insert_deferred_events()?;
         }
         let segments = &self.segments;
         let inside = |addr: u64| segments.slot_of(addr).is_some_and(|s| slots.contains(&s));
@@ -140,10 +128,12 @@ impl<D: Driver> Expandable<D> {
         streams.extend(self.waits.streams_using(inside));
         streams.sort_unstable();
         streams.dedup();
-        let mut compacting = Default::default();
+        let mut compacting = Compacting::default();
         for stream in streams {
-            if !self.stream_done(stream, Wait::Query, &mut compacting)? {
-                self.stream_done(stream, Wait::Block, &mut Default::default())?;
+            let parts = (&mut self.driver, &mut self.books, &mut self.waits);
+            if !compacting.stream_done(parts, stream, Wait::Query)? {
+                let parts = (&mut self.driver, &mut self.books, &mut self.waits);
+                Compacting::default().stream_done(parts, stream, Wait::Block)?;
             }
         }
         self.poll_events()?;
@@ -184,8 +174,9 @@ impl<D: Driver> Expandable<D> {
             for run in runs {
                 let first = run.start;
                 let mut out: Vec<PhysPage> = Vec::new();
-                let result = self.unmap_idle_run(slot, run, &mut out);
-                self.release_unmapped(out);
+                let (supply, mut parts) = self.supply_and_parts();
+                let result = supply.unmap_idle_run(&mut parts, slot, run, &mut out);
+                supply.release_unmapped(&mut parts, out);
                 if let Err(err) = result {
                     if self.segments.at(slot).pages.is_mapped(first) {
                         // The unmap failed: the run is still mapped, for the next sleep or a wake.
@@ -199,27 +190,5 @@ impl<D: Driver> Expandable<D> {
             unmapped += before - self.segments.at(slot).pages.mapped_count();
         }
         Ok(unmapped as u64 * self.page_size)
-    }
-
-    /// Gives unmapped pages back: single-page handles are released (pooled if that fails), lent pieces go
-    /// home.
-    fn release_unmapped(&mut self, pages: Vec<PhysPage>) {
-        let mut singles = Vec::new();
-        for page in pages {
-            if self.physical.is_chunk(page.handle) {
-                self.put_back([page]);
-            } else {
-                singles.push(page.handle);
-            }
-        }
-        for handle in singles {
-            if let Err(err) =
-                self.physical
-                    .release_handle(&mut self.driver, &mut self.books, handle)
-            {
-                tracing::warn!(%err, "cuvmm: sleep: releasing a page failed; pooled for others");
-                self.physical.pool_page(handle);
-            }
-        }
     }
 }

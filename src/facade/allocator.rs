@@ -10,7 +10,7 @@
 
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
 use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
-use crate::expandable::Expandable;
+use crate::expandable::{Expandable, HeldBack};
 use crate::facade::raw_book::{RawBlock, RawBook};
 use crate::facade::stream_cache::{Put, StreamCaches};
 use crate::facade::thread_handles::ThreadHandles;
@@ -29,7 +29,11 @@ pub const DEFAULT_STREAM_CACHE: u64 = crate::strategy::config::DEFAULT_STREAM_CA
 
 struct Shared<S> {
     strategy: Mutex<S>,
-    caches: StreamCaches,
+    /// Shared with the strategy when it takes them back itself on out-of-memory ([`CachedBuffers`]).
+    caches: Arc<StreamCaches>,
+    /// Whether the strategy gives the stream caches back itself when a request runs out of memory, as part
+    /// of its one retry (cuvmm's, `expandable/request.rs`); if not, the facade drains them and asks again.
+    strategy_takes_caches: bool,
     /// The size and stream of each live raw allocation that its stream's cache may keep back at its free
     /// ([`Allocator::alloc_raw`]).
     raw: RawBook,
@@ -39,8 +43,9 @@ struct Shared<S> {
     /// `recorded.len()`, readable without its lock, so that a program that never records a stream pays
     /// one load per free.
     recorded_len: AtomicUsize,
-    /// Allocations the strategy counted as out of memory that a retry after draining the stream caches
-    /// served: `stats()` reports them as retries, not OOMs.
+    /// Allocations the strategy counted as out of memory that the facade's retry after draining the stream
+    /// caches served (a strategy that does not take the caches back itself): `stats()` reports them as
+    /// retries, not OOMs.
     recovered_ooms: AtomicU64,
     /// Errors raised where they could not be returned (freeing in `Drop`), kept for the program to collect.
     deferred: Mutex<Vec<Error>>,
@@ -97,13 +102,34 @@ impl<D: Driver> Allocator<Expandable<D>> {
     /// ([`Expandable::detect_captures`]), at the cost of one capture query per allocation that reaches the
     /// strategy or the stream caches, unless [`Config::capture_detection`] is off. The stream caches keep
     /// frees back from the start unless [`Config::stream_cache_eager`] says otherwise.
+    ///
+    /// A request that runs out of memory gets the buffers the stream caches hold back within its one retry
+    /// (the strategy frees them and tries once more, after it released its own cache once), so one request
+    /// counts at most one retry and one out-of-memory, and the cache is released once.
     pub fn expandable(driver: D, config: Config) -> Result<Self, Error> {
-        let stream_cache = config.stream_cache;
-        let eager = config.stream_cache_eager.unwrap_or(true);
+        let caches = Arc::new(StreamCaches::new(
+            config.stream_cache,
+            config.stream_cache_eager.unwrap_or(true),
+        ));
         let detect = config.capture_detection;
         let mut strategy = Expandable::new(driver, config)?;
         strategy.detect_captures(detect);
-        Ok(Self::with_stream_cache(strategy, stream_cache, eager))
+        strategy.hold_back(Box::new(CachedBuffers(Arc::clone(&caches))));
+        Ok(Self::with_caches(strategy, caches, true))
+    }
+}
+
+/// The stream caches as memory the strategy may take back when a request runs out ([`HeldBack`]).
+#[derive(Debug)]
+struct CachedBuffers(Arc<StreamCaches>);
+
+impl HeldBack for CachedBuffers {
+    fn any(&self) -> bool {
+        self.0.any_held()
+    }
+
+    fn take_all(&self) -> Vec<u64> {
+        self.0.drain()
     }
 }
 
@@ -117,12 +143,23 @@ impl<S: Strategy> Allocator<S> {
     /// goes straight to the strategy. `eager`: they keep frees back from the start; else only once a thread
     /// finds the strategy's lock taken, so that a program that never contends sees exactly the strategy
     /// ([`Config::stream_cache_eager`]).
+    ///
+    /// A request that runs out of memory while the caches hold buffers is asked again once they are given
+    /// back (the strategy's own release and retry then runs twice; [`Allocator::expandable`] gives cuvmm's
+    /// strategy the caches to take back within its one retry instead).
     pub fn with_stream_cache(strategy: S, bytes: u64, eager: bool) -> Self {
+        Self::with_caches(strategy, Arc::new(StreamCaches::new(bytes, eager)), false)
+    }
+
+    /// Wraps a strategy with `caches`; `strategy_takes_caches`: the strategy takes them back itself when a
+    /// request runs out of memory.
+    fn with_caches(strategy: S, caches: Arc<StreamCaches>, strategy_takes_caches: bool) -> Self {
         let capture_probe = strategy.capture_probe();
         Self {
             shared: Arc::new(Shared {
                 strategy: Mutex::new(strategy),
-                caches: StreamCaches::new(bytes, eager),
+                caches,
+                strategy_takes_caches,
                 raw: RawBook::new(),
                 recorded: Mutex::new(FxHashSet::default()),
                 recorded_len: AtomicUsize::new(0),
@@ -181,11 +218,11 @@ impl<S: Strategy> Allocator<S> {
 
     /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept, so pointers
     /// and captured CUDA graphs that use them stay valid. Does nothing for a tag awake. Out of memory with
-    /// buffers in the stream caches, it gives them back to the strategy and tries once more.
+    /// buffers in the stream caches, they are given back to the strategy and the wake tried once more.
     pub fn wake(&self, tag: &str) -> Result<(), Error> {
         let result = self.shared.strategy.lock().wake(tag);
         match result {
-            Err(err) if err.is_out_of_memory() && self.shared.caches.any_held() => {
+            Err(err) if err.is_out_of_memory() && self.retries_after_drain() => {
                 self.drain_caches()?;
                 self.shared.strategy.lock().wake(tag)
             }
@@ -229,7 +266,7 @@ impl<S: Strategy> Allocator<S> {
         drop(strategy);
         let in_capture = capturing || underway > 0;
         let result = match result {
-            Err(Error::OutOfMemory(_)) if shared.caches.any_held() => {
+            Err(Error::OutOfMemory(_)) if self.retries_after_drain() => {
                 self.drain_caches()?;
                 let retry = alloc(&mut shared.strategy.lock());
                 if retry.is_ok() {
@@ -240,6 +277,12 @@ impl<S: Strategy> Allocator<S> {
             other => other,
         };
         result.map(|ptr| (ptr, in_capture))
+    }
+
+    /// Whether a request (or wake) that ran out of memory is asked again after the stream caches are given
+    /// back: when they hold buffers and the strategy did not take them back itself.
+    fn retries_after_drain(&self) -> bool {
+        !self.shared.strategy_takes_caches && self.shared.caches.any_held()
     }
 
     /// Whether the stream caches could serve a request while `stream` is captured with no pool begun: they

@@ -251,9 +251,11 @@ impl StreamCaches {
     /// caches are on is a hint, read and written without a lock; a stale value only sends a free the slow
     /// way, or lets a double free through `free_raw` go unnoticed while the caches turn on.)
     pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
+        // Every shard locked at once, in order (no other path holds two), so that a buffer that another
+        // thread takes from one shard and frees into another is not seen in both.
+        let guards: Vec<_> = self.shards.iter().map(|shard| shard.held.lock()).collect();
         let mut seen = rustc_hash::FxHashSet::default();
-        for shard in self.shards.iter() {
-            let held = shard.held.lock();
+        for (shard, held) in self.shards.iter().zip(&guards) {
             let bytes: u64 = held.entries.iter().map(|e| e.size).sum();
             InvariantViolation::check_stats(&[
                 ("stream cache bytes", held.bytes, bytes),

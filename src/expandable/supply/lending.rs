@@ -5,7 +5,7 @@
 //! other pages cannot be unmapped: their memory is stranded. Under memory pressure, rather than failing or
 //! creating past the budget, such an idle page is *lent*: its memory is mapped a second time where a request
 //! needs a page (`Driver::map_from`, `cuMemMap` from the page's offset in the chunk), and its own addresses
-//! become a [`Lent`](super::blocks::BlockState::Lent) block, never allocated, until the page comes back.
+//! become a [`Lent`](crate::expandable::blocks::BlockState::Lent) block, never allocated, until the page comes back.
 //!
 //! A lent page comes back ("home") when its second mapping is unmapped and not mapped again at once (a
 //! release of the cache, a failed request): its lent block is freed and the page is idle again at home, so
@@ -18,12 +18,12 @@
 //! `reserved_bytes`.
 //!
 //! A part that owns its state ([`Lending`]): which chunks lend pages, and where each lent page is mapped a
-//! second time. The orchestrator (`reclaim.rs`) chooses the pages, changes their blocks and maps them.
+//! second time. The rest of the supply (`reclaim.rs`) chooses the pages, changes their blocks and maps them.
 
-use super::blocks::BlockState;
-use super::segment::Segment;
-use super::segments::Segments;
 use crate::driver::{PhysHandle, PhysPage};
+use crate::expandable::blocks::BlockState;
+use crate::expandable::segment::Segment;
+use crate::expandable::segments::Segments;
 use crate::strategy::error::InvariantViolation as V;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::HashMap;
@@ -42,7 +42,7 @@ struct Lender {
 
 /// The chunks that lend pages and the second mappings of those pages.
 #[derive(Debug)]
-pub(super) struct Lending {
+pub(crate) struct Lending {
     /// The chunks with pages lent, and where each is mapped at home.
     lenders: FxHashMap<PhysHandle, Lender>,
     /// Lent pages mapped a second time, by address: the piece of its chunk each maps.
@@ -54,7 +54,7 @@ pub(super) struct Lending {
 
 impl Lending {
     /// Nothing lent; lending allowed if `enabled`.
-    pub(super) fn allowed(enabled: bool) -> Self {
+    pub(crate) fn allowed(enabled: bool) -> Self {
         Self {
             lenders: FxHashMap::default(),
             aliases: FxHashMap::default(),
@@ -63,24 +63,24 @@ impl Lending {
     }
 
     /// Whether idle pages of chunks in use may be lent.
-    pub(super) fn enabled(&self) -> bool {
+    pub(crate) fn enabled(&self) -> bool {
         self.enabled
     }
 
     /// The driver cannot map part of a handle: lend no more.
-    pub(super) fn disable(&mut self) {
+    pub(crate) fn disable(&mut self) {
         self.enabled = false;
     }
 
     /// Whether the page at `addr` holds a lent page (a second mapping of a chunk's page).
     #[inline]
-    pub(super) fn is_alias(&self, addr: u64) -> bool {
+    pub(crate) fn is_alias(&self, addr: u64) -> bool {
         !self.aliases.is_empty() && self.aliases.contains_key(&addr)
     }
 
     /// Lends `page` of segment `slot`, in the chunk `handle` mapped at home at the group from `group`:
     /// returns its piece of the chunk.
-    pub(super) fn lend_piece(
+    pub(crate) fn lend_piece(
         &mut self,
         handle: PhysHandle,
         (slot, group, page): (usize, usize, usize),
@@ -101,7 +101,7 @@ impl Lending {
     }
 
     /// Takes a lent piece, mapped nowhere else now, back: returns the slot and page of its home.
-    pub(super) fn return_piece(&mut self, piece: PhysPage, page_size: u64) -> (usize, usize) {
+    pub(crate) fn return_piece(&mut self, piece: PhysPage, page_size: u64) -> (usize, usize) {
         let lender = self
             .lenders
             .get_mut(&piece.handle)
@@ -115,7 +115,7 @@ impl Lending {
     }
 
     /// Pages of the segments `slots` lent elsewhere.
-    pub(super) fn lent_from(&self, slots: &[usize]) -> usize {
+    pub(crate) fn lent_from(&self, slots: &[usize]) -> usize {
         (self.lenders.values())
             .filter(|l| slots.contains(&l.slot))
             .map(|l| l.lent)
@@ -124,7 +124,7 @@ impl Lending {
 
     /// Records that `pages` (pieces, one per page) were mapped at the pages from `start` of `seg`: the lent
     /// ones (pieces of `chunks`) as second mappings. Returns how many were lent.
-    pub(super) fn note_mapped(
+    pub(crate) fn note_mapped(
         &mut self,
         chunks: &FxHashSet<PhysHandle>,
         seg: &Segment,
@@ -148,7 +148,7 @@ impl Lending {
     /// Records that the pages `run` of `seg` were unmapped, their handles `handles` (in page order, as the
     /// page map gave them): appends single pages and lent pieces to `out`, appends each chunk unmapped at home
     /// once to `unmapped_chunks`. Returns how many were lent pieces.
-    pub(super) fn note_unmapped(
+    pub(crate) fn note_unmapped(
         &mut self,
         chunks: &FxHashSet<PhysHandle>,
         seg: &Segment,
@@ -178,18 +178,18 @@ impl Lending {
     }
 
     /// Forgets every lent page (teardown).
-    pub(super) fn forget_all(&mut self) {
+    pub(crate) fn forget_all(&mut self) {
         self.aliases.clear();
         self.lenders.clear();
     }
 
     /// The lent piece mapped at `addr`, if any.
-    pub(super) fn alias_at(&self, addr: u64) -> Option<&PhysPage> {
+    pub(crate) fn alias_at(&self, addr: u64) -> Option<&PhysPage> {
         self.aliases.get(&addr)
     }
 
     /// A lent page mapped at `addr`: the page map holds its chunk, and its chunk lends the page.
-    pub(super) fn check_alias(
+    pub(crate) fn check_alias(
         &self,
         segments: &Segments,
         (page_size, chunk_pages): (u64, usize),
@@ -211,7 +211,7 @@ impl Lending {
 
     /// The lenders against the lent blocks: each chunk with lent blocks has a lender at their group, counting
     /// them, and as many second mappings of it; per pool, the lent page counts match.
-    pub(super) fn check_lenders(
+    pub(crate) fn check_lenders(
         &self,
         segments: &Segments,
         chunk_pages: usize,

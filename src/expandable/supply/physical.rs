@@ -1,41 +1,41 @@
 //! Physical memory: the handle pool, the chunks, and the budget and limit that growth stays under.
 //!
-//! A handle is one page, or, in the large pool under `compaction:pressure`, a *chunk* of `chunk_pages`
-//! pages mapped at an aligned group of pages of one segment (PyTorch maps 20 MiB handles there). A handle is
-//! in exactly one place: mapped (a chunk at all pages of its group, its lent pages also mapped a second time
-//! elsewhere, see `lending.rs`), or pooled, unmapped (`pooled` for single pages, `pooled_chunks` for
-//! chunks). A part that owns its state: the orchestrator (`grow.rs`, `reclaim.rs`) maps and unmaps, and
-//! asks it for pooled handles, for the chunk a page lies in, and whether growth is under the budget.
+//! A handle is one page, or, in the large pool when the handle-size policy makes them (`handle_size/`), a
+//! *chunk* of `chunk_pages` pages mapped at an aligned group of pages of one segment (PyTorch maps 20 MiB
+//! handles there). A handle is in exactly one place: mapped (a chunk at all pages of its group, its lent
+//! pages also mapped a second time elsewhere, see `lending.rs`), or pooled, unmapped (`pooled` for single
+//! pages, `pooled_chunks` for chunks). The supply's own state: the rest of the supply maps and unmaps, and
+//! asks it for pooled handles, for the chunk a page lies in, and where growth stands against the budget.
 //!
 //! The memory limit (`per_process_memory_fraction`, [`Config::memory_limit`](crate::Config::memory_limit))
 //! is PyTorch's `set_per_process_memory_fraction` for cuvmm: growth past it is refused as a full device's
 //! would be, so a request is served from idle memory or fails with out-of-memory.
 
-use super::accounting::Books;
 use super::lending::Lending;
-use super::segment::Segment;
-use super::settle::release_settled;
 use crate::driver::{Driver, DriverError, Op, PhysHandle, PhysPage};
+use crate::expandable::accounting::Books;
+use crate::expandable::segment::Segment;
+use crate::expandable::settle::release_settled;
 use crate::strategy::error::Error;
 use rustc_hash::FxHashSet;
 use std::ops::Range;
 
 /// The handles held and the rules growth follows.
 #[derive(Debug)]
-pub(super) struct Physical {
+pub(crate) struct Physical {
     pooled: Vec<PhysHandle>,
     /// Unmapped chunks (multi-page handles) ready to map at a group of pages.
     pooled_chunks: Vec<PhysHandle>,
     /// Every chunk held (mapped or pooled).
     chunks: FxHashSet<PhysHandle>,
-    /// Pages per large-pool handle: `config.large_handle` in pages under `compaction:pressure`, else 1.
+    /// Pages per large-pool handle, as the handle-size policy says (1: no chunks).
     chunk_pages: usize,
     page_size: u64,
-    /// Whether growth reclaims before it creates (`compaction:eager`).
-    eager: bool,
-    /// Reserved bytes under which `compaction:pressure` grows without reclaiming ([`Config::budget_bytes`]).
+    /// Reserved bytes under which `compaction:pressure` grows without reclaiming
+    /// ([`Config::budget_bytes`](crate::Config::budget_bytes)).
     budget: u64,
-    /// The most bytes that may be reserved ([`Config::memory_limit`]); `None`: the device's memory.
+    /// The most bytes that may be reserved ([`Config::memory_limit`](crate::Config::memory_limit)); `None`:
+    /// the device's memory.
     limit: Option<u64>,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
@@ -44,11 +44,29 @@ pub(super) struct Physical {
     unmapped_scratch: Vec<PhysHandle>,
 }
 
+/// Reserved memory against the budget, for a growth of `extra` bytes: what the policies decide by
+/// (`compaction/`, `handle_size/`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Growth {
+    /// Bytes reserved now.
+    pub reserved: u64,
+    /// The budget ([`Config::budget_bytes`](crate::Config::budget_bytes), lowered to the memory limit).
+    pub budget: u64,
+    /// Bytes the growth would add.
+    pub extra: u64,
+}
+
+impl Growth {
+    /// Whether the growth takes reserved memory past the budget.
+    pub(crate) fn over_budget(self) -> bool {
+        self.reserved.saturating_add(self.extra) > self.budget
+    }
+}
+
 /// How a [`Physical`] is set up.
-pub(super) struct Setup {
+pub(crate) struct Setup {
     pub chunk_pages: usize,
     pub page_size: u64,
-    pub eager: bool,
     pub budget: u64,
     pub limit: Option<u64>,
     /// Chunks the set of chunks has room for up front.
@@ -57,14 +75,13 @@ pub(super) struct Setup {
 
 impl Physical {
     /// No handle held yet.
-    pub(super) fn set_up(s: Setup) -> Self {
+    pub(crate) fn set_up(s: Setup) -> Self {
         Self {
             pooled: Vec::new(),
             pooled_chunks: Vec::new(),
             chunks: FxHashSet::with_capacity_and_hasher(s.chunk_room, Default::default()),
             chunk_pages: s.chunk_pages,
             page_size: s.page_size,
-            eager: s.eager,
             budget: s.budget,
             limit: s.limit,
             handle_queue: Vec::new(),
@@ -73,35 +90,33 @@ impl Physical {
     }
 
     /// Pages per chunk (1: no chunks).
-    pub(super) fn chunk_pages(&self) -> usize {
+    pub(crate) fn chunk_pages(&self) -> usize {
         self.chunk_pages
     }
 
-    /// The growth budget.
-    pub(super) fn budget(&self) -> u64 {
-        self.budget
-    }
-
     /// The memory limit, if any.
-    pub(super) fn limit(&self) -> Option<u64> {
+    pub(crate) fn limit(&self) -> Option<u64> {
         self.limit
     }
 
     /// Sets the memory limit, and lowers the budget to it when it is below.
-    pub(super) fn set_limit(&mut self, limit: u64) {
+    pub(crate) fn set_limit(&mut self, limit: u64) {
         self.limit = Some(limit);
         self.budget = self.budget.min(limit);
     }
 
-    /// Whether reserving `extra` more bytes, with `reserved` reserved now, would pass the pressure budget.
-    /// Always true under `compaction:eager`, which reclaims before it creates.
-    pub(super) fn under_pressure(&self, reserved: u64, extra: u64) -> bool {
-        self.eager || reserved.saturating_add(extra) > self.budget
+    /// Where reserving `extra` more bytes, with `reserved` reserved now, stands against the budget.
+    pub(crate) fn growth(&self, reserved: u64, extra: u64) -> Growth {
+        Growth {
+            reserved,
+            budget: self.budget,
+            extra,
+        }
     }
 
     /// How many more pages the memory limit lets the allocator reserve, with `reserved` reserved now (all
     /// it wants without a limit).
-    pub(super) fn pages_under_limit(&self, reserved: u64) -> usize {
+    pub(crate) fn pages_under_limit(&self, reserved: u64) -> usize {
         match self.limit {
             None => usize::MAX,
             Some(limit) => {
@@ -113,7 +128,7 @@ impl Physical {
 
     /// The out-of-memory error of creating `pages` pages past the memory limit: what the driver would say of
     /// a device that small.
-    pub(super) fn limit_reached(&self, reserved: u64, pages: usize) -> DriverError {
+    pub(crate) fn limit_reached(&self, reserved: u64, pages: usize) -> DriverError {
         let limit = self.limit.unwrap_or(0);
         DriverError::OutOfMemory {
             op: Op::Create,
@@ -123,86 +138,86 @@ impl Physical {
     }
 
     /// Pages held by pooled handles, single pages and chunks.
-    pub(super) fn pooled_pages(&self) -> usize {
+    pub(crate) fn pooled_pages(&self) -> usize {
         self.pooled.len() + self.pooled_chunks.len() * self.chunk_pages
     }
 
     /// Moves up to `count` pooled single pages to `out`; returns how many.
-    pub(super) fn take_pooled(&mut self, count: usize, out: &mut Vec<PhysPage>) -> usize {
+    pub(crate) fn take_pooled(&mut self, count: usize, out: &mut Vec<PhysPage>) -> usize {
         let from_pool = count.min(self.pooled.len());
         out.extend((self.pooled.drain(self.pooled.len() - from_pool..)).map(PhysPage::from));
         from_pool
     }
 
     /// Pools an unmapped single-page handle.
-    pub(super) fn pool_page(&mut self, handle: PhysHandle) {
+    pub(crate) fn pool_page(&mut self, handle: PhysHandle) {
         self.pooled.push(handle);
     }
 
     /// Pools unmapped handles (teardown: chunks too, for release).
-    pub(super) fn pool_pages(&mut self, handles: impl IntoIterator<Item = PhysHandle>) {
+    pub(crate) fn pool_pages(&mut self, handles: impl IntoIterator<Item = PhysHandle>) {
         self.pooled.extend(handles);
     }
 
     /// A pooled chunk, if any.
-    pub(super) fn pop_pooled_chunk(&mut self) -> Option<PhysHandle> {
+    pub(crate) fn pop_pooled_chunk(&mut self) -> Option<PhysHandle> {
         self.pooled_chunks.pop()
     }
 
     /// Pools an unmapped chunk.
-    pub(super) fn pool_chunk(&mut self, handle: PhysHandle) {
+    pub(crate) fn pool_chunk(&mut self, handle: PhysHandle) {
         self.pooled_chunks.push(handle);
     }
 
     /// Holds a new chunk.
-    pub(super) fn add_chunk(&mut self, handle: PhysHandle) {
+    pub(crate) fn add_chunk(&mut self, handle: PhysHandle) {
         self.chunks.insert(handle);
     }
 
     /// Whether `handle` is a chunk.
     #[inline]
-    pub(super) fn is_chunk(&self, handle: PhysHandle) -> bool {
+    pub(crate) fn is_chunk(&self, handle: PhysHandle) -> bool {
         self.chunks.contains(&handle)
     }
 
     /// Whether any chunk is held.
     #[inline]
-    pub(super) fn has_chunks(&self) -> bool {
+    pub(crate) fn has_chunks(&self) -> bool {
         !self.chunks.is_empty()
     }
 
     /// The chunks held (for the invariants).
-    pub(super) fn chunks(&self) -> &FxHashSet<PhysHandle> {
+    pub(crate) fn chunks(&self) -> &FxHashSet<PhysHandle> {
         &self.chunks
     }
 
     /// The pooled single pages and chunks (for the invariants).
-    pub(super) fn pooled(&self) -> (&[PhysHandle], &[PhysHandle]) {
+    pub(crate) fn pooled(&self) -> (&[PhysHandle], &[PhysHandle]) {
         (&self.pooled, &self.pooled_chunks)
     }
 
     /// The buffer for the handles of a request, empty; give it back with [`restore_queue`](Self::restore_queue).
-    pub(super) fn take_queue(&mut self) -> Vec<PhysPage> {
+    pub(crate) fn take_queue(&mut self) -> Vec<PhysPage> {
         let mut queue = std::mem::take(&mut self.handle_queue);
         queue.clear();
         queue
     }
 
     /// Gives the request's buffer back.
-    pub(super) fn restore_queue(&mut self, queue: Vec<PhysPage>) {
+    pub(crate) fn restore_queue(&mut self, queue: Vec<PhysPage>) {
         self.handle_queue = queue;
     }
 
     /// The buffer for the handles of a run being unmapped, empty; give it back with
     /// [`restore_scratch`](Self::restore_scratch).
-    pub(super) fn take_scratch(&mut self) -> Vec<PhysHandle> {
+    pub(crate) fn take_scratch(&mut self) -> Vec<PhysHandle> {
         let mut handles = std::mem::take(&mut self.unmapped_scratch);
         handles.clear();
         handles
     }
 
     /// Gives the unmapping buffer back.
-    pub(super) fn restore_scratch(&mut self, handles: Vec<PhysHandle>) {
+    pub(crate) fn restore_scratch(&mut self, handles: Vec<PhysHandle>) {
         self.unmapped_scratch = handles;
     }
 
@@ -213,7 +228,7 @@ impl Physical {
     /// its aligned group and a single-page handle at one page only, so the handle at `page` is a chunk at
     /// home exactly when another page of the group holds the same handle and `page` is not a lent page (two
     /// lent pages of one chunk may lie in one group).
-    pub(super) fn chunk_at(
+    pub(crate) fn chunk_at(
         &self,
         lending: &Lending,
         seg: &Segment,
@@ -235,7 +250,7 @@ impl Physical {
     }
 
     /// `run` of idle pages of `seg` without the ends of chunks that lie partly outside it (and so are in use).
-    pub(super) fn whole_chunks(
+    pub(crate) fn whole_chunks(
         &self,
         lending: &Lending,
         seg: &Segment,
@@ -256,7 +271,7 @@ impl Physical {
     }
 
     /// `pages` of `seg`, widened at each end to the whole chunk that end lies in, if any.
-    pub(super) fn widen_to_chunks(
+    pub(crate) fn widen_to_chunks(
         &self,
         lending: &Lending,
         seg: &Segment,
@@ -275,7 +290,7 @@ impl Physical {
     }
 
     /// `page` of `seg`, moved down to the start of its chunk if it lies in one.
-    pub(super) fn chunk_floor(&self, lending: &Lending, seg: &Segment, page: usize) -> usize {
+    pub(crate) fn chunk_floor(&self, lending: &Lending, seg: &Segment, page: usize) -> usize {
         match self.chunks.is_empty() {
             true => page,
             false => self
@@ -285,7 +300,7 @@ impl Physical {
     }
 
     /// Gives one unmapped handle (a page or a chunk) back to the driver.
-    pub(super) fn release_handle<D: Driver>(
+    pub(crate) fn release_handle<D: Driver>(
         &mut self,
         driver: &mut D,
         books: &mut Books,
@@ -302,7 +317,7 @@ impl Physical {
     }
 
     /// Releases chunks unmapped at home; one that cannot be released is pooled, as are the chunks after it.
-    pub(super) fn release_chunks<D: Driver>(
+    pub(crate) fn release_chunks<D: Driver>(
         &mut self,
         driver: &mut D,
         books: &mut Books,
@@ -323,7 +338,7 @@ impl Physical {
 
     /// Releases pooled handles until at least `bytes` are given back or the pool is empty; returns the bytes
     /// given back. A handle whose release fails stays in the pool.
-    pub(super) fn release_pooled<D: Driver>(
+    pub(crate) fn release_pooled<D: Driver>(
         &mut self,
         driver: &mut D,
         books: &mut Books,
@@ -353,7 +368,7 @@ impl Physical {
 
     /// Releases every pooled handle, chunks included (teardown); goes on after a failure and hands each
     /// failure to `note`.
-    pub(super) fn release_all<D: Driver>(
+    pub(crate) fn release_all<D: Driver>(
         &mut self,
         driver: &mut D,
         books: &mut Books,

@@ -1,0 +1,146 @@
+//! N pages for a request's missing pages: pooled handles first; then what the compaction policy reclaims
+//! (idle pages unmapped from wherever they are, or lent); then new handles from the driver, within the
+//! memory limit. On out-of-memory the cache is released and creation retried, once, if the request allows
+//! it ([`Shortage`]).
+
+use super::{Growth, Parts, Shortage, Supply};
+use crate::driver::{Driver, PhysPage};
+use crate::expandable::compacting::{Compacting, Wait};
+use crate::expandable::compaction::Reclaimer;
+use crate::strategy::error::Error;
+
+impl Supply {
+    /// Appends `count` pages for missing pages to `out`: pooled handles first; then, as the compaction policy
+    /// says, idle pages unmapped from wherever they are, or lent; then new handles from the driver; in `out`
+    /// the new ones come first. Returns how many already existed (pooled, unmapped or lent). On driver
+    /// out-of-memory the cache is released and creation retried, once, if `shortage` allows it. On failure
+    /// every page obtained so far is put back and `out` is as it was.
+    pub(super) fn obtain<D: Driver>(
+        &mut self,
+        p: &mut Parts<'_, D>,
+        count: usize,
+        out: &mut Vec<PhysPage>,
+        shortage: &mut Shortage,
+    ) -> Result<usize, Error> {
+        let base = out.len();
+        out.reserve(count);
+        let from_pool = self.physical.take_pooled(count, out);
+        // Compaction waits for streams and unmaps: never during a capture.
+        if from_pool < count
+            && !p.graphs.capturing()
+            && let Err(err) = self.reclaim(p, count - from_pool, out)
+        {
+            let obtained: Vec<PhysPage> = out.drain(base..).collect();
+            self.put_back(p, obtained);
+            return Err(err);
+        }
+        let reused = out.len() - base;
+        let mut fresh_handles = Vec::new();
+        while out.len() - base < count {
+            fresh_handles.clear();
+            let wanted = count - (out.len() - base);
+            // Past the memory limit the device is as full as if it were that small.
+            let allowed = self
+                .physical
+                .pages_under_limit(p.books.counters.reserved.current)
+                .min(wanted);
+            let mut created = Ok(());
+            if allowed > 0 {
+                created = p
+                    .driver
+                    .create_each(self.page_size, allowed, &mut fresh_handles);
+            }
+            if created.is_ok() && allowed < wanted {
+                created = Err(self
+                    .physical
+                    .limit_reached(p.books.counters.reserved.current, wanted - allowed));
+            }
+            out.extend(fresh_handles.iter().copied().map(PhysPage::from));
+            let fresh = fresh_handles.len() as u64;
+            p.books.counters.created += fresh;
+            p.books.counters.reserved.add(fresh * self.page_size);
+            match created.map_err(Error::from) {
+                Ok(()) => {}
+                Err(err) if err.is_out_of_memory() && shortage.take_release() => {
+                    tracing::info!(
+                        pages = count,
+                        created = out.len() - base - reused,
+                        "cuvmm: out of memory creating a page; releasing the cache and retrying once"
+                    );
+                    if let Err(err) = self.release_cache(p) {
+                        let obtained: Vec<PhysPage> = out.drain(base..).collect();
+                        self.put_back(p, obtained);
+                        return Err(err);
+                    }
+                }
+                Err(err) => {
+                    let obtained: Vec<PhysPage> = out.drain(base..).collect();
+                    self.put_back(p, obtained);
+                    return Err(err);
+                }
+            }
+        }
+        out[base..].rotate_left(reused);
+        Ok(reused)
+    }
+
+    /// Reclaims idle pages for `count` missing pages as the compaction policy says ([`Policy::reclaim`](
+    /// crate::expandable::compaction::Policy::reclaim)). Single-page handles and lent pages are appended to
+    /// `out`; chunks are released, which makes room to create single pages.
+    fn reclaim<D: Driver>(
+        &mut self,
+        p: &mut Parts<'_, D>,
+        count: usize,
+        out: &mut Vec<PhysPage>,
+    ) -> Result<(), Error> {
+        let base = out.len();
+        let policies = p.policies;
+        let mut reclaiming = Reclaiming {
+            supply: self,
+            parts: p,
+            out,
+            target: base + count,
+            compacting: Compacting::default(),
+        };
+        let result = policies.compaction.reclaim(&mut reclaiming);
+        let stolen = (reclaiming.out.len() - base) as u64;
+        p.books.counters.compacted += stolen;
+        if stolen > 0 {
+            tracing::debug!(
+                pages = stolen,
+                "cuvmm: compaction: idle pages unmapped for reuse"
+            );
+        }
+        result
+    }
+}
+
+/// One request's reclaim, as the compaction policy drives it: the supply's mechanisms on the request's
+/// buffer of pages, with what this compaction has learnt about streams.
+struct Reclaiming<'s, 'p, 'a, D> {
+    supply: &'s mut Supply,
+    parts: &'p mut Parts<'a, D>,
+    out: &'s mut Vec<PhysPage>,
+    /// `out`'s length once every missing page is there.
+    target: usize,
+    compacting: Compacting,
+}
+
+impl<D: Driver> Reclaimer for Reclaiming<'_, '_, '_, D> {
+    fn missing(&self) -> usize {
+        self.target - self.out.len()
+    }
+
+    fn growth(&self) -> Growth {
+        let reserved = self.parts.books.counters.reserved.current;
+        (self.supply.physical).growth(reserved, self.missing() as u64 * self.supply.page_size)
+    }
+
+    fn steal(&mut self, count: usize, wait: Wait) -> Result<usize, Error> {
+        (self.supply).steal_idle(self.parts, count, self.out, wait, &mut self.compacting)
+    }
+
+    fn lend(&mut self, count: usize, wait: Wait) -> Result<usize, Error> {
+        (self.supply).lend_stranded(self.parts, count, self.out, wait, &mut self.compacting)
+    }
+}
