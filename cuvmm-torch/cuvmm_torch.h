@@ -9,7 +9,7 @@
  *       "target/release/libcuvmm_torch.so", "cuvmm_malloc", "cuvmm_free")
  *   torch.cuda.memory.change_current_allocator(alloc)   # before the first CUDA allocation
  *
- * python/cuvmm_torch.py does this (install()) and wraps the rest with ctypes. The C++ layer in csrc/
+ * python/cuvmm_torch/ does this (install()) and wraps the rest with ctypes. The C++ layer in csrc/
  * (cuvmm_torch.install() builds it against the user's PyTorch) calls the rest, from "The C++ layer" on, to
  * be PyTorch's whole CUDA allocator (statistics, streams, graph pools, snapshots, OOM errors).
  *

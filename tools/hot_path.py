@@ -3,7 +3,7 @@
 
     python3 tools/hot_path.py --allocator native        # PyTorch's default allocator
     python3 tools/hot_path.py --allocator expandable    # expandable_segments:True
-    python3 tools/hot_path.py --allocator cuvmm         # cuvmm plugged in (python/cuvmm_torch.py)
+    python3 tools/hot_path.py --allocator cuvmm         # cuvmm plugged in (python/cuvmm_torch/)
 
 For each size, one allocation warms the cache, then ``--pairs`` pairs of
 ``torch.cuda.caching_allocator_alloc`` + ``caching_allocator_delete`` on the default stream are timed,

@@ -6,7 +6,7 @@ The trace is in cuvmm's format (``docs/trace-format.md``); any trace cuvmm reads
     cuvmm workload --trace snapshot.pickle -o snap.trace
     python3 tools/torch_replay.py snap.trace                            # PyTorch's default allocator
     python3 tools/torch_replay.py snap.trace --allocator expandable     # expandable_segments:True
-    python3 tools/torch_replay.py snap.trace --allocator cuvmm          # cuvmm plugged in (python/cuvmm_torch.py)
+    python3 tools/torch_replay.py snap.trace --allocator cuvmm          # cuvmm plugged in (python/cuvmm_torch/)
 
 Each allocation goes through ``torch.cuda.caching_allocator_alloc(size, device, stream)`` and each free
 through ``caching_allocator_delete``, on one ``torch.cuda.Stream`` per stream number of the trace (0 is the
@@ -227,7 +227,7 @@ def main(argv=None):
     parser.add_argument("trace", help="a trace in cuvmm's format (cuvmm workload --trace FILE -o OUT)")
     parser.add_argument("--allocator", choices=["native", "expandable", "cuvmm"], default="native")
     parser.add_argument("--device", type=int, default=0, help="the CUDA device (default 0)")
-    parser.add_argument("--cuvmm-lib", help="libcuvmm_torch.so to plug in (default: as python/cuvmm_torch.py finds it)")
+    parser.add_argument("--cuvmm-lib", help="libcuvmm_torch.so to plug in (default: as python/cuvmm_torch/ finds it)")
     args = parser.parse_args(argv)
     try:
         name, events = read_trace(args.trace)

@@ -3,7 +3,7 @@
 
     python3 tools/train_gpt.py --allocator native              # PyTorch's default allocator
     python3 tools/train_gpt.py --allocator expandable          # expandable_segments:True
-    python3 tools/train_gpt.py --allocator cuvmm               # cuvmm plugged in (python/cuvmm_torch.py)
+    python3 tools/train_gpt.py --allocator cuvmm               # cuvmm plugged in (python/cuvmm_torch/)
     python3 tools/train_gpt.py --allocator cuvmm --fraction 0.1
     python3 tools/train_gpt.py --allocator native --search     # the smallest fraction at which it completes
 

@@ -3,7 +3,7 @@
 //! Built as `libcuvmm_torch.so` (`cargo build --release -p cuvmm-torch`), it exports the two functions that
 //! `torch.cuda.memory.CUDAPluggableAllocator` loads, `cuvmm_malloc` and `cuvmm_free`, and what PyTorch's own
 //! `memory_stats`, `memory_summary`, `empty_cache` and snapshots stop offering once a pluggable allocator
-//! is in place (`cuvmm_torch.h` declares them all; `python/cuvmm_torch.py` calls them with ctypes), and what the
+//! is in place (`cuvmm_torch.h` declares them all; `python/cuvmm_torch/` calls them with ctypes), and what the
 //! C++ layer (`csrc/`, built against the user's PyTorch) needs to be PyTorch's whole CUDA allocator.
 //!
 //! - [`registry`]: one cuvmm [`Allocator`](cuvmm::Allocator) per device, built on first use from

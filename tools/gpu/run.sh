@@ -84,7 +84,7 @@ cpp_layer() {
     export CUVMM_TORCH_LIB="$bin/libcuvmm_torch.so" CUVMM_TORCH_CPP=1
     [ -n "$cpp_built" ] && return
     cpp_built=1
-    step cpp-layer 300 python3 python/cuvmm_torch.py build
+    step cpp-layer 300 env PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m cuvmm_torch build
 }
 
 run_step() {

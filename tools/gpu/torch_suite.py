@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """PyTorch's uses of its CUDA allocator, each under three allocators: native (PyTorch's default), expandable
-(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and cuvmm (python/cuvmm_torch.py's install()).
+(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) and cuvmm (python/cuvmm_torch/'s install()).
 
     python3 tools/gpu/torch_suite.py                          # every case under every allocator
     python3 tools/gpu/torch_suite.py --allocator cuvmm --case record_stream,oom

@@ -7,8 +7,8 @@ One line, before the first CUDA allocation::
     ...                          # the training script, unchanged
 
 ``install()`` puts cuvmm in place through its C++ layer (``cuvmm-torch/csrc``), built against the installed
-PyTorch on first use and cached (see :func:`build_dir`; ``python3 python/cuvmm_torch.py build`` builds it
-ahead of time). PyTorch's own ``torch.cuda.memory_stats()``, ``max_memory_reserved()``,
+PyTorch on first use and cached (see :func:`build_dir`; ``python3 -m cuvmm_torch build`` builds it ahead
+of time). PyTorch's own ``torch.cuda.memory_stats()``, ``max_memory_reserved()``,
 ``memory_summary()``, ``memory._snapshot()``, ``empty_cache()``, ``set_per_process_memory_fraction()``,
 ``Tensor.record_stream`` and CUDA graphs then reach cuvmm, and out-of-memory is ``torch.OutOfMemoryError``
 with cuvmm's diagnosis.
@@ -20,8 +20,8 @@ warning naming what that path lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, 
 path.
 
 The library is found, in order: the ``path`` given to :func:`load` or :func:`install`; the
-``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` next to this file; ``target/release``
-of the checkout this file is in. The library reads its settings from the environment on first use
+``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` in this package's folder (an installed
+copy); ``target/release`` of the checkout this package is in. The library reads its settings from the environment on first use
 (``CUVMM_BACKEND``, ``CUVMM_ALLOC_CONF``, ... : see ``cuvmm-torch/cuvmm_torch.h``).
 """
 
@@ -87,6 +87,8 @@ FALLBACK_LACKS = (
 )
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The checkout this package is in (python/cuvmm_torch/ of it), for a library and sources not installed.
+_CHECKOUT = os.path.dirname(os.path.dirname(_HERE))
 _lib = None
 _layer = None
 
@@ -96,7 +98,7 @@ class CuvmmError(RuntimeError):
 
 
 def library_path(path=None):
-    """The library file to load: ``path``, else ``$CUVMM_TORCH_LIB``, else next to this module, else
+    """The library file to load: ``path``, else ``$CUVMM_TORCH_LIB``, else in this package's folder, else
     ``target/release`` of this checkout."""
     if path:
         return os.fspath(path)
@@ -104,7 +106,7 @@ def library_path(path=None):
         return os.environ[ENV_VAR]
     candidates = [
         os.path.join(_HERE, LIBRARY_NAME),
-        os.path.join(os.path.dirname(_HERE), "target", "release", LIBRARY_NAME),
+        os.path.join(_CHECKOUT, "target", "release", LIBRARY_NAME),
     ]
     for candidate in candidates:
         if os.path.exists(candidate):
@@ -116,9 +118,9 @@ def library_path(path=None):
 
 
 def csrc_dir():
-    """The C++ layer's sources: ``csrc`` next to this file (an installed copy), else ``cuvmm-torch/csrc``
-    of this checkout. Its parent holds ``cuvmm_torch.h``."""
-    candidates = [os.path.join(_HERE, "csrc"), os.path.join(os.path.dirname(_HERE), "cuvmm-torch", "csrc")]
+    """The C++ layer's sources: ``csrc`` in this package's folder (an installed copy), else
+    ``cuvmm-torch/csrc`` of this checkout. Its parent holds ``cuvmm_torch.h``."""
+    candidates = [os.path.join(_HERE, "csrc"), os.path.join(_CHECKOUT, "cuvmm-torch", "csrc")]
     for candidate in candidates:
         if all(os.path.exists(os.path.join(candidate, source)) for source in EXTENSION_SOURCES):
             return candidate
@@ -451,11 +453,3 @@ def sleep(tag, keep=True, device=None):
 def wake(tag, device=None):
     """Wakes ``tag``: its memory is mapped again at the same addresses, with its bytes if they were kept."""
     _check_status(load().cuvmm_wake(_device_index(device), tag.encode("utf-8")), "cuvmm_wake")
-
-
-if __name__ == "__main__":
-    # python3 python/cuvmm_torch.py build: builds the C++ layer against the installed PyTorch, once.
-    if sys.argv[1:] != ["build"]:
-        sys.exit("usage: python3 cuvmm_torch.py build")
-    extension = build_extension(verbose=True)
-    print(f"built {extension.__file__}")
