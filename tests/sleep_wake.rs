@@ -23,7 +23,7 @@ mod model;
 
 use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
-use cuvmm::driver::{CaptureMode, DriverError, HostMemory, Op, VaRange};
+use cuvmm::driver::{CaptureMode, DriverError, Op, VaRange};
 use cuvmm::expandable::Expandable;
 use cuvmm::{
     Allocator, Config, Driver as _, Error, GraphPool, Strategy as _, StreamFilter, StreamId,
@@ -131,8 +131,8 @@ fn a_sleep_waits_for_the_streams_that_used_the_tag() {
     assert_eq!(a.driver().pending_work(side), 0);
     assert_eq!(
         a.driver().counters().get(Op::Synchronize) - syncs,
-        2,
-        "the two busy streams, not the idle one"
+        3,
+        "the two busy streams, not the idle one, and the wait for the copies"
     );
     assert!(!a.driver().is_accessible(w));
     a.wake("kv").unwrap();
@@ -295,38 +295,15 @@ fn the_facade_reports_what_sleeps() {
     assert!(a.asleep_tags().is_empty());
 }
 
-/// The simulator on a host with no memory to spare for a sleep's copies.
-struct NoHostMemory(SimDriver);
-
-impl cuvmm::driver::Forward for NoHostMemory {
-    type Inner = SimDriver;
-    fn inner(&self) -> &SimDriver {
-        &self.0
-    }
-    fn inner_mut(&mut self) -> &mut SimDriver {
-        &mut self.0
-    }
-    fn alloc_host(&mut self, len: usize) -> Result<HostMemory, DriverError> {
-        Err(DriverError::HostOutOfMemory { bytes: len as u64 })
-    }
-}
-
+/// The host has no memory to spare for a sleep's copies (pinning its pieces fails).
 #[test]
 fn a_sleep_whose_bytes_the_host_cannot_hold_fails_and_changes_nothing() {
-    let sim = SimDriver::new(
-        SimConfig::default()
-            .with_capacity(PAGES * PAGE)
-            .with_granularity(PAGE)
-            .with_backing_store(true),
-    );
-    let config = Config {
-        small_size: 1024,
-        ..Config::default()
-    };
-    let mut a = Expandable::new(NoHostMemory(sim), config).unwrap();
+    let mut a = new_alloc(Config::default());
     let weights = a.alloc_tagged(4 * PAGE, StreamId(1), "weights").unwrap();
     let bytes = vec![7u8; (4 * PAGE) as usize];
-    a.driver_mut().0.write(weights, &bytes).unwrap();
+    a.driver_mut().write(weights, &bytes).unwrap();
+    a.driver_mut()
+        .fail_nth(Op::HostAlloc, 1, FaultKind::OutOfMemory);
     let reserved = a.stats().reserved_bytes.current;
     let refused = a.sleep("weights", true);
     assert!(
@@ -339,7 +316,7 @@ fn a_sleep_whose_bytes_the_host_cannot_hold_fails_and_changes_nothing() {
     assert_eq!(a.stats().asleep_bytes, 0);
     assert_eq!(a.stats().reserved_bytes.current, reserved);
     assert_eq!(
-        a.driver().0.read(weights, bytes.len()).unwrap(),
+        a.driver().read(weights, bytes.len()).unwrap(),
         bytes,
         "the tag stays awake with its bytes"
     );

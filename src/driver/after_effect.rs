@@ -14,14 +14,15 @@
 //! | `set_access`, `synchronize`, `event_complete`, `mem_info`, `memset_d8`, `copy_to_host`, `copy_from_host` | done (each is harmless to repeat) |
 //! | `reserve`, `create`, `malloc`, `record_event`, `import_handle` | made, then given back before the error: a creating call that fails leaves nothing behind (the caller has no name for it), as [`Driver`] asks of every driver |
 //! | `export_handle` | the descriptor is made, then closed before the error (closing it gives nothing else back: the handle stays the caller's) |
+//! | a copy job's steps (`start_copies`) | a host allocation is made, then freed before the error; a copy, the event and the wait are done |
 //!
 //! The undo of a creating call is a real call of the wrapped driver and is counted there (closing an
 //! exported descriptor is no driver call). `create_each`
 //! and `map_each` are made call by call while a failure is planned, so each call can fail.
 
 use super::{
-    Driver, DriverError, EventId, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
-    create_each_by_calls, map_each_by_calls,
+    CopyDirection, CopyJob, CopyPlan, CopyRun, Driver, DriverError, EventId, HostCopy, HostMemory,
+    MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange, create_each_by_calls, map_each_by_calls,
 };
 use std::os::fd::{BorrowedFd, OwnedFd};
 
@@ -227,6 +228,102 @@ impl<D: Driver> super::Forward for AfterEffect<D> {
     fn import_handle(&mut self, fd: BorrowedFd<'_>, size: u64) -> Result<PhysHandle, DriverError> {
         let result = self.inner.import_handle(fd, size);
         self.after_create(Op::Import, result, |d, handle| d.release(handle))
+    }
+    /// The job's steps the inner driver counted at its start that are planned to fail fail after their
+    /// effect when the job runs them.
+    fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
+        let before = self.inner.counters();
+        let job = self.inner.start_copies(plan)?;
+        let after = self.inner.counters();
+        let mut fail = Vec::new();
+        self.planned.retain(|&(op, call)| {
+            let ours = before.get(op) < call && call <= after.get(op);
+            if ours {
+                fail.push((op, call - before.get(op), call));
+            }
+            !ours
+        });
+        if fail.is_empty() {
+            return Ok(job);
+        }
+        Ok(job.wrap(|inner| {
+            Box::new(AfterEffectRun {
+                inner,
+                fail,
+                seen: Vec::new(),
+            })
+        }))
+    }
+}
+
+/// A copy job's steps, some of which fail after their effect.
+struct AfterEffectRun {
+    inner: Box<dyn CopyRun>,
+    /// (operation, its step among the job's steps of that operation from 1, the call's number).
+    fail: Vec<(Op, u64, u64)>,
+    /// The job's steps of each operation so far.
+    seen: Vec<(Op, u64)>,
+}
+
+impl AfterEffectRun {
+    /// Counts a step of `op` that succeeded: its planned failure, if it has one.
+    fn hit(&mut self, op: Op) -> Option<DriverError> {
+        let n = match self.seen.iter_mut().find(|(o, _)| *o == op) {
+            Some((_, n)) => {
+                *n += 1;
+                *n
+            }
+            None => {
+                self.seen.push((op, 1));
+                1
+            }
+        };
+        let i = self.fail.iter().position(|&(o, k, _)| o == op && k == n)?;
+        let (_, _, call) = self.fail.swap_remove(i);
+        Some(DriverError::Injected { op, call })
+    }
+
+    fn after(&mut self, op: Op, result: Result<(), DriverError>) -> Result<(), DriverError> {
+        result?;
+        self.hit(op).map_or(Ok(()), Err)
+    }
+}
+
+impl CopyRun for AfterEffectRun {
+    /// On a planned failure the memory is freed before the error.
+    fn alloc(&mut self, len: u64) -> Result<HostMemory, DriverError> {
+        let host = self.inner.alloc(len)?;
+        match self.hit(Op::HostAlloc) {
+            Some(err) => {
+                drop(host);
+                Err(err)
+            }
+            None => Ok(host),
+        }
+    }
+    fn copy(
+        &mut self,
+        copy: &HostCopy,
+        direction: CopyDirection,
+        host: &mut HostMemory,
+    ) -> Result<(), DriverError> {
+        let result = self.inner.copy(copy, direction, host);
+        let op = match direction {
+            CopyDirection::ToHost => Op::CopyToHost,
+            CopyDirection::FromHost => Op::CopyFromHost,
+        };
+        self.after(op, result)
+    }
+    fn record(&mut self) -> Result<(), DriverError> {
+        let result = self.inner.record();
+        self.after(Op::RecordEvent, result)
+    }
+    fn wait(&mut self, recorded: bool) -> Result<(), DriverError> {
+        let result = self.inner.wait(recorded);
+        self.after(Op::Synchronize, result)
+    }
+    fn finish(&mut self) {
+        self.inner.finish();
     }
 }
 

@@ -54,6 +54,16 @@ impl DriverCounters {
         self.extra_mappings[op as usize] += extra;
     }
 
+    /// Adds `other`'s calls, time, units and mappings (calls counted apart, such as a copy job's).
+    pub fn add(&mut self, other: &DriverCounters) {
+        for i in 0..Op::ALL.len() {
+            self.calls[i] += other.calls[i];
+            self.units[i] += other.units[i];
+            self.extra_mappings[i] += other.extra_mappings[i];
+        }
+        self.time_ns += other.time_ns;
+    }
+
     /// Calls of all operations together.
     pub fn total(&self) -> u64 {
         self.calls.iter().sum()

@@ -303,6 +303,19 @@ pub enum DriverError {
         /// What the operating system said.
         reason: String,
     },
+    /// A graph the simulator does not know (never captured, or its capture was invalidated or is under way).
+    #[error("no graph {graph}")]
+    UnknownGraph {
+        /// The capture id named.
+        graph: u64,
+    },
+    /// A copy job's plan the job cannot run (a copy outside its host piece, a piece given that the plan
+    /// allocates or missing where it does not): a bug of the caller. Nothing was copied.
+    #[error("copies: {reason}")]
+    CopyPlan {
+        /// What is wrong.
+        reason: &'static str,
+    },
     /// A real driver call failed.
     #[error("{op}: CUDA error {code} ({name})")]
     Cuda {

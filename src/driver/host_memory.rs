@@ -2,19 +2,31 @@
 //! what a sleeping tag's bytes are kept in.
 
 use super::error::DriverError;
+use std::any::Any;
 use std::fmt;
 
 /// The storage behind a [`HostMemory`]: an ordinary `Vec<u8>`, or a backend's own (page-locked memory on
 /// CUDA, which `cuMemcpy` reaches at the link's speed instead of through a staging buffer).
+///
+/// A backend's copy job ([`CopyJob`](super::CopyJob)) recognises its own storage through
+/// [`as_any_mut`](HostBytes::as_any_mut); an implementation whose memory an asynchronous copy may still
+/// be writing makes [`bytes`](HostBytes::bytes), [`bytes_mut`](HostBytes::bytes_mut) and its drop wait
+/// for that copy first.
 pub trait HostBytes: Send {
     /// The bytes.
     fn bytes(&self) -> &[u8];
     /// The bytes, to write.
     fn bytes_mut(&mut self) -> &mut [u8];
+    /// How many bytes there are (without touching them).
+    fn len(&self) -> usize {
+        self.bytes().len()
+    }
     /// Whether the memory is page-locked (pinned).
     fn pinned(&self) -> bool {
         false
     }
+    /// The storage as `Any`, for the backend that made it to recognise it.
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 impl HostBytes for Vec<u8> {
@@ -22,6 +34,12 @@ impl HostBytes for Vec<u8> {
         self
     }
     fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+    fn as_any_mut(&mut self) -> &mut dyn Any {
         self
     }
 }
@@ -58,7 +76,12 @@ impl HostMemory {
 
     /// How many bytes it holds.
     pub fn len(&self) -> usize {
-        self.as_slice().len()
+        self.0.len()
+    }
+
+    /// The storage, for the backend that made it (its copy job writes and reads it directly).
+    pub fn storage_mut(&mut self) -> &mut dyn HostBytes {
+        &mut *self.0
     }
 
     /// Whether it holds no byte.

@@ -12,6 +12,7 @@
 #[cfg(any(test, feature = "testing"))]
 pub mod after_effect;
 mod capture_probe;
+mod copies;
 mod counters;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -27,6 +28,7 @@ use forward::driver_trait;
 use std::os::fd::{BorrowedFd, OwnedFd};
 
 pub use capture_probe::CaptureProbe;
+pub use copies::{CopyDirection, CopyJob, CopyOutcome, CopyPlan, CopyRun, HostCopy};
 pub use counters::DriverCounters;
 pub use error::DriverError;
 pub use host_memory::{HostBytes, HostMemory};
@@ -243,6 +245,21 @@ driver_trait! {
             Err(DriverError::Unsupported {
                 op: Op::CopyFromHost,
             })
+        }
+
+        /// Checks `plan` (every device range mapped with access set, the copies inside their host pieces)
+        /// and returns a job that runs its copies without this driver ([`CopyJob::run`]), on a stream of the
+        /// driver's own, asynchronously into and out of page-locked host memory, so that the caller can let
+        /// go of the lock it holds the driver under while bytes move (a tag's sleep and wake,
+        /// `driver/copies.rs`). Until the job is over, an `unmap` of one of its device ranges fails with
+        /// [`DriverError::UnmapWhileInUse`] and changes nothing. The calls the job makes are counted as
+        /// [`Op::HostAlloc`], [`Op::CopyToHost`] or [`Op::CopyFromHost`], [`Op::RecordEvent`] and
+        /// [`Op::Synchronize`].
+        ///
+        /// The default implementation returns [`DriverError::Unsupported`].
+        fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
+            let _ = plan;
+            Err(DriverError::Unsupported { op: Op::CopyToHost })
         }
 
         /// Whether [`export_handle`](Driver::export_handle) can export the handles this driver creates: CUDA

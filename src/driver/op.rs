@@ -47,11 +47,14 @@ pub enum Op {
     Export,
     /// `cuMemImportFromShareableHandle`: a handle to memory another process exported.
     Import,
+    /// `cuMemHostAlloc`: page-locked host memory that a sleeping tag's bytes are copied to (pinning it is
+    /// the host's work, not the device's, but it is what a sleep's first copies wait for).
+    HostAlloc,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 20] = [
+    pub const ALL: [Op; 21] = [
         Op::Reserve,
         Op::FreeReservation,
         Op::Create,
@@ -72,6 +75,7 @@ impl Op {
         Op::CaptureInfo,
         Op::Export,
         Op::Import,
+        Op::HostAlloc,
     ];
 
     /// The operation's name in cuvmm's verbs (`reserve`, `create`, `map`, ...).
@@ -97,6 +101,7 @@ impl Op {
             Op::CaptureInfo => "capture_info",
             Op::Export => "export",
             Op::Import => "import",
+            Op::HostAlloc => "host_alloc",
         }
     }
 }

@@ -141,6 +141,7 @@ impl Counters {
             graph_pool_bytes: derived.graph_pool_bytes,
             graph_pools: derived.graph_pools,
             asleep_bytes: derived.asleep_bytes,
+            host_kept_bytes: derived.host_kept_bytes,
             driver: derived.driver,
             oversize_allocations: c.oversize_allocations,
             ..Stats::from_pools(PoolArrays {
@@ -168,6 +169,7 @@ pub(super) struct Derived {
     pub graph_pool_bytes: u64,
     pub graph_pools: u64,
     pub asleep_bytes: u64,
+    pub host_kept_bytes: u64,
     pub driver: DriverCounters,
 }
 

@@ -28,7 +28,9 @@
 //! - `streams.rs` (`StreamWaits`): other streams' uses of live blocks, parked frees and their events;
 //!   `compacting.rs` (`Compacting`): what one compaction knows of streams;
 //! - `graphs.rs` (`Graphs`): private pools, captures underway, deferred frees;
-//! - `tags.rs` (`Tags`): tags, asleep or awake, and what a sleeping tag keeps;
+//! - `tags.rs` (`Tags`): tags, asleep or awake, and what a sleeping tag keeps; `kept.rs` (`Kept`): a tag's
+//!   host memory and the layout of its bytes in it, and `TagCopy`, a sleep's or wake's copies run without
+//!   the caller's lock;
 //! - `imports.rs` (`Imports`): memory other processes shared, mapped here;
 //! - `accounting.rs` (`Books`): the counters, page counts and history behind the statistics;
 //! - `settle.rs`: settling a failed driver call (functions of the driver).
@@ -61,6 +63,7 @@ mod handle_size;
 mod held_back;
 mod imports;
 mod invariants;
+mod kept;
 mod parked;
 mod parts;
 mod peers;
@@ -80,7 +83,10 @@ mod supply;
 mod tags;
 
 pub(crate) use held_back::HeldBack;
+pub use kept::TagCopy;
 pub use segment::ROUND;
+pub(crate) use sleep::Begun;
+pub use tags::TagInfo;
 
 use crate::driver::{CaptureProbe, Driver, DriverCounters, StreamId};
 use crate::strategy::Strategy;
@@ -353,6 +359,7 @@ impl<D: Driver> Strategy for Expandable<D> {
             graph_pool_bytes,
             graph_pools,
             asleep_bytes: self.tags.asleep_bytes(&self.segments, self.page_size),
+            host_kept_bytes: self.tags.host_bytes(),
             driver: self.driver.counters(),
         })
     }

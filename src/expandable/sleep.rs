@@ -1,41 +1,58 @@
 //! Sleep and wake: tagged memory gives its physical pages back and keeps its virtual addresses.
 //!
 //! An allocation made under a *tag* (`alloc_tagged`) goes to segments of that tag only (the tag is part of
-//! the segment key), so a tag's pages are never shared with anyone else's blocks and are never borrowed by
-//! another stream. `sleep(tag, keep)`:
+//! the segment key, with the stream, the pool and the CUDA graph pool), so a tag's pages are never shared
+//! with anyone else's blocks and are never borrowed by another stream. `sleep(tag, keep)`:
 //! 1. waits for the streams that used the tag's memory: each segment's stream, the streams recorded on its
 //!    live blocks and those of its pending frees; an event query first, a synchronization only of a stream
 //!    still busy (never during a capture, which is refused);
-//! 2. with `keep`, copies each live block's bytes to host memory;
+//! 2. with `keep`, copies each live block's bytes to the tag's host memory (`kept.rs`): large asynchronous
+//!    copies on the driver's copy stream into page-locked pieces kept across cycles, run *without the
+//!    allocator's lock* by the facade (`begin_sleep` .. [`TagCopy::run`] .. `finish_sleep`);
 //! 3. marks the tag asleep, then unmaps every page of its segments and releases the handles (a handle whose
 //!    release fails is pooled for others).
 //!
-//! While a tag sleeps its segments are *pinned* (no compaction, no lending), no allocation is placed in
-//! them (an allocation under a sleeping tag is refused), and a free of one of its blocks is refused.
-//! `wake(tag)` maps pages under the same live blocks, puts back the kept bytes, and marks the tag awake.
-//! Both are idempotent.
+//! While a tag sleeps, or its bytes are being copied, its segments are *pinned* (no compaction, no
+//! lending, no release of their idle pages), no allocation is placed in them (an allocation under it is
+//! [`Error::TagAsleep`]), and a free of one of its blocks is refused the same way; a sleep or wake of a tag
+//! being copied is [`Error::TagBusy`]. `wake(tag)` maps pages under the same live blocks, and the pages of
+//! its segments of live CUDA graph pools that were mapped when it fell asleep (a graph captured in the tag
+//! replays there: the rule that memory a live graph uses is never unmapped has this one exception, an
+//! explicit sleep of its tag, and the program must not replay the graph while the tag sleeps), puts back
+//! the kept bytes, and marks the tag awake. Both are idempotent.
 //!
-//! Failures (docs/DESIGN.md, "Failures with side effects"): a failure before step 3 changes nothing. A
-//! sleep that fails while unmapping leaves the tag *sleeping* with some pages still mapped: a second sleep
-//! unmaps the rest, a wake maps the missing ones. A wake that fails leaves the tag sleeping with some pages
-//! mapped: a second wake maps the rest and copies the kept bytes again, a sleep unmaps them again. The kept
-//! bytes stay until the wake that succeeds.
-//!
-//! The kept bytes live in host memory from [`Driver::alloc_host`]: page-locked on CUDA (`cuMemHostAlloc`),
-//! where the copies run at the link's speed (pageable memory ran 1.5 GB/s to the host and 7.7 GB/s back
-//! on an H100 host, `docs/gpu-results.md`), ordinary memory where it cannot be locked. `cuMemcpyDtoH` is
-//! synchronous, which a sleep wants anyway. Host memory that cannot be had at all is
-//! [`DriverError::HostOutOfMemory`] before anything changed, not an abort.
+//! Failures (docs/DESIGN.md, "Failures with side effects"): a failure before step 3 changes nothing (a
+//! failed copy, host allocation, event or wait leaves the tag awake with its bytes on the device, and the
+//! host memory it had). A sleep that fails while unmapping leaves the tag *sleeping* with some pages still
+//! mapped: a second sleep unmaps the rest, a wake maps the missing ones. A wake that fails (out of memory, a
+//! failed copy) leaves the tag sleeping with some pages mapped: a second wake maps the rest and copies the
+//! kept bytes again, a sleep unmaps them again. The kept bytes stay until the wake that succeeds; then the
+//! host memory stays as buffers for the next sleep (unless `keep_host_buffers` is off, or
+//! [`release_host_buffers`](Expandable::release_host_buffers) frees them).
 
 use super::Expandable;
 use super::compacting::{Compacting, Wait};
-use crate::driver::{Driver, DriverError, HostMemory, PhysPage, StreamId};
+use super::kept::{self, TagCopy};
+use super::segment::TagId;
+use super::tags::TagInfo;
+use crate::driver::{CopyDirection, Driver, PhysPage, StreamId};
 use crate::strategy::error::Error;
+use std::ops::Range;
+
+/// A sleep or a wake begun under the allocator's lock: done already, or copies to run without it and hand
+/// back (`finish_sleep`, `finish_wake`).
+#[derive(Debug)]
+pub(crate) enum Begun<T> {
+    /// Nothing to copy: this is the result.
+    Done(T),
+    /// Copies to [`run`](TagCopy::run).
+    Copy(TagCopy),
+}
 
 impl<D: Driver> Expandable<D> {
     /// Allocates `size` bytes on `stream` under the tag `tag`: in segments of that tag only, so that
     /// [`sleep`](Self::sleep) can give their pages back without touching other memory. Refused with
-    /// [`Error::TagAsleep`] while the tag sleeps.
+    /// [`Error::TagAsleep`] while the tag sleeps (or its bytes are being copied).
     pub fn alloc_tagged(&mut self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
         let id = self.tags.id(tag);
         if !self.tags.is_awake(id) {
@@ -48,13 +65,46 @@ impl<D: Driver> Expandable<D> {
     /// host memory if `keep`, then unmaps its pages and releases their physical memory; its virtual
     /// addresses stay reserved for it. Returns the bytes unmapped by this call. A tag already asleep
     /// returns 0 (after finishing a sleep that failed half way); a tag never named falls asleep with no
-    /// memory. Refused during a capture ([`Error::CaptureUnderway`]), and while pages of the tag's chunks
-    /// are lent elsewhere under memory pressure ([`Error::TagPagesLent`]).
+    /// memory. Refused during a capture ([`Error::CaptureUnderway`]), while pages of the tag's chunks are
+    /// lent elsewhere under memory pressure ([`Error::TagPagesLent`]), and while another sleep or wake
+    /// copies its bytes ([`Error::TagBusy`]).
+    ///
+    /// The copies run with `&mut self` held; the facade (`Allocator::sleep`) runs them without its lock.
     pub fn sleep(&mut self, tag: &str, keep: bool) -> Result<u64, Error> {
+        match self.begin_sleep(tag, keep)? {
+            Begun::Done(bytes) => Ok(bytes),
+            Begun::Copy(mut copy) => {
+                copy.run();
+                self.finish_sleep(copy)
+            }
+        }
+    }
+
+    /// Wakes `tag`: maps pages under its live blocks at the same addresses and puts back the bytes the
+    /// sleep kept. A tag awake (or never named) is left as it is. Refused during a capture, and while
+    /// another sleep or wake copies its bytes. On failure (out of memory, say) the tag stays asleep and a
+    /// second wake finishes.
+    pub fn wake(&mut self, tag: &str) -> Result<(), Error> {
+        match self.begin_wake(tag)? {
+            Begun::Done(()) => Ok(()),
+            Begun::Copy(mut copy) => {
+                copy.run();
+                self.finish_wake(copy)
+            }
+        }
+    }
+
+    /// The first part of [`sleep`](Self::sleep), under the caller's lock: the waits, and for a sleep that
+    /// keeps bytes the copies to run ([`TagCopy::run`], without the lock) and hand to
+    /// [`finish_sleep`](Self::finish_sleep); else the whole sleep.
+    pub(crate) fn begin_sleep(&mut self, tag: &str, keep: bool) -> Result<Begun<u64>, Error> {
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway { operation: "sleep" });
         }
         let id = self.tags.id(tag);
+        if self.tags.is_copying(id) {
+            return Err(self.tags.busy_error("sleep", id));
+        }
         let slots = self.segments.of_tag(id);
         if self.tags.is_awake(id) {
             let lent = self.supply.lent_from(&slots);
@@ -70,46 +120,176 @@ impl<D: Driver> Expandable<D> {
                 .filter(|(_, b)| b.is_live())
                 .map(|(addr, b)| (addr, b.size))
                 .collect();
-            let kept = match keep {
-                true => Some(self.copy_out(&blocks)?),
-                false => None,
-            };
-            self.tags.fall_asleep(id, blocks, kept);
+            let wake = self.wake_ranges(&slots, &blocks);
+            if keep && !blocks.is_empty() {
+                let copy = self.start_copy(id, CopyDirection::ToHost, &blocks)?;
+                self.tags.fall_asleep(id, blocks, wake, true);
+                tracing::debug!(
+                    tag,
+                    bytes = copy.bytes(),
+                    "cuvmm: copying a tag to the host"
+                );
+                return Ok(Begun::Copy(copy));
+            }
+            self.tags.fall_asleep(id, blocks, wake, false);
         }
-        let unmapped = self.unmap_tag(&slots)?;
-        self.tags.set_asleep(id);
-        tracing::info!(tag, unmapped, keep, "cuvmm: tag asleep");
-        Ok(unmapped)
+        self.unmap_and_sleep(id, &slots).map(Begun::Done)
     }
 
-    /// Wakes `tag`: maps pages under its live blocks at the same addresses and puts back the bytes the
-    /// sleep kept. A tag awake (or never named) is left as it is. Refused during a capture. On failure
-    /// (out of memory, say) the tag stays asleep and a second wake finishes.
-    pub fn wake(&mut self, tag: &str) -> Result<(), Error> {
+    /// The last part of a sleep that kept bytes, under the caller's lock: with the copies done, unmaps the
+    /// tag's pages (as [`sleep`](Self::sleep)); with a copy failed, the tag is awake again, its bytes on the
+    /// device, and the error is returned.
+    pub(crate) fn finish_sleep(&mut self, copy: TagCopy) -> Result<u64, Error> {
+        let (id, pieces, result) = copy.into_outcome();
+        if let Err(err) = result {
+            self.tags.sleep_failed(id, pieces);
+            tracing::warn!(tag = self.tags.name(id), %err, "cuvmm: a sleep's copies failed; the tag stays awake");
+            return Err(err.into());
+        }
+        self.tags.kept(id, pieces);
+        let slots = self.segments.of_tag(id);
+        self.unmap_and_sleep(id, &slots)
+    }
+
+    /// The first part of [`wake`](Self::wake), under the caller's lock: maps the tag's pages, and returns
+    /// the copies of its kept bytes to run ([`TagCopy::run`], without the lock) and hand to
+    /// [`finish_wake`](Self::finish_wake); else the whole wake.
+    pub(crate) fn begin_wake(&mut self, tag: &str) -> Result<Begun<()>, Error> {
         let Some(id) = self.tags.find(tag) else {
-            return Ok(());
+            return Ok(Begun::Done(()));
         };
         if self.tags.is_awake(id) {
-            return Ok(());
+            return Ok(Begun::Done(()));
+        }
+        if self.tags.is_copying(id) {
+            return Err(self.tags.busy_error("wake", id));
         }
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway { operation: "wake" });
         }
-        let (blocks, kept) = self.tags.start_waking(id);
-        let result =
-            (self.map_blocks(&blocks)).and_then(|()| self.copy_in(&blocks, kept.as_deref()));
-        if let Err(err) = result {
-            self.tags.wake_failed(id, blocks, kept);
-            return Err(err);
+        self.tags.start_waking(id);
+        let wake = self.tags.wake_ranges(id).to_vec();
+        self.map_blocks(&wake)?;
+        if self.tags.holds_bytes(id) {
+            let blocks = self.tags.blocks(id).to_vec();
+            let copy = self.start_copy(id, CopyDirection::FromHost, &blocks)?;
+            self.tags.set_copying(id);
+            tracing::debug!(tag, bytes = copy.bytes(), "cuvmm: copying a tag back");
+            return Ok(Begun::Copy(copy));
         }
-        self.tags.set_awake(id);
+        self.tags.woke(id, None, self.config.keep_host_buffers);
         tracing::info!(tag, "cuvmm: tag awake");
+        Ok(Begun::Done(()))
+    }
+
+    /// The last part of a wake that puts bytes back, under the caller's lock: with the copies done the tag
+    /// is awake; with a copy failed it stays sleeping, its pages mapped and its bytes kept, for a second
+    /// wake.
+    pub(crate) fn finish_wake(&mut self, copy: TagCopy) -> Result<(), Error> {
+        let (id, pieces, result) = copy.into_outcome();
+        if let Err(err) = result {
+            self.tags.wake_failed(id, pieces);
+            tracing::warn!(tag = self.tags.name(id), %err, "cuvmm: a wake's copies failed; the tag stays asleep");
+            return Err(err.into());
+        }
+        self.tags
+            .woke(id, Some(pieces), self.config.keep_host_buffers);
+        tracing::info!(tag = self.tags.name(id), "cuvmm: tag awake");
         Ok(())
+    }
+
+    /// Frees the host memory kept for the next sleep of `tag` (of every tag with `None`): never bytes a
+    /// sleeping tag keeps. Returns the bytes freed. [`Error::TagBusy`] for a tag whose bytes are being
+    /// copied (with `None`, such a tag is left out).
+    pub fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error> {
+        let ids: Vec<TagId> = match tag {
+            Some(name) => match self.tags.find(name) {
+                Some(id) if self.tags.is_copying(id) => {
+                    return Err(self.tags.busy_error("release_host_buffers", id));
+                }
+                Some(id) => vec![id],
+                None => Vec::new(),
+            },
+            None => self.tags.ids().collect(),
+        };
+        Ok(ids.into_iter().map(|id| self.tags.release_host(id)).sum())
     }
 
     /// The tags asleep (or half way) and the bytes each would map at its wake, by name.
     pub fn asleep_tags(&self) -> Vec<(String, u64)> {
         self.tags.asleep_list(&self.segments, self.page_size)
+    }
+
+    /// Every tag named so far: its state, live bytes, the bytes its wake would map and its host memory.
+    pub fn tags(&self) -> Vec<TagInfo> {
+        (self.tags.ids())
+            .map(|id| self.tags.info(id, &self.segments, self.page_size))
+            .collect()
+    }
+
+    /// The copies of `blocks` of tag `id` in `direction`, started: its host memory lent to them, given
+    /// back if the driver refuses them.
+    fn start_copy(
+        &mut self,
+        id: TagId,
+        direction: CopyDirection,
+        blocks: &[(u64, u64)],
+    ) -> Result<TagCopy, Error> {
+        let held = self.tags.lend_host(id);
+        let (plan, pieces) = match kept::plan(direction, blocks, self.config.sleep_copy, held) {
+            Ok(planned) => planned,
+            Err((err, held)) => {
+                self.tags.unlend_host(id, held);
+                return Err(err.into());
+            }
+        };
+        match self.driver.start_copies(plan) {
+            Ok(job) => Ok(TagCopy::new(id, self.tags.name(id), job, pieces)),
+            Err(err) => {
+                self.tags
+                    .unlend_host(id, pieces.into_iter().flatten().collect());
+                Err(err.into())
+            }
+        }
+    }
+
+    /// Unmaps the pages of tag `id`'s segments `slots` and marks it asleep; returns the bytes unmapped.
+    fn unmap_and_sleep(&mut self, id: TagId, slots: &[usize]) -> Result<u64, Error> {
+        let unmapped = self.unmap_tag(slots)?;
+        self.tags.set_asleep(id);
+        tracing::info!(tag = self.tags.name(id), unmapped, "cuvmm: tag asleep");
+        Ok(unmapped)
+    }
+
+    /// What the wake of a tag whose segments are `slots` and live blocks `blocks` maps: the pages under the
+    /// blocks, and in a segment of a live CUDA graph pool every page mapped now (a graph replays there),
+    /// merged into disjoint page-aligned ranges `(address, bytes)` in segment and address order.
+    fn wake_ranges(&self, slots: &[usize], blocks: &[(u64, u64)]) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for &slot in slots {
+            let seg = self.segments.at(slot);
+            let mut pages: Vec<Range<usize>> = (blocks.iter())
+                .filter(|&&(addr, _)| self.segments.slot_of(addr) == Some(slot))
+                .map(|&(addr, size)| seg.pages_of(addr, size))
+                .collect();
+            if seg.graph.is_some_and(|pool| self.graphs.pool_is_live(pool)) {
+                pages.extend(seg.pages.mapped_runs(0..seg.pages.len()));
+            }
+            pages.sort_unstable_by_key(|r| r.start);
+            let mut merged: Vec<Range<usize>> = Vec::with_capacity(pages.len());
+            for run in pages.into_iter().filter(|r| !r.is_empty()) {
+                match merged.last_mut() {
+                    Some(last) if run.start <= last.end => last.end = last.end.max(run.end),
+                    _ => merged.push(run),
+                }
+            }
+            out.extend(
+                merged
+                    .into_iter()
+                    .map(|r| (seg.page_addr(r.start), r.len() as u64 * self.page_size)),
+            );
+        }
+        out
     }
 
     /// Waits for every stream that used the memory of the segments `slots`: their own streams, the
@@ -137,28 +317,6 @@ impl<D: Driver> Expandable<D> {
             }
         }
         self.poll_events()?;
-        Ok(())
-    }
-
-    /// Copies the bytes of `blocks` to host memory.
-    fn copy_out(&mut self, blocks: &[(u64, u64)]) -> Result<Vec<HostMemory>, Error> {
-        let mut kept = Vec::with_capacity(blocks.len());
-        for &(addr, size) in blocks {
-            let len =
-                usize::try_from(size).map_err(|_| DriverError::HostOutOfMemory { bytes: size })?;
-            let mut host = self.driver.alloc_host(len)?;
-            self.driver.copy_to_host(addr, host.as_mut_slice())?;
-            kept.push(host);
-        }
-        Ok(kept)
-    }
-
-    /// Puts the kept bytes back into `blocks`, if there are any.
-    fn copy_in(&mut self, blocks: &[(u64, u64)], kept: Option<&[HostMemory]>) -> Result<(), Error> {
-        for (&(addr, _), host) in blocks.iter().zip(kept.unwrap_or_default()) {
-            let bytes = host.as_slice();
-            self.driver.copy_from_host(addr, bytes)?;
-        }
         Ok(())
     }
 

@@ -1,22 +1,24 @@
-//! Tags: the names allocations are made under (`alloc_tagged`), and whether each is awake, asleep or half way
-//! (`sleep.rs` puts them to sleep and wakes them). A part that owns its state: a segment key carries a
-//! [`TagId`], (`segment.rs`), small and `Copy`; what a sleeping tag had live, and kept, is here.
+//! Tags: the names allocations are made under (`alloc_tagged`), and whether each is awake, asleep, half way
+//! or being copied (`sleep.rs` puts them to sleep and wakes them). A part that owns its state: a segment key
+//! carries a [`TagId`], (`segment.rs`), small and `Copy`; what a sleeping tag had live, what its wake maps,
+//! and its host memory (`kept.rs`: the bytes kept, or buffers kept for the next sleep) are here.
 
 use super::blocks::BlockState;
+use super::kept::Kept;
 use super::segment::TagId;
 use super::segments::Segments;
 use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
 use std::collections::HashSet;
 
-/// A sleeping tag's live blocks `(address, size)` and their bytes, if kept.
-type Slept = (Vec<(u64, u64)>, Option<Vec<HostMemory>>);
-
 /// Where a tag is between sleep and wake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     /// Its pages are mapped under its live blocks; it allocates and frees like any memory.
     Awake,
+    /// A sleep or a wake is copying its bytes without the allocator's lock (`kept.rs`, `TagCopy`): treated
+    /// as asleep, and another sleep or wake of it is refused as busy.
+    Copying,
     /// A sleep or a wake failed half way: some pages may be mapped. Treated as asleep.
     Sleeping,
     /// No page of its segments is mapped.
@@ -31,8 +33,31 @@ struct Tag {
     /// The live blocks when it fell asleep, `(address, size)` in segment and address order: exactly the
     /// live blocks of its segments while it sleeps.
     blocks: Vec<(u64, u64)>,
-    /// Their bytes, when the sleep kept them (one buffer per block).
-    kept: Option<Vec<HostMemory>>,
+    /// What its wake maps, page-aligned ranges `(address, bytes)`, disjoint, in segment and address order:
+    /// the pages under `blocks`, and the pages of its segments of live CUDA graph pools that were mapped
+    /// when it fell asleep (the graphs' temporaries, whose bytes are not kept: a graph writes them before
+    /// it reads them).
+    wake: Vec<(u64, u64)>,
+    /// Its host memory: the bytes a sleep kept, or buffers kept for the next sleep.
+    kept: Kept,
+}
+
+/// A tag as [`Tags::info`] reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TagInfo {
+    /// The tag's name.
+    pub name: String,
+    /// `awake`, `asleep`, `sleeping` (a sleep or wake failed half way) or `copying` (a sleep or wake is
+    /// copying its bytes now).
+    pub state: &'static str,
+    /// Bytes of its live allocations (rounded as the allocator rounds them).
+    pub live_bytes: u64,
+    /// Bytes of pages its wake would map now.
+    pub asleep_bytes: u64,
+    /// Whether its host memory holds its bytes (it sleeps with them kept).
+    pub bytes_kept: bool,
+    /// Bytes of host memory it holds (its kept bytes, or buffers kept for its next sleep).
+    pub host_kept_bytes: u64,
 }
 
 /// Every tag named so far (a program names a handful).
@@ -51,7 +76,8 @@ impl Tags {
             name: name.to_owned(),
             state: State::Awake,
             blocks: Vec::new(),
-            kept: None,
+            wake: Vec::new(),
+            kept: Kept::default(),
         });
         TagId((self.tags.len() - 1) as u32)
     }
@@ -70,10 +96,15 @@ impl Tags {
         &mut self.tags[id.0 as usize]
     }
 
-    /// Whether the tag is awake (neither asleep nor half way).
+    /// Whether the tag is awake (neither asleep, half way nor being copied).
     #[inline]
     pub(super) fn is_awake(&self, id: TagId) -> bool {
         self.get(id).state == State::Awake
+    }
+
+    /// Whether a sleep or a wake is copying the tag's bytes now.
+    pub(super) fn is_copying(&self, id: TagId) -> bool {
+        self.get(id).state == State::Copying
     }
 
     /// The tag's name.
@@ -81,7 +112,8 @@ impl Tags {
         &self.get(id).name
     }
 
-    fn ids(&self) -> impl Iterator<Item = TagId> {
+    /// Every tag.
+    pub(super) fn ids(&self) -> impl Iterator<Item = TagId> + use<> {
         (0..self.tags.len() as u32).map(TagId)
     }
 }
@@ -101,15 +133,48 @@ impl Tags {
         tag.is_some_and(|id| !self.is_awake(id))
     }
 
-    /// Marks tag `id` half way to sleep, with the live blocks it has and their bytes if kept.
+    /// [`Error::TagBusy`] for `operation` on tag `id`.
+    pub(super) fn busy_error(&self, operation: &'static str, id: TagId) -> Error {
+        Error::TagBusy {
+            operation,
+            tag: self.name(id).to_owned(),
+        }
+    }
+
+    /// Marks the awake tag `id` falling asleep, with its live blocks and what its wake maps: copying its
+    /// bytes if `copying`, else half way (its pages are unmapped next).
     pub(super) fn fall_asleep(
         &mut self,
         id: TagId,
         blocks: Vec<(u64, u64)>,
-        kept: Option<Vec<HostMemory>>,
+        wake: Vec<(u64, u64)>,
+        copying: bool,
     ) {
         let t = self.get_mut(id);
-        (t.state, t.blocks, t.kept) = (State::Sleeping, blocks, kept);
+        t.state = if copying {
+            State::Copying
+        } else {
+            State::Sleeping
+        };
+        (t.blocks, t.wake) = (blocks, wake);
+        t.kept.forget_contents();
+    }
+
+    /// A sleep's copies failed: tag `id` is awake again, its host memory kept as buffers.
+    pub(super) fn sleep_failed(&mut self, id: TagId, pieces: Vec<HostMemory>) {
+        let t = self.get_mut(id);
+        t.kept.put_back(pieces, false);
+        t.state = State::Awake;
+        t.blocks.clear();
+        t.wake.clear();
+    }
+
+    /// A sleep's copies succeeded: tag `id` keeps its bytes in `pieces`, half way (its pages are unmapped
+    /// next).
+    pub(super) fn kept(&mut self, id: TagId, pieces: Vec<HostMemory>) {
+        let t = self.get_mut(id);
+        t.kept.put_back(pieces, true);
+        t.state = State::Sleeping;
     }
 
     /// Marks tag `id` asleep: none of its pages is mapped.
@@ -117,27 +182,74 @@ impl Tags {
         self.get_mut(id).state = State::Asleep;
     }
 
-    /// Marks tag `id` half way to waking and hands over its live blocks and kept bytes.
-    pub(super) fn start_waking(&mut self, id: TagId) -> Slept {
+    /// Marks tag `id` half way to waking (its pages are being mapped).
+    pub(super) fn start_waking(&mut self, id: TagId) {
+        self.get_mut(id).state = State::Sleeping;
+    }
+
+    /// Marks tag `id` copying its kept bytes back.
+    pub(super) fn set_copying(&mut self, id: TagId) {
+        self.get_mut(id).state = State::Copying;
+    }
+
+    /// A wake's copies failed: tag `id` keeps its bytes in `pieces`, half way (some pages mapped).
+    pub(super) fn wake_failed(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);
+        t.kept.put_back(pieces, true);
         t.state = State::Sleeping;
-        (std::mem::take(&mut t.blocks), t.kept.take())
     }
 
-    /// A wake of tag `id` failed: it keeps its blocks and kept bytes, half way.
-    pub(super) fn wake_failed(
-        &mut self,
-        id: TagId,
-        blocks: Vec<(u64, u64)>,
-        kept: Option<Vec<HostMemory>>,
-    ) {
+    /// Marks tag `id` awake; its host memory (given back from the copies, if any) stays as buffers for the
+    /// next sleep if `keep_buffers`, else is freed.
+    pub(super) fn woke(&mut self, id: TagId, pieces: Option<Vec<HostMemory>>, keep_buffers: bool) {
         let t = self.get_mut(id);
-        (t.blocks, t.kept) = (blocks, kept);
+        if let Some(pieces) = pieces {
+            t.kept.put_back(pieces, false);
+        }
+        t.kept.forget_contents();
+        if !keep_buffers {
+            t.kept.release();
+        }
+        t.state = State::Awake;
+        t.blocks.clear();
+        t.wake.clear();
     }
 
-    /// Marks tag `id` awake.
-    pub(super) fn set_awake(&mut self, id: TagId) {
-        self.get_mut(id).state = State::Awake;
+    /// The live blocks tag `id` fell asleep with.
+    pub(super) fn blocks(&self, id: TagId) -> &[(u64, u64)] {
+        &self.get(id).blocks
+    }
+
+    /// What the wake of tag `id` maps.
+    pub(super) fn wake_ranges(&self, id: TagId) -> &[(u64, u64)] {
+        &self.get(id).wake
+    }
+
+    /// Whether tag `id`'s host memory holds its bytes.
+    pub(super) fn holds_bytes(&self, id: TagId) -> bool {
+        self.get(id).kept.holds_contents()
+    }
+
+    /// Tag `id`'s host memory, lent to a copy.
+    pub(super) fn lend_host(&mut self, id: TagId) -> Vec<HostMemory> {
+        self.get_mut(id).kept.lend()
+    }
+
+    /// Host memory lent by [`lend_host`](Self::lend_host) and not used, back to tag `id` as it was.
+    pub(super) fn unlend_host(&mut self, id: TagId, pieces: Vec<HostMemory>) {
+        let t = self.get_mut(id);
+        let contents = t.state != State::Awake && t.kept.holds_contents();
+        t.kept.put_back(pieces, contents);
+    }
+
+    /// Frees the host buffers of tag `id` (not bytes it keeps); returns the bytes freed.
+    pub(super) fn release_host(&mut self, id: TagId) -> u64 {
+        self.get_mut(id).kept.release()
+    }
+
+    /// Bytes of host memory every tag holds.
+    pub(super) fn host_bytes(&self) -> u64 {
+        self.tags.iter().map(|t| t.kept.bytes()).sum()
     }
 
     /// The tags asleep (or half way) and the bytes each would map at its wake, by name.
@@ -161,33 +273,47 @@ impl Tags {
             .sum()
     }
 
-    /// Bytes of the pages under a sleeping tag's live blocks that are not mapped (each page once).
+    /// Bytes of the pages a sleeping tag's wake maps that are not mapped now.
     fn asleep_bytes_of(&self, id: TagId, segments: &Segments, page_size: u64) -> u64 {
-        let mut pages = 0;
-        // The blocks lie in segment and address order: (slot, first page not counted yet).
-        let mut counted: Option<(usize, usize)> = None;
-        for &(addr, size) in &self.get(id).blocks {
-            let Some(slot) = segments.slot_of(addr) else {
-                continue;
-            };
-            let seg = segments.at(slot);
-            let mut run = seg.pages_of(addr, size);
-            if let Some((last, end)) = counted
-                && last == slot
-            {
-                run.start = run.start.max(end);
-            }
-            if run.start < run.end {
-                pages += seg.pages.unmapped_count(run.clone());
-                counted = Some((slot, run.end));
-            }
-        }
+        let pages: usize = (self.get(id).wake.iter())
+            .filter_map(|&(addr, size)| {
+                let seg = segments.at(segments.slot_of(addr)?);
+                Some(seg.pages.unmapped_count(seg.pages_of(addr, size)))
+            })
+            .sum();
         pages as u64 * page_size
     }
 
+    /// Tag `id` as [`TagInfo`] says it.
+    pub(super) fn info(&self, id: TagId, segments: &Segments, page_size: u64) -> TagInfo {
+        let t = self.get(id);
+        let live_bytes = (segments.of_tag(id).into_iter())
+            .flat_map(|slot| segments.at(slot).blocks())
+            .filter(|(_, b)| b.is_live())
+            .map(|(_, b)| b.size)
+            .sum();
+        TagInfo {
+            name: t.name.clone(),
+            state: match t.state {
+                State::Awake => "awake",
+                State::Copying => "copying",
+                State::Sleeping => "sleeping",
+                State::Asleep => "asleep",
+            },
+            live_bytes,
+            asleep_bytes: match t.state {
+                State::Awake => 0,
+                _ => self.asleep_bytes_of(id, segments, page_size),
+            },
+            bytes_kept: t.kept.holds_contents(),
+            host_kept_bytes: t.kept.bytes(),
+        }
+    }
+
     /// The sleep part of `check_invariants()`: every segment's tag is known; a sleeping tag's live blocks
-    /// are exactly those it fell asleep with (no block placed, none freed), with as many kept buffers of
-    /// their sizes; an asleep tag has no page mapped; an awake tag keeps nothing.
+    /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages, and
+    /// the host memory holding its bytes is long enough for them; an asleep tag has no page mapped; an
+    /// awake tag keeps no bytes, nor blocks, nor ranges to map.
     pub(super) fn check_tags(&self, segments: &Segments) -> Result<(), InvariantViolation> {
         for seg in segments.live() {
             if seg.tag.is_some_and(|id| id.0 as usize >= self.tags.len()) {
@@ -197,7 +323,8 @@ impl Tags {
         for id in self.ids() {
             let tag = self.get(id);
             if tag.state == State::Awake {
-                if !tag.blocks.is_empty() || tag.kept.is_some() {
+                let idle = tag.blocks.is_empty() && tag.wake.is_empty();
+                if !idle || tag.kept.holds_contents() || tag.kept.lent() {
                     return Err(InvariantViolation::Asleep { addr: 0 });
                 }
                 continue;
@@ -219,11 +346,18 @@ impl Tags {
             if let Some(&(addr, _)) = live.symmetric_difference(&recorded).next() {
                 return Err(InvariantViolation::Asleep { addr });
             }
-            if let Some(kept) = &tag.kept {
-                let sizes = kept.iter().map(|b| b.len() as u64);
-                if kept.len() != tag.blocks.len() || !sizes.eq(tag.blocks.iter().map(|b| b.1)) {
-                    return Err(InvariantViolation::Asleep { addr: 0 });
-                }
+            let covered = |&(addr, size): &(u64, u64)| {
+                (tag.wake.iter()).any(|&(start, len)| start <= addr && addr + size <= start + len)
+            };
+            if let Some(&(addr, _)) = tag.blocks.iter().find(|b| !covered(b)) {
+                return Err(InvariantViolation::Asleep { addr });
+            }
+            let bytes: u64 = tag.blocks.iter().map(|b| b.1).sum();
+            if tag.kept.holds_contents()
+                && !tag.kept.lent()
+                && tag.kept.piece_lens().sum::<u64>() < bytes
+            {
+                return Err(InvariantViolation::Asleep { addr: 0 });
             }
         }
         Ok(())

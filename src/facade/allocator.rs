@@ -206,30 +206,6 @@ impl<S: Strategy> Allocator<S> {
         self.allocate(size, stream, Some(tag)).map(|(ptr, _)| ptr)
     }
 
-    /// Puts `tag` to sleep: waits for the streams that used its memory (an event query first, a
-    /// synchronization only of a stream still busy), copies its bytes to host memory if `keep`, then
-    /// unmaps its pages and gives their physical memory back. Its virtual addresses stay reserved and no
-    /// other allocation is placed in them; its memory must not be used (nor freed) until
-    /// [`wake`](Self::wake). Returns the bytes given back by this call (0 if already asleep).
-    /// Refused during a CUDA graph capture. See docs/DESIGN.md, "Sleep and wake".
-    pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
-        self.shared.strategy.lock().sleep(tag, keep)
-    }
-
-    /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept, so pointers
-    /// and captured CUDA graphs that use them stay valid. Does nothing for a tag awake. Out of memory with
-    /// buffers in the stream caches, they are given back to the strategy and the wake tried once more.
-    pub fn wake(&self, tag: &str) -> Result<(), Error> {
-        let result = self.shared.strategy.lock().wake(tag);
-        match result {
-            Err(err) if err.is_out_of_memory() && self.retries_after_drain() => {
-                self.drain_caches()?;
-                self.shared.strategy.lock().wake(tag)
-            }
-            other => other,
-        }
-    }
-
     /// The tags asleep and the bytes each gave back, by name.
     pub fn asleep_tags(&self) -> Vec<(String, u64)> {
         self.shared.strategy.lock().asleep_tags()
@@ -281,7 +257,7 @@ impl<S: Strategy> Allocator<S> {
 
     /// Whether a request (or wake) that ran out of memory is asked again after the stream caches are given
     /// back: when they hold buffers and the strategy did not take them back itself.
-    fn retries_after_drain(&self) -> bool {
+    pub(super) fn retries_after_drain(&self) -> bool {
         !self.shared.strategy_takes_caches && self.shared.caches.any_held()
     }
 

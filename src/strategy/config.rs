@@ -166,7 +166,20 @@ pub struct Config {
     /// `torch.cuda.graph` announces every capture); it saves that driver call. Replays, which use the
     /// strategy directly, never detect.
     pub capture_detection: bool,
+    /// Whether a tag keeps its page-locked host memory after its wake (`keep_host_buffers`, default true),
+    /// so that its next sleep copies into memory pinned once instead of pinning as much again (pinning is
+    /// what made a first sleep slow). The bytes show in `host_kept_bytes`; `release_host_buffers` gives
+    /// them back. Off, a wake frees them (torch_memory_saver's default).
+    pub keep_host_buffers: bool,
+    /// The most bytes one copy of a sleep or a wake moves, and the size of the pieces a tag's host memory
+    /// is pinned and kept in (`sleep_copy_mb`, default 64 MiB; a multiple of 4 KiB set in code). Large
+    /// enough that a copy runs at the link's speed, small enough that a piece is copied into while the next
+    /// is pinned.
+    pub sleep_copy: u64,
 }
+
+/// Bytes per copy of a sleep or a wake, and per piece of kept host memory, unless configured.
+pub const DEFAULT_SLEEP_COPY: u64 = 64 * MIB;
 
 /// When idle physical pages are reclaimed to serve growth (`compaction` in `CUVMM_ALLOC_CONF`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -222,6 +235,8 @@ impl Default for Config {
             large_handle_headroom: DEFAULT_LARGE_HANDLE_HEADROOM,
             lend_chunk_pages: true,
             capture_detection: true,
+            keep_host_buffers: true,
+            sleep_copy: DEFAULT_SLEEP_COPY,
         }
     }
 }
@@ -272,6 +287,19 @@ impl Config {
         self.memory_limit.map(|b| b.bytes(device_total))
     }
 
+    /// Sets whether a tag keeps its host memory after its wake ([`keep_host_buffers`](Self::keep_host_buffers)).
+    pub fn with_keep_host_buffers(mut self, on: bool) -> Self {
+        self.keep_host_buffers = on;
+        self
+    }
+
+    /// Sets the bytes per copy of a sleep or a wake and per piece of kept host memory
+    /// ([`sleep_copy`](Self::sleep_copy)).
+    pub fn with_sleep_copy(mut self, bytes: u64) -> Self {
+        self.sleep_copy = bytes;
+        self
+    }
+
     /// Sets the virtual reservation per segment, as a multiple of device memory.
     pub fn with_va_factor(mut self, factor: u64) -> Self {
         self.va_factor = factor;
@@ -288,10 +316,10 @@ impl Config {
     /// nothing cuvmm models (pinned host memory, `release_lock_on_cudamalloc`,
     /// `graph_capture_record_stream_reuse`) are validated and then ignored with a warning. cuvmm's own
     /// keys: `page_size_mb`, `max_idle_mb` (or `unlimited`), `va_factor`, `small_size_kb`,
-    /// `cross_stream_reuse`, `lend_chunk_pages`, `capture_detection` and `stream_cache_eager` (`True`/`False`),
-    /// `compaction`, `reserve_budget_mb`,
+    /// `cross_stream_reuse`, `lend_chunk_pages`, `capture_detection`, `stream_cache_eager` and
+    /// `keep_host_buffers` (`True`/`False`), `compaction`, `reserve_budget_mb`,
     /// `reserve_budget_fraction`, `per_process_memory_fraction`, `large_handle_mb`, `large_handle_headroom`,
-    /// `stream_cache_mb`.
+    /// `stream_cache_mb`, `sleep_copy_mb`.
     ///
     /// # Errors
     /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key
@@ -340,6 +368,10 @@ impl Config {
         }
         if self.small_size == 0 {
             return bad("small_size_kb", "0 bytes".into(), parse::EXPECT_POSITIVE);
+        }
+        if self.sleep_copy == 0 || self.sleep_copy % 4096 != 0 {
+            let value = format!("{} bytes", self.sleep_copy);
+            return bad("sleep_copy_mb", value, parse::EXPECT_SLEEP_COPY);
         }
         if self.va_factor == 0 || self.va_factor > MAX_VA_FACTOR {
             return bad(

@@ -84,6 +84,15 @@ pub enum Error {
         /// The tag.
         tag: String,
     },
+    /// A sleep or a wake of a tag whose bytes another thread's sleep or wake is copying now (without the
+    /// allocator's lock). Nothing changed; retry once that call has returned.
+    #[error("{operation}: tag {tag:?} is being copied by another sleep or wake")]
+    TagBusy {
+        /// The operation refused (`sleep`, `wake`, `release_host_buffers`).
+        operation: &'static str,
+        /// The tag.
+        tag: String,
+    },
     /// A sleep refused because pages of the tag's memory are lent, mapped a second time elsewhere under
     /// memory pressure: unmapping them would take memory from live allocations of others. Retry once
     /// those allocations are freed (or with `lend_chunk_pages` off).

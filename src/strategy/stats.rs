@@ -225,6 +225,9 @@ pub struct Stats {
     /// Bytes of pages under the live allocations of sleeping tags: unmapped, given back to the device,
     /// mapped again at the same addresses by `wake`.
     pub asleep_bytes: u64,
+    /// Bytes of host memory tags hold: the bytes of sleeping tags kept, and the page-locked buffers kept
+    /// after a wake for the next sleep (`keep_host_buffers`), also those a sleep or wake is copying now.
+    pub host_kept_bytes: u64,
     /// Driver calls and their (estimated) time.
     pub driver: DriverCounters,
     /// Number of live and pending allocations (PyTorch `active`).
@@ -304,6 +307,7 @@ impl Stats {
             ("cuvmm.graph_pool_bytes", self.graph_pool_bytes),
             ("cuvmm.graph_pools", self.graph_pools),
             ("cuvmm.asleep_bytes", self.asleep_bytes),
+            ("cuvmm.host_kept_bytes", self.host_kept_bytes),
             ("cuvmm.driver_calls", self.driver.total()),
             ("cuvmm.driver_time_ns", self.driver.time_ns),
         ] {

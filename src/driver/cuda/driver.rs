@@ -1,6 +1,7 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
 use super::calls::{Calls, bytes, cuda_error, raw_stream};
+use super::copies::{CopyStream, CudaCopies, Guarded, JobCounters};
 use super::errors;
 use super::host::Pinned;
 use super::ledger::Ledger;
@@ -9,8 +10,8 @@ use super::result;
 use super::streams::Streams;
 use crate::driver::sim::LeakReport;
 use crate::driver::{
-    CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId, HostMemory, MemInfo,
-    Op, PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureProbe, CaptureStatus, CopyJob, CopyPlan, Driver, DriverCounters, DriverError, EventId,
+    HostMemory, MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
 };
 use cudarc::driver::CudaContext;
 use cudarc::driver::DriverError as CuError;
@@ -97,6 +98,12 @@ pub struct CudaDriver {
     streams: Streams,
     /// Whether `cuMemCreate` asks for handles exportable as POSIX file descriptors (`driver/sharing.rs`).
     exportable: bool,
+    /// The stream copy jobs run on, made by the first (`copies.rs`).
+    copy_stream: Option<Arc<CopyStream>>,
+    /// The calls copy jobs made, counted while they run without the driver.
+    copy_counters: Arc<JobCounters>,
+    /// The device ranges of copy jobs not over yet: never unmapped under them.
+    copying: Guarded,
 }
 
 impl CudaDriver {
@@ -141,6 +148,9 @@ impl CudaDriver {
             ledger: Ledger::default(),
             streams: Streams::Caller,
             exportable: device.exportable,
+            copy_stream: None,
+            copy_counters: Arc::default(),
+            copying: Guarded::default(),
         })
     }
 
@@ -370,9 +380,14 @@ impl Driver for CudaDriver {
         })
     }
 
+    /// Refused while a copy job not over yet copies part of the range ([`DriverError::UnmapWhileInUse`]).
     fn unmap(&mut self, va: u64, size: u64) -> Result<(), DriverError> {
         self.counted(Op::Unmap, |d| {
             d.ledger.check_reserved(Op::Unmap, va, size)?;
+            if let Some(va) = d.copying.user_of(va, size) {
+                let stream = d.copy_stream.as_ref().map_or(StreamId(0), |s| s.id());
+                return Err(DriverError::UnmapWhileInUse { va, stream });
+            }
             d.ledger.unmap(&mut d.calls, va, size)
         })
     }
@@ -438,8 +453,11 @@ impl Driver for CudaDriver {
         })
     }
 
+    /// The driver's calls and those of its copy jobs.
     fn counters(&self) -> DriverCounters {
-        self.calls.counters
+        let mut counters = self.calls.counters;
+        counters.add(&self.copy_counters.get());
+        counters
     }
 
     fn ordinal(&self) -> usize {
@@ -531,6 +549,37 @@ impl Driver for CudaDriver {
                 unsafe { result::memcpy_htod(va, data) }
             })
         })
+    }
+
+    /// Every device range checked against the ledger (mapped with access set), the copy stream made on
+    /// the first job (`copies.rs`).
+    fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
+        plan.validate()?;
+        let op = match plan.direction {
+            crate::driver::CopyDirection::ToHost => Op::CopyToHost,
+            crate::driver::CopyDirection::FromHost => Op::CopyFromHost,
+        };
+        for c in &plan.copies {
+            self.ledger.check_touchable(op, c.va, c.len)?;
+        }
+        let stream = match &self.copy_stream {
+            Some(stream) => Arc::clone(stream),
+            None => {
+                let stream = CopyStream::new(&self.calls.ctx).map_err(|e| cuda_error(op, &e))?;
+                self.copy_stream = Some(Arc::clone(&stream));
+                stream
+            }
+        };
+        let lens = (plan.pieces.iter().zip(&plan.allocate))
+            .filter(|(_, allocate)| **allocate)
+            .map(|(&len, _)| bytes(len))
+            .collect();
+        let over = self
+            .copying
+            .add(plan.copies.iter().map(|c| (c.va, c.len)).collect());
+        let counters = Arc::clone(&self.copy_counters);
+        let run = CudaCopies::new(&self.calls.ctx, stream, lens, counters, over);
+        Ok(CopyJob::new(plan, Box::new(run)))
     }
 
     fn exports_handles(&self) -> bool {

@@ -1,14 +1,23 @@
 //! Page-locked host memory (`cuMemHostAlloc`): what a sleeping tag's bytes are kept in, so that the copies
 //! of a sleep and a wake run at the link's speed rather than through the driver's pageable staging.
+//!
+//! A copy job (`copies.rs`) copies into and out of this memory asynchronously, on the driver's copy stream,
+//! after the call that enqueued the copy has returned. So the memory knows the copies that may still touch
+//! it: reading or writing its bytes from Rust, and freeing it, first waits for the copy stream. Memory
+//! pinned for a job is not zeroed (zeroing gigabytes would cost what the copies do): the memory remembers
+//! which bytes copies have written, and the first read from Rust zeroes the others.
 
 use super::calls::keeping_current_context;
+use super::copies::CopyStream;
 use super::errors;
 use crate::driver::HostBytes;
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::{CudaContext, sys};
+use std::any::Any;
 use std::mem::MaybeUninit;
+use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// `len` bytes of page-locked host memory of `ctx`, freed with `cuMemFreeHost` when dropped. It holds the
 /// context (`Some` until the drop), so the memory outlives neither.
@@ -16,11 +25,61 @@ pub(super) struct Pinned {
     ptr: NonNull<u8>,
     len: usize,
     ctx: Option<Arc<CudaContext>>,
+    /// Which bytes are written, and the copies that may still run.
+    state: Mutex<Written>,
+}
+
+/// What is known of a [`Pinned`]'s bytes.
+#[derive(Default)]
+struct Written {
+    /// `None`: every byte is written (zeroed, or copied into); else the ranges copies wrote, sorted and
+    /// disjoint. A byte outside them has never been written.
+    ranges: Option<Vec<Range<usize>>>,
+    /// Copies enqueued on a copy stream that may still read or write the memory, and the ranges they write.
+    pending: Option<(Arc<CopyStream>, Vec<Range<usize>>)>,
+}
+
+impl Written {
+    /// Adds a range written.
+    fn add(&mut self, range: Range<usize>) {
+        let Some(ranges) = &mut self.ranges else {
+            return;
+        };
+        let at = ranges.partition_point(|r| r.start < range.start);
+        ranges.insert(at, range);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+        for r in ranges.drain(..) {
+            match merged.last_mut() {
+                Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+                _ => merged.push(r),
+            }
+        }
+        *ranges = merged;
+    }
+
+    /// Waits for the copies that may still run; whether they are over. The ranges they wrote count as
+    /// written once the stream says they completed.
+    fn settle(&mut self) -> bool {
+        let Some((stream, written)) = self.pending.take() else {
+            return true;
+        };
+        match stream.synchronize() {
+            Ok(()) => {
+                written.into_iter().for_each(|r| self.add(r));
+                true
+            }
+            Err(e) => {
+                let (code, name) = errors::code_and_name(&e);
+                tracing::error!(code, %name, "cuvmm: waiting for copies into page-locked memory failed");
+                false
+            }
+        }
+    }
 }
 
 // SAFETY: `Pinned` owns its memory alone (no other pointer to it is handed out but the borrows of
-// `bytes` / `bytes_mut`, which the borrow checker ties to it), and page-locked host memory may be used and
-// freed from any thread.
+// `bytes` / `bytes_mut`, which the borrow checker ties to it, and the pointers of `dma`, whose copies every
+// access waits for), and page-locked host memory may be used and freed from any thread.
 unsafe impl Send for Pinned {}
 
 impl Pinned {
@@ -30,36 +89,120 @@ impl Pinned {
         ctx: &Arc<CudaContext>,
         len: usize,
     ) -> Result<Self, cudarc::driver::DriverError> {
+        let pinned = Self::unwritten(ctx, len)?;
+        // SAFETY: `ptr` is valid for writes of `len` bytes: the allocation just made is that long.
+        unsafe { std::ptr::write_bytes(pinned.ptr.as_ptr(), 0, len) };
+        pinned.lock().ranges = None;
+        Ok(pinned)
+    }
+
+    /// `len` (at least 1) bytes of page-locked memory of `ctx`, not written yet (for copies to fill), or
+    /// the driver's error. The calling thread's current context is left as it was.
+    pub(super) fn unwritten(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+    ) -> Result<Self, cudarc::driver::DriverError> {
         let ptr = keeping_current_context(|| {
             ctx.bind_to_thread()?;
             mem_host_alloc(len)
         })?;
         let ptr =
             NonNull::new(ptr.cast::<u8>()).expect("cuMemHostAlloc succeeded with a null pointer");
-        // SAFETY: `ptr` is valid for writes of `len` bytes: the allocation just made is that long.
-        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, len) };
         Ok(Self {
             ptr,
             len,
             ctx: Some(Arc::clone(ctx)),
+            state: Mutex::new(Written {
+                ranges: Some(Vec::new()),
+                pending: None,
+            }),
         })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Written> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The address of `range` for a copy enqueued on `stream` (which writes it if `writes`): from now on,
+    /// every access to the bytes and the drop wait for `stream` first. Copies pending on another stream are
+    /// waited for now. `None` if `range` is not inside the memory.
+    pub(super) fn dma(
+        &mut self,
+        range: Range<usize>,
+        stream: &Arc<CopyStream>,
+        writes: bool,
+    ) -> Option<*mut u8> {
+        if range.start > range.end || range.end > self.len {
+            return None;
+        }
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if state
+            .pending
+            .as_ref()
+            .is_some_and(|(s, _)| !Arc::ptr_eq(s, stream))
+        {
+            state.settle();
+        }
+        let (_, written) = state
+            .pending
+            .get_or_insert_with(|| (Arc::clone(stream), Vec::new()));
+        if writes {
+            written.push(range.clone());
+        }
+        // SAFETY: `range.start <= len`, so the pointer stays inside the allocation (or one past its end).
+        Some(unsafe { self.ptr.as_ptr().add(range.start) })
+    }
+
+    /// Waits for pending copies and zeroes the bytes no copy wrote, so that every byte may be read.
+    fn make_readable(&self) {
+        let mut state = self.lock();
+        if !state.settle() {
+            // A failed wait leaves the context broken: CUDA runs none of its work any more.
+            state.pending = None;
+        }
+        let Some(ranges) = state.ranges.take() else {
+            return;
+        };
+        let mut at = 0;
+        for r in ranges
+            .iter()
+            .cloned()
+            .chain(std::iter::once(self.len..self.len))
+        {
+            if at < r.start {
+                // SAFETY: `at .. r.start` lies inside the allocation; no copy touches it (none is pending)
+                // and no borrow of the bytes exists yet (they were not readable before this).
+                unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(at), 0, r.start - at) };
+            }
+            at = at.max(r.end);
+        }
     }
 }
 
 impl HostBytes for Pinned {
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid for `len` bytes, initialized at `new`, until `self` drops; `&self` keeps any
-        // writer out while the slice lives.
+        self.make_readable();
+        // SAFETY: `ptr` is valid for `len` bytes until `self` drops, every one written (`make_readable`),
+        // and no copy is pending (a new one needs `&mut self`, which the returned borrow keeps out).
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
+        self.make_readable();
         // SAFETY: as `bytes`, and `&mut self` makes this the only borrow.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
+    fn len(&self) -> usize {
+        self.len
+    }
+
     fn pinned(&self) -> bool {
         true
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
     }
 }
 
@@ -68,13 +211,21 @@ impl Drop for Pinned {
         let Some(ctx) = self.ctx.take() else {
             return;
         };
+        if !self.lock().settle() {
+            // The copies may not be over: the memory is left to them rather than freed under them.
+            tracing::error!(
+                bytes = self.len,
+                "cuvmm: page-locked memory leaked: its copies may still run"
+            );
+            return;
+        }
         let ptr = self.ptr.as_ptr().cast();
         // The context is let go inside too: where this was its last holder (a tag asleep when the allocator
         // is dropped, after the driver), cudarc's release makes it current, and the thread gets its own back.
         let freed = keeping_current_context(move || {
             ctx.bind_to_thread()?;
             // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `ctx` keeps alive, and is
-            // freed once: no borrow of it outlives `self`.
+            // freed once: no borrow of it outlives `self`, and no copy into it is pending (settled above).
             let freed = unsafe { mem_free_host(ptr) };
             drop(ctx);
             freed
@@ -107,4 +258,26 @@ fn mem_host_alloc(len: usize) -> Result<*mut std::ffi::c_void, CuError> {
 unsafe fn mem_free_host(ptr: *mut std::ffi::c_void) -> Result<(), CuError> {
     // SAFETY: the pointer is a live page-locked allocation freed once (point 1).
     unsafe { sys::cuMemFreeHost(ptr).result() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn written_ranges_merge() {
+        let mut w = Written {
+            ranges: Some(Vec::new()),
+            pending: None,
+        };
+        w.add(10..20);
+        w.add(0..5);
+        w.add(5..10);
+        w.add(30..40);
+        w.add(15..32);
+        assert_eq!(w.ranges, Some(vec![0..40]));
+        let mut whole = Written::default();
+        whole.add(0..1);
+        assert_eq!(whole.ranges, None, "all written stays all written");
+    }
 }

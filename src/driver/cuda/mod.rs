@@ -14,6 +14,8 @@
 //! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
 //!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
 //! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
+//! - `host.rs` and `copies.rs`: page-locked host memory, and copy jobs on the driver's own copy stream
+//!   (a tag's sleep and wake), which run without the driver;
 //! - `open.rs`: opening a device (libcuda and its entry points, the device's virtual-memory support and
 //!   granularities, the peers that may reach its memory);
 //! - `driver.rs`: [`CudaDriver`], the safe type;
@@ -29,6 +31,7 @@
 
 mod baseline;
 mod calls;
+mod copies;
 mod driver;
 mod errors;
 mod give_back;

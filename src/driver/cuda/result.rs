@@ -57,6 +57,8 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemHostAlloc",
     "cuMemFreeHost",
     "cuMemcpyHtoD_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
     "cuStreamCreate",
     "cuStreamSynchronize",
     "cuStreamDestroy_v2",
@@ -67,6 +69,7 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
+    "cuEventSynchronize",
     "cuEventDestroy_v2",
 ];
 
@@ -134,6 +137,42 @@ pub(super) unsafe fn event_query(event: sys::CUevent) -> Result<bool, CuError> {
         sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
         err => Err(CuError(err)),
     }
+}
+
+/// Waits until all work recorded before `event` has completed.
+///
+/// See [cuEventSynchronize() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html#group__CUDA__EVENT_1g9e520d34e51af7f5375610bca4add99c)
+///
+/// # Safety
+/// 1. `event` was returned by [`event_create`] and has not been destroyed.
+pub(super) unsafe fn event_synchronize(event: sys::CUevent) -> Result<(), CuError> {
+    // SAFETY: the event is alive (point 1).
+    unsafe { sys::cuEventSynchronize(event).result() }
+}
+
+/// Creates a stream that does not synchronize with the legacy default stream, in the current context.
+///
+/// See [cuStreamCreate() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1ga581f0c5833e21ded8b5a56594e243f4)
+pub(super) fn stream_create_non_blocking() -> Result<sys::CUstream, CuError> {
+    let mut stream = MaybeUninit::uninit();
+    let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+    // SAFETY: `stream` is valid for the call; a new stream affects nothing that exists.
+    unsafe {
+        sys::cuStreamCreate(stream.as_mut_ptr(), flags).result()?;
+        Ok(stream.assume_init())
+    }
+}
+
+/// Destroys a stream from [`stream_create_non_blocking`] (its queued work still completes).
+///
+/// See [cuStreamDestroy() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html#group__CUDA__STREAM_1g244c8833de4596bcd31a06cdf21ee758)
+///
+/// # Safety
+/// 1. `stream` was returned by [`stream_create_non_blocking`] and has not been destroyed.
+/// 2. No one will use `stream` afterwards.
+pub(super) unsafe fn stream_destroy(stream: sys::CUstream) -> Result<(), CuError> {
+    // SAFETY: the stream is alive and not used again (points 1-2).
+    unsafe { sys::cuStreamDestroy_v2(stream).result() }
 }
 
 /// Destroys an event from [`event_create`].
@@ -519,6 +558,52 @@ pub(super) unsafe fn memcpy_htod(ptr: sys::CUdeviceptr, data: &[u8]) -> Result<(
     // SAFETY: `data` is valid for reads of `data.len()` bytes for the whole (synchronous) call; the
     // destination is the caller's own writable memory (point 1).
     unsafe { sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len()).result() }
+}
+
+/// Enqueues a copy of `len` bytes from device address `ptr` to host address `dst` on `stream`. Into
+/// page-locked memory the copy runs after the call returns; into pageable memory CUDA returns only once the
+/// copy has completed.
+///
+/// See [cuMemcpyDtoHAsync() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g56f30236c7c5247f8e061b59d3268362)
+///
+/// # Safety
+/// 1. `ptr .. ptr + len` is device memory the caller owns, mapped with read-write access for the current
+///    context's device, and stays so until the copy has completed. Reading elsewhere faults the context.
+/// 2. `dst .. dst + len` is host memory valid for writes, which nothing reads, writes or frees until the
+///    copy has completed.
+/// 3. `stream` is a stream of the current context that is alive.
+pub(super) unsafe fn memcpy_dtoh_async(
+    dst: *mut u8,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), CuError> {
+    // SAFETY: the source is the caller's readable memory, the destination its writable host memory, both
+    // left alone until the copy completes, on a live stream (points 1-3).
+    unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), ptr, len, stream).result() }
+}
+
+/// Enqueues a copy of `len` bytes from host address `src` to device address `ptr` on `stream`. From
+/// page-locked memory the copy runs after the call returns; from pageable memory CUDA returns once the
+/// bytes have been staged, so `src` may be reused at once.
+///
+/// See [cuMemcpyHtoDAsync() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g1572263fe2597d7ba4f6964597a354a3)
+///
+/// # Safety
+/// 1. `ptr .. ptr + len` is device memory the caller owns, mapped with read-write access for the current
+///    context's device, which nothing else uses until the copy has completed.
+/// 2. `src .. src + len` is host memory valid for reads, which nothing writes or frees until the copy has
+///    completed.
+/// 3. `stream` is a stream of the current context that is alive.
+pub(super) unsafe fn memcpy_htod_async(
+    ptr: sys::CUdeviceptr,
+    src: *const u8,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), CuError> {
+    // SAFETY: the destination is the caller's writable memory, the source its readable host memory, both
+    // left alone until the copy completes, on a live stream (points 1-3).
+    unsafe { sys::cuMemcpyHtoDAsync_v2(ptr, src.cast(), len, stream).result() }
 }
 
 /// Whether `device` can access memory of `peer`.

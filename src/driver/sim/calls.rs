@@ -5,8 +5,8 @@
 use super::store::Owner;
 use super::{FaultKind, LatencyModel, SimDriver};
 use crate::driver::{
-    CaptureProbe, CaptureStatus, Driver, DriverCounters, DriverError, EventId, MemInfo, Op,
-    PhysHandle, PhysPage, StreamId, VaRange,
+    CaptureProbe, CaptureStatus, CopyJob, CopyPlan, Driver, DriverCounters, DriverError, EventId,
+    MemInfo, Op, PhysHandle, PhysPage, StreamId, VaRange,
 };
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
@@ -19,18 +19,28 @@ impl SimDriver {
     /// query slept for tens of microseconds), sleeping above.
     #[cold]
     pub(super) fn sleep(&self, ns: u64) {
-        if !self.config.sleep_latency || ns == 0 {
-            return;
+        if self.config.sleep_latency {
+            wait_out(ns);
         }
-        let wait = std::time::Duration::from_nanos(ns);
-        if ns < SPIN_BELOW_NS {
-            let start = std::time::Instant::now();
-            while start.elapsed() < wait {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::sleep(wait);
+    }
+
+    /// Counts a call of `op` covering `bytes` as [`begin`](Self::begin) does, without waiting out its
+    /// latency: a step of a copy job, which waits it out while it runs, without the driver. Returns the
+    /// call's modelled nanoseconds, or the fault planned for it (a host allocation's out-of-memory is the
+    /// host's, [`DriverError::HostOutOfMemory`]).
+    pub(super) fn charge(&mut self, op: Op, bytes: u64) -> Result<u64, DriverError> {
+        let (cost, units) = self.config.latency.charge(op, bytes);
+        self.counters.record(op, cost);
+        self.counters.record_units(op, 1, units);
+        if !self.faults.none_planned() {
+            self.inject(op, bytes).map_err(|err| match err {
+                DriverError::OutOfMemory { .. } if op == Op::HostAlloc => {
+                    DriverError::HostOutOfMemory { bytes }
+                }
+                other => other,
+            })?;
         }
+        Ok(cost)
     }
 
     /// Charges the mappings a call of `op` covered beyond the first (`begin` charged one): the fixed part
@@ -96,6 +106,23 @@ impl SimDriver {
     }
 }
 
+/// Waits `ns` nanoseconds: spinning below [`SPIN_BELOW_NS`], where the operating system's sleep would
+/// overshoot many times over (a 100 ns capture query slept for tens of microseconds), sleeping above.
+pub(super) fn wait_out(ns: u64) {
+    if ns == 0 {
+        return;
+    }
+    let wait = std::time::Duration::from_nanos(ns);
+    if ns < SPIN_BELOW_NS {
+        let start = std::time::Instant::now();
+        while start.elapsed() < wait {
+            std::hint::spin_loop();
+        }
+    } else {
+        std::thread::sleep(wait);
+    }
+}
+
 impl Driver for SimDriver {
     fn granularity(&self) -> u64 {
         self.config.granularity
@@ -112,7 +139,9 @@ impl Driver for SimDriver {
     fn create(&mut self, size: u64) -> Result<PhysHandle, DriverError> {
         self.begin(Op::Create, size)?;
         let free = self.free_bytes();
-        self.vmm.create(size, free)
+        let created = self.vmm.create(size, free);
+        self.publish();
+        created
     }
     fn release(&mut self, handle: PhysHandle) -> Result<(), DriverError> {
         self.begin(Op::Release, self.vmm.handle_size(handle).unwrap_or(0))?;
@@ -120,6 +149,7 @@ impl Driver for SimDriver {
         if let Some(freed) = self.vmm.release(handle)? {
             self.forget(Owner::Allocation(freed));
         }
+        self.publish();
         Ok(())
     }
     fn map(&mut self, va: u64, size: u64, handle: PhysHandle) -> Result<(), DriverError> {
@@ -146,6 +176,7 @@ impl Driver for SimDriver {
                 self.sleep(cost * count as u64);
                 let units = LatencyModel::units(Op::Create, size);
                 self.counters.record_units(Op::Create, count as u64, units);
+                self.publish();
                 return Ok(());
             }
         }
@@ -182,11 +213,16 @@ impl Driver for SimDriver {
         if let Some(&(stream, va)) = self.streams.users_of(va, size).first() {
             return Err(DriverError::UnmapWhileInUse { va, stream });
         }
+        if let Some(va) = self.copying.user_of(va, size) {
+            let stream = super::COPY_STREAM;
+            return Err(DriverError::UnmapWhileInUse { va, stream });
+        }
         let (freed, covered) = self.vmm.unmap(va, size)?;
         for alloc in freed {
             self.forget(Owner::Allocation(alloc));
         }
         self.more_mappings(Op::Unmap, covered);
+        self.publish();
         Ok(())
     }
     fn mem_info(&mut self) -> Result<MemInfo, DriverError> {
@@ -208,13 +244,16 @@ impl Driver for SimDriver {
         } else {
             self.planned_address(size)
         };
-        self.mallocs.malloc(size, free, at)
+        let allocated = self.mallocs.malloc(size, free, at);
+        self.publish();
+        allocated
     }
     fn free(&mut self, ptr: u64) -> Result<(), DriverError> {
         self.begin(Op::Free, self.mallocs.size(ptr).unwrap_or(0))?;
         self.refuse_in_capture(Op::Free, None)?;
         self.mallocs.free(ptr)?;
         self.forget(Owner::Malloc(ptr));
+        self.publish();
         Ok(())
     }
     fn record_event(&mut self, stream: StreamId) -> Result<EventId, DriverError> {
@@ -289,7 +328,11 @@ impl Driver for SimDriver {
     fn memset_d8(&mut self, va: u64, size: u64, value: u8) -> Result<(), DriverError> {
         self.begin(Op::Memset, size)?;
         let spans = self.spans(va, size)?;
-        let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
+        let mut store = self
+            .store
+            .as_ref()
+            .ok_or(DriverError::NoBackingStore)?
+            .lock();
         for span in spans {
             store.fill(span.owner, span.offset, span.len as u64, value);
         }
@@ -304,6 +347,11 @@ impl Driver for SimDriver {
     fn copy_from_host(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
         self.begin(Op::CopyFromHost, data.len() as u64)?;
         self.write(va, data)
+    }
+    /// Checks the plan and its device ranges now, counts every step the job will make and decides its
+    /// faults now (`copies.rs`), so that a job fails as deterministically as a call.
+    fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
+        self.start_copy_job(plan)
     }
     fn exports_handles(&self) -> bool {
         self.config.exportable_handles
@@ -334,6 +382,8 @@ impl Driver for SimDriver {
                 size,
             });
         }
-        Ok(self.vmm.import(alloc, size))
+        let imported = self.vmm.import(alloc, size);
+        self.publish();
+        Ok(imported)
     }
 }

@@ -18,10 +18,16 @@
 //!
 //! An event recorded on a capturing stream is a node of the graph: it never completes, and once its capture
 //! has ended a query of it is [`DriverError::CapturedEvent`].
+//!
+//! Work launched on a capturing stream is a node of the graph too: the ranges it touches are kept with the
+//! capture, and a capture that ends well leaves a graph whose replay
+//! ([`SimDriver::replay_graph`](super::SimDriver::replay_graph)) launches that work again, refused as any
+//! launch is where its memory is not mapped with access (the illegal address a GPU's replay would meet).
 
 use crate::base::sync::{Arc, AtomicBool, Mutex};
 use crate::driver::{
     CaptureMisuse, CaptureMode, CaptureProbe, CaptureStatus, DriverError, EventId, Op, StreamId,
+    VaRange,
 };
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
@@ -58,6 +64,8 @@ pub(super) struct Captures {
     published: Arc<Published>,
     /// Events recorded on a stream while it was capturing: the stream and the capture's id.
     events: FxHashMap<u64, (StreamId, u64)>,
+    /// The ranges the work launched during each capture touches, by capture id: the graphs once ended.
+    graphs: FxHashMap<u64, Vec<VaRange>>,
     refusals: u64,
     invalidated: u64,
 }
@@ -106,9 +114,27 @@ impl Captures {
             })?;
         self.publish();
         if capture.invalidated {
+            self.graphs.remove(&capture.id);
             return Err(DriverError::CaptureInvalidated { stream });
         }
+        self.graphs.entry(capture.id).or_default();
         Ok(())
+    }
+
+    /// Notes work launched on `stream`, which is capturing: a node of its capture's graph.
+    pub(super) fn captured_launch(&mut self, stream: StreamId, ranges: &[VaRange]) {
+        if let Some(c) = self.active.get(&stream) {
+            self.graphs
+                .entry(c.id)
+                .or_default()
+                .extend_from_slice(ranges);
+        }
+    }
+
+    /// The ranges the work of graph `id` (a capture that has ended well) touches.
+    pub(super) fn graph(&self, id: u64) -> Option<&[VaRange]> {
+        let ended = !self.active.values().any(|c| c.id == id);
+        (self.graphs.get(&id).filter(|_| ended)).map(Vec::as_slice)
     }
 
     /// Makes the statuses of the captures under way what [`probe`](Self::probe)s answer.

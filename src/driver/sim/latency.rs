@@ -58,7 +58,8 @@ impl LatencyModel {
     /// | mem_info, record_event, query_event, destroy_event | 1 000 | assumed (no device work) |
     /// | synchronize | 5 000 | assumed (round trip on an idle stream; the simulator runs no kernels) |
     /// | memset | 10 000 | assumed (a kernel launch and a wait; 2 MiB at ~1.5 TB/s is ~1.4 us) |
-    /// | copy_to_host, copy_from_host | 10 000 | assumed (a small synchronous copy over PCIe) |
+    /// | copy_to_host, copy_from_host | 105 000 | assumed: 2 MiB at 20 GB/s, a pinned copy over PCIe 4 x16 |
+    /// | host_alloc | 500 000 | assumed: 2 MiB pinned at 4 GB/s (`cuMemHostAlloc` faults in and locks pages) |
     /// | capture_info | 100 | assumed (a host-side query) |
     /// | export, import | 10 000 | assumed (a file descriptor made or opened by the kernel driver) |
     pub fn a100() -> Self {
@@ -72,7 +73,9 @@ impl LatencyModel {
                 Op::Free => 26_000 + 26_000,
                 Op::Reserve | Op::FreeReservation | Op::Synchronize => 5_000,
                 Op::MemInfo | Op::RecordEvent | Op::QueryEvent | Op::DestroyEvent => 1_000,
-                Op::Memset | Op::CopyToHost | Op::CopyFromHost => 10_000,
+                Op::Memset => 10_000,
+                Op::CopyToHost | Op::CopyFromHost => 105_000,
+                Op::HostAlloc => 500_000,
                 Op::CaptureInfo => 100,
                 Op::Export | Op::Import => 10_000,
             };
@@ -99,7 +102,9 @@ impl LatencyModel {
     /// | destroy_event | 462 | 0 | assumed as query_event |
     /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-6 us (160 GB to 1.28 TB); free assumed |
     /// | mem_info | 1 000 | 0 | assumed |
-    /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    /// | memset | 10 000 | 0 | assumed, as for the A100 |
+    /// | copy_to_host, copy_from_host | 10 000 | 84 000 | assumed: a pinned copy at 25 GB/s (PCIe 5 x16 as users report it) |
+    /// | host_alloc | 20 000 | 500 000 | assumed, as for the A100 |
     /// | capture_info | 100 | 0 | assumed (a host-side query) |
     /// | export, import | 10 000 | 0 | assumed, as for the A100 |
     pub fn h100() -> Self {
@@ -116,7 +121,9 @@ impl LatencyModel {
             Op::QueryEvent | Op::DestroyEvent => (462, 0),
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
-            Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
+            Op::Memset => (10_000, 0),
+            Op::CopyToHost | Op::CopyFromHost => (10_000, 84_000),
+            Op::HostAlloc => (20_000, 500_000),
             Op::CaptureInfo => (100, 0),
             Op::Export | Op::Import => (10_000, 0),
         })
@@ -139,7 +146,9 @@ impl LatencyModel {
     /// | query_event, destroy_event | 192 | 0 | query measured; destroy assumed as query |
     /// | reserve, free_reservation | 3 000 | 0 | reserve measured 2-14 us (160 GB to 1.28 TB); free assumed |
     /// | mem_info | 1 000 | 0 | assumed |
-    /// | memset, copy_to_host | 10 000 | 0 | assumed, as for the A100 |
+    /// | memset | 10 000 | 0 | assumed, as for the A100 |
+    /// | copy_to_host, copy_from_host | 10 000 | 84 000 | assumed, as for the H100 |
+    /// | host_alloc | 20 000 | 500 000 | assumed, as for the A100 |
     /// | capture_info | 100 | 0 | assumed (a host-side query) |
     /// | export, import | 10 000 | 0 | assumed, as for the A100 |
     pub fn h200() -> Self {
@@ -156,7 +165,9 @@ impl LatencyModel {
             Op::QueryEvent | Op::DestroyEvent => (192, 0),
             Op::Reserve | Op::FreeReservation => (3_000, 0),
             Op::MemInfo => (1_000, 0),
-            Op::Memset | Op::CopyToHost | Op::CopyFromHost => (10_000, 0),
+            Op::Memset => (10_000, 0),
+            Op::CopyToHost | Op::CopyFromHost => (10_000, 84_000),
+            Op::HostAlloc => (20_000, 500_000),
             Op::CaptureInfo => (100, 0),
             Op::Export | Op::Import => (10_000, 0),
         })
@@ -206,7 +217,7 @@ impl LatencyModel {
     /// Estimated nanoseconds for one call of `op` covering `bytes` bytes (and one mapping).
     ///
     /// Operations that carry a size (create, release, map, set_access, unmap, malloc, free, memset,
-    /// copy_to_host; for release and free the size of the handle or allocation) cost `fixed_ns[op] +
+    /// copy_to_host, copy_from_host, host_alloc; for release and free the size of the handle or allocation) cost `fixed_ns[op] +
     /// per_unit_ns[op] * max(1, ceil(bytes / 2 MiB))`: under the A100 model (no fixed part) a 4 MiB map costs
     /// two units, a 64 KiB one costs one unit whatever the device's granularity. Every other operation costs
     /// `fixed_ns[op] + per_unit_ns[op]` flat. Saturates instead of overflowing.
@@ -313,6 +324,7 @@ fn carries_size(op: Op) -> bool {
             | Op::Memset
             | Op::CopyToHost
             | Op::CopyFromHost
+            | Op::HostAlloc
     )
 }
 

@@ -73,12 +73,14 @@
 mod calls;
 mod capture;
 mod config;
+mod copies;
 mod faults;
 mod granules;
 mod handles;
 mod latency;
 mod malloc;
 mod mappings;
+mod processes;
 mod report;
 mod sharing;
 #[cfg(test)]
@@ -89,15 +91,19 @@ mod va;
 mod vmm;
 
 pub use config::SimConfig;
+pub use copies::COPY_STREAM;
 pub use faults::FaultKind;
 pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
 pub use store::Owner;
 
 use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaRange};
+use crate::base::sync::{Arc, Mutex};
 use capture::Captures;
+use copies::Copying;
 use faults::Faults;
 use malloc::Mallocs;
+use processes::Process;
 use sharing::Exports;
 use std::collections::VecDeque;
 use std::fmt;
@@ -116,10 +122,15 @@ pub struct SimDriver {
     captures: Captures,
     /// The peers added ([`Driver::add_peer`](super::Driver::add_peer)), one bit per device ordinal.
     peers: u32,
-    store: Option<ByteStore>,
+    /// The bytes, shared with the copy jobs running without the driver (`copies.rs`).
+    store: Option<Arc<Mutex<ByteStore>>>,
     /// The handles exported as file descriptors (`sharing.rs`).
     exports: Exports,
     malloc_plan: VecDeque<(u64, u64)>,
+    /// The copy jobs not over yet and the device ranges they copy (`copies.rs`).
+    copying: Copying,
+    /// The other processes on this device, when there are (`processes.rs`).
+    process: Option<Process>,
 }
 
 /// A piece of a read or write that lies in one physical allocation.
@@ -143,9 +154,11 @@ impl SimDriver {
             streams: Streams::default(),
             captures: Captures::default(),
             peers: 0,
-            store: config.backing_store.then(ByteStore::default),
+            store: (config.backing_store).then(|| Arc::new(Mutex::new(ByteStore::default()))),
             exports: Exports::default(),
             malloc_plan: VecDeque::new(),
+            copying: Copying::default(),
+            process: None,
             config,
         }
     }
@@ -157,9 +170,13 @@ impl SimDriver {
     pub fn used_bytes(&self) -> u64 {
         self.vmm.physical_bytes() + self.mallocs.bytes()
     }
-    /// Physical bytes still free: capacity minus [`used_bytes`](Self::used_bytes).
+    /// Physical bytes still free: capacity minus [`used_bytes`](Self::used_bytes), and minus what the
+    /// other processes on the device use ([`another_process`](Self::another_process)).
     pub fn free_bytes(&self) -> u64 {
-        self.config.capacity.saturating_sub(self.used_bytes())
+        let others = self.process.as_ref().map_or(0, Process::others);
+        (self.config.capacity)
+            .saturating_sub(self.used_bytes())
+            .saturating_sub(others)
     }
     /// Handles created or imported and not released (a released handle that is still mapped is not
     /// counted; an import is a handle of its own).
@@ -229,9 +246,21 @@ impl SimDriver {
             self.spans(range.start, range.size)?;
         }
         if self.captures.is_capturing(stream) {
+            self.captures.captured_launch(stream, ranges);
             return Ok(self.streams.launch_captured());
         }
         Ok(self.streams.launch(stream, ranges))
+    }
+    /// Replays graph `graph` (the id of a capture that ended well) on `stream`: its work is launched again
+    /// as one work item touching every range its captured work touched, and refused as
+    /// [`launch`](Self::launch) refuses, where any of that memory is not mapped with access: CUDA's replay
+    /// of a graph whose memory was unmapped would fault. [`DriverError::UnknownGraph`] for a graph that
+    /// does not exist. A test control, not counted.
+    pub fn replay_graph(&mut self, graph: u64, stream: StreamId) -> Result<u64, DriverError> {
+        let ranges = (self.captures.graph(graph))
+            .ok_or(DriverError::UnknownGraph { graph })?
+            .to_vec();
+        self.launch(stream, &ranges)
     }
     /// Completes the first `n` work items queued on `stream`, and the events that thereby complete.
     /// Returns how many work items completed (fewer than `n` if the stream ran dry).
@@ -321,7 +350,11 @@ impl SimDriver {
     /// is not accessible.
     pub fn write(&mut self, va: u64, data: &[u8]) -> Result<(), DriverError> {
         let spans = self.spans(va, data.len() as u64)?;
-        let store = self.store.as_mut().ok_or(DriverError::NoBackingStore)?;
+        let mut store = self
+            .store
+            .as_ref()
+            .ok_or(DriverError::NoBackingStore)?
+            .lock();
         let mut rest = data;
         for span in spans {
             let (head, tail) = rest.split_at(span.len);
@@ -333,7 +366,11 @@ impl SimDriver {
     /// Reads `len` bytes at device address `va` (backing store on). Bytes never written read as 0.
     pub fn read(&self, va: u64, len: usize) -> Result<Vec<u8>, DriverError> {
         let spans = self.spans(va, len as u64)?;
-        let store = self.store.as_ref().ok_or(DriverError::NoBackingStore)?;
+        let store = self
+            .store
+            .as_ref()
+            .ok_or(DriverError::NoBackingStore)?
+            .lock();
         let mut out = vec![0; len];
         let mut at = 0;
         for span in spans {
@@ -374,8 +411,8 @@ impl SimDriver {
 
     /// Drops the bytes of physical memory that was just freed, and what its exports kept.
     fn forget(&mut self, owner: Owner) {
-        if let Some(store) = &mut self.store {
-            store.forget(owner);
+        if let Some(store) = &self.store {
+            store.lock().forget(owner);
         }
         if let Owner::Allocation(alloc) = owner {
             self.exports.freed(alloc);

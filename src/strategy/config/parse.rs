@@ -26,6 +26,8 @@ pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,5
 const EXPECT_BOOL: &str = "True or False (spelled as PyTorch spells them)";
 const EXPECT_BACKEND: &str =
     "native (cuvmm does not model PyTorch's cudaMallocAsync backend; leave `backend` out)";
+pub(super) const EXPECT_SLEEP_COPY: &str =
+    "a whole number of MiB of at least 1 (a multiple of 4 KiB, set in code)";
 const EXPECT_STREAM_CACHE: &str = "a whole number of MiB (0 turns the stream caches off)";
 const EXPECT_IDLE: &str =
     "a whole number of MiB that fits in 64 bits once in bytes, or `unlimited`";
@@ -111,20 +113,32 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
         | "pinned_use_hip_host_register"
         | "pinned_use_background_threads" => {
             boolean(key, value)?;
-            ignored(key, value, "cuvmm allocates no pinned host memory");
+            ignored(
+                key,
+                value,
+                "cuvmm has no pinned memory allocator for tensors",
+            );
         }
         "pinned_num_register_threads" => {
             let n = uint(key, value, EXPECT_THREADS)?;
             if !n.is_power_of_two() || n > PINNED_MAX_REGISTER_THREADS {
                 return Err(bad(EXPECT_THREADS));
             }
-            ignored(key, value, "cuvmm allocates no pinned host memory");
+            ignored(
+                key,
+                value,
+                "cuvmm has no pinned memory allocator for tensors",
+            );
         }
         "pinned_reserve_segment_size_mb" => {
             if uint(key, value, EXPECT_POSITIVE)? == 0 {
                 return Err(bad(EXPECT_POSITIVE));
             }
-            ignored(key, value, "cuvmm allocates no pinned host memory");
+            ignored(
+                key,
+                value,
+                "cuvmm has no pinned memory allocator for tensors",
+            );
         }
         "page_size_mb" => config.page_size = Some(positive_bytes(key, value, MIB)?),
         "small_size_kb" => config.small_size = positive_bytes(key, value, KIB)?,
@@ -136,6 +150,13 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
         "cross_stream_reuse" => config.cross_stream_reuse = boolean(key, value)?,
         "lend_chunk_pages" => config.lend_chunk_pages = boolean(key, value)?,
         "capture_detection" => config.capture_detection = boolean(key, value)?,
+        "keep_host_buffers" => config.keep_host_buffers = boolean(key, value)?,
+        "sleep_copy_mb" => {
+            let mib = uint(key, value, EXPECT_SLEEP_COPY)?;
+            config.sleep_copy = (mib.checked_mul(MIB))
+                .filter(|&b| b > 0)
+                .ok_or_else(|| bad(EXPECT_SLEEP_COPY))?;
+        }
         "stream_cache_eager" => config.stream_cache_eager = Some(boolean(key, value)?),
         "compaction" => {
             config.compaction = match value {

@@ -1,0 +1,394 @@
+//! Copy jobs on a GPU ([`Driver::start_copies`](crate::driver::Driver::start_copies)): asynchronous copies
+//! on a stream the driver owns, into and out of page-locked host memory, run without the driver.
+//!
+//! - **The copy stream** is created on the first job (non-blocking: it waits for no other stream, since a
+//!   sleep has waited for the tag's streams already) and destroyed with the last job or memory that needs
+//!   it, after the driver ([`CopyStream`] is shared).
+//! - **Host memory** is pinned piece by piece as the job reaches it, by [`PIN_THREADS`] threads working
+//!   ahead of the copies, so that pinning (the host faulting in and locking pages, slower than the link)
+//!   overlaps the copies already queued. Where pinning fails, a piece is ordinary memory (CUDA then copies
+//!   synchronously, through its staging).
+//! - **Waiting**: an event recorded after the last copy, then `cuEventSynchronize`; if the event cannot be
+//!   recorded, `cuStreamSynchronize` of the copy stream. Host memory a copy may still touch waits for the
+//!   stream itself before it is read, written or freed (`host.rs`), whatever happens to the job.
+//! - **The device ranges** were checked against the ledger when the job started and stay guarded until it
+//!   is over: the driver refuses to unmap them ([`DriverError::UnmapWhileInUse`]).
+//! - **Counters**: each step is counted, with its time, in counters shared with the driver.
+
+use super::calls::{cuda_error, keeping_current_context};
+use super::errors;
+use super::host::Pinned;
+use super::result;
+use crate::driver::{
+    CopyDirection, CopyRun, DriverCounters, DriverError, HostCopy, HostMemory, Op, StreamId,
+};
+use cudarc::driver::DriverError as CuError;
+use cudarc::driver::{CudaContext, sys};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, channel};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// Threads pinning a job's host memory ahead of its copies.
+const PIN_THREADS: usize = 4;
+
+/// The driver's own stream for copies, destroyed when the last holder lets go of it.
+#[derive(Debug)]
+pub(super) struct CopyStream {
+    raw: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUDA stream may be used from any thread, and `raw` is destroyed once, in `drop`.
+unsafe impl Send for CopyStream {}
+// SAFETY: as `Send`; the methods only pass the handle to the driver, which is thread-safe.
+unsafe impl Sync for CopyStream {}
+
+impl CopyStream {
+    /// A new non-blocking stream in `ctx`; the calling thread's context is left as it was.
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Result<Arc<Self>, CuError> {
+        let raw = keeping_current_context(|| {
+            ctx.bind_to_thread()?;
+            result::stream_create_non_blocking()
+        })?;
+        Ok(Arc::new(Self {
+            raw: raw as usize,
+            ctx: Arc::clone(ctx),
+        }))
+    }
+
+    /// The raw `CUstream`.
+    fn raw(&self) -> sys::CUstream {
+        self.raw as sys::CUstream
+    }
+
+    /// The stream's name in errors (an `unmap` refused while it copies).
+    pub(super) fn id(&self) -> StreamId {
+        StreamId(self.raw as u64)
+    }
+
+    /// Waits for everything queued on the stream.
+    pub(super) fn synchronize(&self) -> Result<(), CuError> {
+        self.in_context(|| {
+            // SAFETY: the stream is this one's, alive until `self` drops (point 1).
+            unsafe { result::stream_synchronize(self.raw()) }
+        })
+    }
+
+    /// Runs `f` with the stream's context current, giving the thread its own back.
+    fn in_context<T>(&self, f: impl FnOnce() -> Result<T, CuError>) -> Result<T, CuError> {
+        keeping_current_context(|| {
+            self.ctx.bind_to_thread()?;
+            f()
+        })
+    }
+}
+
+impl Drop for CopyStream {
+    fn drop(&mut self) {
+        let destroyed = self.in_context(|| {
+            // SAFETY: the stream was created by `new` and is destroyed once, here; nothing holds it any more
+            // (point 2): every job and every piece of memory with a copy pending holds this `Arc`.
+            unsafe { result::stream_destroy(self.raw()) }
+        });
+        if let Err(e) = destroyed {
+            let (code, name) = errors::code_and_name(&e);
+            tracing::error!(code, %name, "cuvmm: destroying the copy stream failed");
+        }
+    }
+}
+
+/// Calls and time of copy jobs, shared with the driver, which adds them to its counters.
+#[derive(Debug, Default)]
+pub(super) struct JobCounters(Mutex<DriverCounters>);
+
+impl JobCounters {
+    fn record(&self, op: Op, since: Instant) {
+        let ns = since.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .record(op, ns);
+    }
+
+    /// The calls counted so far.
+    pub(super) fn get(&self) -> DriverCounters {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The device ranges of jobs not over yet, guarded from `unmap`.
+#[derive(Debug, Default)]
+pub(super) struct Guarded(Vec<(Arc<AtomicBool>, Vec<(u64, u64)>)>);
+
+impl Guarded {
+    /// Guards `ranges` until the returned flag is set.
+    pub(super) fn add(&mut self, ranges: Vec<(u64, u64)>) -> Arc<AtomicBool> {
+        let over = Arc::new(AtomicBool::new(false));
+        self.0.push((Arc::clone(&over), ranges));
+        over
+    }
+
+    /// The first address of `va .. va + size` a job not over yet copies, forgetting the jobs over.
+    pub(super) fn user_of(&mut self, va: u64, size: u64) -> Option<u64> {
+        if self.0.is_empty() {
+            return None;
+        }
+        self.0.retain(|(over, _)| !over.load(Ordering::Acquire));
+        let end = va.saturating_add(size);
+        (self.0.iter().flat_map(|(_, ranges)| ranges))
+            .filter(|&&(start, len)| start < end && va < start + len)
+            .map(|&(start, _)| start.max(va))
+            .min()
+    }
+}
+
+/// Host pieces pinned ahead of the copies, by up to [`PIN_THREADS`] threads.
+struct Pinning {
+    /// The lengths to pin, in the order the job asks for them.
+    lens: Vec<usize>,
+    /// The next one the job asks for.
+    next: usize,
+    results: Option<Receiver<(usize, Result<Pinned, CuError>)>>,
+    arrived: HashMap<usize, Result<Pinned, CuError>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pinning {
+    fn new(lens: Vec<usize>) -> Self {
+        Self {
+            lens,
+            next: 0,
+            results: None,
+            arrived: HashMap::new(),
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Vec::new(),
+        }
+    }
+
+    /// The next piece, pinned (or the error pinning it met). The threads start at the first call.
+    fn take(&mut self, ctx: &Arc<CudaContext>) -> Result<Pinned, CuError> {
+        let i = self.next;
+        self.next += 1;
+        if self.results.is_none() {
+            self.start(ctx);
+        }
+        loop {
+            if let Some(piece) = self.arrived.remove(&i) {
+                return piece;
+            }
+            let received = self.results.as_ref().and_then(|r| r.recv().ok());
+            match received {
+                Some((at, piece)) => {
+                    self.arrived.insert(at, piece);
+                }
+                // The threads ended without it: pin it here.
+                None => return Pinned::unwritten(ctx, self.lens[i]),
+            }
+        }
+    }
+
+    fn start(&mut self, ctx: &Arc<CudaContext>) {
+        let (send, receive) = channel();
+        self.results = Some(receive);
+        let threads = PIN_THREADS.min(self.lens.len());
+        for t in 0..threads {
+            let (send, stop, ctx) = (send.clone(), Arc::clone(&self.stop), Arc::clone(ctx));
+            let mine: Vec<(usize, usize)> = (self.lens.iter().copied().enumerate())
+                .skip(t)
+                .step_by(threads)
+                .collect();
+            let spawned = std::thread::Builder::new()
+                .name("cuvmm-pin".into())
+                .spawn(move || {
+                    for (i, len) in mine {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        if send.send((i, Pinned::unwritten(&ctx, len))).is_err() {
+                            break;
+                        }
+                    }
+                });
+            match spawned {
+                Ok(handle) => self.threads.push(handle),
+                Err(err) => tracing::warn!(%err, "cuvmm: no thread to pin host memory ahead"),
+            }
+        }
+    }
+}
+
+impl Drop for Pinning {
+    /// Stops the threads; what they pinned and the job did not take is freed.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        drop(self.results.take());
+        for handle in self.threads.drain(..) {
+            if handle.join().is_err() {
+                tracing::error!("cuvmm: a thread pinning host memory panicked");
+            }
+        }
+    }
+}
+
+/// A job's side on a GPU.
+pub(super) struct CudaCopies {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CopyStream>,
+    pinning: Pinning,
+    event: Option<usize>,
+    counters: Arc<JobCounters>,
+    over: Arc<AtomicBool>,
+}
+
+impl CudaCopies {
+    /// A job on `stream` that pins pieces of `lens` (in the order it asks for them), counting in
+    /// `counters`, whose device ranges stay guarded until it sets `over`.
+    pub(super) fn new(
+        ctx: &Arc<CudaContext>,
+        stream: Arc<CopyStream>,
+        lens: Vec<usize>,
+        counters: Arc<JobCounters>,
+        over: Arc<AtomicBool>,
+    ) -> Self {
+        Self {
+            ctx: Arc::clone(ctx),
+            stream,
+            pinning: Pinning::new(lens),
+            event: None,
+            counters,
+            over,
+        }
+    }
+
+    /// Runs `f` in the context, counting it as a call of `op`.
+    fn call<T>(&self, op: Op, f: impl FnOnce() -> Result<T, CuError>) -> Result<T, DriverError> {
+        let began = Instant::now();
+        let outcome = keeping_current_context(|| {
+            self.ctx.bind_to_thread()?;
+            f()
+        });
+        self.counters.record(op, began);
+        outcome.map_err(|e| cuda_error(op, &e))
+    }
+
+    fn destroy_event(&mut self) {
+        if let Some(event) = self.event.take() {
+            let destroyed = self.call(Op::DestroyEvent, || {
+                // SAFETY: the event was created by `record` and is destroyed once, here; the wait before it
+                // is over (points 1-2).
+                unsafe { result::event_destroy(event as sys::CUevent) }
+            });
+            if let Err(err) = destroyed {
+                tracing::error!(%err, "cuvmm: destroying a copy job's event failed");
+            }
+        }
+    }
+}
+
+impl CopyRun for CudaCopies {
+    /// Page-locked memory, pinned ahead by the job's threads; ordinary memory where pinning failed.
+    fn alloc(&mut self, len: u64) -> Result<HostMemory, DriverError> {
+        let began = Instant::now();
+        let pinned = self.pinning.take(&self.ctx);
+        self.counters.record(Op::HostAlloc, began);
+        match pinned {
+            Ok(pinned) => Ok(HostMemory::new(pinned)),
+            Err(e) => {
+                let (code, name) = errors::code_and_name(&e);
+                tracing::warn!(code, %name, len, "cuvmm: cuMemHostAlloc failed; copying through pageable memory");
+                let len = usize::try_from(len)
+                    .map_err(|_| DriverError::HostOutOfMemory { bytes: len })?;
+                HostMemory::pageable(len)
+            }
+        }
+    }
+
+    fn copy(
+        &mut self,
+        copy: &HostCopy,
+        direction: CopyDirection,
+        host: &mut HostMemory,
+    ) -> Result<(), DriverError> {
+        let op = match direction {
+            CopyDirection::ToHost => Op::CopyToHost,
+            CopyDirection::FromHost => Op::CopyFromHost,
+        };
+        let bad = DriverError::CopyPlan {
+            reason: "a copy lies outside its host piece",
+        };
+        let start = usize::try_from(copy.offset).map_err(|_| bad.clone())?;
+        let len = usize::try_from(copy.len).map_err(|_| bad.clone())?;
+        let range = start..start.checked_add(len).ok_or(bad.clone())?;
+        let storage = host.storage_mut();
+        let writes = direction == CopyDirection::ToHost;
+        let ptr = match storage.as_any_mut().downcast_mut::<Pinned>() {
+            Some(pinned) => pinned.dma(range, &self.stream, writes).ok_or(bad)?,
+            None => (storage.bytes_mut().get_mut(range))
+                .ok_or(bad)?
+                .as_mut_ptr(),
+        };
+        let stream = self.stream.raw();
+        self.call(op, || match direction {
+            // SAFETY: the device range was checked mapped with access when the job started and the driver
+            // refuses to unmap it until the job is over (point 1); the host range lies inside the piece,
+            // which is page-locked memory whose every access and drop wait for this stream, or pageable
+            // memory CUDA copies into before returning (point 2); the stream is the driver's, alive while
+            // this job holds it (point 3).
+            CopyDirection::ToHost => unsafe {
+                result::memcpy_dtoh_async(ptr, copy.va, len, stream)
+            },
+            // SAFETY: as above; from pageable memory CUDA stages the bytes before returning.
+            CopyDirection::FromHost => unsafe {
+                result::memcpy_htod_async(copy.va, ptr, len, stream)
+            },
+        })
+    }
+
+    fn record(&mut self) -> Result<(), DriverError> {
+        let stream = self.stream.raw();
+        let event = self.call(Op::RecordEvent, || {
+            let event = result::event_create()?;
+            // SAFETY: the event was just created (point 1); the stream is the driver's, alive (point 2).
+            match unsafe { result::event_record(event, stream) } {
+                Ok(()) => Ok(event),
+                Err(e) => {
+                    // SAFETY: the event was created above and nothing else knows it (points 1-2).
+                    if let Err(destroyed) = unsafe { result::event_destroy(event) } {
+                        let (code, name) = errors::code_and_name(&destroyed);
+                        tracing::error!(code, %name, "cuvmm: destroying an event not recorded failed");
+                    }
+                    Err(e)
+                }
+            }
+        })?;
+        self.event = Some(event as usize);
+        Ok(())
+    }
+
+    fn wait(&mut self, recorded: bool) -> Result<(), DriverError> {
+        let waited = match (recorded, self.event) {
+            (true, Some(event)) => self.call(Op::Synchronize, || {
+                // SAFETY: the event was created and recorded by `record` and is not destroyed yet (point 1).
+                unsafe { result::event_synchronize(event as sys::CUevent) }
+            }),
+            _ => self.call(Op::Synchronize, || self.stream.synchronize()),
+        };
+        self.destroy_event();
+        waited
+    }
+
+    fn finish(&mut self) {
+        self.over.store(true, Ordering::Release);
+    }
+}
+
+impl Drop for CudaCopies {
+    fn drop(&mut self) {
+        self.destroy_event();
+        self.over.store(true, Ordering::Release);
+    }
+}

@@ -1,0 +1,298 @@
+//! A tag's host memory, and how its bytes are laid out in it: what a sleep copies to and a wake copies
+//! from (`sleep.rs`), kept across cycles so that a second sleep pins nothing.
+//!
+//! - **Pieces.** Host memory is held in pieces of [`Config::sleep_copy`](crate::Config::sleep_copy) bytes
+//!   (the last one the rest of the tag's bytes, rounded up to [`HOST_ROUND`]), page-locked on CUDA. A sleep
+//!   reuses the pieces the tag holds that are long enough, pins the missing ones (a piece too short is
+//!   replaced), and frees those beyond what the tag's live bytes need.
+//! - **Layout.** The tag's live blocks, in address order, with adjacent blocks merged into runs, lie end to
+//!   end in the pieces; a copy is a part of a run inside one piece. The layout is a function of the blocks,
+//!   which do not change while the tag sleeps, so the wake finds each byte where the sleep put it.
+//! - **The copies run without the allocator's lock** ([`TagCopy`]): the pieces go with them and come back.
+
+#![deny(unsafe_code)]
+
+use super::segment::TagId;
+use crate::base::size::round_up;
+use crate::driver::{
+    CopyDirection, CopyJob, CopyOutcome, CopyPlan, DriverError, HostCopy, HostMemory,
+};
+
+/// The last piece is the rest of the bytes rounded up to this (4 KiB pages, 16 at a time).
+pub(super) const HOST_ROUND: u64 = 64 << 10;
+
+/// A tag's host memory.
+#[derive(Debug, Default)]
+pub(super) struct Kept {
+    /// The pieces, in layout order.
+    pieces: Vec<HostMemory>,
+    /// Whether the pieces hold the bytes of the tag's blocks (a sleep that kept them).
+    contents: bool,
+    /// Bytes of pieces a copy holds now.
+    out: u64,
+}
+
+impl Kept {
+    /// Bytes of host memory held, those a copy holds now included.
+    pub(super) fn bytes(&self) -> u64 {
+        self.pieces.iter().map(|p| p.len() as u64).sum::<u64>() + self.out
+    }
+
+    /// Whether the pieces hold the tag's bytes.
+    pub(super) fn holds_contents(&self) -> bool {
+        self.contents
+    }
+
+    /// Whether a copy holds the pieces now.
+    pub(super) fn lent(&self) -> bool {
+        self.out > 0
+    }
+
+    /// The pieces, lent to a copy (they come back with [`put_back`](Self::put_back)).
+    pub(super) fn lend(&mut self) -> Vec<HostMemory> {
+        let pieces = std::mem::take(&mut self.pieces);
+        self.out = pieces.iter().map(|p| p.len() as u64).sum();
+        pieces
+    }
+
+    /// The pieces back from a copy, holding the tag's bytes if `contents`.
+    pub(super) fn put_back(&mut self, pieces: Vec<HostMemory>, contents: bool) {
+        self.pieces = pieces;
+        self.contents = contents && !self.pieces.is_empty();
+        self.out = 0;
+    }
+
+    /// The bytes are not needed any more (the tag woke): the pieces stay, as buffers for the next sleep.
+    pub(super) fn forget_contents(&mut self) {
+        self.contents = false;
+    }
+
+    /// Frees the pieces unless they hold the tag's bytes or a copy holds them; returns the bytes freed.
+    pub(super) fn release(&mut self) -> u64 {
+        if self.contents || self.lent() {
+            return 0;
+        }
+        let bytes = self.bytes();
+        self.pieces.clear();
+        bytes
+    }
+
+    /// The piece lengths, for the invariants.
+    pub(super) fn piece_lens(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pieces.iter().map(|p| p.len() as u64)
+    }
+}
+
+/// Adjacent blocks `(address, size)` (in address order) merged into runs.
+fn runs(blocks: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(blocks.len());
+    for &(addr, size) in blocks {
+        match out.last_mut() {
+            Some((start, len)) if *start + *len == addr => *len += size,
+            _ => out.push((addr, size)),
+        }
+    }
+    out
+}
+
+/// The pieces for `total` bytes: whole pieces of `piece` bytes, then the rest rounded up to
+/// [`HOST_ROUND`] (at most a piece).
+fn piece_lens(total: u64, piece: u64) -> Vec<u64> {
+    let whole = total / piece;
+    let mut lens = vec![piece; whole as usize];
+    let rest = total % piece;
+    if rest > 0 {
+        lens.push(round_up(rest, HOST_ROUND).unwrap_or(piece).min(piece));
+    }
+    lens
+}
+
+/// The copies of `blocks` laid end to end in pieces of `piece` bytes: each run cut where a piece ends.
+fn copies(blocks: &[(u64, u64)], piece: u64) -> Vec<HostCopy> {
+    let mut out = Vec::new();
+    let mut host = 0u64;
+    for (mut va, mut len) in runs(blocks) {
+        while len > 0 {
+            let offset = host % piece;
+            let n = len.min(piece - offset);
+            out.push(HostCopy {
+                va,
+                len: n,
+                piece: (host / piece) as usize,
+                offset,
+            });
+            (va, len, host) = (va + n, len - n, host + n);
+        }
+    }
+    out
+}
+
+/// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes, and the pieces to run
+/// it with: those of `held` that are long enough, in order; a missing one, or one too short (freed), is
+/// allocated by a copy to the host; the held pieces beyond what the blocks need are freed.
+///
+/// A copy from the host needs every piece: [`DriverError::CopyPlan`] if one is missing (the pieces held
+/// are given back in the error's stead, nothing freed).
+pub(super) fn plan(
+    direction: CopyDirection,
+    blocks: &[(u64, u64)],
+    piece: u64,
+    held: Vec<HostMemory>,
+) -> Result<(CopyPlan, Vec<Option<HostMemory>>), (DriverError, Vec<HostMemory>)> {
+    let total = blocks.iter().map(|b| b.1).sum();
+    let lens = piece_lens(total, piece);
+    if direction == CopyDirection::FromHost
+        && (held.len() < lens.len() || held.iter().zip(&lens).any(|(h, &l)| (h.len() as u64) < l))
+    {
+        let reason = "a wake's bytes are missing from the tag's host memory";
+        return Err((DriverError::CopyPlan { reason }, held));
+    }
+    let mut pieces: Vec<Option<HostMemory>> = held.into_iter().map(Some).collect();
+    // Pieces beyond the blocks' bytes are freed here.
+    pieces.truncate(lens.len());
+    pieces.resize_with(lens.len(), || None);
+    for (p, &len) in pieces.iter_mut().zip(&lens) {
+        if p.as_ref().is_some_and(|h| (h.len() as u64) < len) {
+            *p = None;
+        }
+    }
+    let plan = CopyPlan {
+        direction,
+        allocate: pieces.iter().map(Option::is_none).collect(),
+        pieces: lens,
+        copies: copies(blocks, piece),
+    };
+    Ok((plan, pieces))
+}
+
+/// A sleep's or a wake's copies, run without the allocator's lock: made by `begin_sleep` / `begin_wake`
+/// under it, [`run`](Self::run) by the caller, and handed back to `finish_sleep` / `finish_wake` under it.
+/// Until then the tag is *busy*: a sleep or wake of it is [`Error::TagBusy`](crate::Error::TagBusy), an
+/// allocation under it or a free of its memory [`Error::TagAsleep`](crate::Error::TagAsleep), and its pages
+/// are neither unmapped nor taken by compaction.
+#[derive(Debug)]
+pub struct TagCopy {
+    pub(super) tag: TagId,
+    name: String,
+    job: Option<CopyJob>,
+    pieces: Vec<Option<HostMemory>>,
+    result: Option<Result<(), DriverError>>,
+    bytes: u64,
+}
+
+impl TagCopy {
+    /// The copies of `job` for tag `tag`, with `pieces`.
+    pub(super) fn new(
+        tag: TagId,
+        name: &str,
+        job: CopyJob,
+        pieces: Vec<Option<HostMemory>>,
+    ) -> Self {
+        Self {
+            tag,
+            name: name.to_owned(),
+            bytes: job.plan().bytes(),
+            job: Some(job),
+            pieces,
+            result: None,
+        }
+    }
+
+    /// The tag's name.
+    pub fn tag(&self) -> &str {
+        &self.name
+    }
+
+    /// Bytes the copies move.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Runs the copies (once; no lock needed): returns once none runs.
+    pub fn run(&mut self) {
+        if let Some(job) = self.job.take() {
+            let CopyOutcome { pieces, result } = job.run(std::mem::take(&mut self.pieces));
+            self.pieces = pieces;
+            self.result = Some(result);
+        }
+    }
+
+    /// The pieces that came back and the outcome (an error if the copies were never run).
+    pub(super) fn into_outcome(mut self) -> (TagId, Vec<HostMemory>, Result<(), DriverError>) {
+        let result = self.result.take().unwrap_or(Err(DriverError::CopyPlan {
+            reason: "the copies were not run",
+        }));
+        // A job dropped unrun ends its guard on the device ranges.
+        drop(self.job.take());
+        let pieces = std::mem::take(&mut self.pieces).into_iter().flatten();
+        (self.tag, pieces.collect(), result)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_merge_adjacent_blocks_and_copies_cut_at_piece_ends() {
+        let blocks = [(0x1000, 0x200), (0x1200, 0x100), (0x4000, 0x300)];
+        assert_eq!(runs(&blocks), [(0x1000, 0x300), (0x4000, 0x300)]);
+        let c = copies(&blocks, 0x400);
+        assert_eq!(
+            c,
+            [
+                HostCopy {
+                    va: 0x1000,
+                    len: 0x300,
+                    piece: 0,
+                    offset: 0
+                },
+                HostCopy {
+                    va: 0x4000,
+                    len: 0x100,
+                    piece: 0,
+                    offset: 0x300
+                },
+                HostCopy {
+                    va: 0x4100,
+                    len: 0x200,
+                    piece: 1,
+                    offset: 0
+                },
+            ]
+        );
+        assert_eq!(piece_lens(0x600, 0x400), [0x400, 0x400]);
+        assert_eq!(
+            piece_lens(3 * HOST_ROUND, 2 * HOST_ROUND),
+            [2 * HOST_ROUND, HOST_ROUND]
+        );
+        assert_eq!(piece_lens(1, 1 << 20), [HOST_ROUND]);
+        assert!(piece_lens(0, 1 << 20).is_empty());
+    }
+
+    #[test]
+    fn a_plan_reuses_the_pieces_long_enough_and_frees_the_rest() {
+        let piece = 2 * HOST_ROUND;
+        let blocks = [(0x10_0000, 5 * HOST_ROUND)];
+        let held = vec![
+            HostMemory::pageable(piece as usize).unwrap(),
+            HostMemory::pageable(HOST_ROUND as usize).unwrap(),
+            HostMemory::pageable(piece as usize).unwrap(),
+            HostMemory::pageable(piece as usize).unwrap(),
+        ];
+        let (plan, pieces) = plan(CopyDirection::ToHost, &blocks, piece, held).unwrap();
+        plan.validate().unwrap();
+        assert_eq!(plan.pieces, [piece, piece, HOST_ROUND]);
+        assert_eq!(
+            plan.allocate,
+            [false, true, false],
+            "the short piece is replaced"
+        );
+        assert_eq!(pieces.len(), 3, "the piece beyond is freed");
+        assert_eq!(plan.bytes(), 5 * HOST_ROUND);
+        let short = vec![HostMemory::pageable(piece as usize).unwrap()];
+        let (err, back) = super::plan(CopyDirection::FromHost, &blocks, piece, short).unwrap_err();
+        assert!(matches!(err, DriverError::CopyPlan { .. }));
+        assert_eq!(back.len(), 1, "nothing freed");
+    }
+}

@@ -1,0 +1,64 @@
+//! Sleep and wake through the [`Allocator`] of cuvmm's own strategy (`expandable/sleep.rs`), in phases: the
+//! strategy's lock is held to wait for the tag's streams and mark it, let go while its bytes are copied,
+//! and taken again to unmap (a sleep) or to mark it awake (a wake). Meanwhile other threads allocate and
+//! free as usual; what concerns the tag is refused (an allocation under it or a free of its memory,
+//! [`Error::TagAsleep`]; a sleep or wake of it, [`Error::TagBusy`]), and its pages are neither unmapped
+//! nor taken by compaction, so the copies always find them (docs/DESIGN.md, "Sleep and wake").
+
+use crate::driver::Driver;
+use crate::expandable::{Begun, Expandable, TagInfo};
+use crate::facade::allocator::Allocator;
+use crate::strategy::error::Error;
+
+impl<D: Driver> Allocator<Expandable<D>> {
+    /// Puts `tag` to sleep: waits for the streams that used its memory (an event query first, a
+    /// synchronization only of a stream still busy), copies its bytes to host memory if `keep` (without
+    /// the allocator's lock: other threads go on allocating), then unmaps its pages and gives their physical
+    /// memory back. Its virtual addresses stay reserved and no other allocation is placed in them; its
+    /// memory must not be used (nor freed) until [`wake`](Self::wake). Returns the bytes given back by this
+    /// call (0 if already asleep). Refused during a CUDA graph capture, and while another thread's sleep or
+    /// wake of the tag copies its bytes ([`Error::TagBusy`]). See docs/DESIGN.md, "Sleep and wake".
+    pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
+        match self.with_strategy(|strategy| strategy.begin_sleep(tag, keep))? {
+            Begun::Done(bytes) => Ok(bytes),
+            Begun::Copy(mut copy) => {
+                copy.run();
+                self.with_strategy(|strategy| strategy.finish_sleep(copy))
+            }
+        }
+    }
+
+    /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept (copied
+    /// without the allocator's lock), so pointers and captured CUDA graphs that use them stay valid. Does
+    /// nothing for a tag awake. Out of memory with buffers in the stream caches, they are given back to the
+    /// strategy and the wake tried once more.
+    pub fn wake(&self, tag: &str) -> Result<(), Error> {
+        let begun = match self.with_strategy(|strategy| strategy.begin_wake(tag)) {
+            Err(err) if err.is_out_of_memory() && self.retries_after_drain() => {
+                self.drain_caches()?;
+                self.with_strategy(|strategy| strategy.begin_wake(tag))
+            }
+            other => other,
+        };
+        match begun? {
+            Begun::Done(()) => Ok(()),
+            Begun::Copy(mut copy) => {
+                copy.run();
+                self.with_strategy(|strategy| strategy.finish_wake(copy))
+            }
+        }
+    }
+
+    /// Frees the page-locked host memory tags keep for their next sleep (`tag`'s alone, or every tag's
+    /// with `None`), never the bytes of a sleeping tag; returns the bytes freed
+    /// ([`Expandable::release_host_buffers`]).
+    pub fn release_host_buffers(&self, tag: Option<&str>) -> Result<u64, Error> {
+        self.with_strategy(|strategy| strategy.release_host_buffers(tag))
+    }
+
+    /// Every tag named so far, with its state, its live bytes, the bytes its wake would map and the host
+    /// memory it holds ([`Expandable::tags`]).
+    pub fn tags(&self) -> Vec<TagInfo> {
+        self.with_strategy(|strategy| strategy.tags())
+    }
+}
