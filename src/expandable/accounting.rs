@@ -251,6 +251,14 @@ impl Books {
         }
     }
 
+    /// [`refresh`](Self::refresh) where pages of `seg` became idle or stopped being idle since `before`
+    /// (pages mapped where no live block is: a tag's wake maps its graph pools' temporaries so).
+    pub(super) fn refresh_if_idle_moved(&mut self, seg: &Segment, before: SlotCounts) {
+        if seg.pages.idle_count() != before.idle {
+            self.refresh(seg, before);
+        }
+    }
+
     /// Counts a block as live or no longer allocated ([`Counters::count_block`]).
     pub(super) fn count_block(&mut self, pool: Pool, size: u64, requested: u64, live: bool) {
         let oversize = self.max_split_size.is_some_and(|max| size >= max);

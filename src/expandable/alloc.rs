@@ -85,7 +85,8 @@ impl<D: Driver> Expandable<D> {
         }
     }
 
-    /// Maps the missing pages of each block `(address, size)`, live already (a tag's wake).
+    /// Maps the missing pages of each range `(address, size)` (a tag's wake: its live blocks, and pages of
+    /// its graph pools' segments no live block touches, which come back idle).
     pub(super) fn back_blocks(
         &mut self,
         blocks: &[(u64, u64)],

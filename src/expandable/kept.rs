@@ -55,6 +55,11 @@ impl Kept {
         pieces
     }
 
+    /// A copy holds `bytes` of pieces (those lent, and those it pins).
+    pub(super) fn lent_bytes(&mut self, bytes: u64) {
+        self.out = bytes;
+    }
+
     /// The pieces back from a copy, holding the tag's bytes if `contents`.
     pub(super) fn put_back(&mut self, pieces: Vec<HostMemory>, contents: bool) {
         self.pieces = pieces;

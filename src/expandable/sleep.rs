@@ -243,8 +243,12 @@ impl<D: Driver> Expandable<D> {
                 return Err(err.into());
             }
         };
+        let bytes = plan.pieces.iter().sum();
         match self.driver.start_copies(plan) {
-            Ok(job) => Ok(TagCopy::new(id, self.tags.name(id), job, pieces)),
+            Ok(job) => {
+                self.tags.host_lent_bytes(id, bytes);
+                Ok(TagCopy::new(id, self.tags.name(id), job, pieces))
+            }
             Err(err) => {
                 self.tags
                     .unlend_host(id, pieces.into_iter().flatten().collect());

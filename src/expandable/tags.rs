@@ -235,6 +235,11 @@ impl Tags {
         self.get_mut(id).kept.lend()
     }
 
+    /// The copy tag `id`'s host memory is lent to holds `bytes` (those lent, and those it pins).
+    pub(super) fn host_lent_bytes(&mut self, id: TagId, bytes: u64) {
+        self.get_mut(id).kept.lent_bytes(bytes);
+    }
+
     /// Host memory lent by [`lend_host`](Self::lend_host) and not used, back to tag `id` as it was.
     pub(super) fn unlend_host(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);

@@ -133,16 +133,20 @@ fn own_rows(stats: &Stats, allocator: &str) -> Vec<String> {
         .collect()
 }
 
-/// A row with the bytes asleep and one per sleeping tag, when a tag sleeps.
+/// A row with the bytes asleep and one per sleeping tag, when a tag sleeps; a row with the host memory
+/// tags keep (their bytes, or buffers for their next sleep), when they keep some.
 fn asleep_rows(stats: &Stats, asleep: &[(String, u64)]) -> Vec<String> {
-    if asleep.is_empty() {
-        return Vec::new();
-    }
     let size = |bytes: u64| format!("{} ({bytes} bytes)", format_size(bytes));
-    let mut rows = vec![("Asleep (tags)".to_string(), size(stats.asleep_bytes))];
-    for (tag, bytes) in asleep {
-        let label: String = format!("  tag {tag}").chars().take(21).collect();
-        rows.push((label, size(*bytes)));
+    let mut rows = Vec::new();
+    if !asleep.is_empty() {
+        rows.push(("Asleep (tags)".to_string(), size(stats.asleep_bytes)));
+        for (tag, bytes) in asleep {
+            let label: String = format!("  tag {tag}").chars().take(21).collect();
+            rows.push((label, size(*bytes)));
+        }
+    }
+    if stats.host_kept_bytes > 0 {
+        rows.push(("Host memory kept".to_string(), size(stats.host_kept_bytes)));
     }
     rows.into_iter()
         .map(|(name, value)| format!(" {name:<21} | {value:<49} "))

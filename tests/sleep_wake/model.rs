@@ -32,6 +32,10 @@ enum Action {
     },
     Capture,
     EmptyCache,
+    /// `release_host_buffers` of one tag, or of all.
+    ReleaseHost {
+        tag: Option<u8>,
+    },
 }
 
 const TAGS: [&str; 2] = ["weights", "kv_cache"];
@@ -50,6 +54,7 @@ fn action() -> impl Strategy<Value = Action> {
         3 => (0u8..2).prop_map(|tag| Action::Wake { tag }),
         1 => Just(Action::Capture),
         1 => Just(Action::EmptyCache),
+        1 => proptest::option::of(0u8..2).prop_map(|tag| Action::ReleaseHost { tag }),
     ]
 }
 
@@ -222,6 +227,13 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                 result.unwrap();
             }
         }
+        Action::ReleaseHost { tag } => {
+            a.release_host_buffers(tag.map(|t| TAGS[t as usize]))
+                .unwrap();
+            if tag.is_none() && !m.asleep.values().any(|&keep| keep) {
+                assert_eq!(a.stats().host_kept_bytes, 0, "only kept bytes stay");
+            }
+        }
     }
 }
 
@@ -252,6 +264,14 @@ fn check(a: &Alloc, m: &Model) {
     let stats = a.stats();
     if m.half.is_empty() {
         assert_eq!(stats.asleep_bytes, asleep_pages.len() as u64 * PAGE);
+    }
+    if !a.config().keep_host_buffers && !m.asleep.values().any(|&keep| keep) {
+        assert_eq!(stats.host_kept_bytes, 0, "no buffer kept past a wake");
+    }
+    for tag in a.tags() {
+        let name = TAGS.iter().position(|&n| n == tag.name).unwrap() as u8;
+        let kept = m.asleep.get(&name).copied().unwrap_or(false);
+        assert_eq!(tag.bytes_kept, kept && tag.live_bytes > 0, "{tag:?}");
     }
     assert_eq!(stats.reserved_bytes.current, a.driver().used_bytes());
 }
@@ -297,17 +317,22 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     /// Sleep and wake interleaved with allocations, frees, record_stream, kernels, captures and pressure,
-    /// with compaction on demand (the default) and eager.
+    /// with compaction on demand (the default) and eager, host memory in pieces of one page, three pages or
+    /// the default, kept after a wake or not.
     #[test]
     fn sleep_and_wake_keep_addresses_bytes_and_books(
         actions in proptest::collection::vec(action(), 1..80),
         eager in any::<bool>(),
         cross_stream_reuse in any::<bool>(),
+        piece in prop_oneof![Just(PAGE), Just(3 * PAGE), Just(cuvmm::config::DEFAULT_SLEEP_COPY)],
+        keep_host_buffers in any::<bool>(),
     ) {
         let compaction = if eager { Compaction::Eager } else { Compaction::Pressure };
         let config = Config::default()
             .with_compaction(compaction)
-            .with_cross_stream_reuse(cross_stream_reuse);
+            .with_cross_stream_reuse(cross_stream_reuse)
+            .with_sleep_copy(piece)
+            .with_keep_host_buffers(keep_host_buffers);
         run(config, actions);
     }
 }

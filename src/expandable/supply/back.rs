@@ -85,73 +85,90 @@ impl Supply {
     ) -> Result<(), Error> {
         let need = need.unwrap_or_else(|| p.segments.at(slot).pages.unmapped_count(pages.clone()));
         if need > 0 {
-            // The handles, new ones first, in a buffer kept from one request to the next.
-            let mut queue = self.physical.take_queue();
-            let reused = self.obtain(p, need, &mut queue, shortage)? as u64;
-            let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
-            tracing::debug!(
-                pages = need,
-                reused,
-                created = need as u64 - reused,
-                "cuvmm: mapping pages"
-            );
-            // Each run of missing pages: one `map` call per page, then the page map and the statistics
-            // once for the run, and one `segment_map` event.
-            let mut taken = 0;
-            let mut pos = pages.start;
-            while let Some(start) = p.segments.at(slot).pages.first_unmapped(pos..pages.end) {
-                let end = (p.segments.at(slot).pages)
-                    .first_mapped(start..pages.end)
-                    .unwrap_or(pages.end);
-                let run = &queue[taken..taken + (end - start)];
-                let va = p.segments.at(slot).page_addr(start);
-                let (done, failure) = match p.driver.map_each(va, self.page_size, run) {
-                    Ok(()) => (run.len(), None),
-                    Err((done, err)) => (done, Some(err)),
-                };
-                (p.segments.at_mut(slot).pages)
-                    .map_run(start, run[..done].iter().map(|page| page.handle));
-                let lent = (self.lending).note_mapped(
-                    self.physical.chunks(),
-                    p.segments.at(slot),
-                    start,
-                    &run[..done],
-                );
-                taken += done;
-                if done > 0 {
-                    let bytes = done as u64 * self.page_size;
-                    // A lent page's memory is counted at home.
-                    (p.books.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
-                    p.books.record(TraceAction::SegmentMap, va, bytes, stream);
-                }
-                if let Some(err) = failure {
-                    // A driver without partial mappings refuses a lent page: with `Unsupported` (the
-                    // trait's default), or, at offset 0, as a mapping smaller than its handle.
-                    if matches!(
-                        err,
-                        DriverError::Unsupported { .. } | DriverError::SizeMismatch { .. }
-                    ) && self.physical.is_chunk(queue[taken].handle)
-                    {
-                        self.lending.disable();
-                    }
-                    // The failed map may have mapped its page anyway (`settle.rs`): undone. The page that
-                    // failed and those not used yet are put back.
-                    undo_failed_map(
-                        &mut *p.driver,
-                        va + done as u64 * self.page_size,
-                        self.page_size,
-                    );
-                    let unused = queue.split_off(taken);
-                    self.physical.restore_queue(queue);
-                    self.put_back(p, unused);
-                    return Err(err.into());
-                }
-                pos = end;
-            }
-            debug_assert_eq!(taken, queue.len(), "one handle per missing page");
-            self.physical.restore_queue(queue);
-            p.books.counters.handles_reused += reused;
+            // Pages no live block touches come back idle (a tag's wake maps its graph pools' pages so).
+            let before = SlotCounts::of(p.segments.at(slot));
+            let mapped = self.map_runs(p, slot, pages, need, shortage);
+            p.books.refresh_if_idle_moved(p.segments.at(slot), before);
+            mapped?;
         }
+        Ok(())
+    }
+
+    /// [`map_missing`](Self::map_missing) of `need` pages, known missing.
+    fn map_runs<D: Driver>(
+        &mut self,
+        p: &mut Parts<'_, D>,
+        slot: usize,
+        pages: Range<usize>,
+        need: usize,
+        shortage: &mut Shortage,
+    ) -> Result<(), Error> {
+        // The handles, new ones first, in a buffer kept from one request to the next.
+        let mut queue = self.physical.take_queue();
+        let reused = self.obtain(p, need, &mut queue, shortage)? as u64;
+        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        tracing::debug!(
+            pages = need,
+            reused,
+            created = need as u64 - reused,
+            "cuvmm: mapping pages"
+        );
+        // Each run of missing pages: one `map` call per page, then the page map and the statistics
+        // once for the run, and one `segment_map` event.
+        let mut taken = 0;
+        let mut pos = pages.start;
+        while let Some(start) = p.segments.at(slot).pages.first_unmapped(pos..pages.end) {
+            let end = (p.segments.at(slot).pages)
+                .first_mapped(start..pages.end)
+                .unwrap_or(pages.end);
+            let run = &queue[taken..taken + (end - start)];
+            let va = p.segments.at(slot).page_addr(start);
+            let (done, failure) = match p.driver.map_each(va, self.page_size, run) {
+                Ok(()) => (run.len(), None),
+                Err((done, err)) => (done, Some(err)),
+            };
+            (p.segments.at_mut(slot).pages)
+                .map_run(start, run[..done].iter().map(|page| page.handle));
+            let lent = (self.lending).note_mapped(
+                self.physical.chunks(),
+                p.segments.at(slot),
+                start,
+                &run[..done],
+            );
+            taken += done;
+            if done > 0 {
+                let bytes = done as u64 * self.page_size;
+                // A lent page's memory is counted at home.
+                (p.books.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
+                p.books.record(TraceAction::SegmentMap, va, bytes, stream);
+            }
+            if let Some(err) = failure {
+                // A driver without partial mappings refuses a lent page: with `Unsupported` (the
+                // trait's default), or, at offset 0, as a mapping smaller than its handle.
+                if matches!(
+                    err,
+                    DriverError::Unsupported { .. } | DriverError::SizeMismatch { .. }
+                ) && self.physical.is_chunk(queue[taken].handle)
+                {
+                    self.lending.disable();
+                }
+                // The failed map may have mapped its page anyway (`settle.rs`): undone. The page that
+                // failed and those not used yet are put back.
+                undo_failed_map(
+                    &mut *p.driver,
+                    va + done as u64 * self.page_size,
+                    self.page_size,
+                );
+                let unused = queue.split_off(taken);
+                self.physical.restore_queue(queue);
+                self.put_back(p, unused);
+                return Err(err.into());
+            }
+            pos = end;
+        }
+        debug_assert_eq!(taken, queue.len(), "one handle per missing page");
+        self.physical.restore_queue(queue);
+        p.books.counters.handles_reused += reused;
         Ok(())
     }
 

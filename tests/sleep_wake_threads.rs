@@ -1,0 +1,270 @@
+//! Sleep and wake through the facade while other threads use the allocator (issue 44): the copies of a
+//! tag's bytes run without the allocator's lock, so other threads keep allocating and freeing, while what
+//! concerns the tag is refused (an allocation under it or a free of its memory: `TagAsleep`; a sleep, a
+//! wake or a release of its host memory: `TagBusy`), and nothing unmaps its pages (compaction and
+//! `empty_cache` leave them, and the driver refuses an `unmap` of a range a copy job copies).
+//!
+//! A gate in the driver's copy job holds a sleep in its copies for as long as the test needs; every step
+//! the test takes meanwhile runs on another thread with a time limit, so an implementation that held the
+//! lock through the copies fails here rather than hanging.
+
+use cuvmm::driver::sim::{COPY_STREAM, SimConfig, SimDriver};
+use cuvmm::driver::{
+    CopyDirection, CopyJob, CopyPlan, CopyRun, Driver, DriverError, Forward, HostCopy, HostMemory,
+};
+use cuvmm::expandable::Expandable;
+use cuvmm::{Allocator, Config, Error, StreamId};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::channel;
+use std::sync::{Arc, Barrier};
+use std::time::Duration;
+
+const PAGE: u64 = 4096;
+const PAGES: u64 = 64;
+
+/// Holds the first copy job it is armed for at its first step until the test releases it.
+#[derive(Debug)]
+struct Gate {
+    armed: AtomicBool,
+    reached: Barrier,
+    release: Barrier,
+}
+
+/// The simulator, with its copy jobs behind a [`Gate`].
+struct Gated {
+    sim: SimDriver,
+    gate: Arc<Gate>,
+}
+
+impl Forward for Gated {
+    type Inner = SimDriver;
+    fn inner(&self) -> &SimDriver {
+        &self.sim
+    }
+    fn inner_mut(&mut self) -> &mut SimDriver {
+        &mut self.sim
+    }
+    fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
+        let job = Driver::start_copies(&mut self.sim, plan)?;
+        if !self.gate.armed.swap(false, Ordering::SeqCst) {
+            return Ok(job);
+        }
+        let gate = Arc::clone(&self.gate);
+        Ok(job.wrap(|inner| {
+            Box::new(GatedRun {
+                inner,
+                gate: Some(gate),
+            })
+        }))
+    }
+}
+
+struct GatedRun {
+    inner: Box<dyn CopyRun>,
+    gate: Option<Arc<Gate>>,
+}
+
+impl GatedRun {
+    fn pass(&mut self) {
+        if let Some(gate) = self.gate.take() {
+            gate.reached.wait();
+            gate.release.wait();
+        }
+    }
+}
+
+impl CopyRun for GatedRun {
+    fn alloc(&mut self, len: u64) -> Result<HostMemory, DriverError> {
+        self.pass();
+        self.inner.alloc(len)
+    }
+    fn copy(
+        &mut self,
+        copy: &HostCopy,
+        direction: CopyDirection,
+        host: &mut HostMemory,
+    ) -> Result<(), DriverError> {
+        self.pass();
+        self.inner.copy(copy, direction, host)
+    }
+    fn record(&mut self) -> Result<(), DriverError> {
+        self.pass();
+        self.inner.record()
+    }
+    fn wait(&mut self, recorded: bool) -> Result<(), DriverError> {
+        self.inner.wait(recorded)
+    }
+    fn finish(&mut self) {
+        self.inner.finish();
+    }
+}
+
+type Alloc = Allocator<Expandable<Gated>>;
+
+fn allocator(gate: &Arc<Gate>) -> Alloc {
+    let sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(PAGES * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true),
+    );
+    let config = Config {
+        small_size: 1024,
+        ..Config::default()
+    }
+    .with_sleep_copy(2 * PAGE);
+    let driver = Gated {
+        sim,
+        gate: Arc::clone(gate),
+    };
+    Allocator::expandable(driver, config).unwrap()
+}
+
+/// Runs `f` on another thread and waits at most ten seconds for it.
+fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (send, receive) = channel();
+    std::thread::spawn(move || send.send(f()));
+    receive
+        .recv_timeout(Duration::from_secs(10))
+        .unwrap_or_else(|_| panic!("{what} waited for the lock the sleep's copies held"))
+}
+
+fn bytes(n: u64, value: u8) -> Vec<u8> {
+    vec![value; n as usize]
+}
+
+#[test]
+fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refused() {
+    let gate = Arc::new(Gate {
+        armed: AtomicBool::new(true),
+        reached: Barrier::new(2),
+        release: Barrier::new(2),
+    });
+    let a = allocator(&gate);
+    let s = StreamId(1);
+    let kv = a.alloc_tagged_raw(8 * PAGE, s, "kv").unwrap();
+    a.with_strategy(|st| st.driver_mut().sim.write(kv, &bytes(8 * PAGE, 7)))
+        .unwrap();
+    let before = a.stats();
+
+    let sleeper = {
+        let a = a.clone();
+        std::thread::spawn(move || a.sleep("kv", true))
+    };
+    gate.reached.wait();
+
+    // The sleep is in its copies, holding no lock.
+    let b = a.clone();
+    within("an allocation on another stream", move || {
+        let p = b.alloc_raw(6 * PAGE, StreamId(2)).unwrap();
+        b.free_raw(p).unwrap();
+        let q = b.alloc_tagged_raw(2 * PAGE, StreamId(2), "other").unwrap();
+        b.free_raw(q).unwrap();
+    });
+    let b = a.clone();
+    within("what concerns the tag", move || {
+        assert!(matches!(
+            b.alloc_tagged_raw(PAGE, s, "kv"),
+            Err(Error::TagAsleep { .. })
+        ));
+        assert!(matches!(b.free_raw(kv), Err(Error::TagAsleep { .. })));
+        assert!(matches!(b.sleep("kv", true), Err(Error::TagBusy { .. })));
+        assert!(matches!(b.wake("kv"), Err(Error::TagBusy { .. })));
+        assert!(matches!(
+            b.release_host_buffers(Some("kv")),
+            Err(Error::TagBusy { .. })
+        ));
+        // Giving every idle page back takes none of the tag's.
+        b.empty_cache().unwrap();
+        b.trim(u64::MAX).unwrap();
+        let stats = b.stats();
+        assert_eq!(stats.reserved_bytes.current, 8 * PAGE);
+        assert_eq!(
+            stats.host_kept_bytes,
+            8 * PAGE,
+            "the pieces the copies hold"
+        );
+        assert_eq!(b.tags()[0].state, "copying");
+        b.check_invariants().unwrap();
+        b.with_strategy(|st| {
+            let sim = &mut st.driver_mut().sim;
+            assert!(sim.is_accessible(kv));
+            assert_eq!(
+                Driver::unmap(sim, kv, PAGE),
+                Err(DriverError::UnmapWhileInUse {
+                    va: kv,
+                    stream: COPY_STREAM
+                }),
+                "the driver keeps the copies' pages mapped"
+            );
+        });
+    });
+    gate.release.wait();
+    assert_eq!(sleeper.join().unwrap().unwrap(), 8 * PAGE);
+    assert_eq!(a.stats().asleep_bytes, 8 * PAGE);
+    a.check_invariants().unwrap();
+
+    // Memory the tag gave back serves others, then the wake puts the bytes back.
+    let hog = a.alloc_raw((PAGES - 2) * PAGE, StreamId(2)).unwrap();
+    a.with_strategy(|st| st.driver_mut().sim.write(hog, &bytes(PAGE, 9)))
+        .unwrap();
+    a.free_raw(hog).unwrap();
+    a.wake("kv").unwrap();
+    let read = a.with_strategy(|st| st.driver().sim.read(kv, (8 * PAGE) as usize));
+    assert_eq!(read.unwrap(), bytes(8 * PAGE, 7));
+    assert_eq!(a.stats().num_ooms, before.num_ooms);
+    a.free_raw(kv).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// Four threads allocate, write and free under other tags and untagged while a fifth sleeps and wakes a
+/// tag twenty times with its bytes kept: every byte of every allocation survives, and the books balance.
+#[test]
+fn sleep_and_wake_cycles_race_allocations_on_other_threads() {
+    let gate = Arc::new(Gate {
+        armed: AtomicBool::new(false),
+        reached: Barrier::new(1),
+        release: Barrier::new(1),
+    });
+    let a = allocator(&gate);
+    let kv = a.alloc_tagged_raw(12 * PAGE, StreamId(1), "kv").unwrap();
+    a.with_strategy(|st| st.driver_mut().sim.write(kv, &bytes(12 * PAGE, 5)))
+        .unwrap();
+    std::thread::scope(|scope| {
+        let cycles = scope.spawn(|| {
+            for _ in 0..20 {
+                a.sleep("kv", true).unwrap();
+                a.wake("kv").unwrap();
+            }
+        });
+        for t in 0..4u8 {
+            let a = &a;
+            scope.spawn(move || {
+                let stream = StreamId(2 + u64::from(t));
+                for i in 0..50u64 {
+                    let size = (1 + (i + u64::from(t)) % 3) * PAGE;
+                    let tag = ["", "a", "b"][(i % 3) as usize];
+                    let allocated = match tag {
+                        "" => a.alloc_raw(size, stream),
+                        tag => a.alloc_tagged_raw(size, stream, tag),
+                    };
+                    // Four threads and a woken tag may fill the device: out of memory is an answer here.
+                    let Ok(p) = allocated else { continue };
+                    let value = 10 + t;
+                    a.with_strategy(|st| st.driver_mut().sim.write(p, &bytes(size, value)))
+                        .unwrap();
+                    let read = a.with_strategy(|st| st.driver().sim.read(p, size as usize));
+                    assert_eq!(read.unwrap(), bytes(size, value));
+                    a.free_raw(p).unwrap();
+                }
+            });
+        }
+        cycles.join().unwrap();
+    });
+    let read = a.with_strategy(|st| st.driver().sim.read(kv, (12 * PAGE) as usize));
+    assert_eq!(read.unwrap(), bytes(12 * PAGE, 5));
+    a.free_raw(kv).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
