@@ -240,15 +240,29 @@ int cuvmm_set_tag(const char *tag);
 /* Puts `tag` of `device` to sleep: waits for the streams that used its memory (an event query, a
  * synchronization only of a stream still busy), copies its bytes to host memory if `keep` is nonzero, then
  * unmaps its pages and gives their physical memory back. Its addresses stay reserved: pointers and captured
- * CUDA graphs that use them work again after cuvmm_wake. Until then its memory must not be used; freeing
- * it, or allocating under the tag, fails. Returns the bytes given back (0 if already asleep), or -1 (a
- * capture underway, a NULL tag, a driver failure: a sleep that failed half way is finished by the next). */
+ * CUDA graphs that use them (graphs captured inside the tag's region included) work again after
+ * cuvmm_wake. Until then its memory must not be used (nor a graph using it replayed); freeing it, or
+ * allocating under the tag, fails. The bytes are copied asynchronously on a stream of cuvmm's own into
+ * page-locked host memory the tag keeps for its next sleep (CUVMM_ALLOC_CONF keep_host_buffers:False frees
+ * it at the wake; sleep_copy_mb sets the size of each copy), without the allocator's lock: other threads
+ * allocate meanwhile. Returns the bytes given back (0 if already asleep), or -1 (a capture underway, a NULL
+ * tag, another thread's sleep or wake of the tag under way, a failed copy: the tag is awake with its bytes;
+ * a sleep that failed half way is finished by the next). */
 long long cuvmm_sleep(int device, const char *tag, int keep);
 
 /* Wakes `tag` of `device`: maps memory at the same addresses and puts back the bytes its sleep kept. A tag
- * awake (or never used) is left as it is. Returns 0, or -1 (out of memory, a capture underway: the tag
- * stays asleep and a later wake finishes). */
+ * awake (or never used) is left as it is. Returns 0, or -1 (out of memory, a capture underway, a failed
+ * copy: the tag stays asleep with its bytes kept and a later wake finishes). */
 int cuvmm_wake(int device, const char *tag);
+
+/* Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s, or every tag's for
+ * NULL); never the bytes a sleeping tag keeps. Returns the bytes freed, or -1 (a tag being copied). */
+long long cuvmm_release_host_buffers(int device, const char *tag);
+
+/* `device`'s tags as a JSON array of {"name", "state" (awake, asleep, sleeping: half way, copying),
+ * "live_bytes", "asleep_bytes" (what its wake maps), "bytes_kept", "host_kept_bytes"}; free it with
+ * cuvmm_string_free. NULL on failure. */
+char *cuvmm_tags_json(int device);
 
 /* ---- The C++ layer: what PyTorch's CUDAAllocator interface needs beyond the above ---- */
 

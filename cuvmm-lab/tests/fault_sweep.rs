@@ -50,7 +50,7 @@ const OPS: usize = 36;
 /// Bytes of one marker written into live allocations.
 const MARKER: u64 = 16;
 /// The calls a fault is injected into, for every allocator (a kind an allocator never calls is skipped).
-const FAULT_OPS: [Op; 16] = [
+const FAULT_OPS: [Op; 17] = [
     Op::Reserve,
     Op::Create,
     Op::Map,
@@ -67,6 +67,7 @@ const FAULT_OPS: [Op; 16] = [
     Op::MemInfo,
     Op::CopyToHost,
     Op::CopyFromHost,
+    Op::HostAlloc,
 ];
 
 /// Which allocator a sweep drives.
@@ -419,7 +420,13 @@ fn assert_covers(tally: &Tally, ops: &[Op]) {
 #[test]
 fn every_driver_call_of_cuvmm_fails_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), false);
-    let sleep = [Op::CopyToHost, Op::CopyFromHost, Op::Synchronize];
+    // A sleep's and a wake's copy jobs: pinning host memory, the copies, the wait.
+    let sleep = [
+        Op::HostAlloc,
+        Op::CopyToHost,
+        Op::CopyFromHost,
+        Op::Synchronize,
+    ];
     assert_covers(
         &tally,
         &[&VMM_OPS[..], &[Op::RecordEvent], &sleep[..]].concat(),
@@ -444,7 +451,7 @@ fn every_driver_call_of_pytorch_expandable_fails_in_turn() {
 fn every_driver_call_of_cuvmm_fails_after_its_effect_in_turn() {
     let tally = sweep(Kind::Cuvmm, seeds(), true);
     let events = [Op::RecordEvent, Op::QueryEvent, Op::DestroyEvent];
-    let sleep = [Op::CopyToHost, Op::CopyFromHost];
+    let sleep = [Op::HostAlloc, Op::CopyToHost, Op::CopyFromHost];
     assert_covers(
         &tally,
         &[

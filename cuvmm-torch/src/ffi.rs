@@ -257,6 +257,32 @@ pub unsafe extern "C" fn cuvmm_wake(device: c_int, tag: *const c_char) -> c_int 
     })
 }
 
+/// Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s, or every tag's
+/// for NULL), never a sleeping tag's bytes; returns the bytes freed, or -1.
+///
+/// # Safety
+/// `tag` is null or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_release_host_buffers(device: c_int, tag: *const c_char) -> i64 {
+    shell("cuvmm_release_host_buffers", -1, || {
+        let tag = match tag.is_null() {
+            true => None,
+            // SAFETY: the caller's promise, passed on.
+            false => Some(unsafe { tag_arg(tag) }?),
+        };
+        let bytes = ops::release_host_buffers(global()?, device, tag.as_deref())?;
+        Ok(i64::try_from(bytes).unwrap_or(i64::MAX))
+    })
+}
+
+/// `device`'s tags as a JSON array (free it with [`cuvmm_string_free`]); null on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_tags_json(device: c_int) -> *mut c_char {
+    shell("cuvmm_tags_json", ptr::null_mut(), || {
+        to_c(ops::tags_json(global()?, device)?)
+    })
+}
+
 /// Device `peer` may reach every range of `device` mapped now and later; 0 or -1.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_add_peer(device: c_int, peer: c_int) -> c_int {

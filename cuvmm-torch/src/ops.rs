@@ -47,6 +47,28 @@ pub fn wake(registry: &Registry, device: i32, tag: &str) -> Result<(), AbiError>
     Ok(registry.allocator(device)?.wake(tag)?)
 }
 
+/// Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s alone, or every
+/// tag's with `None`), never the bytes of a sleeping tag; returns the bytes freed.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the allocator's refusal (a tag being copied).
+pub fn release_host_buffers(
+    registry: &Registry,
+    device: i32,
+    tag: Option<&str>,
+) -> Result<u64, AbiError> {
+    Ok(registry.allocator(device)?.release_host_buffers(tag)?)
+}
+
+/// `device`'s tags as a JSON array: each one's name, state, live bytes, the bytes its wake would map,
+/// whether its bytes are kept and the host memory it holds.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn tags_json(registry: &Registry, device: i32) -> Result<String, AbiError> {
+    Ok(serde_json::to_string(&registry.allocator(device)?.tags())?)
+}
+
 /// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream),
 /// under this thread's tag if [`set_tag`] set one.
 ///

@@ -190,7 +190,9 @@ impl Registry {
     fn build(&self, ordinal: usize) -> Result<TorchAllocator, InitError> {
         let device = match self.settings.backend {
             Backend::Sim { capacity, .. } => {
-                DeviceSpec::Sim.open(SimConfig::default().with_capacity(capacity))?
+                // The byte store on, so that a sleep keeps bytes (kept as ranges: costs nothing unwritten).
+                let sim = SimConfig::default().with_capacity(capacity);
+                DeviceSpec::Sim.open(sim.with_backing_store(true))?
             }
             Backend::Cuda => DeviceSpec::Cuda { ordinal }.open(SimConfig::default())?,
         };

@@ -58,6 +58,8 @@ __all__ = [
     "region",
     "sleep",
     "wake",
+    "release_host_buffers",
+    "tags",
     "last_error",
 ]
 
@@ -260,6 +262,8 @@ def _declare(lib):
         "cuvmm_set_tag": (c_int, [c_char_p]),
         "cuvmm_sleep": (ctypes.c_longlong, [c_int, c_char_p, c_int]),
         "cuvmm_wake": (c_int, [c_int, c_char_p]),
+        "cuvmm_release_host_buffers": (ctypes.c_longlong, [c_int, c_char_p]),
+        "cuvmm_tags_json": (c_void_p, [c_int]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -424,26 +428,29 @@ _tags = threading.local()
 def region(tag):
     """Allocations made on this thread inside ``with cuvmm_torch.region("kv_cache"):`` are made under the
     tag ``tag``: memory that :func:`sleep` gives back and :func:`wake` maps again at the same addresses, so
-    tensors and captured CUDA graphs that use it stay valid. Regions nest; the tag in force before is back
-    on exit."""
+    tensors and CUDA graphs captured inside it (their private pool's memory) stay valid. Regions nest; the
+    tag in force before is back on exit. ``region(None)`` makes allocations untagged inside it."""
     stack = getattr(_tags, "stack", None)
     if stack is None:
         stack = _tags.stack = []
-    _check_status(load().cuvmm_set_tag(tag.encode("utf-8")), "cuvmm_set_tag")
+    _check_status(load().cuvmm_set_tag(None if tag is None else tag.encode("utf-8")), "cuvmm_set_tag")
     stack.append(tag)
     try:
         yield tag
     finally:
         stack.pop()
-        previous = stack[-1].encode("utf-8") if stack else None
-        _check_status(load().cuvmm_set_tag(previous), "cuvmm_set_tag")
+        previous = stack[-1] if stack else None
+        _check_status(load().cuvmm_set_tag(None if previous is None else previous.encode("utf-8")),
+                      "cuvmm_set_tag")
 
 
 def sleep(tag, keep=True, device=None):
     """Puts the memory of ``tag`` to sleep: waits for the streams that used it, copies its bytes to host
     memory if ``keep`` (weights; a KV cache can pass ``keep=False``), then gives its physical memory back
-    while its addresses stay reserved. Its tensors must not be used, nor freed, until :func:`wake`. Returns
-    the bytes given back (0 if already asleep)."""
+    while its addresses stay reserved. Its tensors must not be used, nor freed, nor graphs captured in it
+    replayed, until :func:`wake`. The bytes go to page-locked memory the tag keeps for its next sleep (see
+    :func:`release_host_buffers`), copied on a stream of cuvmm's own while other threads go on allocating.
+    Returns the bytes given back (0 if already asleep)."""
     given = load().cuvmm_sleep(_device_index(device), tag.encode("utf-8"), int(bool(keep)))
     if given < 0:
         raise CuvmmError(last_error() or "cuvmm_sleep failed")
@@ -453,3 +460,21 @@ def sleep(tag, keep=True, device=None):
 def wake(tag, device=None):
     """Wakes ``tag``: its memory is mapped again at the same addresses, with its bytes if they were kept."""
     _check_status(load().cuvmm_wake(_device_index(device), tag.encode("utf-8")), "cuvmm_wake")
+
+
+def release_host_buffers(tag=None, device=None):
+    """Frees the page-locked host memory a tag keeps after its wake for its next sleep (``tag``'s, or every
+    tag's with ``None``; ``CUVMM_ALLOC_CONF=keep_host_buffers:False`` frees it at each wake instead). The
+    bytes of a sleeping tag are never freed. Returns the bytes freed."""
+    name = None if tag is None else tag.encode("utf-8")
+    freed = load().cuvmm_release_host_buffers(_device_index(device), name)
+    if freed < 0:
+        raise CuvmmError(last_error() or "cuvmm_release_host_buffers failed")
+    return freed
+
+
+def tags(device=None):
+    """The device's tags: a list of dicts with ``name``, ``state`` (``awake``, ``asleep``, ``sleeping``: a
+    sleep or wake failed half way, ``copying``: another thread's sleep or wake copies its bytes now),
+    ``live_bytes``, ``asleep_bytes`` (what its wake maps), ``bytes_kept`` and ``host_kept_bytes``."""
+    return json.loads(_take_string(load().cuvmm_tags_json(_device_index(device))))

@@ -43,7 +43,7 @@ struct Tag {
 }
 
 /// A tag as [`Tags::info`] reports it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct TagInfo {
     /// The tag's name.
     pub name: String,

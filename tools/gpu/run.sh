@@ -27,16 +27,22 @@
 #                 default, cuMemAllocAsync and cuMemAlloc (issue 31's goals), as JSON (BENCH_ARGS adds options);
 #                 then again with capture_detection:False, and with stream_cache_eager:False (one thread on the
 #                 strategy's lock, as the PyTorch backend runs)
-#   sleep-wake    sleep and wake of 1, 10 and 40 GiB tagged regions through PyTorch, with and without their
-#                 contents: bytes given back, free memory gained, times (tools/sleep_wake_bench.py)
+#   sleep-wake    sleep and wake of 4 and 16 GiB tagged regions through PyTorch, four cycles each, with and
+#                 without their contents: GB/s of the first cycle and of the later ones, host memory kept,
+#                 bytes given back and intact (tools/sleep_wake_bench.py; SLEEP_WAKE_ARGS replaces the sizes)
+#   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
+#                 cuvmm_torch.cumem), and a CUDA graph captured in a tag replayed after five sleeps and wakes
+#                 (tools/gpu/sleep_frameworks.py)
+#   two-process   an inference and a training process taking turns on the GPU, each sleeping what the other
+#                 needs: time per cycle (tools/two_process_bench.py; TWO_PROCESS_ARGS adds options)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
 #   capacity-cuda every shared trace's min capacity on the GPU (a ballast makes each capacity) and peak
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
 #
-# The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake) first build the C++ layer, once
-# ($OUT/cpp-layer.txt).
+# The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake, sleep-frameworks, two-process) first
+# build the C++ layer, once ($OUT/cpp-layer.txt).
 #
 # RUN_BUDGET=SECONDS bounds the whole run: each step's limit is cut to what is left, and a step with less than
 # 15 s left is skipped (a device lease is short: the run ends, and its files are there, before the lease does).
@@ -45,7 +51,7 @@
 #   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | grep '^#'; exit 2; }
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -105,7 +111,13 @@ run_step() {
         done ;;
     sleep-wake)
         cpp_layer
-        step sleep-wake 240 python3 tools/sleep_wake_bench.py ${SLEEP_WAKE_ARGS:-} ;;
+        step sleep-wake 240 python3 tools/sleep_wake_bench.py ${SLEEP_WAKE_ARGS:---sizes-gib 4,16 --cycles 4} ;;
+    sleep-frameworks)
+        cpp_layer
+        step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ;;
+    two-process)
+        cpp_layer
+        step two-process 300 python3 tools/two_process_bench.py ${TWO_PROCESS_ARGS:-} ;;
     cuda-async)
         step cuda-async 540 "$bin/cuvmm" compare --backend cuda --allocator cuda-async --allocator cuvmm --quiet \
             --format json ;;

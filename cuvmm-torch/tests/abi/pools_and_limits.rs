@@ -219,3 +219,49 @@ fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
     assert_eq!(stat(device, "allocation.all.current"), 0);
     check_invariants(device);
 }
+
+/// A sleep that keeps bytes leaves page-locked host memory with the tag, counted in the statistics, listed
+/// by `cuvmm_tags_json`, kept across the wake for the next sleep and freed by
+/// `cuvmm_release_host_buffers` (never while the tag keeps its bytes).
+#[test]
+fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
+    setup();
+    let device = 22;
+    let tag = CString::new("weights").unwrap();
+    // SAFETY: `tag` is a NUL-terminated string valid for the call.
+    assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+    let weights = cuvmm_malloc(8 << 20, device, stream(3));
+    // SAFETY: NULL clears the tag.
+    assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+    assert!(!weights.is_null(), "{:?}", last_error());
+    let tags = |device| {
+        let json = cuvmm_tags_json(device);
+        assert!(!json.is_null(), "{:?}", last_error());
+        // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
+        let text = unsafe { CStr::from_ptr(json) }.to_str().unwrap().to_string();
+        // SAFETY: as above.
+        unsafe { cuvmm_string_free(json) };
+        text
+    };
+    // SAFETY: `tag` is valid for each call.
+    unsafe {
+        // The pages of its 20 MiB chunk are given back; its 8 MiB kept.
+        assert_eq!(cuvmm_sleep(device, tag.as_ptr(), 1), 20 << 20);
+        assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 8 << 20);
+        let listed = tags(device);
+        assert!(
+            listed.contains(r#""state":"asleep""#) && listed.contains(r#""bytes_kept":true"#),
+            "{listed}"
+        );
+        assert_eq!(cuvmm_release_host_buffers(device, ptr::null()), 0, "kept bytes stay");
+        assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0, "{:?}", last_error());
+        assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 8 << 20, "kept for the next sleep");
+        assert_eq!(cuvmm_release_host_buffers(device, tag.as_ptr()), 8 << 20);
+        assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 0);
+        assert_eq!(cuvmm_release_host_buffers(DEVICES as i32, ptr::null()), -1);
+        assert!(cuvmm_tags_json(-1).is_null());
+    }
+    cuvmm_free(weights, 8 << 20, device, stream(3));
+    assert!(last_error().is_none());
+    check_invariants(device);
+}

@@ -1,0 +1,107 @@
+"""vLLM's ``CuMemAllocator`` (``vllm/device_allocator/cumem.py``) over cuvmm's tags: code that uses vLLM's
+sleep mode API switches by changing its import::
+
+    from cuvmm_torch.cumem import CuMemAllocator
+
+    allocator = CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="weights"):
+        load_model()
+    with allocator.use_memory_pool(tag="kv_cache"):
+        allocate_kv_cache()
+    allocator.sleep(offload_tags=("weights",))   # weights kept on the host, the rest discarded
+    allocator.wake_up(tags=["weights"])
+    allocator.wake_up(tags=["kv_cache"])
+
+cuvmm must be PyTorch's allocator (``cuvmm_torch.install()`` before the first CUDA allocation); there is no
+pluggable ``MemPool`` of its own. Each call is a thin function over cuvmm's tags (``vllm:TAG``):
+``use_memory_pool`` is ``cuvmm_torch.region``, ``sleep`` is ``cuvmm_torch.sleep`` of every tag used (keeping
+the bytes of ``offload_tags``), ``wake_up`` is ``cuvmm_torch.wake``.
+
+What differs from vLLM's: the bytes go to page-locked memory kept across cycles (vLLM pins a new buffer per
+allocation at each sleep), copied asynchronously on a stream of cuvmm's own; CUDA graphs captured inside
+``use_memory_pool`` sleep and wake with the tag (vLLM's graph pool stays); ``pointer_to_data`` and
+``allocator_and_pools`` do not exist (cuvmm keeps that state); expandable segments need no turning off.
+"""
+
+import contextlib
+import gc
+import threading
+
+import cuvmm_torch as _cuvmm
+
+__all__ = ["CuMemAllocator", "cumem_available"]
+
+_PREFIX = "vllm:"
+# vLLM's module says whether its allocator can be used; cuvmm's always can once installed.
+cumem_available = True
+
+
+class CuMemAllocator:
+    """vLLM's sleep-mode allocator: a singleton (:meth:`get_instance`) whose memory allocated inside
+    :meth:`use_memory_pool` can be offloaded or discarded by :meth:`sleep` and brought back by
+    :meth:`wake_up`."""
+
+    instance = None
+    default_tag = "default"
+
+    @staticmethod
+    def get_instance():
+        """The allocator (a singleton, as vLLM's)."""
+        if CuMemAllocator.instance is None:
+            CuMemAllocator.instance = CuMemAllocator()
+        return CuMemAllocator.instance
+
+    def __init__(self):
+        self.current_tag = CuMemAllocator.default_tag
+        self._lock = threading.Lock()
+        # vLLM tag -> the devices it was used on
+        self._tags = {}
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag=None):
+        """Allocations made inside are under ``tag`` (the default tag for None)."""
+        if tag is None:
+            tag = CuMemAllocator.default_tag
+        assert isinstance(tag, str)
+        with self._lock:
+            self._tags.setdefault(tag, set()).add(_cuvmm._device_index(None))
+        old_tag, self.current_tag = self.current_tag, tag
+        try:
+            with _cuvmm.region(_PREFIX + tag):
+                yield
+        finally:
+            self.current_tag = old_tag
+
+    def _known(self, tags=None):
+        with self._lock:
+            return [(tag, set(devices)) for tag, devices in self._tags.items() if tags is None or tag in tags]
+
+    def sleep(self, offload_tags=None):
+        """Every tag's memory is given back: the bytes of ``offload_tags`` (the default tag for None) are
+        kept on the host, the others' discarded."""
+        if offload_tags is None:
+            offload_tags = (CuMemAllocator.default_tag,)
+        elif isinstance(offload_tags, str):
+            offload_tags = (offload_tags,)
+        assert isinstance(offload_tags, tuple)
+        for tag, devices in self._known():
+            for device in sorted(devices):
+                _cuvmm.sleep(_PREFIX + tag, keep=tag in offload_tags, device=device)
+        gc.collect()
+        for device in sorted({d for _, devices in self._known() for d in devices}):
+            _cuvmm.empty_cache(device)
+
+    def wake_up(self, tags=None):
+        """Maps the memory of ``tags`` (every tag for None) again: what was offloaded has its bytes back,
+        the rest is memory with no bytes kept."""
+        for tag, devices in self._known(tags):
+            for device in sorted(devices):
+                _cuvmm.wake(_PREFIX + tag, device=device)
+
+    def get_current_usage(self):
+        """Bytes allocated in the allocator's tags, on every device they were used on."""
+        names = {_PREFIX + tag: devices for tag, devices in self._known()}
+        total = 0
+        for device in sorted({d for devices in names.values() for d in devices}):
+            total += sum(t["live_bytes"] for t in _cuvmm.tags(device) if t["name"] in names)
+        return total

@@ -1,0 +1,177 @@
+"""torch_memory_saver's API over cuvmm's tags: code that imports ``torch_memory_saver`` (SGLang, verl,
+slime) switches by changing its import::
+
+    from cuvmm_torch.memory_saver import torch_memory_saver
+
+    with torch_memory_saver.region(tag="kv_cache"):
+        kv = torch.empty(..., device="cuda")
+    with torch_memory_saver.region(tag="weights", enable_cpu_backup=True):
+        model = build_model()
+    torch_memory_saver.pause("kv_cache")      # or pause(): every tag
+    ...
+    torch_memory_saver.resume("kv_cache")
+
+cuvmm must be PyTorch's allocator (``cuvmm_torch.install()`` before the first CUDA allocation); there is no
+``LD_PRELOAD`` and no ``MemPool`` of its own. Each call is a thin function over cuvmm's tags: a region is
+``cuvmm_torch.region``, ``pause`` is ``cuvmm_torch.sleep``, ``resume`` is ``cuvmm_torch.wake``. A
+torch_memory_saver tag made with ``enable_cpu_backup=True`` and without are two cuvmm tags
+(``tms:TAG:backup`` and ``tms:TAG``), so that ``pause(TAG)`` keeps the bytes of the first and drops the
+second's, as torch_memory_saver does per allocation.
+
+What differs, or cannot apply:
+
+- ``hook_mode`` ("preload" or "torch") is accepted and changes nothing: cuvmm is the allocator already.
+- ``cpu_backup_backend``: cuvmm keeps bytes in page-locked memory; ``"mmap"`` is served by it too.
+- ``retain_cpu_backup`` is True unless set False (torch_memory_saver's default is False): cuvmm keeps a tag's
+  page-locked memory across cycles, so a second pause pins nothing. Set False, each resume frees it.
+- ``enable_disk_backup``, ``set_disk_backup_dir`` and ``get_cpu_backup`` are not offered
+  (``NotImplementedError``): cuvmm keeps no bytes on disk, and its host memory is in pieces, not one
+  buffer per tensor.
+- ``memory_margin_bytes`` is accepted and not applied (cuvmm's own limit is
+  ``cuvmm_torch.set_memory_fraction``); a warning says so.
+- ``cuda_graph`` works in either hook mode: the graph's private pool's memory is allocated under the tag
+  and sleeps and wakes with it; do not replay the graph while the tag is paused.
+"""
+
+import contextlib
+import threading
+import warnings
+
+import cuvmm_torch as _cuvmm
+
+__all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess"]
+
+_TAG_DEFAULT = "default"
+_PREFIX = "tms:"
+
+
+class TorchMemorySaver:
+    """torch_memory_saver's ``TorchMemorySaver`` over cuvmm's tags (use the module's
+    :data:`torch_memory_saver`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        # cuvmm tag -> (whether its bytes are kept at a pause, the devices it was used on)
+        self._tags = {}
+        self._retain = True
+        self._hook_mode = "preload"
+
+    @staticmethod
+    def _name(tag, backup):
+        return f"{_PREFIX}{tag}:backup" if backup else f"{_PREFIX}{tag}"
+
+    def _note(self, name, backup, device):
+        with self._lock:
+            self._tags.setdefault(name, (backup, set()))[1].add(device)
+
+    def _named(self, tag):
+        """The cuvmm tags of torch_memory_saver tag ``tag`` (every tag's for None), with their devices."""
+        with self._lock:
+            items = [(name, backup, set(devices)) for name, (backup, devices) in self._tags.items()]
+        if tag is None:
+            return items
+        return [item for item in items if item[0] in (self._name(tag, False), self._name(tag, True))]
+
+    @contextlib.contextmanager
+    def region(self, tag=_TAG_DEFAULT, enable_cpu_backup=False, enable_disk_backup=False,
+               cpu_backup_backend=None):
+        """Allocations made inside are under ``tag``: :meth:`pause` gives their memory back, keeping their
+        bytes if ``enable_cpu_backup``, and :meth:`resume` maps it again at the same addresses."""
+        if enable_disk_backup:
+            raise NotImplementedError("cuvmm keeps a paused tag's bytes in page-locked host memory, not on disk: "
+                                      "use enable_cpu_backup=True")
+        if cpu_backup_backend is not None and not enable_cpu_backup:
+            raise ValueError("cpu_backup_backend requires enable_cpu_backup=True")
+        if cpu_backup_backend not in (None, "pinned", "mmap"):
+            raise ValueError(f"cpu_backup_backend: {cpu_backup_backend!r} is not 'pinned' or 'mmap'")
+        name = self._name(tag, enable_cpu_backup)
+        self._note(name, enable_cpu_backup, _cuvmm._device_index(None))
+        with _cuvmm.region(name):
+            yield
+
+    @contextlib.contextmanager
+    def cuda_graph(self, cuda_graph, pool=None, stream=None, capture_error_mode="global", tag=_TAG_DEFAULT,
+                   enable_cpu_backup=False, cpu_backup_backend=None):
+        """``torch.cuda.graph`` whose memory (the graph's private pool) is allocated under ``tag``: it is
+        paused and resumed with the tag, and the graph replays correctly after the resume."""
+        import torch  # noqa: PLC0415 (only graphs need PyTorch here)
+
+        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            with self.region(tag=tag, enable_cpu_backup=enable_cpu_backup,
+                             cpu_backup_backend=cpu_backup_backend):
+                yield
+
+    @contextlib.contextmanager
+    def disable(self):
+        """Allocations made inside are under no tag, inside a region or not."""
+        with _cuvmm.region(None):
+            yield
+
+    def pause(self, tag=None):
+        """Gives back the memory of ``tag`` (of every tag for None), keeping the bytes of what was allocated
+        with ``enable_cpu_backup=True``."""
+        for name, backup, devices in self._named(tag):
+            for device in sorted(devices):
+                _cuvmm.sleep(name, keep=backup, device=device)
+
+    def resume(self, tag=None):
+        """Maps the memory of ``tag`` (of every tag for None) again at the same addresses, with the bytes
+        kept."""
+        for name, _, devices in self._named(tag):
+            for device in sorted(devices):
+                _cuvmm.wake(name, device=device)
+                if not self._retain:
+                    _cuvmm.release_host_buffers(name, device=device)
+
+    @property
+    def enabled(self):
+        return True
+
+    @property
+    def hook_mode(self):
+        return self._hook_mode
+
+    @hook_mode.setter
+    def hook_mode(self, hook_mode):
+        if hook_mode not in ("preload", "torch"):
+            raise ValueError(f"hook_mode: {hook_mode!r} is not 'preload' or 'torch'")
+        self._hook_mode = hook_mode
+
+    @property
+    def memory_margin_bytes(self):
+        raise NotImplementedError("Only setter is supported")
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, value):
+        warnings.warn(f"cuvmm: memory_margin_bytes={value} is not applied (use "
+                      "cuvmm_torch.set_memory_fraction for a limit)", stacklevel=2)
+
+    @property
+    def retain_cpu_backup(self):
+        return self._retain
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value):
+        self._retain = bool(value)
+        if not self._retain:
+            for name, _, devices in self._named(None):
+                for device in sorted(devices):
+                    _cuvmm.release_host_buffers(name, device=device)
+
+    def get_cpu_backup(self, x, zero_copy=False):
+        raise NotImplementedError("cuvmm keeps a paused tag's bytes in page-locked pieces, not one buffer per "
+                                  "tensor: read the tensor after resume()")
+
+    def set_disk_backup_dir(self, path):
+        raise NotImplementedError("cuvmm keeps no bytes on disk")
+
+
+@contextlib.contextmanager
+def configure_subprocess():
+    """torch_memory_saver sets ``LD_PRELOAD`` for subprocesses here; with cuvmm each process calls
+    ``cuvmm_torch.install()`` itself, so this does nothing."""
+    yield
+
+
+# The singleton, as torch_memory_saver names it.
+torch_memory_saver = TorchMemorySaver()

@@ -1,0 +1,185 @@
+"""Tests of the frameworks' sleep APIs over cuvmm's tags (``cuvmm_torch.memory_saver``, torch_memory_saver's;
+``cuvmm_torch.cumem``, vLLM's ``CuMemAllocator``), through ctypes on the simulated backend: no GPU, no
+PyTorch. Each runs in a fresh interpreter (the library reads its settings once per process), allocating with
+``cuvmm_malloc`` where a framework would make tensors, and prints what it saw as JSON.
+
+Run from the repository root, after ``cargo build --release -p cuvmm-torch``::
+
+    python3 -m unittest discover -s python -p test_sleep_frameworks.py -v
+
+The same calls on a GPU, with tensors, CUDA graphs and the bytes checked: ``tools/gpu/sleep_frameworks.py``
+(``tools/gpu/run.sh sleep-frameworks``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+import cuvmm_torch
+
+MIB = 1 << 20
+
+PRELUDE = r"""
+import json, cuvmm_torch
+lib = cuvmm_torch.load()
+out = {}
+def malloc(size):
+    ptr = lib.cuvmm_malloc(size, 0, None)
+    assert ptr, cuvmm_torch.last_error()
+    return (ptr, size)
+def free(block):
+    lib.cuvmm_free(block[0], block[1], 0, None)
+    assert cuvmm_torch.last_error() is None, cuvmm_torch.last_error()
+def tags():
+    return {t["name"]: [t["state"], t["bytes_kept"]] for t in cuvmm_torch.tags(0)}
+def stat(key):
+    return cuvmm_torch.memory_stats(0)[key]
+"""
+
+MEMORY_SAVER = PRELUDE + r"""
+from cuvmm_torch.memory_saver import torch_memory_saver as tms, configure_subprocess
+tms.hook_mode = "preload"
+out["enabled"] = tms.enabled
+with tms.region(tag="kv_cache"):
+    kv = malloc(32 << 20)
+with tms.region(tag="weights", enable_cpu_backup=True):
+    weights = malloc(16 << 20)
+    with tms.disable():
+        plain = malloc(4 << 20)
+with tms.region(tag="weights"):
+    scratch = malloc(8 << 20)
+with tms.region():
+    default = malloc(2 << 20)
+reserved = stat("reserved_bytes.all.current")
+tms.pause("weights")
+out["pause_weights"] = tags()
+out["given_back"] = reserved - stat("reserved_bytes.all.current")
+tms.pause()
+out["pause_all"] = tags()
+out["asleep_bytes"] = stat("cuvmm.asleep_bytes")
+with tms.region(tag="kv_cache"):
+    out["alloc_while_paused"] = lib.cuvmm_malloc(4096, 0, None)
+    out["alloc_error"] = cuvmm_torch.last_error()
+tms.resume("kv_cache")
+out["resume_kv"] = tags()
+tms.resume()
+out["resume_all"] = tags()
+out["host_kept"] = stat("cuvmm.host_kept_bytes")
+out["retain_default"] = tms.retain_cpu_backup
+tms.retain_cpu_backup = False
+out["host_kept_released"] = stat("cuvmm.host_kept_bytes")
+tms.pause("weights"); tms.resume("weights")
+out["host_kept_not_retained"] = stat("cuvmm.host_kept_bytes")
+refusals = {}
+for name, call in [
+    ("disk", lambda: tms.region(enable_disk_backup=True).__enter__()),
+    ("backend_without_backup", lambda: tms.region(cpu_backup_backend="pinned").__enter__()),
+    ("get_cpu_backup", lambda: tms.get_cpu_backup(None)),
+    ("disk_dir", lambda: tms.set_disk_backup_dir("/tmp")),
+    ("hook_mode", lambda: setattr(tms, "hook_mode", "ld")),
+]:
+    try:
+        call()
+        refusals[name] = None
+    except Exception as error:
+        refusals[name] = type(error).__name__
+out["refusals"] = refusals
+with configure_subprocess():
+    pass
+for block in (kv, weights, plain, scratch, default):
+    free(block)
+out["allocated_after"] = stat("allocated_bytes.all.current")
+print(json.dumps(out))
+"""
+
+CUMEM = PRELUDE + r"""
+from cuvmm_torch.cumem import CuMemAllocator, cumem_available
+allocator = CuMemAllocator.get_instance()
+out["singleton"] = allocator is CuMemAllocator.get_instance()
+with allocator.use_memory_pool(tag="weights"):
+    out["current_tag"] = allocator.current_tag
+    weights = malloc(16 << 20)
+with allocator.use_memory_pool(tag="kv_cache"):
+    kv = malloc(32 << 20)
+with allocator.use_memory_pool():
+    default = malloc(2 << 20)
+out["usage"] = allocator.get_current_usage()
+reserved = stat("reserved_bytes.all.current")
+allocator.sleep(offload_tags=("weights",))
+out["asleep"] = tags()
+out["given_back"] = reserved - stat("reserved_bytes.all.current")
+allocator.wake_up(tags=["weights"])
+out["weights_up"] = tags()
+allocator.wake_up()
+out["all_up"] = tags()
+allocator.sleep()
+out["default_offloaded"] = tags()
+allocator.wake_up(["kv_cache", "default", "weights"])
+out["usage_after"] = allocator.get_current_usage()
+for block in (weights, kv, default):
+    free(block)
+print(json.dumps(out))
+"""
+
+
+def run(code):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")}
+    env.update(CUVMM_BACKEND="sim", CUVMM_SIM_DEVICES="1", CUVMM_SIM_CAPACITY="1GiB",
+               CUVMM_TORCH_LIB=cuvmm_torch.library_path(),
+               PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise AssertionError(f"status {done.returncode}\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class MemorySaver(unittest.TestCase):
+    def test_torch_memory_saver_calls_sleep_and_wake_cuvmm_tags(self):
+        out = run(MEMORY_SAVER)
+        self.assertTrue(out["enabled"])
+        # A tag with and without its CPU backup are two of cuvmm's tags; pause(tag) sleeps both.
+        self.assertEqual(out["pause_weights"]["tms:weights:backup"], ["asleep", True])
+        self.assertEqual(out["pause_weights"]["tms:weights"], ["asleep", False])
+        self.assertEqual(out["pause_weights"]["tms:kv_cache"], ["awake", False])
+        self.assertGreaterEqual(out["given_back"], 24 * MIB)  # whole 20 MiB chunks
+        self.assertTrue(all(state == "asleep" for state, _ in out["pause_all"].values()))
+        self.assertEqual(out["asleep_bytes"], (32 + 16 + 8 + 2) * MIB)
+        self.assertIsNone(out["alloc_while_paused"])
+        self.assertIn("asleep", out["alloc_error"])
+        self.assertEqual(out["resume_kv"]["tms:kv_cache"], ["awake", False])
+        self.assertEqual(out["resume_kv"]["tms:default"], ["asleep", False])
+        self.assertTrue(all(state == "awake" for state, _ in out["resume_all"].values()))
+        # Only the backed-up tag copied bytes: its page-locked memory stays for the next pause.
+        self.assertEqual(out["host_kept"], 16 * MIB)
+        self.assertTrue(out["retain_default"])
+        self.assertEqual(out["host_kept_released"], 0)
+        self.assertEqual(out["host_kept_not_retained"], 0)
+        self.assertEqual(out["refusals"], {
+            "disk": "NotImplementedError", "backend_without_backup": "ValueError",
+            "get_cpu_backup": "NotImplementedError", "disk_dir": "NotImplementedError",
+            "hook_mode": "ValueError"})
+        self.assertEqual(out["allocated_after"], 0)
+
+
+class CuMem(unittest.TestCase):
+    def test_vllm_cumem_allocator_calls_sleep_and_wake_cuvmm_tags(self):
+        out = run(CUMEM)
+        self.assertTrue(out["singleton"])
+        self.assertEqual(out["current_tag"], "weights")
+        self.assertEqual(out["usage"], 50 * MIB)
+        # Every tag sleeps; only the offloaded one keeps its bytes.
+        self.assertEqual(out["asleep"], {"vllm:weights": ["asleep", True], "vllm:kv_cache": ["asleep", False],
+                                         "vllm:default": ["asleep", False]})
+        self.assertGreaterEqual(out["given_back"], 50 * MIB)  # whole 20 MiB chunks
+        self.assertEqual(out["weights_up"]["vllm:weights"], ["awake", False])
+        self.assertEqual(out["weights_up"]["vllm:kv_cache"], ["asleep", False])
+        self.assertTrue(all(state == "awake" for state, _ in out["all_up"].values()))
+        self.assertEqual(out["default_offloaded"]["vllm:default"], ["asleep", True])
+        self.assertEqual(out["default_offloaded"]["vllm:weights"], ["asleep", False])
+        self.assertEqual(out["usage_after"], 50 * MIB)
+
+
+if __name__ == "__main__":
+    unittest.main()
