@@ -315,3 +315,49 @@ fn raw_frees_through_the_caches_are_reused_only_on_their_stream_and_never_after_
     });
     assert!(runs > 1, "loom explored only {runs} interleaving");
 }
+
+/// A sleep keeping its tag's bytes copies them without the strategy's lock, in phases (`facade/sleep.rs`),
+/// then a wake copies them back: another thread allocating untagged and under the tag meanwhile never
+/// deadlocks, is refused under the tag exactly while it sleeps or is copied (`TagAsleep`), and never gets
+/// memory the tag's copies read; the tag's bytes come back whole.
+#[test]
+fn a_sleep_that_copies_without_the_lock_races_an_allocating_thread() {
+    let runs = explore("sleep/wake vs alloc", || {
+        let sim = SimDriver::new(
+            SimConfig::default()
+                .with_capacity(64 * PAGE)
+                .with_granularity(PAGE)
+                .with_backing_store(true),
+        );
+        let alloc = Allocator::expandable(sim, Config::default()).expect("valid configuration");
+        let kv = alloc
+            .alloc_tagged_raw(PAGE, StreamId(1), "kv")
+            .expect("room");
+        alloc
+            .with_strategy(|s| s.driver_mut().write(kv, &[7; 64]))
+            .expect("writable");
+        let other = alloc.clone();
+        let worker = thread::spawn(move || {
+            let plain = other.alloc_raw(PAGE, StreamId(2)).expect("room");
+            other.free_raw(plain).expect("free");
+            match other.alloc_tagged_raw(PAGE, StreamId(1), "kv") {
+                Ok(p) => Some(p),
+                Err(Error::TagAsleep { .. }) => None,
+                Err(err) => panic!("{err}"),
+            }
+        });
+        alloc.sleep("kv", true).expect("sleep");
+        alloc.wake("kv").expect("wake");
+        let tagged = worker.join().expect("worker");
+        let bytes = alloc.with_strategy(|s| s.driver().read(kv, 64));
+        assert_eq!(bytes.expect("readable"), vec![7; 64]);
+        alloc.check_invariants().expect("invariants hold");
+        if let Some(p) = tagged {
+            alloc.free_raw(p).expect("free");
+        }
+        alloc.free_raw(kv).expect("free");
+        alloc.release_host_buffers(None).expect("release");
+        assert_drained(&alloc);
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}

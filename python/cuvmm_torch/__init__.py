@@ -19,6 +19,10 @@ warning naming what that path lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, 
 ``dump_snapshot``, ``record_stream`` and the others here answer instead, with PyTorch's key names, on either
 path.
 
+Sleep and wake: ``region``, ``sleep``, ``wake``, ``release_host_buffers`` and ``tags`` here; torch_memory_saver's
+API in :mod:`cuvmm_torch.memory_saver` and vLLM's ``CuMemAllocator`` in :mod:`cuvmm_torch.cumem`, over the same
+tags, for code that switches by changing its import.
+
 The library is found, in order: the ``path`` given to :func:`load` or :func:`install`; the
 ``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` in this package's folder (an installed
 copy); ``target/release`` of the checkout this package is in. The library reads its settings from the environment on first use

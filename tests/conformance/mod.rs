@@ -35,7 +35,10 @@ use sharing::export_and_import;
 
 use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
-use cuvmm::driver::{Driver, DriverError, EventId, Op, PhysHandle, PhysPage, StreamId, VaRange};
+use cuvmm::driver::{
+    CopyDirection, CopyPlan, Driver, DriverError, EventId, HostCopy, Op, PhysHandle, PhysPage,
+    StreamId, VaRange,
+};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _};
 use proptest::prelude::*;
@@ -93,6 +96,10 @@ pub fn rules<D: Subject>() -> Vec<Rule<D>> {
         (
             "an_exported_handle_imports_as_the_same_memory",
             export_and_import::<D>,
+        ),
+        (
+            "copy_jobs_move_bytes_both_ways_and_keep_their_ranges_mapped",
+            copy_jobs::<D>,
         ),
         ("counters_count_failed_calls_too", counters::<D>),
         (
@@ -461,6 +468,77 @@ fn bytes_move_with_handle<D: Subject>(d: &mut D) {
     d.set_access(r.start + 2 * g, g).expect("set_access at B");
     expect_bytes(d, r.start + 2 * g, g as usize, 0x11, "a remapped handle");
     d.unmap(r.start + 2 * g, g).expect("unmap B");
+    teardown(d, r, &hs);
+}
+
+/// A copy job to the host and back (a sleep's and a wake's): every byte arrives, in page-locked memory
+/// where the driver has it, and an unmap of a range the job copies is refused until it is over.
+fn copy_jobs<D: Subject>(d: &mut D) {
+    let g = d.granularity();
+    let (r, hs) = setup(d, 2, 2);
+    for (i, &h) in hs.iter().enumerate() {
+        d.map(r.start + i as u64 * g, g, h).expect("map");
+    }
+    d.set_access(r.start, 2 * g).expect("set_access");
+    d.memset_d8(r.start, 2 * g, 0x33).expect("memset");
+    let copies = vec![
+        HostCopy {
+            va: r.start,
+            len: g,
+            piece: 0,
+            offset: 0,
+        },
+        HostCopy {
+            va: r.start + g,
+            len: g / 2,
+            piece: 1,
+            offset: 0,
+        },
+        HostCopy {
+            va: r.start + g + g / 2,
+            len: g / 2,
+            piece: 1,
+            offset: g / 2,
+        },
+    ];
+    let to_host = CopyPlan {
+        direction: CopyDirection::ToHost,
+        pieces: vec![g, g],
+        allocate: vec![true, true],
+        copies: copies.clone(),
+    };
+    let job = d.start_copies(to_host).expect("start_copies to the host");
+    rejected("unmap under a copy job", d.unmap(r.start, g), |e| {
+        matches!(e, DriverError::UnmapWhileInUse { .. })
+    });
+    let out = job.run(vec![None, None]);
+    out.result.expect("copies to the host");
+    let pieces: Vec<_> = out
+        .pieces
+        .into_iter()
+        .map(|p| p.expect("a piece"))
+        .collect();
+    for piece in &pieces {
+        assert!(
+            piece.as_slice().iter().all(|&b| b == 0x33),
+            "copied to the host"
+        );
+    }
+    d.memset_d8(r.start, 2 * g, 0).expect("memset");
+    let from_host = CopyPlan {
+        direction: CopyDirection::FromHost,
+        pieces: vec![g, g],
+        allocate: vec![false, false],
+        copies,
+    };
+    let job = d
+        .start_copies(from_host)
+        .expect("start_copies from the host");
+    let out = job.run(pieces.into_iter().map(Some).collect());
+    out.result.expect("copies from the host");
+    expect_bytes(d, r.start, 2 * g as usize, 0x33, "copied back");
+    d.unmap(r.start, 2 * g)
+        .expect("unmap once the jobs are over");
     teardown(d, r, &hs);
 }
 

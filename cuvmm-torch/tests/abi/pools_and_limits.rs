@@ -238,7 +238,10 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
         let json = cuvmm_tags_json(device);
         assert!(!json.is_null(), "{:?}", last_error());
         // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
-        let text = unsafe { CStr::from_ptr(json) }.to_str().unwrap().to_string();
+        let text = unsafe { CStr::from_ptr(json) }
+            .to_str()
+            .unwrap()
+            .to_string();
         // SAFETY: as above.
         unsafe { cuvmm_string_free(json) };
         text
@@ -253,9 +256,17 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
             listed.contains(r#""state":"asleep""#) && listed.contains(r#""bytes_kept":true"#),
             "{listed}"
         );
-        assert_eq!(cuvmm_release_host_buffers(device, ptr::null()), 0, "kept bytes stay");
+        assert_eq!(
+            cuvmm_release_host_buffers(device, ptr::null()),
+            0,
+            "kept bytes stay"
+        );
         assert_eq!(cuvmm_wake(device, tag.as_ptr()), 0, "{:?}", last_error());
-        assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 8 << 20, "kept for the next sleep");
+        assert_eq!(
+            stat(device, "cuvmm.host_kept_bytes"),
+            8 << 20,
+            "kept for the next sleep"
+        );
         assert_eq!(cuvmm_release_host_buffers(device, tag.as_ptr()), 8 << 20);
         assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 0);
         assert_eq!(cuvmm_release_host_buffers(DEVICES as i32, ptr::null()), -1);
