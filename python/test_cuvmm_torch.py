@@ -99,6 +99,8 @@ class Symbols(unittest.TestCase):
                 "cuvmm_set_tag",
                 "cuvmm_sleep",
                 "cuvmm_wake",
+                "cuvmm_release_host_buffers",
+                "cuvmm_tags_json",
                 "cuvmm_ipc_share",
                 "cuvmm_bytes_free",
                 "cuvmm_ipc_open",
