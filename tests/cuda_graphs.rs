@@ -24,6 +24,9 @@
 //!   it does not get the graph's memory; replays are right.
 //! - `a_peer_device_reads_and_writes_memory_mapped_before_and_after_add_peer`: with two GPUs, a kernel on
 //!   the other device reads and writes this device's memory (skipped with one GPU).
+//! - `a_graph_captured_in_a_tag_replays_after_its_memory_slept_and_woke`: a graph whose input and pool are
+//!   under a tag; the tag sleeps with its bytes and wakes three times, another job writing over its memory
+//!   each time: every replay is right, and only the first sleep pins host memory.
 //!
 //! Every test ends with `check_invariants()` and no deferred error. Without libcuda or without a device each
 //! test prints why it is skipped and passes (CI has no GPU; this file's job there is to compile).
@@ -36,6 +39,8 @@ mod captures;
 mod graphs;
 #[path = "cuda_graphs/peers.rs"]
 mod peers;
+#[path = "cuda_graphs/sleep.rs"]
+mod sleep;
 #[path = "cuda_graphs/streams.rs"]
 mod streams;
 

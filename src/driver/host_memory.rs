@@ -21,6 +21,10 @@ pub trait HostBytes: Send {
     fn len(&self) -> usize {
         self.bytes().len()
     }
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Whether the memory is page-locked (pinned).
     fn pinned(&self) -> bool {
         false

@@ -132,6 +132,12 @@ fn copies(blocks: &[(u64, u64)], piece: u64) -> Vec<HostCopy> {
     out
 }
 
+/// A plan and the pieces to run it with.
+type Planned = (CopyPlan, Vec<Option<HostMemory>>);
+
+/// Why a plan could not be made, and the pieces held, given back.
+type Refused = (DriverError, Vec<HostMemory>);
+
 /// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes, and the pieces to run
 /// it with: those of `held` that are long enough, in order; a missing one, or one too short (freed), is
 /// allocated by a copy to the host; the held pieces beyond what the blocks need are freed.
@@ -143,7 +149,7 @@ pub(super) fn plan(
     blocks: &[(u64, u64)],
     piece: u64,
     held: Vec<HostMemory>,
-) -> Result<(CopyPlan, Vec<Option<HostMemory>>), (DriverError, Vec<HostMemory>)> {
+) -> Result<Planned, Refused> {
     let total = blocks.iter().map(|b| b.1).sum();
     let lens = piece_lens(total, piece);
     if direction == CopyDirection::FromHost

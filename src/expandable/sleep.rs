@@ -46,7 +46,7 @@ pub(crate) enum Begun<T> {
     /// Nothing to copy: this is the result.
     Done(T),
     /// Copies to [`run`](TagCopy::run).
-    Copy(TagCopy),
+    Copy(Box<TagCopy>),
 }
 
 impl<D: Driver> Expandable<D> {
@@ -75,7 +75,7 @@ impl<D: Driver> Expandable<D> {
             Begun::Done(bytes) => Ok(bytes),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.finish_sleep(copy)
+                self.finish_sleep(*copy)
             }
         }
     }
@@ -89,7 +89,7 @@ impl<D: Driver> Expandable<D> {
             Begun::Done(()) => Ok(()),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.finish_wake(copy)
+                self.finish_wake(*copy)
             }
         }
     }
@@ -129,7 +129,7 @@ impl<D: Driver> Expandable<D> {
                     bytes = copy.bytes(),
                     "cuvmm: copying a tag to the host"
                 );
-                return Ok(Begun::Copy(copy));
+                return Ok(Begun::Copy(Box::new(copy)));
             }
             self.tags.fall_asleep(id, blocks, wake, false);
         }
@@ -175,7 +175,7 @@ impl<D: Driver> Expandable<D> {
             let copy = self.start_copy(id, CopyDirection::FromHost, &blocks)?;
             self.tags.set_copying(id);
             tracing::debug!(tag, bytes = copy.bytes(), "cuvmm: copying a tag back");
-            return Ok(Begun::Copy(copy));
+            return Ok(Begun::Copy(Box::new(copy)));
         }
         self.tags.woke(id, None, self.config.keep_host_buffers);
         tracing::info!(tag, "cuvmm: tag awake");

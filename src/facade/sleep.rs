@@ -23,7 +23,7 @@ impl<D: Driver> Allocator<Expandable<D>> {
             Begun::Done(bytes) => Ok(bytes),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.with_strategy(|strategy| strategy.finish_sleep(copy))
+                self.with_strategy(|strategy| strategy.finish_sleep(*copy))
             }
         }
     }
@@ -44,7 +44,7 @@ impl<D: Driver> Allocator<Expandable<D>> {
             Begun::Done(()) => Ok(()),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.with_strategy(|strategy| strategy.finish_wake(copy))
+                self.with_strategy(|strategy| strategy.finish_wake(*copy))
             }
         }
     }

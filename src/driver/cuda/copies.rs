@@ -119,9 +119,12 @@ impl JobCounters {
     }
 }
 
+/// A job's flag, set once it is over, and its device ranges `(address, bytes)`.
+type GuardedJob = (Arc<AtomicBool>, Vec<(u64, u64)>);
+
 /// The device ranges of jobs not over yet, guarded from `unmap`.
 #[derive(Debug, Default)]
-pub(super) struct Guarded(Vec<(Arc<AtomicBool>, Vec<(u64, u64)>)>);
+pub(super) struct Guarded(Vec<GuardedJob>);
 
 impl Guarded {
     /// Guards `ranges` until the returned flag is set.

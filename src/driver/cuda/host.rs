@@ -275,7 +275,7 @@ mod tests {
         w.add(5..10);
         w.add(30..40);
         w.add(15..32);
-        assert_eq!(w.ranges, Some(vec![0..40]));
+        assert_eq!(w.ranges, Some(std::iter::once(0..40).collect()));
         let mut whole = Written::default();
         whole.add(0..1);
         assert_eq!(whole.ranges, None, "all written stays all written");
