@@ -34,7 +34,7 @@ pub(super) struct Kept {
 
 impl Kept {
     /// Bytes of host memory held, those a copy holds now included.
-    pub(super) fn bytes(&self) -> u64 {
+    pub(super) fn held_bytes(&self) -> u64 {
         self.pieces.iter().map(|p| p.len() as u64).sum::<u64>() + self.out
     }
 
@@ -48,20 +48,20 @@ impl Kept {
         self.out > 0
     }
 
-    /// The pieces, lent to a copy (they come back with [`put_back`](Self::put_back)).
-    pub(super) fn lend(&mut self) -> Vec<HostMemory> {
+    /// The pieces, lent to a copy (they come back with [`take_back`](Self::take_back)).
+    pub(super) fn lend_pieces(&mut self) -> Vec<HostMemory> {
         let pieces = std::mem::take(&mut self.pieces);
         self.out = pieces.iter().map(|p| p.len() as u64).sum();
         pieces
     }
 
     /// A copy holds `bytes` of pieces (those lent, and those it pins).
-    pub(super) fn lent_bytes(&mut self, bytes: u64) {
+    pub(super) fn note_lent_bytes(&mut self, bytes: u64) {
         self.out = bytes;
     }
 
     /// The pieces back from a copy, holding the tag's bytes if `contents`.
-    pub(super) fn put_back(&mut self, pieces: Vec<HostMemory>, contents: bool) {
+    pub(super) fn take_back(&mut self, pieces: Vec<HostMemory>, contents: bool) {
         self.pieces = pieces;
         self.contents = contents && !self.pieces.is_empty();
         self.out = 0;
@@ -73,11 +73,11 @@ impl Kept {
     }
 
     /// Frees the pieces unless they hold the tag's bytes or a copy holds them; returns the bytes freed.
-    pub(super) fn release(&mut self) -> u64 {
+    pub(super) fn free_buffers(&mut self) -> u64 {
         if self.contents || self.lent() {
             return 0;
         }
-        let bytes = self.bytes();
+        let bytes = self.held_bytes();
         self.pieces.clear();
         bytes
     }
@@ -215,7 +215,7 @@ impl TagCopy {
     }
 
     /// Bytes the copies move.
-    pub fn bytes(&self) -> u64 {
+    pub fn moved_bytes(&self) -> u64 {
         self.bytes
     }
 

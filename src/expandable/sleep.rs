@@ -126,7 +126,7 @@ impl<D: Driver> Expandable<D> {
                 self.tags.fall_asleep(id, blocks, wake, true);
                 tracing::debug!(
                     tag,
-                    bytes = copy.bytes(),
+                    bytes = copy.moved_bytes(),
                     "cuvmm: copying a tag to the host"
                 );
                 return Ok(Begun::Copy(Box::new(copy)));
@@ -174,7 +174,7 @@ impl<D: Driver> Expandable<D> {
             let blocks = self.tags.blocks(id).to_vec();
             let copy = self.start_copy(id, CopyDirection::FromHost, &blocks)?;
             self.tags.set_copying(id);
-            tracing::debug!(tag, bytes = copy.bytes(), "cuvmm: copying a tag back");
+            tracing::debug!(tag, bytes = copy.moved_bytes(), "cuvmm: copying a tag back");
             return Ok(Begun::Copy(Box::new(copy)));
         }
         self.tags.woke(id, None, self.config.keep_host_buffers);

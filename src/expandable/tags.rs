@@ -163,7 +163,7 @@ impl Tags {
     /// A sleep's copies failed: tag `id` is awake again, its host memory kept as buffers.
     pub(super) fn sleep_failed(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);
-        t.kept.put_back(pieces, false);
+        t.kept.take_back(pieces, false);
         t.state = State::Awake;
         t.blocks.clear();
         t.wake.clear();
@@ -173,7 +173,7 @@ impl Tags {
     /// next).
     pub(super) fn kept(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);
-        t.kept.put_back(pieces, true);
+        t.kept.take_back(pieces, true);
         t.state = State::Sleeping;
     }
 
@@ -195,7 +195,7 @@ impl Tags {
     /// A wake's copies failed: tag `id` keeps its bytes in `pieces`, half way (some pages mapped).
     pub(super) fn wake_failed(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);
-        t.kept.put_back(pieces, true);
+        t.kept.take_back(pieces, true);
         t.state = State::Sleeping;
     }
 
@@ -204,11 +204,11 @@ impl Tags {
     pub(super) fn woke(&mut self, id: TagId, pieces: Option<Vec<HostMemory>>, keep_buffers: bool) {
         let t = self.get_mut(id);
         if let Some(pieces) = pieces {
-            t.kept.put_back(pieces, false);
+            t.kept.take_back(pieces, false);
         }
         t.kept.forget_contents();
         if !keep_buffers {
-            t.kept.release();
+            t.kept.free_buffers();
         }
         t.state = State::Awake;
         t.blocks.clear();
@@ -232,29 +232,29 @@ impl Tags {
 
     /// Tag `id`'s host memory, lent to a copy.
     pub(super) fn lend_host(&mut self, id: TagId) -> Vec<HostMemory> {
-        self.get_mut(id).kept.lend()
+        self.get_mut(id).kept.lend_pieces()
     }
 
     /// The copy tag `id`'s host memory is lent to holds `bytes` (those lent, and those it pins).
     pub(super) fn host_lent_bytes(&mut self, id: TagId, bytes: u64) {
-        self.get_mut(id).kept.lent_bytes(bytes);
+        self.get_mut(id).kept.note_lent_bytes(bytes);
     }
 
     /// Host memory lent by [`lend_host`](Self::lend_host) and not used, back to tag `id` as it was.
     pub(super) fn unlend_host(&mut self, id: TagId, pieces: Vec<HostMemory>) {
         let t = self.get_mut(id);
         let contents = t.state != State::Awake && t.kept.holds_contents();
-        t.kept.put_back(pieces, contents);
+        t.kept.take_back(pieces, contents);
     }
 
     /// Frees the host buffers of tag `id` (not bytes it keeps); returns the bytes freed.
     pub(super) fn release_host(&mut self, id: TagId) -> u64 {
-        self.get_mut(id).kept.release()
+        self.get_mut(id).kept.free_buffers()
     }
 
     /// Bytes of host memory every tag holds.
     pub(super) fn host_bytes(&self) -> u64 {
-        self.tags.iter().map(|t| t.kept.bytes()).sum()
+        self.tags.iter().map(|t| t.kept.held_bytes()).sum()
     }
 
     /// The tags asleep (or half way) and the bytes each would map at its wake, by name.
@@ -311,7 +311,7 @@ impl Tags {
                 _ => self.asleep_bytes_of(id, segments, page_size),
             },
             bytes_kept: t.kept.holds_contents(),
-            host_kept_bytes: t.kept.bytes(),
+            host_kept_bytes: t.kept.held_bytes(),
         }
     }
 

@@ -39,22 +39,26 @@ struct Written {
     pending: Option<(Arc<CopyStream>, Vec<Range<usize>>)>,
 }
 
+/// Adds `range` to the sorted, disjoint `ranges`, merging what touches.
+fn insert_merged(ranges: &mut Vec<Range<usize>>, range: Range<usize>) {
+    let at = ranges.partition_point(|r| r.start < range.start);
+    ranges.insert(at, range);
+    let mut merged: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for r in ranges.drain(..) {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    *ranges = merged;
+}
+
 impl Written {
     /// Adds a range written.
     fn add(&mut self, range: Range<usize>) {
-        let Some(ranges) = &mut self.ranges else {
-            return;
-        };
-        let at = ranges.partition_point(|r| r.start < range.start);
-        ranges.insert(at, range);
-        let mut merged: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
-        for r in ranges.drain(..) {
-            match merged.last_mut() {
-                Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
-                _ => merged.push(r),
-            }
+        if let Some(ranges) = &mut self.ranges {
+            insert_merged(ranges, range);
         }
-        *ranges = merged;
     }
 
     /// Waits for the copies that may still run; whether they are over. The ranges they wrote count as
@@ -146,8 +150,10 @@ impl Pinned {
         let (_, written) = state
             .pending
             .get_or_insert_with(|| (Arc::clone(stream), Vec::new()));
+        // Ranges merge as they come (a piece's copies are end to end), so the list stays short however many
+        // jobs copy before the bytes are read.
         if writes {
-            written.push(range.clone());
+            insert_merged(written, range.clone());
         }
         // SAFETY: `range.start <= len`, so the pointer stays inside the allocation (or one past its end).
         Some(unsafe { self.ptr.as_ptr().add(range.start) })
