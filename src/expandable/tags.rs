@@ -112,9 +112,9 @@ impl Tags {
         &self.get(id).name
     }
 
-    /// Every tag.
-    pub(super) fn ids(&self) -> impl Iterator<Item = TagId> + use<> {
-        (0..self.tags.len() as u32).map(TagId)
+    /// Every tag (an iterator that borrows nothing, so the tags may change while it runs).
+    pub(super) fn ids(&self) -> std::iter::Map<std::ops::Range<u32>, fn(u32) -> TagId> {
+        (0..self.tags.len() as u32).map(TagId as fn(u32) -> TagId)
     }
 }
 

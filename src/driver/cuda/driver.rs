@@ -1,7 +1,8 @@
 //! [`CudaDriver`]: the [`Driver`] trait on a real GPU.
 
 use super::calls::{Calls, bytes, cuda_error, raw_stream};
-use super::copies::{CopyStream, CudaCopies, Guarded, JobCounters};
+use super::copies::{CudaCopies, Guarded, JobCounters};
+use super::copy_stream::CopyStream;
 use super::errors;
 use super::host::Pinned;
 use super::ledger::Ledger;

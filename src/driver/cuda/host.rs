@@ -8,7 +8,7 @@
 //! which bytes copies have written, and the first read from Rust zeroes the others.
 
 use super::calls::keeping_current_context;
-use super::copies::CopyStream;
+use super::copy_stream::CopyStream;
 use super::errors;
 use crate::driver::HostBytes;
 use cudarc::driver::DriverError as CuError;

@@ -32,6 +32,7 @@
 mod baseline;
 mod calls;
 mod copies;
+mod copy_stream;
 mod driver;
 mod errors;
 mod give_back;

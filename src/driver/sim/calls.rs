@@ -2,6 +2,7 @@
 //! refusal during a capture that forbids it), and the [`Driver`] implementation that does the work in the
 //! part that owns the state (`vmm`, `mallocs`, `streams`, `captures`, `store`).
 
+use super::latency::wait_out;
 use super::store::Owner;
 use super::{FaultKind, LatencyModel, SimDriver};
 use crate::driver::{
@@ -10,13 +11,9 @@ use crate::driver::{
 };
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
-/// Modelled latencies shorter than this are waited out by spinning (see `SimDriver::sleep`).
-const SPIN_BELOW_NS: u64 = 20_000;
-
 impl SimDriver {
-    /// Waits `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on: spinning below
-    /// [`SPIN_BELOW_NS`], where the operating system's sleep would overshoot many times over (a 100 ns capture
-    /// query slept for tens of microseconds), sleeping above.
+    /// Waits `ns` nanoseconds of modelled latency when [`SimConfig::sleep_latency`] is on
+    /// ([`wait_out`]).
     #[cold]
     pub(super) fn sleep(&self, ns: u64) {
         if self.config.sleep_latency {
@@ -103,23 +100,6 @@ impl SimDriver {
                 free: self.free_bytes(),
             }),
         }
-    }
-}
-
-/// Waits `ns` nanoseconds: spinning below [`SPIN_BELOW_NS`], where the operating system's sleep would
-/// overshoot many times over (a 100 ns capture query slept for tens of microseconds), sleeping above.
-pub(super) fn wait_out(ns: u64) {
-    if ns == 0 {
-        return;
-    }
-    let wait = std::time::Duration::from_nanos(ns);
-    if ns < SPIN_BELOW_NS {
-        let start = std::time::Instant::now();
-        while start.elapsed() < wait {
-            std::hint::spin_loop();
-        }
-    } else {
-        std::thread::sleep(wait);
     }
 }
 

@@ -13,20 +13,17 @@
 //! ordinary memory the simulator calls page-locked; a copy is charged the latency model's pinned rate
 //! (an estimate of the link's speed, `latency.rs`).
 
-use super::calls::wait_out;
+use super::latency::wait_out;
 use super::store::ByteStore;
-use super::{SimDriver, Span};
+use super::{COPY_STREAM, SimDriver, Span};
 use crate::base::sync::{Arc, AtomicBool, Mutex};
 use crate::driver::{
     CopyDirection, CopyJob, CopyPlan, CopyRun, DriverError, HostBytes, HostCopy, HostMemory, Op,
-    StreamId, VaRange,
+    VaRange,
 };
 use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-
-/// The stream a simulated copy job runs on, as errors name it (an `unmap` refused while it copies).
-pub const COPY_STREAM: StreamId = StreamId(u64::MAX);
 
 /// The jobs not over yet and the device ranges each copies.
 #[derive(Debug, Default)]

@@ -302,6 +302,26 @@ impl LatencyModel {
     }
 }
 
+/// Modelled latencies shorter than this are waited out by spinning ([`wait_out`]).
+const SPIN_BELOW_NS: u64 = 20_000;
+
+/// Waits `ns` nanoseconds: spinning below [`SPIN_BELOW_NS`], where the operating system's sleep would
+/// overshoot many times over (a 100 ns capture query slept for tens of microseconds), sleeping above.
+pub(super) fn wait_out(ns: u64) {
+    if ns == 0 {
+        return;
+    }
+    let wait = std::time::Duration::from_nanos(ns);
+    if ns < SPIN_BELOW_NS {
+        let start = std::time::Instant::now();
+        while start.elapsed() < wait {
+            std::hint::spin_loop();
+        }
+    } else {
+        std::thread::sleep(wait);
+    }
+}
+
 impl Default for LatencyModel {
     /// [`LatencyModel::a100`].
     fn default() -> Self {

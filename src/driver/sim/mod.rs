@@ -91,7 +91,6 @@ mod va;
 mod vmm;
 
 pub use config::SimConfig;
-pub use copies::COPY_STREAM;
 pub use faults::FaultKind;
 pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYTES, LatencyModel};
 pub use report::LeakReport;
@@ -100,10 +99,8 @@ pub use store::Owner;
 use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaRange};
 use crate::base::sync::{Arc, Mutex};
 use capture::Captures;
-use copies::Copying;
 use faults::Faults;
 use malloc::Mallocs;
-use processes::Process;
 use sharing::Exports;
 use std::collections::VecDeque;
 use std::fmt;
@@ -128,10 +125,14 @@ pub struct SimDriver {
     exports: Exports,
     malloc_plan: VecDeque<(u64, u64)>,
     /// The copy jobs not over yet and the device ranges they copy (`copies.rs`).
-    copying: Copying,
+    copying: copies::Copying,
     /// The other processes on this device, when there are (`processes.rs`).
-    process: Option<Process>,
+    process: Option<processes::Process>,
 }
+
+/// The stream a simulated copy job runs on, as errors name it (an `unmap` refused while it copies;
+/// `copies.rs`).
+pub const COPY_STREAM: StreamId = StreamId(u64::MAX);
 
 /// A piece of a read or write that lies in one physical allocation.
 struct Span {
@@ -157,7 +158,7 @@ impl SimDriver {
             store: (config.backing_store).then(|| Arc::new(Mutex::new(ByteStore::default()))),
             exports: Exports::default(),
             malloc_plan: VecDeque::new(),
-            copying: Copying::default(),
+            copying: copies::Copying::default(),
             process: None,
             config,
         }
@@ -173,7 +174,7 @@ impl SimDriver {
     /// Physical bytes still free: capacity minus [`used_bytes`](Self::used_bytes), and minus what the
     /// other processes on the device use ([`another_process`](Self::another_process)).
     pub fn free_bytes(&self) -> u64 {
-        let others = self.process.as_ref().map_or(0, Process::others);
+        let others = self.process.as_ref().map_or(0, processes::Process::others);
         (self.config.capacity)
             .saturating_sub(self.used_bytes())
             .saturating_sub(others)

@@ -85,16 +85,13 @@ impl Supply {
     ) -> Result<(), Error> {
         let need = need.unwrap_or_else(|| p.segments.at(slot).pages.unmapped_count(pages.clone()));
         if need > 0 {
-            // Pages no live block touches come back idle (a tag's wake maps its graph pools' pages so).
-            let before = SlotCounts::of(p.segments.at(slot));
-            let mapped = self.map_runs(p, slot, pages, need, shortage);
-            p.books.refresh_if_idle_moved(p.segments.at(slot), before);
-            mapped?;
+            self.map_runs(p, slot, pages, need, shortage)?;
         }
         Ok(())
     }
 
-    /// [`map_missing`](Self::map_missing) of `need` pages, known missing.
+    /// [`map_missing`](Self::map_missing) of `need` pages, known missing. Pages no live block touches come
+    /// back idle (a tag's wake maps its graph pools' pages so), which the books learn of.
     fn map_runs<D: Driver>(
         &mut self,
         p: &mut Parts<'_, D>,
@@ -106,6 +103,8 @@ impl Supply {
         // The handles, new ones first, in a buffer kept from one request to the next.
         let mut queue = self.physical.take_queue();
         let reused = self.obtain(p, need, &mut queue, shortage)? as u64;
+        // After `obtain`, which may take idle pages of this segment (and books them).
+        let before = SlotCounts::of(p.segments.at(slot));
         let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
         tracing::debug!(
             pages = need,
@@ -159,6 +158,7 @@ impl Supply {
                     va + done as u64 * self.page_size,
                     self.page_size,
                 );
+                p.books.refresh_if_idle_moved(p.segments.at(slot), before);
                 let unused = queue.split_off(taken);
                 self.physical.restore_queue(queue);
                 self.put_back(p, unused);
@@ -167,6 +167,7 @@ impl Supply {
             pos = end;
         }
         debug_assert_eq!(taken, queue.len(), "one handle per missing page");
+        p.books.refresh_if_idle_moved(p.segments.at(slot), before);
         self.physical.restore_queue(queue);
         p.books.counters.handles_reused += reused;
         Ok(())
