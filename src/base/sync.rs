@@ -1,8 +1,10 @@
 //! The synchronization primitives of the facade ([`crate::facade::allocator`], [`crate::facade::stream_cache`]) in one
 //! place: `parking_lot`'s `Mutex`, std's `Arc` and atomics in every build, loom's under `--cfg loom`, so
 //! `tests/loom.rs` can model-check every interleaving of the facade's locking (see `docs/reliability.md`).
-//! Nothing else in the crate locks but the simulator's capture probe (`driver/sim/capture.rs`), which the
-//! facade calls from any thread.
+//! Nothing else in the crate locks but the simulator: its capture probe (`driver/sim/capture.rs`), which the
+//! facade calls from any thread, its byte store, which a copy job reads and writes without the driver
+//! (`driver/sim/copies.rs`), and the memory its processes share (`driver/sim/processes.rs`). (CUDA's
+//! page-locked memory and copy jobs use std's, `driver/cuda/`.)
 
 #[cfg(not(loom))]
 pub(crate) use parking_lot::Mutex;
