@@ -11,4 +11,5 @@ mod raw_book;
 mod sharing;
 mod stream_cache;
 pub mod summary;
+mod tags;
 mod thread_handles;

@@ -2,6 +2,7 @@
 //! captures and memory pressure, against a model of every allocation's bytes and tag.
 
 use super::*;
+use cuvmm::strategy::{GraphPools, StreamUses};
 
 #[derive(Clone, Debug)]
 enum Action {
