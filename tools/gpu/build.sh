@@ -2,8 +2,9 @@
 # Builds, on a machine without a GPU, everything the GPU steps of docs/gpu.md run, into one folder to carry
 # to the GPU machine (default gpu-bin/, which .gitignore leaves out): the `cuvmm` binary and the service
 # example built with `--features cuda`, the CUDA test binaries under fixed names, libcuvmm_torch.so and ninja
-# (all that the PyTorch steps, tools/gpu/torch_suite.py included, need from here), and the shared traces
-# (../shared/traces) with each one converted to cuvmm's format for tools/torch_replay.py.
+# (all that the PyTorch steps, tools/gpu/torch_suite.py included, need from here), the cuvmm-torch wheel with
+# ninja's wheel beside it in wheels/ (tools/wheel.sh; the `wheel` step installs them with no network), and the
+# shared traces (../shared/traces) with each one converted to cuvmm's format for tools/torch_replay.py.
 # Binaries are stripped to keep the folder small. Then, on the GPU machine: tools/gpu/run.sh STEP...
 #
 #   tools/gpu/build.sh [DIR]
@@ -63,10 +64,13 @@ with zipfile.ZipFile(sys.argv[1]) as wheel:
         shutil.copyfileobj(source, target)
 PY
     chmod +x "$dir/bin/ninja"
+    mkdir -p "$dir/wheels" && cp "$wheels"/ninja-*.whl "$dir/wheels/"
 else
     echo "build.sh: ninja could not be downloaded: the GPU machine must have its own" >&2
 fi
 rm -rf "$wheels"
+# The wheel a user installs (manylinux_2_28; the cargo build under target/x86_64-unknown-linux-gnu/ is reused).
+tools/wheel.sh "$dir/wheels"
 # The torch-suite step's cases load without PyTorch: a broken registry shows here, not in a GPU session.
 python3 tools/gpu/torch_suite.py --list >/dev/null
 git rev-parse HEAD >"$dir/COMMIT"
