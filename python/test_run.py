@@ -188,7 +188,7 @@ class RunAScript(Stand):
                               (["--frobnicate"], "unknown option --frobnicate"),
                               (["no_such_script.py"], "can't open file 'no_such_script.py'")]:
             status, _, err = self.run_python("-m", "cuvmm_torch", *args)
-            self.assertEqual(status, 2 if not args else 1, args)
+            self.assertEqual(status, 2, args)
             self.assertIn(message, err)
 
     def test_build_still_builds_the_cpp_layer(self):

@@ -11,7 +11,7 @@ program then runs as the interpreter would run it: ``sys.argv``, ``__name__ == "
 and ``sys.path[0]`` are the script's (``runpy``). ``CUVMM_ALLOC_CONF`` configures cuvmm as
 ``PYTORCH_CUDA_ALLOC_CONF`` configures PyTorch's allocator; ``CUVMM_TORCH_AUTOINSTALL=1`` is set for the
 processes the program starts (see :mod:`cuvmm_torch.autoinstall`). If cuvmm cannot be installed, nothing
-runs: status 1 and one line on stderr saying why.
+runs: status 1 and one line on stderr saying why (a mistake on the command line: status 2).
 """
 
 import os
@@ -41,9 +41,15 @@ def install():
     os.environ[autoinstall.VARIABLE] = "1"
 
 
+def usage_error(message):
+    """A mistake on the command line: status 2, as python's own."""
+    print(f"cuvmm_torch: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run_script(path, args):
     if not os.path.exists(path):
-        sys.exit(f"cuvmm_torch: can't open file {path!r}: no such file")
+        usage_error(f"can't open file {path!r}: no such file")
     install()
     sys.argv = [path, *args]
     plain_file = os.path.isfile(path) and not zipfile.is_zipfile(path)
@@ -78,10 +84,10 @@ def main(argv):
         build()
     elif argv[0] == "-m":
         if len(argv) < 2:
-            sys.exit(f"cuvmm_torch: -m needs a module name\n{USAGE}")
+            usage_error(f"-m needs a module name\n{USAGE}")
         run_module(argv[1], argv[2:])
     elif argv[0].startswith("-"):
-        sys.exit(f"cuvmm_torch: unknown option {argv[0]}\n{USAGE}")
+        usage_error(f"unknown option {argv[0]}\n{USAGE}")
     else:
         run_script(argv[0], argv[1:])
 
