@@ -1,6 +1,7 @@
 """cuvmm as PyTorch's CUDA allocator, and cuvmm's statistics from Python.
 
-One line, before the first CUDA allocation::
+No line at all: ``python -m cuvmm_torch SCRIPT.py ARGS...`` (see ``__main__.py``; ``CUVMM_TORCH_AUTOINSTALL=1``
+for programs started otherwise, see ``autoinstall.py``), or one line, before the first CUDA allocation::
 
     import cuvmm_torch
     cuvmm_torch.install()
