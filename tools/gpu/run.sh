@@ -97,7 +97,7 @@ cpp_layer() {
 # pip-installed from $bin/wheels with no index. Outside $out, which comes back from a device session.
 wheel_venv=${TMPDIR:-/tmp}/cuvmm-wheel-venv
 wheel_step() {
-    rm -rf "$wheel_venv"
+    rm -rf "$wheel_venv" "$out"/wheel-*.json
     local pip=("$wheel_venv/bin/python" -m pip)
     if ! python3 -m venv "$wheel_venv" >>"$out/wheel.txt" 2>&1; then
         # No ensurepip here: the machine's pip installs into the venv.
@@ -120,40 +120,7 @@ wheel_step() {
     step wheel 300 "${env[@]}" "$python" -m torch.distributed.run --standalone --nproc-per-node 1 \
         -m cuvmm_torch "$script" --steps 6 --report "$out/wheel-torchrun.json"
     step wheel 300 "${env[@]}" "$python" "$script" --report "$out/wheel-native.json"
-    step wheel 60 "$python" - "$out" <<'PY'
-import json, os, sys
-out = sys.argv[1]
-def report(name):
-    path = os.path.join(out, f"wheel-{name}.json")
-    return json.load(open(path)) if os.path.exists(path) else None
-cuvmm, torchrun, native = report("cuvmm"), report("torchrun"), report("native")
-bad = []
-for name, r in (("python -m cuvmm_torch", cuvmm), ("torchrun -m cuvmm_torch", torchrun)):
-    if r is None:
-        bad.append(f"{name}: no report")
-        continue
-    if r["backend"] != "cuvmm":
-        bad.append(f"{name}: allocator backend {r['backend']!r}")
-    if not r["losses_finite"]:
-        bad.append(f"{name}: a loss is not finite")
-    if not (r["segments"] > 0 and r["expandable_segments"] == r["segments"]):
-        bad.append(f"{name}: {r['expandable_segments']} of {r['segments']} segments expandable")
-    s = r["memory_stats"]
-    if not (0 < s["allocated_bytes.all.current"] <= s["allocated_bytes.all.peak"] <= s["reserved_bytes.all.peak"]):
-        bad.append(f"{name}: memory_stats {s}")
-if torchrun and torchrun["rank"] != "0":
-    bad.append(f"torchrun: rank {torchrun['rank']!r}")
-if native and native["backend"] != "native":
-    bad.append(f"native: backend {native['backend']!r}")
-for name, r in (("cuvmm", cuvmm), ("native", native)):
-    if r:
-        s = r["memory_stats"]
-        print(f"{name}: backend {r['backend']}, peak allocated {s['allocated_bytes.all.peak']}, peak reserved "
-              f"{s['reserved_bytes.all.peak']}, segments {r['segments']} ({r['expandable_segments']} expandable), "
-              f"{r['steps']} steps in {r['seconds']} s, last loss {r['losses'][-1]}")
-print("wheel: " + ("; ".join(bad) if bad else "PyTorch's memory_stats and snapshot are cuvmm's under python -m cuvmm_torch and torchrun"))
-sys.exit(1 if bad else 0)
-PY
+    step wheel 60 "$python" tools/gpu/wheel_reports.py "$out"
     step wheel 120 "$python" tools/cli_check.py "$wheel_venv/bin/cuvmm" --traces "$bin/traces"
 }
 
