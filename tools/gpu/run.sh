@@ -55,7 +55,9 @@ cd "$(dirname "$0")/../.."
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-[ -x "$bin/cuvmm" ] || { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
+# (A folder of WHEEL_ONLY=1 tools/gpu/build.sh holds only what the `wheel` step needs.)
+[ -x "$bin/cuvmm" ] || [ -d "$bin/wheels" ] ||
+    { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
 
 # ninja, which the C++ layer's build needs (build.sh brings one), where the machine has none.
 command -v ninja >/dev/null || PATH="$bin/bin:$PATH"
