@@ -1,4 +1,4 @@
-"""What goes into the cuvmm-torch wheel, and where (pyproject.toml has the rest; docs/DESIGN.md, "The wheel").
+"""What goes into the cuvmm-torch wheel, and where (pyproject.toml has the rest; docs/pytorch.md, "The wheel").
 
 - ``cuvmm_torch/`` (python/cuvmm_torch/), the module;
 - ``cuvmm_torch/libcuvmm_torch.so``: the cuvmm-torch crate's cdylib, a plain C library that ctypes and the C++

@@ -4,7 +4,7 @@
 # where), tagged manylinux_2_28 (glibc 2.28 and later: RHEL 8, Debian 10, Ubuntu 18.10 and later), into DIR
 # (default target/wheels/). Prints the wheel's path last.
 #
-# The build backend is setuptools-rust (pyproject.toml pins it; docs/DESIGN.md, "The wheel"). The Rust code is
+# The build backend is setuptools-rust (pyproject.toml pins it; docs/pytorch.md, "The wheel"). The Rust code is
 # linked by zig through cargo-zigbuild against glibc 2.28's symbols, whatever glibc this machine has, and
 # auditwheel checks every binary of the wheel against the manylinux_2_28 policy and tags it (it refuses a
 # wheel that needs a newer glibc or a library outside the policy). Those tools are pinned in

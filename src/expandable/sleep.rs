@@ -15,7 +15,7 @@
 //! `wake(tag)` maps pages under the same live blocks, puts back the kept bytes, and marks the tag awake.
 //! Both are idempotent.
 //!
-//! Failures (docs/DESIGN.md, "Failures with side effects"): a failure before step 3 changes nothing. A
+//! Failures (docs/allocator.md, "Failures with side effects"): a failure before step 3 changes nothing. A
 //! sleep that fails while unmapping leaves the tag *sleeping* with some pages still mapped: a second sleep
 //! unmaps the rest, a wake maps the missing ones. A wake that fails leaves the tag sleeping with some pages
 //! mapped: a second wake maps the rest and copies the kept bytes again, a sleep unmaps them again. The kept

@@ -6,7 +6,7 @@
 //! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-thread
 //! stream caches (`facade/stream_cache.rs`) keep freed buffers back for their stream (from the start, or once
 //! threads have contended for that lock), so that steady-state reuse on a stream takes no lock another thread
-//! holds and never waits for another stream's driver calls (docs/DESIGN.md, "Locking").
+//! holds and never waits for another stream's driver calls (docs/library.md, "Locking").
 
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
 use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
@@ -359,7 +359,7 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// A snapshot of the statistics. The stream caches are drained first, so current values are exact;
-    /// peaks may include buffers that sat in a stream cache once threads had contended (docs/DESIGN.md,
+    /// peaks may include buffers that sat in a stream cache once threads had contended (docs/library.md,
     /// "Locking").
     pub fn stats(&self) -> Stats {
         self.drain_caches_deferring();

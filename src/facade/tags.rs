@@ -1,4 +1,4 @@
-//! Tagged memory through the facade: allocations that sleep and wake (docs/DESIGN.md, "Sleep and wake"),
+//! Tagged memory through the facade: allocations that sleep and wake (docs/allocator.md, "Sleep and wake"),
 //! for a strategy with [`Tags`].
 
 use crate::driver::StreamId;
@@ -20,7 +20,7 @@ impl<S: Strategy + Tags> Allocator<S> {
     /// unmaps its pages and gives their physical memory back. Its virtual addresses stay reserved and no
     /// other allocation is placed in them; its memory must not be used (nor freed) until
     /// [`wake`](Self::wake). Returns the bytes given back by this call (0 if already asleep).
-    /// Refused during a CUDA graph capture. See docs/DESIGN.md, "Sleep and wake".
+    /// Refused during a CUDA graph capture. See docs/allocator.md, "Sleep and wake".
     pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
         self.with_strategy(|strategy| strategy.sleep(tag, keep))
     }

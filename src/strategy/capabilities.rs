@@ -44,7 +44,7 @@ pub trait GraphPools {
     fn incref_pool(&mut self, pool: GraphPool) -> Result<(), Error>;
 }
 
-/// Tagged memory that sleeps and wakes (docs/DESIGN.md, "Sleep and wake").
+/// Tagged memory that sleeps and wakes (docs/allocator.md, "Sleep and wake").
 pub trait Tags {
     /// Allocates `size` bytes for use on `stream` under the tag `tag`, whose memory
     /// [`sleep`](Tags::sleep) can give back and [`wake`](Tags::wake) map again at the same addresses.

@@ -17,7 +17,7 @@
 //! Each file mirrors a part of PyTorch's code: `rules.rs` the sizing rules, `block.rs` the blocks and pools,
 //! `alloc.rs` `malloc`, `free.rs` `free`, `release.rs` the release paths, `expandable_segments.rs` the
 //! expandable segments (`expandable_segments/segment.rs` one segment's pages), `seed.rs` adopting a
-//! recorded state, `invariants.rs` the checks. See `docs/DESIGN.md`.
+//! recorded state, `invariants.rs` the checks. See `docs/laboratory.md`, "The PyTorch models".
 
 #![deny(unsafe_code)]
 
