@@ -11,7 +11,8 @@ saying why, and only :class:`CudaRuntime` runs. From the repository root, with t
     python -m unittest discover -s python -p test_cpp_layer.py -v
 
 The layer is built once into ``target/cpp-layer/torch-<version>`` and rebuilt when its sources change
-(about a minute).
+(about a minute). ``CUVMM_TORCH_TEST_INSTALLED=1`` runs them against an installed copy of the package (its
+library and the C++ sources it carries; ``tools/wheel_check.sh --torch``), never the checkout's ``python/``.
 """
 
 import importlib.util
@@ -23,9 +24,18 @@ import sys
 import tempfile
 import unittest
 
-import cuvmm_torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+INSTALLED = os.environ.get("CUVMM_TORCH_TEST_INSTALLED") == "1"
+if INSTALLED:  # this folder holds the checkout's cuvmm_torch, and is on the path: take it off (run this file
+    # as a script then: unittest's discovery imports python/cuvmm_torch itself, as a package beside the tests)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != os.path.realpath(HERE)]
+import cuvmm_torch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if INSTALLED and os.path.realpath(cuvmm_torch.__file__).startswith(os.path.realpath(ROOT) + os.sep):
+    raise ImportError(f"CUVMM_TORCH_TEST_INSTALLED=1, but cuvmm_torch came from the checkout: {cuvmm_torch.__file__}")
+# Where the layer and the tests' harness are built (CUVMM_TORCH_TEST_BUILD_ROOT: elsewhere).
+BUILD_ROOT = os.environ.get("CUVMM_TORCH_TEST_BUILD_ROOT") or os.path.join(ROOT, "target", "cpp-layer")
 SIZE = 3 << 20
 
 # Runs in a fresh interpreter (PyTorch takes one allocator per process). Prints one JSON object.
@@ -374,6 +384,7 @@ def missing_for_build():
         return missing_for_install()
     from torch.utils import cpp_extension  # noqa: PLC0415
 
+    cuvmm_torch.ninja_on_path()  # as install() does: the ninja package's, where PATH has none
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     return None
@@ -381,23 +392,34 @@ def missing_for_build():
 
 def run_probe(code, **env):
     """Runs `code` on the simulated device in a fresh interpreter; returns its JSON output."""
+    return json.loads(run_python(["-c", code], **env).strip().splitlines()[-1])
+
+
+def probe_environment(**env):
+    """The environment of a probe: the simulated device, this checkout's package (or, installed, none:
+    the interpreter's own), the C++ layer's build cached per PyTorch version."""
     import torch  # noqa: PLC0415
 
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")}
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_") and k != "PYTHONPATH"}
     environment.update(
         CUVMM_BACKEND="sim",
         CUVMM_SIM_DEVICES="1",
         CUVMM_SIM_CAPACITY="4GiB",
-        CUVMM_TORCH_LIB=cuvmm_torch.library_path(),
-        CUVMM_TORCH_BUILD=os.path.join(ROOT, "target", "cpp-layer", f"torch-{torch.__version__}"),
-        PYTHONPATH=os.path.join(ROOT, "python"),
-        **env,
+        CUVMM_TORCH_BUILD=os.path.join(BUILD_ROOT, f"torch-{torch.__version__}"),
     )
-    done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+    if not INSTALLED:
+        environment.update(CUVMM_TORCH_LIB=cuvmm_torch.library_path(), PYTHONPATH=HERE)
+    environment.update(env)
+    return environment
+
+
+def run_python(args, **env):
+    """Runs the interpreter with `args` (see probe_environment); returns its stdout, or fails with its stderr."""
+    done = subprocess.run([sys.executable, *args], env=probe_environment(**env), capture_output=True, text=True,
                           timeout=900, check=False)
     if done.returncode != 0:
         raise AssertionError(f"the probe failed ({done.returncode}):\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return done.stdout
 
 
 @unittest.skipIf(missing_for_build(), missing_for_build())
@@ -478,7 +500,7 @@ class ThroughPyTorchsInterface(unittest.TestCase):
                 file.write(source)
             subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
                             os.path.join(fakes, target + ".c")], check=True)
-        build = os.path.join(ROOT, "target", "cpp-layer", f"harness-{torch.__version__}")
+        build = os.path.join(BUILD_ROOT, f"harness-{torch.__version__}")
         os.makedirs(build, exist_ok=True)
         code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
         code = code.replace("HARNESS", repr(HARNESS))
@@ -541,7 +563,7 @@ class MemPools(unittest.TestCase):
                 file.write(source)
             subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
                             os.path.join(fakes, target + ".c")], check=True)
-        build = os.path.join(ROOT, "target", "cpp-layer", f"harness-{torch.__version__}")
+        build = os.path.join(BUILD_ROOT, f"harness-{torch.__version__}")
         os.makedirs(build, exist_ok=True)
         code = MEMPOOL_PROBE.replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
         code = code.replace("HARNESS", repr(HARNESS)).replace("BUILD", repr(build))
@@ -607,6 +629,68 @@ class Fallback(unittest.TestCase):
         self.assertEqual(out["layer"], "ctypes")
         self.assertNotEqual(out["backend"], "cuvmm")
         self.assertTrue(any("CUVMM_TORCH_CPP=0" in w and "record_stream" in w for w in out["warnings"]), out)
+
+
+# A training script that knows nothing of cuvmm: what PyTorch says of its allocator when the script starts.
+UNCHANGED_SCRIPT = r"""
+import json, os, sys, torch
+C = torch._C
+initialized = torch.cuda.is_initialized()
+print(json.dumps({"argv": sys.argv[1:], "rank": os.environ.get("LOCAL_RANK"), "cuda_initialized": initialized,
+                  "backend": torch.cuda.memory.get_allocator_backend(), "fraction": C._cuda_getMemoryFraction(0),
+                  "reserved": C._cuda_memoryStats(0)["reserved_bytes"]["all"]["current"]}))
+"""
+
+
+@unittest.skipIf(missing_for_build(), missing_for_build())
+class RunUnchanged(unittest.TestCase):
+    """`python -m cuvmm_torch SCRIPT.py` (also under torchrun) and CUVMM_TORCH_AUTOINSTALL=1 with a real PyTorch:
+    cuvmm is PyTorch's allocator through the C++ layer when the script starts, configured by CUVMM_ALLOC_CONF,
+    and no device was touched to install it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.scratch = tempfile.TemporaryDirectory()
+        cls.script = os.path.join(cls.scratch.name, "train.py")
+        with open(cls.script, "w") as file:
+            file.write(UNCHANGED_SCRIPT)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.scratch.cleanup()
+
+    def reports(self, args, **env):
+        out = run_python(args, CUVMM_TORCH_CPP="1", CUVMM_ALLOC_CONF="per_process_memory_fraction:0.25", **env)
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+    def check(self, report, argv):
+        self.assertEqual(report["argv"], argv)
+        self.assertFalse(report["cuda_initialized"], "installing cuvmm initialized no CUDA device")
+        self.assertEqual(report["backend"], "cuvmm")
+        self.assertEqual(report["fraction"], 0.25, "CUVMM_ALLOC_CONF reached cuvmm")
+        self.assertEqual(report["reserved"], 0)
+
+    def test_python_m_cuvmm_torch(self):
+        (report,) = self.reports(["-m", "cuvmm_torch", self.script, "--steps", "3"])
+        self.check(report, ["--steps", "3"])
+        self.assertIsNone(report["rank"])
+
+    def test_each_torchrun_rank(self):
+        args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "cuvmm_torch", self.script, "--steps", "3"]
+        reports = self.reports(args, CUVMM_SIM_DEVICES="2", OMP_NUM_THREADS="1")
+        self.assertEqual(sorted(r["rank"] for r in reports), ["0", "1"])
+        for report in reports:
+            self.check(report, ["--steps", "3"])
+
+    def test_the_environment_variable_with_the_pth_line(self):
+        # Installed, the interpreter runs the .pth file itself; from a checkout, its line is run first.
+        with open(os.path.join(HERE, "cuvmm_torch_autoinstall.pth")) as file:
+            line = file.read().strip()
+        prelude = "import sys\n" if INSTALLED else f"import sys\nexec({line!r})\n"
+        code = prelude + f"sys.argv = ['train.py', '--steps', '3']\nexec(compile(open({self.script!r}).read(), 'train.py', 'exec'))\n"
+        (report,) = self.reports(["-c", code], CUVMM_TORCH_AUTOINSTALL="1")
+        self.check(report, ["--steps", "3"])
 
 
 class CudaRuntime(unittest.TestCase):

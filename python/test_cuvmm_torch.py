@@ -6,6 +6,11 @@ Run from the repository root, after ``cargo build --release -p cuvmm-torch`` and
     python3 -m unittest discover -s python -v
 
 ``CUVMM_TORCH_LIB`` and ``CUVMM_BIN`` name other builds of the library and of the binary.
+
+``CUVMM_TORCH_TEST_INSTALLED=1`` tests an installed copy instead (a wheel, pip-installed): ``cuvmm_torch`` is
+imported from site-packages, never from this checkout's ``python/``, its library and header are the
+package's, and ``cuvmm`` is the one installed beside the interpreter (``CUVMM_BIN`` still names another).
+``tools/wheel_check.sh`` runs them so.
 """
 
 import ctypes
@@ -16,16 +21,25 @@ import subprocess
 import sys
 import tempfile
 import threading
+import sysconfig
 import types
 import unittest
 import warnings
 
-import cuvmm_torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+INSTALLED = os.environ.get("CUVMM_TORCH_TEST_INSTALLED") == "1"
+if INSTALLED:  # this folder holds the checkout's cuvmm_torch, and is on the path: take it off (run this file
+    # as a script then: unittest's discovery imports python/cuvmm_torch itself, as a package beside the tests)
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != os.path.realpath(HERE)]
+import cuvmm_torch  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if INSTALLED and os.path.realpath(cuvmm_torch.__file__).startswith(os.path.realpath(ROOT) + os.sep):
+    raise ImportError(f"CUVMM_TORCH_TEST_INSTALLED=1, but cuvmm_torch came from the checkout: {cuvmm_torch.__file__}")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import torch_replay  # noqa: E402 (tools/ is not a package: on the path first)
-HEADER = os.path.join(ROOT, "cuvmm-torch", "cuvmm_torch.h")
+# The package's copy (beside csrc/ in an installed package, cuvmm-torch/ in the checkout).
+HEADER = os.path.join(os.path.dirname(cuvmm_torch.csrc_dir()), "cuvmm_torch.h")
 DEVICES = 9
 
 # Set before the library's first call, which reads them; the capacity is `cuvmm compare`'s default.
@@ -47,16 +61,19 @@ def stream(n):
 
 
 def cuvmm_binary():
-    for candidate in [os.environ.get("CUVMM_BIN"), os.path.join(ROOT, "target", "release", "cuvmm")]:
+    """``$CUVMM_BIN``, else the installed ``cuvmm`` (CUVMM_TORCH_TEST_INSTALLED=1) or the checkout's build."""
+    built = os.path.join(sysconfig.get_path("scripts"), "cuvmm") if INSTALLED else os.path.join(ROOT, "target", "release", "cuvmm")
+    for candidate in [os.environ.get("CUVMM_BIN"), built]:
         if candidate and os.path.exists(candidate):
             return candidate
-    raise AssertionError("no cuvmm binary: run `cargo build --release` first, or set CUVMM_BIN")
+    raise AssertionError(f"no cuvmm binary at {built}: run `cargo build --release` first, or set CUVMM_BIN")
 
 
 def run_python(code, **env):
     """Runs `code` in a fresh interpreter (a fresh library: its settings are read once per process)."""
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")}
-    environment["PYTHONPATH"] = os.path.dirname(os.path.abspath(__file__))
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_") and k != "PYTHONPATH"}
+    if not INSTALLED:
+        environment["PYTHONPATH"] = HERE
     environment["CUVMM_TORCH_LIB"] = cuvmm_torch.library_path()
     environment.update(env)
     done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120)
@@ -395,6 +412,8 @@ class FakeTorch:
             open(os.path.join(self.scratch.name, "include", "cuda_runtime_api.h"), "w").close()
             open(os.path.join(self.scratch.name, "include", "crt", "host_config.h"), "w").close()
         self.saved = {name: sys.modules.get(name) for name in ["torch", "torch.utils.cpp_extension"]}
+        # Nothing installed yet, as in a fresh process (install() returns the layer in place otherwise).
+        self.saved_layer, cuvmm_torch._layer = cuvmm_torch._layer, None
         sys.modules["torch"] = self.module
         sys.modules["torch.utils.cpp_extension"] = self.cpp_extension
         return self
@@ -406,6 +425,7 @@ class FakeTorch:
             else:
                 sys.modules[name] = module
         cuvmm_torch.PROCESS_MAPS = self.saved_maps
+        cuvmm_torch._layer = self.saved_layer
         self.scratch.cleanup()
 
 
@@ -431,7 +451,7 @@ class Install(unittest.TestCase):
         with FakeTorch() as fake, warnings.catch_warnings():
             warnings.simplefilter("error")
             self.assertEqual(cuvmm_torch.install(), "cpp")
-        self.assertEqual(cuvmm_torch.active_layer(), "cpp")
+            self.assertEqual(cuvmm_torch.active_layer(), "cpp")
         (load, install) = fake.calls
         self.assertEqual(load[0], "cpp_extension.load")
         options = load[1]
@@ -441,7 +461,7 @@ class Install(unittest.TestCase):
         for source in options["sources"]:
             self.assertTrue(os.path.exists(source), source)
         self.assertEqual(options["extra_include_paths"],
-                         [os.path.join(ROOT, "cuvmm-torch"), os.path.join(fake.cpp_extension.CUDA_HOME, "include")])
+                         [os.path.dirname(cuvmm_torch.csrc_dir()), os.path.join(fake.cpp_extension.CUDA_HOME, "include")])
         self.assertTrue(os.path.exists(os.path.join(options["extra_include_paths"][0], "cuvmm_torch.h")))
         cudart = ["-L" + os.path.join(fake.cpp_extension.CUDA_HOME, "lib64"), "-lcudart"]
         self.assertEqual(options["extra_ldflags"], ["-ldl", "-lc10_cuda", "-ltorch_cuda", *cudart])
@@ -482,6 +502,32 @@ class Install(unittest.TestCase):
         with FakeTorch(build_error=OSError("no compiler")), self.assertRaises(OSError):
             cuvmm_torch.install(cpp=True)
 
+    def test_installed_already_it_returns_the_layer_in_place_and_changes_nothing(self):
+        with FakeTorch() as fake:
+            self.assertEqual(cuvmm_torch.install(), "cpp")
+            self.assertEqual(cuvmm_torch.install(cpp=False), "cpp")
+        self.assertEqual([call[0] for call in fake.calls], ["cpp_extension.load", "extension.install"])
+
+    def test_ninja_from_its_package_is_put_on_path_where_path_has_none(self):
+        with tempfile.TemporaryDirectory() as scratch:
+            ninja = os.path.join(scratch, "ninja")
+            with open(ninja, "w") as file:
+                file.write("#!/bin/sh\n")
+            os.chmod(ninja, 0o755)
+            saved = sys.modules.get("ninja")
+            sys.modules["ninja"] = types.SimpleNamespace(BIN_DIR=scratch)
+            try:
+                environ = {"PATH": os.path.join(scratch, "nothing-here")}
+                self.assertEqual(cuvmm_torch.ninja_on_path(environ), ninja)
+                self.assertEqual(environ["PATH"], os.pathsep.join([os.path.join(scratch, "nothing-here"), scratch]))
+                self.assertEqual(cuvmm_torch.ninja_on_path(environ), ninja, "found on PATH now")
+                self.assertEqual(environ["PATH"].count(scratch + os.pathsep), 0, "not added twice")
+            finally:
+                if saved is None:
+                    sys.modules.pop("ninja", None)
+                else:
+                    sys.modules["ninja"] = saved
+
     def test_the_build_directory_is_per_torch_version_and_can_be_named(self):
         self.assertEqual(cuvmm_torch.build_dir("2.11.0", {cuvmm_torch.BUILD_ENV_VAR: "/b"}), "/b")
         self.assertEqual(
@@ -490,6 +536,20 @@ class Install(unittest.TestCase):
         )
         self.assertTrue(cuvmm_torch.build_dir("2.11.0", {}).endswith(os.path.join(".cache", "cuvmm_torch", "torch-2.11.0")))
         self.assertTrue(os.path.isfile(os.path.join(cuvmm_torch.csrc_dir(), "cuvmm_allocator.cpp")))
+
+
+@unittest.skipUnless(INSTALLED, "CUVMM_TORCH_TEST_INSTALLED=1 tests an installed copy (tools/wheel_check.sh)")
+class Installed(unittest.TestCase):
+    """What these tests ran against is the installed package's: its library, C++ sources, header and CLI."""
+
+    def test_the_library_sources_header_and_cli_are_the_installed_packages(self):
+        self.assertNotIn("CUVMM_TORCH_LIB", os.environ, "the package must find its own library")
+        package = os.path.dirname(os.path.realpath(cuvmm_torch.__file__))
+        self.assertEqual(os.path.dirname(os.path.realpath(cuvmm_torch.library_path())), package)
+        self.assertEqual(os.path.realpath(cuvmm_torch.csrc_dir()), os.path.join(package, "csrc"))
+        self.assertEqual(os.path.realpath(HEADER), os.path.join(package, "cuvmm_torch.h"))
+        if "CUVMM_BIN" not in os.environ:
+            self.assertEqual(os.path.dirname(cuvmm_binary()), sysconfig.get_path("scripts"))
 
 
 class Settings(unittest.TestCase):

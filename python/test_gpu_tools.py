@@ -1,5 +1,6 @@
 """Tests of the GPU tools' logic that needs no GPU: tools/train_gpt.py's sequence lengths and fraction search
-(on a fake training run), tools/gpu/fit_latency.py's fit, and tools/gpu/tables.py's reader.
+(on a fake training run), tools/gpu/fit_latency.py's fit, tools/gpu/tables.py's reader, the `wheel` step's
+verdict (tools/gpu/wheel_reports.py) and tools/cli_check.py's reading of the README.
 
     python3 -m unittest discover -s python -v
 """
@@ -16,9 +17,11 @@ from contextlib import redirect_stderr, redirect_stdout
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
+import cli_check  # noqa: E402
 import fit_latency  # noqa: E402 (tools/ is not a package: on the path first)
 import tables  # noqa: E402
 import train_gpt  # noqa: E402
+import wheel_reports  # noqa: E402
 
 GIB = 1 << 30
 TOTAL = 80 * GIB
@@ -116,6 +119,86 @@ class TablesTest(unittest.TestCase):
         # latency.rs: map 1 130 ns fixed, 1 ns per 2 MiB on the H100.
         self.assertAlmostEqual(a * 1000, 1130, delta=1)
         self.assertAlmostEqual(b * 1000, 1, delta=1)
+
+
+def train_report(backend, **changes):
+    """What tools/gpu/train_transformers.py writes, for a run that went well."""
+    report = {"backend": backend, "rank": None, "device": 0, "torch": "2.11.0", "steps": 20, "seconds": 4.5,
+              "losses": [9.2, 7.9], "losses_finite": True, "max_memory_reserved": 900 << 20, "segments": 3,
+              "expandable_segments": 3 if backend == "cuvmm" else 0,
+              "memory_stats": {"allocated_bytes.all.current": 300 << 20, "allocated_bytes.all.peak": 800 << 20,
+                               "reserved_bytes.all.peak": 900 << 20}}
+    report.update(changes)
+    return report
+
+
+class WheelReports(unittest.TestCase):
+    """The `wheel` step's verdict on the training script's reports."""
+
+    def reports(self, **changes):
+        reports = {"cuvmm": train_report("cuvmm"), "torchrun": train_report("cuvmm", rank="0"),
+                   "native": train_report("native")}
+        reports.update(changes)
+        return reports
+
+    def test_cuvmms_figures_under_both_runs_pass(self):
+        self.assertEqual(wheel_reports.problems(self.reports()), [])
+
+    def test_each_sign_of_another_allocator_is_named(self):
+        cases = {
+            "python -m cuvmm_torch: allocator backend 'native'": {"cuvmm": dict(train_report("cuvmm"), backend="native")},
+            "python -m cuvmm_torch: 2 of 3 segments expandable": {"cuvmm": train_report("cuvmm", expandable_segments=2)},
+            "torchrun -m cuvmm_torch: no report": {"torchrun": None},
+            "torchrun -m cuvmm_torch: a loss is not finite": {"torchrun": train_report("cuvmm", rank="0",
+                                                                                      losses_finite=False)},
+            "python -m cuvmm_torch: 0 of 0 segments expandable": {"cuvmm": train_report("cuvmm", segments=0,
+                                                                                         expandable_segments=0)},
+            "PyTorch's own allocator: backend 'cuvmm'": {"native": train_report("cuvmm")},
+        }
+        for expected, changes in cases.items():
+            self.assertEqual(wheel_reports.problems(self.reports(**changes)), [expected])
+        empty = train_report("cuvmm", memory_stats={"allocated_bytes.all.current": 0, "allocated_bytes.all.peak": 0,
+                                                    "reserved_bytes.all.peak": 0})
+        (problem,) = wheel_reports.problems(self.reports(cuvmm=empty))
+        self.assertTrue(problem.startswith("python -m cuvmm_torch: memory_stats"), problem)
+
+    def test_it_reads_the_files_and_sets_the_status(self):
+        with tempfile.TemporaryDirectory() as out:
+            for name, report in self.reports().items():
+                with open(os.path.join(out, f"wheel-{name}.json"), "w") as file:
+                    json.dump(report, file)
+            with redirect_stdout(io.StringIO()) as printed:
+                self.assertEqual(wheel_reports.main(out), 0)
+            self.assertIn("cuvmm: backend cuvmm, peak allocated 838860800", printed.getvalue())
+            os.remove(os.path.join(out, "wheel-torchrun.json"))
+            with redirect_stdout(io.StringIO()) as printed:
+                self.assertEqual(wheel_reports.main(out), 1)
+            self.assertTrue(printed.getvalue().strip().endswith("torchrun -m cuvmm_torch: no report"))
+
+
+class CliCheckReadme(unittest.TestCase):
+    """tools/cli_check.py finds in the README what it checks a cuvmm binary against."""
+
+    @classmethod
+    def setUpClass(cls):
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as file:
+            cls.text = file.read()
+
+    def test_the_capacity_and_frontier_examples(self):
+        examples = {" ".join(args): lines for args, lines in cli_check.readme_examples(self.text)}
+        self.assertIn("capacity --workload moe", examples)
+        self.assertTrue(any(args.startswith("frontier --workload moe") for args in examples), examples)
+        self.assertTrue(examples["capacity --workload moe"][0].startswith("trace  allocator"))
+        self.assertEqual(len(examples["capacity --workload moe"]), 4, "the header and one line per allocator")
+
+    def test_a_traces_rows_of_the_results_table(self):
+        rows = cli_check.readme_table_rows(self.text, "bert_large_inference.pickle")
+        self.assertEqual(sorted(rows), ["classic", "cuvmm", "pytorch-expandable"])
+        min_capacity, reserved, calls = rows["cuvmm"]
+        self.assertRegex(min_capacity, r"^\d+\.\d\d GiB \(\d\.\d{3}\)$")
+        self.assertRegex(reserved, r"^\d+\.\d\d GiB$")
+        self.assertTrue(calls.isdigit(), calls)
+        self.assertEqual(cli_check.readme_table_rows(self.text, "no_such_trace.pickle"), {})
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ pub use strategy::config::{Config, ConfigError};
 pub use strategy::error::{Error, InvariantViolation, OutOfMemory};
 pub use strategy::graph_pool::{GraphPool, PoolBlock, StreamFilter};
 pub use strategy::stats::{Stat, Stats};
-pub use strategy::{config, error, graph_pool, history, oom, pool, sharing, snapshot, stats};
+pub use strategy::{config, error, graph_pool, history, oom, pool, sharing, snapshot, stats, tags};
 
 /// The README's examples, compiled and run as doctests so they stay true.
 #[cfg(doctest)]

@@ -9,6 +9,7 @@ use cuvmm::driver::after_effect::AfterEffect;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{DriverError, Op, VaRange};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::StreamUses;
 use cuvmm::{Config, Error, Strategy, StreamId};
 
 const PAGE: u64 = 1 << 16;

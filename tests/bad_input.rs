@@ -3,6 +3,7 @@
 mod common;
 
 use cuvmm::history::TraceAction;
+use cuvmm::strategy::Snapshots;
 use cuvmm::{Error, Strategy, StreamId};
 
 const PAGE: u64 = 1 << 16;

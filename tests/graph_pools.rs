@@ -15,6 +15,7 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{CaptureMode, VaRange};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::{GraphPools, Peers, Snapshots, StreamUses};
 use cuvmm::{Allocator, Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

@@ -316,7 +316,7 @@ fn raw_frees_through_the_caches_are_reused_only_on_their_stream_and_never_after_
     assert!(runs > 1, "loom explored only {runs} interleaving");
 }
 
-/// A sleep keeping its tag's bytes copies them without the strategy's lock, in phases (`facade/sleep.rs`),
+/// A sleep keeping its tag's bytes copies them without the strategy's lock, in phases (`facade/tags.rs`),
 /// then a wake copies them back: another thread allocating untagged and under the tag meanwhile never
 /// deadlocks, is refused under the tag exactly while it sleeps or is copied (`TagAsleep`), and never gets
 /// memory the tag's copies read; the tag's bytes come back whole.

@@ -7,6 +7,7 @@ mod common;
 
 use cuvmm::driver::sim::SimDriver;
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::{GraphPools, Snapshots, StreamUses};
 use cuvmm::{
     Allocator, Config, Error, GraphPool, PoolBlock, Strategy as _, StreamFilter, StreamId,
 };

@@ -6,6 +6,7 @@
 mod common;
 
 use common::{holds_pattern, write_pattern};
+use cuvmm::strategy::Sharing;
 
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};

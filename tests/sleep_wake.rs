@@ -18,6 +18,7 @@
 mod common;
 
 use common::{holds_pattern, write_pattern};
+use cuvmm::strategy::{GraphPools, StreamUses};
 #[path = "sleep_wake/model.rs"]
 mod model;
 

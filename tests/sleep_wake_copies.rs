@@ -19,6 +19,7 @@ use cuvmm::driver::{
     CaptureMode, CopyDirection, CopyPlan, Driver as _, DriverError, HostCopy, Op, VaRange,
 };
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::GraphPools;
 use cuvmm::{Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
 
 const PAGE: u64 = 4096;
@@ -90,7 +91,7 @@ fn bytes_stay_intact_over_cycles_and_the_second_sleep_pins_nothing() {
         );
         a.check_invariants().unwrap();
     }
-    let kept = a.tags();
+    let kept = a.tag_infos();
     assert_eq!(kept.len(), 1);
     assert_eq!((kept[0].state, kept[0].bytes_kept), ("awake", false));
     assert_eq!(
@@ -214,7 +215,7 @@ fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
             a.alloc_tagged(PAGE, s, "weights"),
             Err(Error::TagAsleep { .. })
         ));
-        assert!(a.tags()[0].bytes_kept, "{case}: its bytes kept");
+        assert!(a.tag_infos()[0].bytes_kept, "{case}: its bytes kept");
         a.driver_mut().clear();
         a.driver_mut().inner_mut().clear_faults();
     }

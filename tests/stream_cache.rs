@@ -1,4 +1,4 @@
-//! The facade's stream caches (`src/facade/stream_cache.rs`, docs/DESIGN.md "Locking"). With caches that wait
+//! The facade's stream caches (`src/facade/stream_cache.rs`, docs/library.md "Locking"). With caches that wait
 //! for contention (`stream_cache_eager:False`, the PyTorch backend's default, what most tests here use), a
 //! program that never contends sees exactly the strategy; once a thread finds the strategy's lock taken,
 //! freed buffers are kept back in the freeing thread's shard and reused on their stream without the lock.

@@ -8,6 +8,7 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{Op, VaRange};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::StreamUses;
 use cuvmm::{Allocator, Config, Error, Strategy, StreamId};
 
 const PAGE: u64 = 1 << 16;

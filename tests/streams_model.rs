@@ -25,6 +25,7 @@ mod common;
 
 use common::memory::{Piece, handle_settings, physical, shares_memory};
 use cuvmm::driver::VaRange;
+use cuvmm::strategy::StreamUses;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};

@@ -62,7 +62,7 @@ fn check_found(trace: &Trace, result: &CapacityResult, options: &CapacityOptions
 /// cuvmm's capacity on `trace` is verified and within 1% of the lower bound with single-page handles
 /// (`large_handle_mb:2`), and within 3% with the default 20 MiB large-pool handles, whose idle pages a live
 /// block strands: the simulator, like CUDA, maps no part of a handle, so they cannot be lent
-/// (`docs/DESIGN.md`, "Handle size").
+/// (`docs/allocator.md`, "Handle size").
 fn check_cuvmm_within_its_bounds(trace: &Trace) {
     check_cuvmm_within(trace, "", 1030);
     check_cuvmm_within(trace, "large_handle_mb:2", 1010);

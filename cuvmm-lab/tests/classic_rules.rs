@@ -6,6 +6,7 @@ use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
 use cuvmm::history::TraceAction;
 use cuvmm::size::{GIB, MIB};
+use cuvmm::strategy::Snapshots;
 use cuvmm::{Error, Strategy};
 use cuvmm_lab::pytorch_model::{SegmentAction, SegmentEvent, Split};
 

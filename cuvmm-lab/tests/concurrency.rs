@@ -14,7 +14,7 @@
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Op, StreamId, VaRange};
 use cuvmm::expandable::Expandable;
-use cuvmm::{Allocator, Config, DeviceBuffer, Strategy};
+use cuvmm::{Allocator, Config, DeviceBuffer, Error, Strategy};
 use cuvmm_lab::pytorch_model::Split;
 
 const KIB: u64 = 1 << 10;
@@ -29,6 +29,10 @@ const FULL_PATTERN: u64 = 64 * KIB;
 trait OnSim: Strategy + Send + 'static {
     fn sim(&self) -> &SimDriver;
     fn sim_mut(&mut self) -> &mut SimDriver;
+    /// `buffer.record_stream(stream)`, for a strategy that tracks streams.
+    fn record_use(buffer: &DeviceBuffer<Self>, stream: StreamId) -> Result<(), Error>
+    where
+        Self: Sized;
 }
 
 impl OnSim for Expandable<SimDriver> {
@@ -38,6 +42,9 @@ impl OnSim for Expandable<SimDriver> {
     fn sim_mut(&mut self) -> &mut SimDriver {
         self.driver_mut()
     }
+    fn record_use(buffer: &DeviceBuffer<Self>, stream: StreamId) -> Result<(), Error> {
+        buffer.record_stream(stream)
+    }
 }
 
 impl OnSim for Split<SimDriver> {
@@ -46,6 +53,12 @@ impl OnSim for Split<SimDriver> {
     }
     fn sim_mut(&mut self) -> &mut SimDriver {
         self.driver_mut()
+    }
+    fn record_use(_: &DeviceBuffer<Self>, _: StreamId) -> Result<(), Error> {
+        Err(Error::Unsupported {
+            what: "record_stream",
+            allocator: "pytorch model",
+        })
     }
 }
 
@@ -164,7 +177,7 @@ fn worker<S: OnSim>(alloc: Allocator<S>, thread: u64, plan: Plan) -> u64 {
                 // Work on another stream uses one of our buffers: record it, then queue the kernel.
                 let (buffer, _) = &held[rng.below(held.len() as u64) as usize];
                 let other = StreamId((own.0 + 1 + rng.below(STREAMS - 1)) % STREAMS);
-                buffer.record_stream(other).expect("record_stream");
+                S::record_use(buffer, other).expect("record_stream");
                 let range = VaRange::new(buffer.ptr(), buffer.len());
                 alloc.with_strategy(|s| s.sim_mut().launch(other, &[range]).expect("launch"));
             }

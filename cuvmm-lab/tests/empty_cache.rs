@@ -318,11 +318,14 @@ fn every_empty_cache_of_a_workload_is_found_in_the_models_snapshot() {
     assert!(made >= 10, "{made}");
     for allocator in ["classic", "pytorch-expandable"] {
         let mut strategy = allocators::build(allocator, 80 << 30, 2 << 20).unwrap();
-        strategy.record_history(Some(usize::MAX)).unwrap();
+        (strategy.snapshots().unwrap())
+            .record_history(Some(usize::MAX))
+            .unwrap();
         let result = replay(strategy.as_mut(), &source, &ReplayOptions::default()).unwrap();
         assert_eq!(result.ooms, 0);
         let path = write(&format!("{allocator}.pickle"), &V::None);
-        writer::write_file(&path, &strategy.snapshot().unwrap()).unwrap();
+        let snapshot = strategy.snapshots().unwrap().snapshot().unwrap();
+        writer::write_file(&path, &snapshot).unwrap();
         let trace = pytorch::load(&path, None).unwrap();
         assert_eq!(trace.expandable, allocator == "pytorch-expandable");
         assert_eq!(empty_caches(&trace.ops), made, "{allocator}");

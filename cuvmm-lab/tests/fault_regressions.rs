@@ -7,6 +7,7 @@ use cuvmm::config::Config;
 use cuvmm::driver::Op;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::DeviceBytes;
 use cuvmm::{Error, Strategy, StreamId};
 use cuvmm_lab::pytorch_model::{SegmentAction, Split};
 

@@ -7,7 +7,7 @@ use cuvmm::error::{Error, OutOfMemory, ReclaimStep, Suggestion};
 use cuvmm::history::TraceAction;
 use cuvmm::size::{GIB, MIB};
 use cuvmm::snapshot::{BlockState, MemorySnapshot};
-use cuvmm::strategy::Strategy;
+use cuvmm::strategy::{Snapshots, Strategy};
 use cuvmm::{Allocator, Config};
 use cuvmm_lab::replay::allocators::{self, ALLOCATORS};
 use cuvmm_lab::replay::peak::{find_peak, replay_capturing};
@@ -63,11 +63,15 @@ fn opcodes(bytes: &[u8], allowed: &[u8]) -> Result<Vec<u8>, String> {
 
 fn replayed_with_history(name: &str, max_entries: usize) -> (Box<dyn Strategy>, MemorySnapshot) {
     let mut strategy = allocators::build(name, 80 * GIB, 2 * MIB).unwrap();
-    strategy.record_history(Some(max_entries)).unwrap();
+    (strategy
+        .snapshots()
+        .expect("every built-in allocator has snapshots"))
+    .record_history(Some(max_entries))
+    .unwrap();
     let result = replay(strategy.as_mut(), &moe(), &ReplayOptions::default()).unwrap();
     assert_eq!(result.ooms, 0);
     strategy.check_invariants().unwrap();
-    let snapshot = strategy.snapshot().unwrap();
+    let snapshot = strategy.snapshots().unwrap().snapshot().unwrap();
     (strategy, snapshot)
 }
 
@@ -125,7 +129,7 @@ fn the_history_is_a_ring_buffer_and_off_by_default() {
 
     let mut strategy = allocators::build("classic", 80 * GIB, 2 * MIB).unwrap();
     replay(strategy.as_mut(), &moe(), &ReplayOptions::default()).unwrap();
-    let snap = strategy.snapshot().unwrap();
+    let snap = strategy.snapshots().unwrap().snapshot().unwrap();
     assert!(snap.device_traces.iter().all(Vec::is_empty));
     assert!(!snap.segments.is_empty());
 }

@@ -3,7 +3,7 @@
 // PyTorch's types into the C ABI's and cuvmm's failures into PyTorch's exceptions.
 //
 // Built against the user's PyTorch by python/cuvmm_torch/ (torch.utils.cpp_extension.load); see
-// docs/DESIGN.md, "The C++ layer". The library is opened with dlopen and its functions looked up by name,
+// docs/pytorch.md, "The C++ layer". The library is opened with dlopen and its functions looked up by name,
 // so a library older than this file fails at install with the names it lacks, and the same library
 // (one registry of allocators) serves this layer and cuvmm_torch's ctypes calls.
 //

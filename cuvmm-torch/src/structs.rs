@@ -194,7 +194,7 @@ pub const BLOCK_ACTIVE_PENDING_FREE: c_int = 2;
 /// first_block + num_blocks]` of the snapshot.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct CSegment {
+pub struct CSegmentInfo {
     /// Start address.
     pub address: u64,
     /// Bytes.
@@ -224,7 +224,7 @@ pub struct CSegment {
 /// `cuvmm_block_info`: one block of a segment.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CBlock {
+pub struct CBlockInfo {
     /// Start address.
     pub address: u64,
     /// Bytes.
@@ -255,11 +255,11 @@ pub struct CTraceEntry {
 #[derive(Debug)]
 pub struct CSnapshot {
     /// The segments, in address order.
-    pub segments: *const CSegment,
+    pub segments: *const CSegmentInfo,
     /// Their number.
     pub num_segments: usize,
     /// Every segment's blocks, one segment after the other.
-    pub blocks: *const CBlock,
+    pub blocks: *const CBlockInfo,
     /// Their number.
     pub num_blocks: usize,
     /// The recorded events of the device, oldest first (none while recording is off).
@@ -274,8 +274,8 @@ pub struct CSnapshot {
 #[derive(Debug)]
 pub struct OwnedSnapshot {
     view: CSnapshot,
-    segments: Box<[CSegment]>,
-    blocks: Box<[CBlock]>,
+    segments: Box<[CSegmentInfo]>,
+    blocks: Box<[CBlockInfo]>,
     traces: Box<[CTraceEntry]>,
 }
 
@@ -286,7 +286,7 @@ impl OwnedSnapshot {
         let mut segments = Vec::with_capacity(snapshot.segments.len());
         let mut blocks = Vec::new();
         for seg in &snapshot.segments {
-            segments.push(CSegment {
+            segments.push(CSegmentInfo {
                 address: seg.address,
                 total_size: seg.total_size,
                 allocated_size: seg.allocated_size(),
@@ -300,7 +300,7 @@ impl OwnedSnapshot {
                 first_block: blocks.len(),
                 num_blocks: seg.blocks.len(),
             });
-            blocks.extend(seg.blocks.iter().map(|b| CBlock {
+            blocks.extend(seg.blocks.iter().map(|b| CBlockInfo {
                 address: b.address,
                 size: b.size,
                 requested_size: b.requested_size,
@@ -341,12 +341,12 @@ impl OwnedSnapshot {
     }
 
     /// The segments.
-    pub fn segments(&self) -> &[CSegment] {
+    pub fn segments(&self) -> &[CSegmentInfo] {
         &self.segments
     }
 
     /// The blocks.
-    pub fn blocks(&self) -> &[CBlock] {
+    pub fn blocks(&self) -> &[CBlockInfo] {
         &self.blocks
     }
 

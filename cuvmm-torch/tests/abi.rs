@@ -20,7 +20,9 @@ mod sharing;
 mod stats_and_snapshots;
 
 use cuvmm_torch::registry::{Backend, Registry, Settings, global};
-use cuvmm_torch::structs::{CBlock, CDeviceStats, COomInfo, CSegment, CSnapshot, CTraceEntry};
+use cuvmm_torch::structs::{
+    CBlockInfo, CDeviceStats, COomInfo, CSegmentInfo, CSnapshot, CTraceEntry,
+};
 use cuvmm_torch::{AbiError, last_error};
 use std::ffi::{CStr, CString, c_void};
 use std::ptr;

@@ -1,6 +1,7 @@
 """cuvmm as PyTorch's CUDA allocator, and cuvmm's statistics from Python.
 
-One line, before the first CUDA allocation::
+No line at all: ``python -m cuvmm_torch SCRIPT.py ARGS...`` (see ``__main__.py``; ``CUVMM_TORCH_AUTOINSTALL=1``
+for programs started otherwise, see ``autoinstall.py``), or one line, before the first CUDA allocation::
 
     import cuvmm_torch
     cuvmm_torch.install()
@@ -35,7 +36,9 @@ import glob
 import importlib
 import json
 import os
+import shutil
 import sys
+import sysconfig
 import threading
 import warnings
 
@@ -46,6 +49,7 @@ __all__ = [
     "install",
     "active_layer",
     "build_extension",
+    "ninja_on_path",
     "cuda_runtime",
     "build_dir",
     "csrc_dir",
@@ -219,15 +223,41 @@ def cuda_runtime(maps=None, cuda_home=None):
     )
 
 
+def ninja_on_path(environ=None):
+    """Makes sure ``ninja``, which ``torch.utils.cpp_extension`` runs by name, is on ``PATH``: where it is
+    not, the directory of the one the ``ninja`` package installed (a dependency of this package's wheel,
+    in the environment's ``bin/``, which is on ``PATH`` only when the environment is activated) is added at
+    its end. Returns the ninja found, or None."""
+    environ = os.environ if environ is None else environ
+    found = shutil.which("ninja", path=environ.get("PATH"))
+    if found:
+        return found
+    directories = [sysconfig.get_path("scripts")]
+    try:
+        import ninja  # noqa: PLC0415 (the pip package; optional)
+
+        directories.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    for directory in directories:
+        found = shutil.which("ninja", path=directory)
+        if found:
+            path = environ.get("PATH")
+            environ["PATH"] = f"{path}{os.pathsep}{directory}" if path else directory
+            return found
+    return None
+
+
 def build_extension(torch=None, verbose=False):
     """Builds (or finds cached) the C++ layer against the installed PyTorch and imports it.
 
-    Built as a C++ extension (``torch.utils.cpp_extension``, which needs ``ninja``) linked to PyTorch's CUDA
-    libraries and the runtime :func:`cuda_runtime` finds; the layer has no CUDA kernels, so no ``nvcc`` and no
-    GPU are needed to build it."""
+    Built as a C++ extension (``torch.utils.cpp_extension``, which needs ``ninja``: see :func:`ninja_on_path`)
+    linked to PyTorch's CUDA libraries and the runtime :func:`cuda_runtime` finds; the layer has no CUDA
+    kernels, so no ``nvcc`` and no GPU are needed to build it."""
     if torch is None:
         import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
     cpp_extension = importlib.import_module("torch.utils.cpp_extension")
+    ninja_on_path()
     sources_dir = csrc_dir()
     cuda_includes, cudart = cuda_runtime(cuda_home=cpp_extension.CUDA_HOME)
     directory = build_dir(torch.__version__)
@@ -326,12 +356,17 @@ def _stream_handle(stream):
 def install(path=None, cpp=None):
     """Makes cuvmm PyTorch's CUDA allocator. Call it before the first CUDA allocation (PyTorch refuses to
     swap an allocator that has been used). Returns the layer now in place: ``"cpp"`` or ``"ctypes"``.
+    Installed already (by ``python -m cuvmm_torch``, ``CUVMM_TORCH_AUTOINSTALL=1`` or an earlier call), it
+    returns the layer in place and changes nothing.
 
     ``cpp``: True requires the C++ layer, False takes the ctypes path, None (the default, or
     ``CUVMM_TORCH_CPP``) tries the C++ layer and falls back with a warning."""
     global _layer
     import torch  # noqa: PLC0415 (the rest of this module works without PyTorch)
 
+    # After the import: with CUVMM_TORCH_AUTOINSTALL=1, importing torch may have installed cuvmm.
+    if _layer is not None:
+        return _layer
     library = library_path(path)
     load(library)
     if cpp is None:

@@ -68,7 +68,7 @@ impl From<PhysHandle> for PhysPage {
 /// (`driver::cuda::CudaDriver`) it is the caller's raw `CUstream` value, made with
 /// [`from_cuda`](StreamId::from_cuda) from a cudarc stream or [`from_raw`](StreamId::from_raw) from a
 /// `CUstream` / `cudaStream_t` handed over by C, and cuvmm records its events on that very stream and
-/// synchronizes it. See docs/DESIGN.md, "Streams and contexts".
+/// synchronizes it. See docs/driver.md, "Streams and contexts".
 ///
 /// # How long a stream must live
 /// A call naming a destroyed stream is undefined behaviour on a GPU (a crash in the driver), so a stream

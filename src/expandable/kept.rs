@@ -8,15 +8,13 @@
 //! - **Layout.** The tag's live blocks, in address order, with adjacent blocks merged into runs, lie end to
 //!   end in the pieces; a copy is a part of a run inside one piece. The layout is a function of the blocks,
 //!   which do not change while the tag sleeps, so the wake finds each byte where the sleep put it.
-//! - **The copies run without the allocator's lock** ([`TagCopy`]): the pieces go with them and come back.
+//! - **The copies run without the allocator's lock** ([`TagCopy`](crate::strategy::tags::TagCopy)): the
+//!   pieces go with them and come back.
 
 #![deny(unsafe_code)]
 
-use super::segment::TagId;
 use crate::base::size::round_up;
-use crate::driver::{
-    CopyDirection, CopyJob, CopyOutcome, CopyPlan, DriverError, HostCopy, HostMemory,
-};
+use crate::driver::{CopyDirection, CopyPlan, DriverError, HostCopy, HostMemory};
 
 /// The last piece is the rest of the bytes rounded up to this (4 KiB pages, 16 at a time).
 pub(super) const HOST_ROUND: u64 = 64 << 10;
@@ -174,70 +172,6 @@ pub(super) fn plan(
         copies: copies(blocks, piece),
     };
     Ok((plan, pieces))
-}
-
-/// A sleep's or a wake's copies, run without the allocator's lock: made by `begin_sleep` / `begin_wake`
-/// under it, [`run`](Self::run) by the caller, and handed back to `finish_sleep` / `finish_wake` under it.
-/// Until then the tag is *busy*: a sleep or wake of it is [`Error::TagBusy`](crate::Error::TagBusy), an
-/// allocation under it or a free of its memory [`Error::TagAsleep`](crate::Error::TagAsleep), and its pages
-/// are neither unmapped nor taken by compaction.
-#[derive(Debug)]
-pub struct TagCopy {
-    pub(super) tag: TagId,
-    name: String,
-    job: Option<CopyJob>,
-    pieces: Vec<Option<HostMemory>>,
-    result: Option<Result<(), DriverError>>,
-    bytes: u64,
-}
-
-impl TagCopy {
-    /// The copies of `job` for tag `tag`, with `pieces`.
-    pub(super) fn new(
-        tag: TagId,
-        name: &str,
-        job: CopyJob,
-        pieces: Vec<Option<HostMemory>>,
-    ) -> Self {
-        Self {
-            tag,
-            name: name.to_owned(),
-            bytes: job.plan().bytes(),
-            job: Some(job),
-            pieces,
-            result: None,
-        }
-    }
-
-    /// The tag's name.
-    pub fn tag(&self) -> &str {
-        &self.name
-    }
-
-    /// Bytes the copies move.
-    pub fn moved_bytes(&self) -> u64 {
-        self.bytes
-    }
-
-    /// Runs the copies (once; no lock needed): returns once none runs.
-    pub fn run(&mut self) {
-        if let Some(job) = self.job.take() {
-            let CopyOutcome { pieces, result } = job.run(std::mem::take(&mut self.pieces));
-            self.pieces = pieces;
-            self.result = Some(result);
-        }
-    }
-
-    /// The pieces that came back and the outcome (an error if the copies were never run).
-    pub(super) fn into_outcome(mut self) -> (TagId, Vec<HostMemory>, Result<(), DriverError>) {
-        let result = self.result.take().unwrap_or(Err(DriverError::CopyPlan {
-            reason: "the copies were not run",
-        }));
-        // A job dropped unrun ends its guard on the device ranges.
-        drop(self.job.take());
-        let pieces = std::mem::take(&mut self.pieces).into_iter().flatten();
-        (self.tag, pieces.collect(), result)
-    }
 }
 
 #[cfg(test)]

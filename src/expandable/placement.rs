@@ -113,7 +113,7 @@ impl<D: Driver> Expandable<D> {
     /// event recorded on it now has completed, so nothing still queued there can touch the block (the RMM
     /// rule). The smallest such block among each segment's best fits; streams still busy are skipped. The
     /// unmapped frontier of a reservation is never borrowed: growing into another stream's segment would
-    /// interleave the streams' blocks there (see `docs/DESIGN.md`).
+    /// interleave the streams' blocks there (see `docs/allocator.md`, "Streams").
     fn borrow_block(
         &mut self,
         size: u64,

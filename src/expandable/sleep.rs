@@ -21,7 +21,7 @@
 //! explicit sleep of its tag, and the program must not replay the graph while the tag sleeps), puts back
 //! the kept bytes, and marks the tag awake. Both are idempotent.
 //!
-//! Failures (docs/DESIGN.md, "Failures with side effects"): a failure before step 3 changes nothing (a
+//! Failures (docs/allocator.md, "Failures with side effects"): a failure before step 3 changes nothing (a
 //! failed copy, host allocation, event or wait leaves the tag awake with its bytes on the device, and the
 //! host memory it had). A sleep that fails while unmapping leaves the tag *sleeping* with some pages still
 //! mapped: a second sleep unmaps the rest, a wake maps the missing ones. A wake that fails (out of memory, a
@@ -32,22 +32,12 @@
 
 use super::Expandable;
 use super::compacting::{Compacting, Wait};
-use super::kept::{self, TagCopy};
+use super::kept;
 use super::segment::TagId;
-use super::tags::TagInfo;
 use crate::driver::{CopyDirection, Driver, PhysPage, StreamId};
 use crate::strategy::error::Error;
+use crate::strategy::tags::{Begun, TagCopy, TagInfo};
 use std::ops::Range;
-
-/// A sleep or a wake begun under the allocator's lock: done already, or copies to run without it and hand
-/// back (`finish_sleep`, `finish_wake`).
-#[derive(Debug)]
-pub(crate) enum Begun<T> {
-    /// Nothing to copy: this is the result.
-    Done(T),
-    /// Copies to [`run`](TagCopy::run).
-    Copy(Box<TagCopy>),
-}
 
 impl<D: Driver> Expandable<D> {
     /// Allocates `size` bytes on `stream` under the tag `tag`: in segments of that tag only, so that
@@ -97,7 +87,7 @@ impl<D: Driver> Expandable<D> {
     /// The first part of [`sleep`](Self::sleep), under the caller's lock: the waits, and for a sleep that
     /// keeps bytes the copies to run ([`TagCopy::run`], without the lock) and hand to
     /// [`finish_sleep`](Self::finish_sleep); else the whole sleep.
-    pub(crate) fn begin_sleep(&mut self, tag: &str, keep: bool) -> Result<Begun<u64>, Error> {
+    pub fn begin_sleep(&mut self, tag: &str, keep: bool) -> Result<Begun<u64>, Error> {
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway { operation: "sleep" });
         }
@@ -139,8 +129,9 @@ impl<D: Driver> Expandable<D> {
     /// The last part of a sleep that kept bytes, under the caller's lock: with the copies done, unmaps the
     /// tag's pages (as [`sleep`](Self::sleep)); with a copy failed, the tag is awake again, its bytes on the
     /// device, and the error is returned.
-    pub(crate) fn finish_sleep(&mut self, copy: TagCopy) -> Result<u64, Error> {
+    pub fn finish_sleep(&mut self, copy: TagCopy) -> Result<u64, Error> {
         let (id, pieces, result) = copy.into_outcome();
+        let id = TagId(id);
         if let Err(err) = result {
             self.tags.sleep_failed(id, pieces);
             tracing::warn!(tag = self.tags.name(id), %err, "cuvmm: a sleep's copies failed; the tag stays awake");
@@ -154,7 +145,7 @@ impl<D: Driver> Expandable<D> {
     /// The first part of [`wake`](Self::wake), under the caller's lock: maps the tag's pages, and returns
     /// the copies of its kept bytes to run ([`TagCopy::run`], without the lock) and hand to
     /// [`finish_wake`](Self::finish_wake); else the whole wake.
-    pub(crate) fn begin_wake(&mut self, tag: &str) -> Result<Begun<()>, Error> {
+    pub fn begin_wake(&mut self, tag: &str) -> Result<Begun<()>, Error> {
         let Some(id) = self.tags.find(tag) else {
             return Ok(Begun::Done(()));
         };
@@ -185,8 +176,9 @@ impl<D: Driver> Expandable<D> {
     /// The last part of a wake that puts bytes back, under the caller's lock: with the copies done the tag
     /// is awake; with a copy failed it stays sleeping, its pages mapped and its bytes kept, for a second
     /// wake.
-    pub(crate) fn finish_wake(&mut self, copy: TagCopy) -> Result<(), Error> {
+    pub fn finish_wake(&mut self, copy: TagCopy) -> Result<(), Error> {
         let (id, pieces, result) = copy.into_outcome();
+        let id = TagId(id);
         if let Err(err) = result {
             self.tags.wake_failed(id, pieces);
             tracing::warn!(tag = self.tags.name(id), %err, "cuvmm: a wake's copies failed; the tag stays asleep");
@@ -221,7 +213,7 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Every tag named so far: its state, live bytes, the bytes its wake would map and its host memory.
-    pub fn tags(&self) -> Vec<TagInfo> {
+    pub fn tag_infos(&self) -> Vec<TagInfo> {
         (self.tags.ids())
             .map(|id| self.tags.info(id, &self.segments, self.page_size))
             .collect()
@@ -247,7 +239,7 @@ impl<D: Driver> Expandable<D> {
         match self.driver.start_copies(plan) {
             Ok(job) => {
                 self.tags.host_lent_bytes(id, bytes);
-                Ok(TagCopy::new(id, self.tags.name(id), job, pieces))
+                Ok(TagCopy::new(id.0, self.tags.name(id), job, pieces))
             }
             Err(err) => {
                 self.tags

@@ -9,6 +9,7 @@ use super::segment::TagId;
 use super::segments::Segments;
 use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
+use crate::strategy::tags::TagInfo;
 use std::collections::HashSet;
 
 /// Where a tag is between sleep and wake.
@@ -16,7 +17,7 @@ use std::collections::HashSet;
 enum State {
     /// Its pages are mapped under its live blocks; it allocates and frees like any memory.
     Awake,
-    /// A sleep or a wake is copying its bytes without the allocator's lock (`kept.rs`, `TagCopy`): treated
+    /// A sleep or a wake is copying its bytes without the allocator's lock (a `TagCopy`, `kept.rs`): treated
     /// as asleep, and another sleep or wake of it is refused as busy.
     Copying,
     /// A sleep or a wake failed half way: some pages may be mapped. Treated as asleep.
@@ -40,24 +41,6 @@ struct Tag {
     wake: Vec<(u64, u64)>,
     /// Its host memory: the bytes a sleep kept, or buffers kept for the next sleep.
     kept: Kept,
-}
-
-/// A tag as [`Tags::info`] reports it.
-#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct TagInfo {
-    /// The tag's name.
-    pub name: String,
-    /// `awake`, `asleep`, `sleeping` (a sleep or wake failed half way) or `copying` (a sleep or wake is
-    /// copying its bytes now).
-    pub state: &'static str,
-    /// Bytes of its live allocations (rounded as the allocator rounds them).
-    pub live_bytes: u64,
-    /// Bytes of pages its wake would map now.
-    pub asleep_bytes: u64,
-    /// Whether its host memory holds its bytes (it sleeps with them kept).
-    pub bytes_kept: bool,
-    /// Bytes of host memory it holds (its kept bytes, or buffers kept for its next sleep).
-    pub host_kept_bytes: u64,
 }
 
 /// Every tag named so far (a program names a handful).

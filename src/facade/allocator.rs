@@ -6,7 +6,7 @@
 //! bookkeeping, plus driver calls on the cold paths (growth, compaction, release). In front of it, per-thread
 //! stream caches (`facade/stream_cache.rs`) keep freed buffers back for their stream (from the start, or once
 //! threads have contended for that lock), so that steady-state reuse on a stream takes no lock another thread
-//! holds and never waits for another stream's driver calls (docs/DESIGN.md, "Locking").
+//! holds and never waits for another stream's driver calls (docs/library.md, "Locking").
 
 use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
 use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
@@ -15,6 +15,7 @@ use crate::facade::raw_book::{RawBlock, RawBook};
 use crate::facade::stream_cache::{Put, StreamCaches};
 use crate::facade::thread_handles::ThreadHandles;
 use crate::strategy::Strategy;
+use crate::strategy::capabilities::{Controls, GraphPools, Peers, Snapshots, StreamUses};
 use crate::strategy::config::Config;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
@@ -188,7 +189,7 @@ impl<S: Strategy> Allocator<S> {
     /// address), so that its free is served by the caches as a [`DeviceBuffer`](crate::DeviceBuffer)'s drop
     /// is.
     pub fn alloc_raw(&self, size: u64, stream: StreamId) -> Result<u64, Error> {
-        let (ptr, in_capture) = self.allocate(size, stream, None)?;
+        let (ptr, in_capture) = self.allocate(size, stream, true, |s| s.alloc(size, stream))?;
         let shared = &*self.shared;
         // Memory allocated during a capture may be a graph pool's: never entered, so never cached.
         if !in_capture && shared.caches.cacheable(size) && shared.caches.is_on() {
@@ -200,28 +201,19 @@ impl<S: Strategy> Allocator<S> {
         Ok(ptr)
     }
 
-    /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
-    /// [`free_raw`](Allocator::free_raw).
-    pub fn alloc_tagged_raw(&self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
-        self.allocate(size, stream, Some(tag)).map(|(ptr, _)| ptr)
-    }
-
-    /// The tags asleep and the bytes each gave back, by name.
-    pub fn asleep_tags(&self) -> Vec<(String, u64)> {
-        self.shared.strategy.lock().asleep_tags()
-    }
-
-    /// Allocates `size` bytes on `stream`, under `tag` if given; says whether a capture was underway, in
-    /// which case the memory may be a graph pool's and must never enter a stream cache. Tagged memory never
-    /// comes from (nor goes to) a stream cache.
+    /// Allocates `size` bytes on `stream` (`strategy_alloc` asks the strategy, if a stream cache cannot
+    /// serve it); says whether a capture was underway, in which case the memory may be a graph pool's and
+    /// must never enter a stream cache. `cached`: whether a stream cache may serve it at all (tagged memory
+    /// never comes from, nor goes to, one).
     pub(super) fn allocate(
         &self,
         size: u64,
         stream: StreamId,
-        tag: Option<&str>,
+        cached: bool,
+        strategy_alloc: impl Fn(&mut S) -> Result<u64, Error>,
     ) -> Result<(u64, bool), Error> {
         let shared = &*self.shared;
-        let cacheable = shared.caches.cacheable(size) && tag.is_none();
+        let cacheable = shared.caches.cacheable(size) && cached;
         let capturing = shared.capturing.load(Ordering::Acquire) > 0;
         // The capture query (a driver call on CUDA) only when the thread's cache could serve the request.
         if cacheable && !capturing && shared.caches.may_hold() && !self.unannounced_capture(stream)
@@ -230,12 +222,8 @@ impl<S: Strategy> Allocator<S> {
                 return Ok((ptr, false));
             }
         }
-        let alloc = |strategy: &mut S| match tag {
-            None => strategy.alloc(size, stream),
-            Some(tag) => strategy.alloc_tagged(size, stream, tag),
-        };
         let mut strategy = self.strategy_for(cacheable);
-        let result = alloc(&mut strategy);
+        let result = strategy_alloc(&mut strategy);
         // The strategy may have found a capture it was not told of.
         let underway = strategy.captures_underway();
         shared.capturing.store(underway, Ordering::Release);
@@ -244,7 +232,7 @@ impl<S: Strategy> Allocator<S> {
         let result = match result {
             Err(Error::OutOfMemory(_)) if self.retries_after_drain() => {
                 self.drain_caches()?;
-                let retry = alloc(&mut shared.strategy.lock());
+                let retry = strategy_alloc(&mut shared.strategy.lock());
                 if retry.is_ok() {
                     shared.recovered_ooms.fetch_add(1, Ordering::Relaxed);
                 }
@@ -370,19 +358,8 @@ impl<S: Strategy> Allocator<S> {
         }
     }
 
-    /// Records that the allocation at `ptr` is also used by work queued on `stream`: once freed, its memory
-    /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream).
-    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<(), Error> {
-        let shared = &*self.shared;
-        shared.strategy.lock().record_stream(ptr, stream)?;
-        let mut recorded = shared.recorded.lock();
-        recorded.insert(ptr);
-        shared.recorded_len.store(recorded.len(), Ordering::Release);
-        Ok(())
-    }
-
     /// A snapshot of the statistics. The stream caches are drained first, so current values are exact;
-    /// peaks may include buffers that sat in a stream cache once threads had contended (docs/DESIGN.md,
+    /// peaks may include buffers that sat in a stream cache once threads had contended (docs/library.md,
     /// "Locking").
     pub fn stats(&self) -> Stats {
         self.drain_caches_deferring();
@@ -398,69 +375,13 @@ impl<S: Strategy> Allocator<S> {
     pub fn memory_summary(&self) -> String {
         let stats = self.stats();
         let strategy = self.shared.strategy.lock();
-        let asleep = strategy.asleep_tags();
+        let asleep = (strategy.tags()).map_or_else(Vec::new, |tags| tags.asleep_tags());
         crate::facade::summary::memory_summary_asleep(
             &stats,
             strategy.ordinal(),
             strategy.name(),
             &asleep,
         )
-    }
-
-    /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
-    /// (PyTorch's `torch.cuda.memory._snapshot()`); `snapshot::pickle` pickles it for PyTorch's
-    /// memory viewer.
-    pub fn snapshot(&self) -> Result<crate::strategy::snapshot::MemorySnapshot, Error> {
-        self.drain_caches()?;
-        self.shared.strategy.lock().snapshot()
-    }
-
-    /// Starts recording events for [`snapshot`](Self::snapshot), keeping the last `max_entries`, or stops
-    /// with `None` (PyTorch's `torch.cuda.memory._record_memory_history`).
-    pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), Error> {
-        self.shared.strategy.lock().record_history(max_entries)
-    }
-
-    /// From now on, allocations on the streams `filter` accepts come from the private pool `pool`, whose
-    /// memory stays where it is and is reused by nothing else while a graph uses it (PyTorch's
-    /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
-    /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
-    /// no call CUDA refuses during a capture. See [`crate::strategy::graph_pool`].
-    pub fn begin_allocate_to_pool(
-        &self,
-        pool: GraphPool,
-        filter: StreamFilter,
-    ) -> Result<(), Error> {
-        let mut strategy = self.shared.strategy.lock();
-        let result = strategy.begin_allocate_to_pool(pool, filter);
-        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
-        result
-    }
-
-    /// Allocations stop going to `pool` (after the capture ended); its memory stays the pool's until
-    /// [`release_pool`](Self::release_pool).
-    pub fn end_allocate_to_pool(&self, pool: GraphPool) -> Result<(), Error> {
-        let mut strategy = self.shared.strategy.lock();
-        let result = strategy.end_allocate_to_pool(pool);
-        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
-        result
-    }
-
-    /// A graph that used `pool` is gone (call it once per begin): once none is left, the pool's memory goes
-    /// back to common use as its blocks are freed.
-    pub fn release_pool(&self, pool: GraphPool) -> Result<(), Error> {
-        self.shared.strategy.lock().release_pool(pool)
-    }
-
-    /// One more user of `pool` without allocating to it (PyTorch's `createOrIncrefPool`, made by a
-    /// `MemPool`): it stays live until [`release_pool`](Self::release_pool) is called once more.
-    pub fn incref_pool(&self, pool: GraphPool) -> Result<(), Error> {
-        self.shared.strategy.lock().incref_pool(pool)
-    }
-
-    /// Lets device `peer` read and write every range mapped now and every one mapped later.
-    pub fn add_peer(&self, peer: usize) -> Result<(), Error> {
-        self.shared.strategy.lock().add_peer(peer)
     }
 
     /// Gives all cached memory back to the driver.
@@ -518,15 +439,92 @@ impl<S: Strategy> Allocator<S> {
     pub fn take_deferred_errors(&self) -> Vec<Error> {
         std::mem::take(&mut *self.shared.deferred.lock())
     }
+}
 
-    /// Sets every statistic's peak to its current value ([`Strategy::reset_peak_stats`]). The stream
+impl<S: Strategy + StreamUses> Allocator<S> {
+    /// Records that the allocation at `ptr` is also used by work queued on `stream`: once freed, its memory
+    /// is reused only after that work has completed. See [`DeviceBuffer::record_stream`](crate::DeviceBuffer::record_stream).
+    pub fn record_stream(&self, ptr: u64, stream: StreamId) -> Result<(), Error> {
+        let shared = &*self.shared;
+        shared.strategy.lock().record_stream(ptr, stream)?;
+        let mut recorded = shared.recorded.lock();
+        recorded.insert(ptr);
+        shared.recorded_len.store(recorded.len(), Ordering::Release);
+        Ok(())
+    }
+}
+
+impl<S: Strategy + Snapshots> Allocator<S> {
+    /// The segments and blocks now, with the events recorded since [`record_history`](Self::record_history)
+    /// (PyTorch's `torch.cuda.memory._snapshot()`); `snapshot::pickle` pickles it for PyTorch's
+    /// memory viewer.
+    pub fn snapshot(&self) -> Result<crate::strategy::snapshot::MemorySnapshot, Error> {
+        self.drain_caches()?;
+        self.shared.strategy.lock().snapshot()
+    }
+
+    /// Starts recording events for [`snapshot`](Self::snapshot), keeping the last `max_entries`, or stops
+    /// with `None` (PyTorch's `torch.cuda.memory._record_memory_history`).
+    pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), Error> {
+        self.shared.strategy.lock().record_history(max_entries)
+    }
+}
+
+impl<S: Strategy + GraphPools> Allocator<S> {
+    /// From now on, allocations on the streams `filter` accepts come from the private pool `pool`, whose
+    /// memory stays where it is and is reused by nothing else while a graph uses it (PyTorch's
+    /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
+    /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
+    /// no call CUDA refuses during a capture. See [`crate::strategy::graph_pool`].
+    pub fn begin_allocate_to_pool(
+        &self,
+        pool: GraphPool,
+        filter: StreamFilter,
+    ) -> Result<(), Error> {
+        let mut strategy = self.shared.strategy.lock();
+        let result = strategy.begin_allocate_to_pool(pool, filter);
+        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
+        result
+    }
+
+    /// Allocations stop going to `pool` (after the capture ended); its memory stays the pool's until
+    /// [`release_pool`](Self::release_pool).
+    pub fn end_allocate_to_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        let mut strategy = self.shared.strategy.lock();
+        let result = strategy.end_allocate_to_pool(pool);
+        (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
+        result
+    }
+
+    /// A graph that used `pool` is gone (call it once per begin): once none is left, the pool's memory goes
+    /// back to common use as its blocks are freed.
+    pub fn release_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        self.shared.strategy.lock().release_pool(pool)
+    }
+
+    /// One more user of `pool` without allocating to it (PyTorch's `createOrIncrefPool`, made by a
+    /// `MemPool`): it stays live until [`release_pool`](Self::release_pool) is called once more.
+    pub fn incref_pool(&self, pool: GraphPool) -> Result<(), Error> {
+        self.shared.strategy.lock().incref_pool(pool)
+    }
+}
+
+impl<S: Strategy + Peers> Allocator<S> {
+    /// Lets device `peer` read and write every range mapped now and every one mapped later.
+    pub fn add_peer(&self, peer: usize) -> Result<(), Error> {
+        self.shared.strategy.lock().add_peer(peer)
+    }
+}
+
+impl<S: Strategy + Controls> Allocator<S> {
+    /// Sets every statistic's peak to its current value ([`Controls::reset_peak_stats`]). The stream
     /// caches are drained first, so the peaks start from exact current values.
     pub fn reset_peak_stats(&self) -> Result<(), Error> {
         self.drain_caches()?;
         self.shared.strategy.lock().reset_peak_stats()
     }
 
-    /// Sets the cumulative counts to 0 ([`Strategy::reset_accumulated_stats`]).
+    /// Sets the cumulative counts to 0 ([`Controls::reset_accumulated_stats`]).
     pub fn reset_accumulated_stats(&self) -> Result<(), Error> {
         let mut strategy = self.shared.strategy.lock();
         strategy.reset_accumulated_stats()?;
@@ -535,13 +533,13 @@ impl<S: Strategy> Allocator<S> {
     }
 
     /// Limits reserved memory to `fraction` of the device's from now on
-    /// ([`Strategy::set_memory_fraction`]).
+    /// ([`Controls::set_memory_fraction`]).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<(), Error> {
         self.shared.strategy.lock().set_memory_fraction(fraction)
     }
 
     /// The memory limit as a fraction of the device's memory, `None` without one
-    /// ([`Strategy::memory_fraction`]).
+    /// ([`Controls::memory_fraction`]).
     pub fn memory_fraction(&self) -> Option<f64> {
         self.shared.strategy.lock().memory_fraction()
     }

@@ -29,6 +29,7 @@ use crate::driver::cuda::keeping_current_context;
 use crate::facade::allocator::Allocator;
 use crate::facade::device_buffer::DeviceBuffer;
 use crate::strategy::Strategy;
+use crate::strategy::StreamUses;
 use crate::strategy::error::Error;
 use cudarc::driver::{
     CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop, sys,
@@ -37,7 +38,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, OnceLock};
 
-impl<S: Strategy> Allocator<S> {
+impl<S: Strategy + StreamUses> Allocator<S> {
     /// Allocates `size` bytes for work on the cudarc `stream`: [`alloc_on`](Allocator::alloc_on) with
     /// [`StreamId::from_cuda`]. The stream must belong to the allocator's device (its primary context,
     /// which cudarc's `CudaContext::new` retains) and stay alive while the buffer lives.
@@ -69,7 +70,7 @@ impl<S: Strategy> Allocator<S> {
 /// Device memory from [`Allocator::alloc_on_stream`], for work on a cudarc stream; freed when dropped.
 /// cudarc's copies and memsets take it as bytes, and its [`view`](Self::view) /
 /// [`view_mut`](Self::view_mut) as elements of any type.
-pub struct CudaBuffer<S: Strategy> {
+pub struct CudaBuffer<S: Strategy + StreamUses> {
     buffer: DeviceBuffer<S>,
     stream: Arc<CudaStream>,
     /// cudarc's read event, created on the first read while cudarc manages synchronization.
@@ -78,7 +79,7 @@ pub struct CudaBuffer<S: Strategy> {
     write: OnceLock<Option<CudaEvent>>,
 }
 
-impl<S: Strategy> CudaBuffer<S> {
+impl<S: Strategy + StreamUses> CudaBuffer<S> {
     /// The device address.
     pub fn ptr(&self) -> u64 {
         self.buffer.ptr()
@@ -186,7 +187,7 @@ fn elements<T>(bytes: u64) -> usize {
     bytes.checked_div(size_of::<T>()).unwrap_or(0)
 }
 
-impl<S: Strategy> Drop for CudaBuffer<S> {
+impl<S: Strategy + StreamUses> Drop for CudaBuffer<S> {
     /// Makes the buffer's own stream wait for the uses cudarc recorded on other streams, so the
     /// allocator's stream-ordered reuse comes after them, and destroys those events; the memory is freed
     /// next (the `DeviceBuffer` field's drop). The calling thread keeps its current context.
@@ -208,7 +209,7 @@ impl<S: Strategy> Drop for CudaBuffer<S> {
     }
 }
 
-impl<S: Strategy> fmt::Debug for CudaBuffer<S> {
+impl<S: Strategy + StreamUses> fmt::Debug for CudaBuffer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CudaBuffer")
             .field("ptr", &format_args!("{:#x}", self.ptr()))
@@ -218,7 +219,7 @@ impl<S: Strategy> fmt::Debug for CudaBuffer<S> {
     }
 }
 
-impl<S: Strategy> DeviceSlice<u8> for CudaBuffer<S> {
+impl<S: Strategy + StreamUses> DeviceSlice<u8> for CudaBuffer<S> {
     fn len(&self) -> usize {
         elements::<u8>(self.buffer.len())
     }
@@ -227,13 +228,13 @@ impl<S: Strategy> DeviceSlice<u8> for CudaBuffer<S> {
     }
 }
 
-impl<S: Strategy> DevicePtr<u8> for CudaBuffer<S> {
+impl<S: Strategy + StreamUses> DevicePtr<u8> for CudaBuffer<S> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.read_ptr(stream)
     }
 }
 
-impl<S: Strategy> DevicePtrMut<u8> for CudaBuffer<S> {
+impl<S: Strategy + StreamUses> DevicePtrMut<u8> for CudaBuffer<S> {
     fn device_ptr_mut<'a>(
         &'a mut self,
         stream: &'a CudaStream,
@@ -243,20 +244,20 @@ impl<S: Strategy> DevicePtrMut<u8> for CudaBuffer<S> {
 }
 
 /// A [`CudaBuffer`] read as elements of `T` ([`CudaBuffer::view`]).
-pub struct TypedView<'a, T, S: Strategy> {
+pub struct TypedView<'a, T, S: Strategy + StreamUses> {
     buf: &'a CudaBuffer<S>,
     len: usize,
     elem: PhantomData<T>,
 }
 
 /// A [`CudaBuffer`] written as elements of `T` ([`CudaBuffer::view_mut`]).
-pub struct TypedViewMut<'a, T, S: Strategy> {
+pub struct TypedViewMut<'a, T, S: Strategy + StreamUses> {
     buf: &'a mut CudaBuffer<S>,
     len: usize,
     elem: PhantomData<T>,
 }
 
-impl<T, S: Strategy> DeviceSlice<T> for TypedView<'_, T, S> {
+impl<T, S: Strategy + StreamUses> DeviceSlice<T> for TypedView<'_, T, S> {
     fn len(&self) -> usize {
         self.len
     }
@@ -265,13 +266,13 @@ impl<T, S: Strategy> DeviceSlice<T> for TypedView<'_, T, S> {
     }
 }
 
-impl<T, S: Strategy> DevicePtr<T> for TypedView<'_, T, S> {
+impl<T, S: Strategy + StreamUses> DevicePtr<T> for TypedView<'_, T, S> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.buf.read_ptr(stream)
     }
 }
 
-impl<T, S: Strategy> DeviceSlice<T> for TypedViewMut<'_, T, S> {
+impl<T, S: Strategy + StreamUses> DeviceSlice<T> for TypedViewMut<'_, T, S> {
     fn len(&self) -> usize {
         self.len
     }
@@ -280,13 +281,13 @@ impl<T, S: Strategy> DeviceSlice<T> for TypedViewMut<'_, T, S> {
     }
 }
 
-impl<T, S: Strategy> DevicePtr<T> for TypedViewMut<'_, T, S> {
+impl<T, S: Strategy + StreamUses> DevicePtr<T> for TypedViewMut<'_, T, S> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.buf.read_ptr(stream)
     }
 }
 
-impl<T, S: Strategy> DevicePtrMut<T> for TypedViewMut<'_, T, S> {
+impl<T, S: Strategy + StreamUses> DevicePtrMut<T> for TypedViewMut<'_, T, S> {
     fn device_ptr_mut<'a>(
         &'a mut self,
         stream: &'a CudaStream,

@@ -5,6 +5,7 @@ use crate::base::sync::Arc;
 use crate::driver::StreamId;
 use crate::facade::allocator::Allocator;
 use crate::strategy::Strategy;
+use crate::strategy::capabilities::{StreamUses, Tags};
 use crate::strategy::error::Error;
 use std::fmt;
 
@@ -17,33 +18,13 @@ impl<S: Strategy> Allocator<S> {
     /// Allocates `size` bytes for use on `stream`. The memory may be reused by later work on that stream as
     /// soon as the buffer is dropped.
     pub fn alloc_on(&self, size: u64, stream: StreamId) -> Result<DeviceBuffer<S>, Error> {
-        let (ptr, in_capture) = self.allocate(size, stream, None)?;
+        let (ptr, in_capture) = self.allocate(size, stream, true, |s| s.alloc(size, stream))?;
         Ok(DeviceBuffer::new(
             self.buffer_handle(),
             ptr,
             size,
             stream,
             !in_capture,
-        ))
-    }
-
-    /// Allocates `size` bytes for use on `stream` under the tag `tag`: memory that
-    /// [`sleep`](Self::sleep) can give back while its addresses stay reserved, and [`wake`](Self::wake)
-    /// maps again at the same addresses. Tagged memory shares no page with other memory and never enters
-    /// a stream cache. Refused with [`Error::TagAsleep`] while the tag sleeps.
-    pub fn alloc_tagged(
-        &self,
-        size: u64,
-        stream: StreamId,
-        tag: &str,
-    ) -> Result<DeviceBuffer<S>, Error> {
-        let (ptr, _) = self.allocate(size, stream, Some(tag))?;
-        Ok(DeviceBuffer::new(
-            self.buffer_handle(),
-            ptr,
-            size,
-            stream,
-            false,
         ))
     }
 }
@@ -101,14 +82,6 @@ impl<S: Strategy> DeviceBuffer<S> {
         self.stream
     }
 
-    /// Records that work queued on `stream` (not the buffer's own) uses the buffer, as PyTorch's
-    /// `Tensor.record_stream`: when the buffer is freed, the allocator records an event on `stream` and
-    /// hands the memory out again only once that event has completed. Call it for every other stream the
-    /// buffer is used on, before the buffer is freed.
-    pub fn record_stream(&self, stream: StreamId) -> Result<(), Error> {
-        self.allocator.record_stream(self.ptr, stream)
-    }
-
     /// Keeps an error raised where it could not be returned, for
     /// [`Allocator::take_deferred_errors`].
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -146,5 +119,37 @@ impl<S: Strategy> Drop for DeviceBuffer<S> {
             tracing::error!(%err, ptr = self.ptr, "cuvmm: freeing a DeviceBuffer failed");
             self.allocator.defer(err);
         }
+    }
+}
+
+impl<S: Strategy + Tags> Allocator<S> {
+    /// Allocates `size` bytes for use on `stream` under the tag `tag`: memory that
+    /// [`sleep`](Self::sleep) can give back while its addresses stay reserved, and [`wake`](Self::wake)
+    /// maps again at the same addresses. Tagged memory shares no page with other memory and never enters
+    /// a stream cache. Refused with [`Error::TagAsleep`] while the tag sleeps.
+    pub fn alloc_tagged(
+        &self,
+        size: u64,
+        stream: StreamId,
+        tag: &str,
+    ) -> Result<DeviceBuffer<S>, Error> {
+        let (ptr, _) = self.allocate(size, stream, false, |s| s.alloc_tagged(size, stream, tag))?;
+        Ok(DeviceBuffer::new(
+            self.buffer_handle(),
+            ptr,
+            size,
+            stream,
+            false,
+        ))
+    }
+}
+
+impl<S: Strategy + StreamUses> DeviceBuffer<S> {
+    /// Records that work queued on `stream` (not the buffer's own) uses the buffer, as PyTorch's
+    /// `Tensor.record_stream`: when the buffer is freed, the allocator records an event on `stream` and
+    /// hands the memory out again only once that event has completed. Call it for every other stream the
+    /// buffer is used on, before the buffer is freed.
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), Error> {
+        self.allocator.record_stream(self.ptr, stream)
     }
 }

@@ -9,7 +9,7 @@ pub(crate) mod device_buffer;
 mod pools;
 mod raw_book;
 mod sharing;
-mod sleep;
 mod stream_cache;
 pub mod summary;
+mod tags;
 mod thread_handles;

@@ -1,7 +1,7 @@
 //! What the facade knows of live raw allocations (`Allocator::alloc_raw`, the C ABI's and PyTorch's
 //! entry point): each one's size and stream, so that `free_raw` can keep the block back in its stream's
 //! cache exactly as a [`DeviceBuffer`](crate::DeviceBuffer)'s drop does, without the strategy's lock
-//! (docs/DESIGN.md, "Locking").
+//! (docs/library.md, "Locking").
 //!
 //! A block is entered only when it could be cached at its free: its stream's cache shard is active (its
 //! stream has contended for the strategy's lock), its size is one the caches keep, and no CUDA graph

@@ -1,14 +1,15 @@
 //! Sharing allocations with other processes through the [`Allocator`]: the locked entry points of
-//! [`Strategy::share`], [`Strategy::open_shared`] and [`Strategy::close_shared`] (see
+//! [`Sharing::share`], [`Sharing::open_shared`] and [`Sharing::close_shared`] (see
 //! [`crate::strategy::sharing`]).
 
 use crate::facade::allocator::Allocator;
 use crate::strategy::Strategy;
+use crate::strategy::capabilities::Sharing;
 use crate::strategy::error::Error;
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use std::os::fd::BorrowedFd;
 
-impl<S: Strategy> Allocator<S> {
+impl<S: Strategy + Sharing> Allocator<S> {
     /// Exports the memory of the live allocation at `ptr` for another process to map with
     /// [`open_shared`](Self::open_shared): the whole mappings that cover it, each physical handle as a
     /// file descriptor. The allocation must stay live while the other process uses it. Memory allocated

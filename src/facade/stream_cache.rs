@@ -1,7 +1,7 @@
 //! Per-thread caches of freed buffers, each entry tagged with the stream it was freed on, in front of the
 //! strategy's lock: what lets a thread reuse freed memory of its stream without taking that lock, and threads
 //! on different (or the same) streams without waiting for each other, or for another stream's driver calls
-//! (docs/DESIGN.md, "Locking").
+//! (docs/library.md, "Locking").
 //!
 //! A cached entry is a block the strategy still counts as allocated: the facade kept it back at `free`,
 //! and hands it out again to the next request of exactly the same size on the same stream from the thread

@@ -16,7 +16,7 @@ const WIDTH: usize = 75;
 
 /// The summary of `strategy` now: [`memory_summary`] of its statistics, its device and its name.
 pub fn summary_of(strategy: &dyn Strategy) -> String {
-    let asleep = strategy.asleep_tags();
+    let asleep = (strategy.tags()).map_or_else(Vec::new, |tags| tags.asleep_tags());
     memory_summary_asleep(
         &strategy.stats(),
         strategy.ordinal(),

@@ -1,6 +1,6 @@
 //! Per-thread handles of one allocator, which [`DeviceBuffer`](crate::DeviceBuffer)s hold: what keeps the
 //! allocator alive while a buffer lives without a reference count that every thread writes at every
-//! allocation and every drop (docs/DESIGN.md, "Locking").
+//! allocation and every drop (docs/library.md, "Locking").
 //!
 //! A buffer must keep its allocator alive, so it holds a strong reference. Had it held a clone of the
 //! program's handle, every allocation and drop on every thread would change one count, and threads

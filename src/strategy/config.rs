@@ -9,19 +9,19 @@ mod parse;
 #[cfg(test)]
 mod tests;
 
-/// The default of [`Config::cross_stream_reuse`], chosen by the measurements in `docs/DESIGN.md`.
+/// The default of [`Config::cross_stream_reuse`], chosen by the measurements in `docs/allocator.md`, "Streams".
 pub const DEFAULT_CROSS_STREAM_REUSE: bool = true;
 
 /// The default of [`Config::large_handle`]: PyTorch's expandable segments map 20 MiB handles in the
-/// large pool (`docs/DESIGN.md`, "Handle size").
+/// large pool (`docs/allocator.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE: u64 = 20 * MIB;
 
 /// The default of [`Config::stream_cache`]: bytes of freed buffers each stream cache shard of the facade
-/// (one per thread) may keep back (docs/DESIGN.md, "Locking"); enough for one 20 MiB buffer, PyTorch's large
+/// (one per thread) may keep back (docs/library.md, "Locking"); enough for one 20 MiB buffer, PyTorch's large
 /// handle, so that a loop of large requests is served without the strategy's lock too.
 pub const DEFAULT_STREAM_CACHE: u64 = 32 * MIB;
 /// The default of [`Config::large_handle_headroom`]: chunks up to the budget, so that a job makes PyTorch's
-/// driver calls on any device it fits in easily (measured in `docs/DESIGN.md`, "Handle size").
+/// driver calls on any device it fits in easily (measured in `docs/allocator.md`, "Handle size").
 pub const DEFAULT_LARGE_HANDLE_HEADROOM: f64 = 0.0;
 
 /// The environment variable [`Config::from_env`] reads.
@@ -84,7 +84,7 @@ impl RoundupDivisions {
 /// Everything that can be set about an allocator.
 ///
 /// Keys shared with PyTorch mean what they mean in PyTorch; the classic split allocator uses them, and
-/// cuvmm's expandable allocator uses those that apply to it (see `docs/DESIGN.md`).
+/// cuvmm's expandable allocator uses those that apply to it (see `docs/library.md`, "Configuration").
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     /// Size of one physical page of the expandable allocator; a multiple of the driver's granularity.
@@ -103,8 +103,8 @@ pub struct Config {
     /// Whether a request on stream B that finds no free block with all its pages mapped in B's own segments
     /// may take one from another stream A's segment of the same pool, once an event recorded on A at that
     /// moment has completed (as RMM's pool and openvm's VMM pool do; PyTorch never does). The borrowed block
-    /// counts B as a user, so its free waits for an event on B before A may reuse it. See `docs/DESIGN.md`
-    /// for the measurements behind the default.
+    /// counts B as a user, so its free waits for an event on B before A may reuse it. See
+    /// `docs/allocator.md`, "Streams", for the measurements behind the default.
     pub cross_stream_reuse: bool,
     /// PyTorch's `expandable_segments`: whether its own allocator would use expandable segments. Selects
     /// the `pytorch-expandable` model over the classic one when replaying PyTorch's allocators.

@@ -1,6 +1,6 @@
 //! The allocator's event history for snapshots: PyTorch's `torch.cuda.memory._record_memory_history`.
 //!
-//! Recording is off until [`Strategy::record_history`](crate::Strategy::record_history) turns it on, and
+//! Recording is off until [`Snapshots::record_history`](crate::strategy::Snapshots::record_history) turns it on, and
 //! then keeps the last `max_entries` events in a ring buffer, as PyTorch's `alloc_buffer` does. Off, it
 //! costs each operation one test of an `Option`.
 

@@ -1,6 +1,7 @@
 //! The allocator on the driver under test: random allocations and frees with every byte checked.
 
 use super::*;
+use cuvmm::strategy::DeviceBytes;
 
 #[derive(Debug, Clone)]
 enum Action {
@@ -120,7 +121,7 @@ fn run_actions<D: Subject>(driver: D, actions: Vec<Action>) {
 }
 
 /// Checks the first and last (up to) 64 bytes of an allocation.
-fn check_pattern<S: cuvmm::Strategy>(alloc: &mut S, addr: u64, size: u64, byte: u8) {
+fn check_pattern<S: DeviceBytes>(alloc: &mut S, addr: u64, size: u64, byte: u8) {
     let len = size.min(64);
     for at in [addr, addr + size - len] {
         let mut out = vec![0; len as usize];

@@ -5,6 +5,7 @@
 
 use super::*;
 use common::memory::{Piece, handle_settings, physical, shares_memory};
+use cuvmm::strategy::{GraphPools, StreamUses};
 
 #[derive(Debug, Clone)]
 enum Action {

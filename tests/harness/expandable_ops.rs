@@ -10,8 +10,8 @@
 //!   statistics equal the model's sums; `reserved_bytes` equals the physical bytes the driver holds and
 //!   never exceeds the device;
 //! - every live allocation reads back, byte for byte, what was written into it when it was handed out
-//!   (filled through `Strategy::memset`, with a marker every page's worth of bytes and at its end; read
-//!   through `Strategy::copy_to_host`);
+//!   (filled through `DeviceBytes::memset`, with a marker every page's worth of bytes and at its end; read
+//!   through `DeviceBytes::copy_to_host`);
 //! - an operation during which no planned fault fired succeeds, except an allocation refused for the
 //!   reason it earns: size 0 (`ZeroSize`), larger than the device (`TooLarge`), or out of memory when the
 //!   pages the live blocks could touch do not fit the device (idle pages are always found and reused), or,

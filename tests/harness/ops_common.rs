@@ -7,6 +7,7 @@
 use crate::input::Input;
 use cuvmm::driver::sim::{FaultKind, SimDriver};
 use cuvmm::driver::{DriverCounters, Op};
+use cuvmm::strategy::DeviceBytes;
 use cuvmm::{Error, Strategy};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,7 +19,7 @@ const FREED_KEPT: usize = 16;
 
 /// An allocator on the simulated device, as the harnesses drive it: its strategy calls and its device
 /// (implemented beside each harness: `expandable_ops.rs`, `split_ops.rs`).
-pub trait OnSim: Strategy {
+pub trait OnSim: Strategy + DeviceBytes {
     /// The simulated device, to arm faults and write bytes.
     fn sim_mut(&mut self) -> &mut SimDriver;
 }
@@ -208,9 +209,9 @@ pub fn check_bad_free(alloc: &mut impl Strategy, addr: u64) -> Result<(), String
 /// Bytes of one marker: the allocation's id and the marker's offset.
 const MARKER: u64 = 16;
 
-/// What every live allocation holds: its fill byte ([`fill`]) set through `Strategy::memset`, with a
+/// What every live allocation holds: its fill byte ([`fill`]) set through `DeviceBytes::memset`, with a
 /// marker (its id and the offset, [`marker`]) written every `every` bytes and one at its end; read back
-/// through `Strategy::copy_to_host`, every marker and `sample` bytes from it (the fill after it).
+/// through `DeviceBytes::copy_to_host`, every marker and `sample` bytes from it (the fill after it).
 ///
 /// A marker every so often tells one allocation's pages from another's and from other pages of the same
 /// allocation; reading whole stretches (`sample` at least `every`) checks every byte.

@@ -2,6 +2,7 @@
 //! captures and memory pressure, against a model of every allocation's bytes and tag.
 
 use super::*;
+use cuvmm::strategy::{GraphPools, StreamUses};
 
 #[derive(Clone, Debug)]
 enum Action {
@@ -268,7 +269,7 @@ fn check(a: &Alloc, m: &Model) {
     if !a.config().keep_host_buffers && !m.asleep.values().any(|&keep| keep) {
         assert_eq!(stats.host_kept_bytes, 0, "no buffer kept past a wake");
     }
-    for tag in a.tags() {
+    for tag in a.tag_infos() {
         let name = TAGS.iter().position(|&n| n == tag.name).unwrap() as u8;
         let kept = m.asleep.get(&name).copied().unwrap_or(false);
         assert_eq!(tag.bytes_kept, kept && tag.live_bytes > 0, "{tag:?}");

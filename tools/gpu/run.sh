@@ -36,6 +36,12 @@
 #   two-process   an inference and a training process taking turns on the GPU, each sleeping what the other
 #                 needs: time per cycle (tools/two_process_bench.py; TWO_PROCESS_ARGS adds options)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
+#   wheel         the cuvmm-torch wheel as a user installs it: pip install from $GPU_BIN/wheels (no network, no
+#                 cargo) into a fresh venv that sees the machine's PyTorch and transformers, then an unchanged
+#                 transformers training script (tools/gpu/train_transformers.py) under `python -m cuvmm_torch`,
+#                 under torchrun, and under PyTorch's own allocator for reference; checks that PyTorch's
+#                 memory_stats and snapshot are cuvmm's (backend "cuvmm", every segment expandable, cuvmm's
+#                 peaks) ($OUT/wheel-*.json); then the wheel's `cuvmm` against the README's figures
 #   capacity-cuda every shared trace's min capacity on the GPU (a ballast makes each capacity) and peak
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
@@ -55,7 +61,9 @@ cd "$(dirname "$0")/../.."
 bin=$(realpath "${GPU_BIN:-gpu-bin}")
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-[ -x "$bin/cuvmm" ] || { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
+# (A folder of WHEEL_ONLY=1 tools/gpu/build.sh holds only what the `wheel` step needs.)
+[ -x "$bin/cuvmm" ] || [ -d "$bin/wheels" ] ||
+    { echo "run.sh: $bin/cuvmm is missing: run tools/gpu/build.sh first and carry $bin"; exit 2; }
 
 # ninja, which the C++ layer's build needs (build.sh brings one), where the machine has none.
 command -v ninja >/dev/null || PATH="$bin/bin:$PATH"
@@ -91,6 +99,37 @@ cpp_layer() {
     [ -n "$cpp_built" ] && return
     cpp_built=1
     step cpp-layer 300 env PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m cuvmm_torch build
+}
+
+# The `wheel` step: a fresh venv that also sees the machine's packages (its PyTorch, transformers), and the wheel
+# pip-installed from $bin/wheels with no index. Outside $out, which comes back from a device session.
+wheel_venv=${TMPDIR:-/tmp}/cuvmm-wheel-venv
+wheel_step() {
+    rm -rf "$wheel_venv" "$out"/wheel-*.json
+    local pip=("$wheel_venv/bin/python" -m pip)
+    if ! python3 -m venv "$wheel_venv" >>"$out/wheel.txt" 2>&1; then
+        # No ensurepip here: the machine's pip installs into the venv.
+        rm -rf "$wheel_venv"
+        python3 -m venv --without-pip "$wheel_venv"
+        pip=(python3 -m pip --python "$wheel_venv/bin/python")
+    fi
+    # The site-packages folders of the python3 that has PyTorch (a system's or a venv's), after the venv's own.
+    python3 -c 'import sys; print("\n".join(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages"))))' \
+        >"$("$wheel_venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/zz-machine.pth"
+    step wheel 300 "${pip[@]}" install --no-index --find-links "$bin/wheels" cuvmm-torch
+    local python=$wheel_venv/bin/python
+    # As a user runs it: no CUVMM_TORCH_LIB or PYTHONPATH, the package's own library and C++ sources, the layer
+    # built into a fresh folder at first use (CUVMM_TORCH_CPP=1: a failed build is an error, not the ctypes path).
+    local env=(env -u CUVMM_TORCH_LIB -u PYTHONPATH CUVMM_TORCH_CPP=1 CUVMM_TORCH_BUILD="$wheel_venv/cpp-layer"
+               PYTHONUNBUFFERED=1)
+    step wheel 60 "${env[@]}" "$python" -c "import cuvmm_torch, torch; print(cuvmm_torch.__file__, cuvmm_torch.library_path(), cuvmm_torch.csrc_dir(), torch.__version__)"
+    local script=tools/gpu/train_transformers.py
+    step wheel 300 "${env[@]}" "$python" -m cuvmm_torch "$script" --report "$out/wheel-cuvmm.json"
+    step wheel 300 "${env[@]}" "$python" -m torch.distributed.run --standalone --nproc-per-node 1 \
+        -m cuvmm_torch "$script" --steps 6 --report "$out/wheel-torchrun.json"
+    step wheel 300 "${env[@]}" "$python" "$script" --report "$out/wheel-native.json"
+    step wheel 60 "$python" tools/gpu/wheel_reports.py "$out"
+    step wheel 120 "$python" tools/cli_check.py "$wheel_venv/bin/cuvmm" --traces "$bin/traces"
 }
 
 run_step() {
@@ -177,6 +216,7 @@ run_step() {
         limit=$(clip "${TORCH_SUITE_LIMIT:-540}")
         step torch-suite "$limit" python3 tools/gpu/torch_suite.py --budget $((limit > 60 ? limit - 30 : limit / 2)) \
             --json "$out/torch-suite.jsonl" ${TORCH_SUITE_ARGS:-} ;;
+    wheel) wheel_step ;;
     mempools)
         cpp_layer
         export PYTHONUNBUFFERED=1

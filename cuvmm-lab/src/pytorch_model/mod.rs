@@ -17,7 +17,7 @@
 //! Each file mirrors a part of PyTorch's code: `rules.rs` the sizing rules, `block.rs` the blocks and pools,
 //! `alloc.rs` `malloc`, `free.rs` `free`, `release.rs` the release paths, `expandable_segments.rs` the
 //! expandable segments (`expandable_segments/segment.rs` one segment's pages), `seed.rs` adopting a
-//! recorded state, `invariants.rs` the checks. See `docs/DESIGN.md`.
+//! recorded state, `invariants.rs` the checks. See `docs/laboratory.md`, "The PyTorch models".
 
 #![deny(unsafe_code)]
 
@@ -35,13 +35,13 @@ pub use seed::{SeedBlock, SeedError, SeedSegment};
 
 use block::{BlockPool, Blocks};
 use cuvmm::driver::{Driver, DriverCounters, StreamId, VaRange};
-use cuvmm::strategy::Strategy;
 use cuvmm::strategy::config::{Config, ConfigError};
 use cuvmm::strategy::error::{Error, InvariantViolation};
 use cuvmm::strategy::history::{self, History, TraceAction};
 use cuvmm::strategy::pool::Pool;
 use cuvmm::strategy::snapshot::MemorySnapshot;
 use cuvmm::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
+use cuvmm::strategy::{DeviceBytes, Snapshots, Strategy};
 use expandable_segments::ExpandableSegment;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -410,6 +410,16 @@ impl<D: Driver> Strategy for Split<D> {
         self.counters.reserved.current()
     }
 
+    fn snapshots(&mut self) -> Option<&mut dyn Snapshots> {
+        Some(self)
+    }
+
+    fn device_bytes(&mut self) -> Option<&mut dyn DeviceBytes> {
+        Some(self)
+    }
+}
+
+impl<D: Driver> Snapshots for Split<D> {
     fn snapshot(&self) -> Result<MemorySnapshot, Error> {
         Ok(self.memory_snapshot())
     }
@@ -418,7 +428,9 @@ impl<D: Driver> Strategy for Split<D> {
         self.history = max_entries.map(History::new);
         Ok(())
     }
+}
 
+impl<D: Driver> DeviceBytes for Split<D> {
     fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {
         Ok(self.driver.memset_d8(addr, len, value)?)
     }

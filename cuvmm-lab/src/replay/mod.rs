@@ -14,8 +14,8 @@ pub mod peak;
 use crate::trace::event::{Event, Trace};
 use cuvmm::driver::sim::{Calibration, LatencyModel};
 use cuvmm::driver::{DriverCounters, Op};
-use cuvmm::strategy::Strategy;
 use cuvmm::strategy::error::{Error, InvariantViolation, OutOfMemory};
+use cuvmm::strategy::{DeviceBytes, Strategy};
 use id_table::{IdTable, Slot};
 use observe::{NoObserver, ReplayObserver};
 use serde::Serialize;
@@ -26,8 +26,9 @@ use std::time::Instant;
 pub struct ReplayOptions {
     /// Call [`Strategy::check_invariants`] after every N events (and after the last one); `None` never does.
     pub check_invariants_every: Option<usize>,
-    /// Write a byte pattern into each allocation ([`Strategy::memset`]) and check a sample of it
-    /// ([`Strategy::copy_to_host`]: its first, middle and last [`TOUCH_SAMPLE`] bytes) before it is freed.
+    /// Write a byte pattern into each allocation ([`DeviceBytes::memset`]) and check a sample of it
+    /// ([`DeviceBytes::copy_to_host`]: its first, middle and last [`TOUCH_SAMPLE`] bytes) before it is
+    /// freed. Needs a strategy with [`DeviceBytes`].
     /// Proves on a real device that live allocations do not overlap and that their memory is really there.
     pub touch: bool,
 }
@@ -282,9 +283,9 @@ pub enum ReplayError {
 /// An allocation that fails with out-of-memory is counted in [`ReplayResult::ooms`] and its free (and
 /// record_streams) skipped; any other failure stops the replay with the index of the event.
 ///
-/// A [`Event::RecordStream`] calls [`Strategy::record_stream`]. An allocator that does not track streams
-/// ([`Error::Unsupported`]) replays it as nothing: no kernel runs during a replay, so the only effect of a
-/// cross-stream use is when the memory may be reused, and such an allocator reuses it at once.
+/// A [`Event::RecordStream`] calls [`StreamUses::record_stream`](cuvmm::strategy::StreamUses::record_stream). An allocator that does not track streams
+/// (no [`Strategy::stream_uses`]) replays it as nothing: no kernel runs during a replay, so the only effect
+/// of a cross-stream use is when the memory may be reused, and such an allocator reuses it at once.
 ///
 /// An [`Event::EmptyCache`] calls [`Strategy::empty_cache`]: every allocator gives back what it caches,
 /// and pays for growing again afterwards.
@@ -326,8 +327,8 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
                     Ok(addr) => {
                         ids.set(id, Slot::Live { addr, size });
                         if options.touch {
-                            strategy
-                                .memset(addr, size, touch_byte(id))
+                            device_bytes(strategy)
+                                .and_then(|bytes| bytes.memset(addr, size, touch_byte(id)))
                                 .map_err(|source| ReplayError::Touch { index, id, source })?;
                         }
                     }
@@ -362,12 +363,13 @@ pub fn replay_observed<O: ReplayObserver + ?Sized>(
                 Slot::Unknown => return Err(ReplayError::UnknownFree { index, id }),
             },
             Event::RecordStream { id, stream } => match ids.get(id) {
-                Slot::Live { addr, .. } => match strategy.record_stream(addr, stream) {
-                    Ok(()) | Err(Error::Unsupported { .. }) => {}
-                    Err(source) => {
-                        return Err(ReplayError::RecordStream { index, id, source });
+                // A strategy that does not track streams replays it as nothing.
+                Slot::Live { addr, .. } => {
+                    if let Some(uses) = strategy.stream_uses() {
+                        uses.record_stream(addr, stream)
+                            .map_err(|source| ReplayError::RecordStream { index, id, source })?;
                     }
-                },
+                }
                 Slot::Failed => {}
                 Slot::Unknown => return Err(ReplayError::RecordStreamNotLive { index, id }),
             },
@@ -422,8 +424,8 @@ fn check_touched(
     let len = size.min(TOUCH_SAMPLE);
     let mut sample = vec![0; len as usize];
     for offset in [0, (size - len) / 2, size - len] {
-        strategy
-            .copy_to_host(addr + offset, &mut sample)
+        device_bytes(strategy)
+            .and_then(|bytes| bytes.copy_to_host(addr + offset, &mut sample))
             .map_err(|source| ReplayError::Touch { index, id, source })?;
         if let Some(at) = sample.iter().position(|&b| b != expected) {
             return Err(ReplayError::Corrupted {
@@ -437,4 +439,10 @@ fn check_touched(
         }
     }
     Ok(())
+}
+
+/// The strategy's [`DeviceBytes`], which a `--touch` replay needs; [`Error::Unsupported`] without them.
+fn device_bytes(strategy: &mut dyn Strategy) -> Result<&mut dyn DeviceBytes, Error> {
+    let unsupported = strategy.unsupported("memset and copy_to_host (--touch)");
+    strategy.device_bytes().ok_or(unsupported)
 }

@@ -5,15 +5,15 @@
 //! [`Strategy::reserved_bytes`] after every operation and notes the first one at the maximum; the second,
 //! on a fresh allocator, stops for a moment right after that operation to let the caller look at the
 //! strategy (its `memory_summary`, its snapshot), then finishes. Both passes wrap the strategy in `Watch`,
-//! which forwards every call and counts the operations (alloc, free, record_stream).
+//! which forwards every call and counts the operations (alloc, free, and record_stream where the strategy
+//! has it).
 
 use super::{ReplayError, ReplayOptions, ReplayResult, replay};
 use crate::trace::event::Trace;
 use cuvmm::driver::{DriverCounters, StreamId};
-use cuvmm::strategy::Strategy;
 use cuvmm::strategy::error::{Error, InvariantViolation};
-use cuvmm::strategy::snapshot::MemorySnapshot;
 use cuvmm::strategy::stats::Stats;
+use cuvmm::strategy::{DeviceBytes, Snapshots, Strategy, StreamUses};
 
 /// Where the peak was: the operation (counted from 1) after which reserved bytes first reached `reserved`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -64,11 +64,6 @@ impl Strategy for Watch<'_, '_> {
         self.after_operation();
         result
     }
-    fn record_stream(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
-        let result = self.inner.record_stream(addr, stream);
-        self.after_operation();
-        result
-    }
     fn empty_cache(&mut self) -> Result<(), Error> {
         self.inner.empty_cache()
     }
@@ -90,17 +85,29 @@ impl Strategy for Watch<'_, '_> {
     fn ordinal(&self) -> usize {
         self.inner.ordinal()
     }
-    fn snapshot(&self) -> Result<MemorySnapshot, Error> {
-        self.inner.snapshot()
+    fn stream_uses(&mut self) -> Option<&mut dyn StreamUses> {
+        // Counted as an operation when the strategy has it, as an alloc or a free is.
+        match self.inner.stream_uses() {
+            Some(_) => Some(self),
+            None => None,
+        }
     }
-    fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
-        self.inner.record_history(max_entries)
+    fn snapshots(&mut self) -> Option<&mut dyn Snapshots> {
+        self.inner.snapshots()
     }
-    fn memset(&mut self, addr: u64, len: u64, value: u8) -> Result<(), Error> {
-        self.inner.memset(addr, len, value)
+    fn device_bytes(&mut self) -> Option<&mut dyn DeviceBytes> {
+        self.inner.device_bytes()
     }
-    fn copy_to_host(&mut self, addr: u64, out: &mut [u8]) -> Result<(), Error> {
-        self.inner.copy_to_host(addr, out)
+}
+
+impl StreamUses for Watch<'_, '_> {
+    fn record_stream(&mut self, addr: u64, stream: StreamId) -> Result<(), Error> {
+        let result = match self.inner.stream_uses() {
+            Some(inner) => inner.record_stream(addr, stream),
+            None => Err(self.inner.unsupported("record_stream")),
+        };
+        self.after_operation();
+        result
     }
 }
 

@@ -195,7 +195,9 @@ fn apply(
         }
         Step::RecordStream { pick, stream } => {
             if let Some(addr) = nth(live, pick) {
-                subject.strategy().record_stream(addr, StreamId(stream))?;
+                if let Some(uses) = subject.strategy().stream_uses() {
+                    uses.record_stream(addr, StreamId(stream))?;
+                }
             }
         }
         Step::Trim { bytes } => {

@@ -11,7 +11,7 @@
 //!   equals the physical bytes the driver holds and never exceeds the device (nor, in the classic mode,
 //!   the memory fraction);
 //! - every live allocation reads back what was written into it when it was handed out (filled through
-//!   `Strategy::memset`, with a marker every 1 MiB and at its end; read through `Strategy::copy_to_host`:
+//!   `DeviceBytes::memset`, with a marker every 1 MiB and at its end; read through `DeviceBytes::copy_to_host`:
 //!   every marker and a sample of the fill after each);
 //! - an operation during which no planned fault fired succeeds, except an allocation refused for the
 //!   reason it earns: size 0 (`ZeroSize`), larger than the device (`TooLarge`), or out of memory when the

@@ -51,9 +51,9 @@ fn the_structs_have_the_headers_layout() {
     assert_eq!(offset_of!(CDeviceStats, num_alloc_retries), 9 * 3 * 32);
     assert_eq!(offset_of!(CDeviceStats, largest_free_block), 976);
     assert_eq!(size_of::<COomInfo>(), 7 * 8);
-    assert_eq!(size_of::<CSegment>(), 88);
-    assert_eq!(offset_of!(CSegment, pool_a), 56);
-    assert_eq!(size_of::<CBlock>(), 32);
+    assert_eq!(size_of::<CSegmentInfo>(), 88);
+    assert_eq!(offset_of!(CSegmentInfo, pool_a), 56);
+    assert_eq!(size_of::<CBlockInfo>(), 32);
     assert_eq!(size_of::<CTraceEntry>(), 32);
     assert_eq!(size_of::<CSnapshot>(), 48);
 }

@@ -92,7 +92,7 @@ impl AsyncPool {
             .bind_to_thread()
             .map_err(|e| cuda_error(Op::Malloc, &e))?;
         // SAFETY: the stream is the caller's, a live stream of this context (the `StreamId` contract,
-        // docs/DESIGN.md "Streams and contexts"); the memory is only handed out as an address, never read
+        // docs/driver.md "Streams and contexts"); the memory is only handed out as an address, never read
         // here; its uses are the caller's, ordered on `stream` as cuMemAllocAsync requires.
         let ptr = unsafe { cu::malloc_async(stream.0 as usize as sys::CUstream, bytes(size)) }
             .map_err(|e| self.failure(Op::Malloc, size, &e))?;

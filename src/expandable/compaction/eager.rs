@@ -1,7 +1,7 @@
 //! `compaction:eager`, the footprint mode: every growth first takes idle pages from every segment, in slot
 //! order, synchronizing their streams, so reserved memory stays at the pages live blocks touch, at the cost
 //! of remapping and synchronizing on every run. Large-pool requests of whole pages go to segments of their
-//! own (`docs/DESIGN.md`, "Whole pages apart"), and every handle is one page (`handle_size/`), so any idle
+//! own (`docs/allocator.md`, "Whole pages apart"), and every handle is one page (`handle_size/`), so any idle
 //! page can move.
 
 use super::{Policy, Reclaimer};

@@ -1,5 +1,5 @@
 //! Compaction policies: when growth takes the idle pages of segments rather than creating handles, in what
-//! order it takes them, and which requests keep to whole pages (`docs/DESIGN.md`, "Compaction under
+//! order it takes them, and which requests keep to whole pages (`docs/allocator.md`, "Compaction under
 //! pressure, and handle size").
 //!
 //! A policy decides and the supply does: [`Policy::reclaim`] drives the supply's mechanisms (unmapping idle

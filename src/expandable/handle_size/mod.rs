@@ -1,7 +1,7 @@
 //! Handle-size policies: whether new physical memory for a large-pool block comes as *chunks*, one driver
 //! handle of several pages mapped at an aligned group of pages (few driver calls; but a chunk is unmapped
 //! only whole, so a live block strands its idle pages), or as single pages (nothing stranded, about 10x
-//! the calls). `docs/DESIGN.md`, "Compaction under pressure, and handle size".
+//! the calls). `docs/allocator.md`, "Compaction under pressure, and handle size".
 //!
 //! A policy decides and the supply does: the supply maps a chunk at each unmapped aligned group the policy
 //! lets it ([`Policy::new_chunk`]), a pooled chunk first, and single pages everywhere else. The chunk's size

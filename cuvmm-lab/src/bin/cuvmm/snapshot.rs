@@ -41,8 +41,9 @@ fn write_snapshot(args: &SnapshotArgs) -> Result<String, Failure> {
     let max_entries = args
         .max_entries
         .map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX));
-    strategy
-        .record_history(Some(max_entries))
+    let unsupported = strategy.unsupported("snapshot");
+    (strategy.snapshots().ok_or(unsupported))
+        .and_then(|snapshots| snapshots.record_history(Some(max_entries)))
         .map_err(|e| failed(first_line(&e)))?;
     let result = replay(strategy.as_mut(), &trace, &ReplayOptions::default()).map_err(|e| {
         failed(format!(
@@ -51,7 +52,10 @@ fn write_snapshot(args: &SnapshotArgs) -> Result<String, Failure> {
         ))
     })?;
     report_oom(&result);
-    let snapshot = strategy.snapshot().map_err(|e| failed(first_line(&e)))?;
+    let unsupported = strategy.unsupported("snapshot");
+    let snapshot = (strategy.snapshots().ok_or(unsupported))
+        .and_then(|snapshots| snapshots.snapshot())
+        .map_err(|e| failed(first_line(&e)))?;
     // An output path that cannot be written is the user's to fix: status 2.
     writer::write_file(&args.output, &snapshot).map_err(|e| Failure {
         message: first_line(&e),

@@ -1,23 +1,35 @@
-//! Sleep and wake through the [`Allocator`] of cuvmm's own strategy (`expandable/sleep.rs`), in phases: the
-//! strategy's lock is held to wait for the tag's streams and mark it, let go while its bytes are copied,
-//! and taken again to unmap (a sleep) or to mark it awake (a wake). Meanwhile other threads allocate and
-//! free as usual; what concerns the tag is refused (an allocation under it or a free of its memory,
+//! Tagged memory through the facade: allocations that sleep and wake (docs/allocator.md, "Sleep and wake"),
+//! for a strategy with [`Tags`].
+//!
+//! A sleep or wake runs in phases: the strategy's lock is held to wait for the tag's streams and mark it,
+//! let go while its bytes are copied ([`TagCopy::run`](crate::strategy::tags::TagCopy::run)), and taken
+//! again to unmap (a sleep) or to mark it awake (a wake). Meanwhile other threads allocate and free as
+//! usual; what concerns the tag is refused (an allocation under it or a free of its memory,
 //! [`Error::TagAsleep`]; a sleep or wake of it, [`Error::TagBusy`]), and its pages are neither unmapped
-//! nor taken by compaction, so the copies always find them (docs/DESIGN.md, "Sleep and wake").
+//! nor taken by compaction, so the copies always find them.
 
-use crate::driver::Driver;
-use crate::expandable::{Begun, Expandable, TagInfo};
+use crate::driver::StreamId;
 use crate::facade::allocator::Allocator;
+use crate::strategy::Strategy;
+use crate::strategy::capabilities::Tags;
 use crate::strategy::error::Error;
+use crate::strategy::tags::{Begun, TagInfo};
 
-impl<D: Driver> Allocator<Expandable<D>> {
+impl<S: Strategy + Tags> Allocator<S> {
+    /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
+    /// [`free_raw`](Allocator::free_raw).
+    pub fn alloc_tagged_raw(&self, size: u64, stream: StreamId, tag: &str) -> Result<u64, Error> {
+        self.allocate(size, stream, false, |s| s.alloc_tagged(size, stream, tag))
+            .map(|(ptr, _)| ptr)
+    }
+
     /// Puts `tag` to sleep: waits for the streams that used its memory (an event query first, a
     /// synchronization only of a stream still busy), copies its bytes to host memory if `keep` (without
     /// the allocator's lock: other threads go on allocating), then unmaps its pages and gives their physical
     /// memory back. Its virtual addresses stay reserved and no other allocation is placed in them; its
     /// memory must not be used (nor freed) until [`wake`](Self::wake). Returns the bytes given back by this
     /// call (0 if already asleep). Refused during a CUDA graph capture, and while another thread's sleep or
-    /// wake of the tag copies its bytes ([`Error::TagBusy`]). See docs/DESIGN.md, "Sleep and wake".
+    /// wake of the tag copies its bytes ([`Error::TagBusy`]). See docs/allocator.md, "Sleep and wake".
     pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
         match self.with_strategy(|strategy| strategy.begin_sleep(tag, keep))? {
             Begun::Done(bytes) => Ok(bytes),
@@ -49,16 +61,21 @@ impl<D: Driver> Allocator<Expandable<D>> {
         }
     }
 
+    /// The tags asleep and the bytes each gave back, by name.
+    pub fn asleep_tags(&self) -> Vec<(String, u64)> {
+        self.with_strategy(|strategy| strategy.asleep_tags())
+    }
+
     /// Frees the page-locked host memory tags keep for their next sleep (`tag`'s alone, or every tag's
     /// with `None`), never the bytes of a sleeping tag; returns the bytes freed
-    /// ([`Expandable::release_host_buffers`]).
+    /// ([`Tags::release_host_buffers`]).
     pub fn release_host_buffers(&self, tag: Option<&str>) -> Result<u64, Error> {
         self.with_strategy(|strategy| strategy.release_host_buffers(tag))
     }
 
     /// Every tag named so far, with its state, its live bytes, the bytes its wake would map and the host
-    /// memory it holds ([`Expandable::tags`]).
+    /// memory it holds ([`Tags::tag_infos`]).
     pub fn tags(&self) -> Vec<TagInfo> {
-        self.with_strategy(|strategy| strategy.tags())
+        self.with_strategy(|strategy| strategy.tag_infos())
     }
 }
