@@ -265,6 +265,26 @@ class SleepAndWake(unittest.TestCase):
         self.assertEqual(cuvmm_torch.memory_stats(device)["allocation.all.current"], 0)
 
 
+    def test_no_device_named_is_device_0_where_torch_has_no_cuda(self):
+        # The frameworks' APIs (memory_saver, cumem) name no device; with a PyTorch that sees no GPU (the
+        # simulated backend on a CPU machine) torch.cuda.current_device() would raise.
+        def no_driver():
+            raise RuntimeError("Found no NVIDIA driver on your system")
+
+        cuda = types.SimpleNamespace(is_available=lambda: False, current_device=no_driver)
+        saved = sys.modules.get("torch")
+        sys.modules["torch"] = types.SimpleNamespace(cuda=cuda)
+        try:
+            self.assertEqual(cuvmm_torch._device_index(None), 0)
+            cuda.is_available, cuda.current_device = (lambda: True), (lambda: 3)
+            self.assertEqual(cuvmm_torch._device_index(None), 3)
+        finally:
+            if saved is None:
+                sys.modules.pop("torch", None)
+            else:
+                sys.modules["torch"] = saved
+
+
 class BadInput(unittest.TestCase):
     """Each bad input: null / -1 / nothing, an error for cuvmm_last_error, and the allocator still works."""
 

@@ -341,7 +341,9 @@ def _device_index(device):
             import torch  # noqa: PLC0415 (optional: only to read the current device)
         except ImportError:
             return 0
-        return torch.cuda.current_device()
+        # Without CUDA (the simulated backend on a machine with no GPU) there is no current device to ask:
+        # current_device() would raise.
+        return torch.cuda.current_device() if torch.cuda.is_available() else 0
     index = getattr(device, "index", device)
     return 0 if index is None else int(index)
 
