@@ -132,10 +132,7 @@ impl<D: Driver> Expandable<D> {
         kind: Kind,
     ) -> Result<Option<(usize, u64)>, Error> {
         // The smallest candidate first, found without collecting them: its stream is usually idle.
-        let Some((_, slot, addr)) = self
-            .borrow_candidates(size, stream, pool, kind)
-            .min()
-        else {
+        let Some((_, slot, addr)) = self.borrow_candidates(size, stream, pool, kind).min() else {
             return Ok(None);
         };
         let busy = self.segments.at(slot).stream;

@@ -86,13 +86,7 @@ pub(crate) struct Segment {
 
 impl Segment {
     /// A segment over `va`, one free block covering all of it.
-    pub fn new(
-        va: VaRange,
-        stream: StreamId,
-        pool: Pool,
-        kind: Kind,
-        page_size: u64,
-    ) -> Self {
+    pub fn new(va: VaRange, stream: StreamId, pool: Pool, kind: Kind, page_size: u64) -> Self {
         let page_count = (va.size / page_size) as usize;
         let pages = PageMap::new(page_count, page_size);
         let blocks = Blocks::new(va.start, page_count, page_size, Block::free(va.size));

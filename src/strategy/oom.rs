@@ -72,6 +72,14 @@ pub enum Suggestion {
         /// Bytes missing for the request.
         need: u64,
     },
+    /// Free device memory plus the idle pages stranded in multi-page handles that live allocations still
+    /// touch would hold the request: `setting` gives such pages back.
+    Stranded {
+        /// Stranded bytes ([`OutOfMemory::stranded`]).
+        stranded: u64,
+        /// The setting that would have made the request fit.
+        setting: &'static str,
+    },
     /// The device is truly full: live allocations must shrink by at least `need` bytes.
     ReduceUsage {
         /// Bytes missing for the request.
@@ -104,6 +112,12 @@ impl fmt::Display for Suggestion {
                  (another process or allocator).",
                 size(outside),
                 size(need)
+            ),
+            Suggestion::Stranded { stranded, setting } => write!(
+                f,
+                "{} of idle pages lie in 20 MiB handles that live allocations still touch, which are \
+                 unmapped only whole; with them the request would fit: set {setting} (CUVMM_ALLOC_CONF).",
+                size(stranded)
             ),
             Suggestion::ReduceUsage { need } => write!(
                 f,
@@ -144,6 +158,12 @@ pub struct OutOfMemory {
     pub idle: u64,
     /// Of `idle`, bytes held as unmapped handles (cuvmm's pool; 0 for the models of PyTorch).
     pub idle_handles: u64,
+    /// Of `idle`, bytes of idle pages stranded in multi-page handles (cuvmm's 20 MiB chunks) that live
+    /// allocations still touch: a handle is unmapped only whole, so they could not be given back.
+    pub stranded: u64,
+    /// The setting that gives stranded pages back (`compaction:split`, or `large_handle_mb:2` where that is
+    /// already set); empty where none applies (the models of PyTorch).
+    pub stranded_remedy: &'static str,
     /// Largest request that could have been served without a driver call.
     pub largest_free_block: u64,
     /// Whether the cache was released and the request retried before giving up.
@@ -172,7 +192,9 @@ impl OutOfMemory {
             .saturating_sub(self.reserved)
     }
 
-    /// The one thing to do, from the numbers: a memory limit that refused the request; else fragmentation
+    /// The one thing to do, from the numbers: a memory limit that refused the request; else, where free
+    /// memory plus the idle pages stranded in handles that live allocations touch would hold it, the setting
+    /// that gives those back; else fragmentation
     /// if free plus unallocated memory would hold the request; else, with `need` the bytes missing,
     /// other users of the device if they hold at least that much, or smaller live allocations.
     pub fn suggestion(&self) -> Suggestion {
@@ -184,6 +206,15 @@ impl OutOfMemory {
                     need: wanted - allowed,
                 };
             }
+        }
+        if self.stranded > 0
+            && !self.stranded_remedy.is_empty()
+            && self.device_free.saturating_add(self.stranded) >= self.alloc_size
+        {
+            return Suggestion::Stranded {
+                stranded: self.stranded,
+                setting: self.stranded_remedy,
+            };
         }
         let unallocated = self.unallocated();
         let reachable = self.device_free.saturating_add(unallocated);
@@ -247,6 +278,13 @@ impl fmt::Display for OutOfMemory {
             size(self.idle_handles),
             size(self.largest_free_block),
         )?;
+        if self.stranded > 0 {
+            write!(
+                f,
+                "{} of the idle pages lie in 20 MiB handles that live allocations still touch. ",
+                size(self.stranded)
+            )?;
+        }
         if self.graph_pool_bytes > 0 {
             write!(
                 f,
