@@ -10,8 +10,8 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::SimDriver;
 use cuvmm::driver::{Driver, Op, StreamId};
 use cuvmm::expandable::Expandable;
-use cuvmm::oom::Suggestion;
-use cuvmm::strategy::DeviceBytes;
+use cuvmm::oom::{StrandedRemedy, Suggestion};
+use cuvmm::strategy::{DeviceBytes, Sharing};
 use cuvmm::{Config, Error, Strategy};
 
 const PAGE: u64 = 1 << 16;
@@ -100,12 +100,12 @@ fn the_default_runs_out_of_memory_and_names_the_stranded_bytes_and_the_setting()
         oom.suggestion(),
         Suggestion::Stranded {
             stranded: 24 * PAGE,
-            setting: "compaction:split"
+            setting: StrandedRemedy::Split
         }
     );
     let text = err.to_string();
     assert!(
-        text.contains("1.50 MiB of the idle pages lie in 20 MiB handles"),
+        text.contains("1.50 MiB of the idle pages lie in multi-page handles"),
         "{text}"
     );
     assert!(text.contains("set compaction:split"), "{text}");
@@ -137,4 +137,32 @@ fn plentiful_memory_makes_pressures_calls_exactly() {
     let (pressure, split) = (run(Compaction::Pressure), run(Compaction::Split));
     assert_eq!(pressure, split);
     assert_eq!(split.get(Op::Synchronize), 0);
+}
+
+#[test]
+fn memory_shared_with_another_process_is_never_split() {
+    // The other process maps the same handles: re-created ones would no longer share the bytes.
+    let mut a = allocator(Compaction::Split);
+    let kept = strand(&mut a);
+    let shared = a.share(kept[0]).unwrap();
+    // All the blocks are in one segment, which has shared memory: nothing is split.
+    let err = a.alloc(12 * PAGE, S1).unwrap_err();
+    let Error::OutOfMemory(oom) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(oom.stranded, 24 * PAGE);
+    assert_eq!(
+        oom.suggestion(),
+        Suggestion::Stranded {
+            stranded: 24 * PAGE,
+            setting: StrandedRemedy::SinglePages { page_size: PAGE }
+        }
+    );
+    assert!(
+        err.to_string()
+            .contains("set large_handle_mb of the page size"),
+        "{err}"
+    );
+    drop(shared);
+    a.check_invariants().unwrap();
 }

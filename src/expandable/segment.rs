@@ -76,6 +76,9 @@ pub(crate) struct Segment {
     /// When a block of this segment was last freed (the allocator's free clock): reclaiming under pressure
     /// takes the idle pages of the segments freed longest ago first.
     pub last_free: u64,
+    /// Whether memory of this segment was ever exported to another process (`sharing.rs`): its handles may
+    /// be mapped there too, so none of them is ever re-created as single pages (`compaction:split`).
+    pub shared: bool,
     blocks: Blocks,
     free: FreeIndex,
     occupied: usize,
@@ -99,6 +102,7 @@ impl Segment {
             kind,
             pages,
             last_free: 0,
+            shared: false,
             blocks,
             free: FreeIndex::default(),
             occupied: 0,

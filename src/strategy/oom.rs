@@ -46,6 +46,31 @@ impl fmt::Display for ReclaimStep {
     }
 }
 
+/// The setting that gives back idle pages stranded in multi-page handles that live allocations touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrandedRemedy {
+    /// `compaction:split`: such handles are re-created as single pages under pressure.
+    Split,
+    /// Single-page handles (`large_handle_mb` of the page size), where split is already set and still
+    /// left pages stranded (in a live CUDA graph pool, memory shared with another process, a capture).
+    SinglePages {
+        /// The page size in bytes.
+        page_size: u64,
+    },
+}
+
+impl fmt::Display for StrandedRemedy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            StrandedRemedy::Split => f.write_str("compaction:split"),
+            StrandedRemedy::SinglePages { page_size } if page_size % MIB == 0 => {
+                write!(f, "large_handle_mb:{}", page_size / MIB)
+            }
+            StrandedRemedy::SinglePages { .. } => f.write_str("large_handle_mb of the page size"),
+        }
+    }
+}
+
 /// The one thing to do about an out-of-memory error, chosen from its numbers by
 /// [`OutOfMemory::suggestion`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,7 +103,7 @@ pub enum Suggestion {
         /// Stranded bytes ([`OutOfMemory::stranded`]).
         stranded: u64,
         /// The setting that would have made the request fit.
-        setting: &'static str,
+        setting: StrandedRemedy,
     },
     /// The device is truly full: live allocations must shrink by at least `need` bytes.
     ReduceUsage {
@@ -115,8 +140,9 @@ impl fmt::Display for Suggestion {
             ),
             Suggestion::Stranded { stranded, setting } => write!(
                 f,
-                "{} of idle pages lie in 20 MiB handles that live allocations still touch, which are \
-                 unmapped only whole; with them the request would fit: set {setting} (CUVMM_ALLOC_CONF).",
+                "{} of idle pages lie in multi-page handles (large_handle_mb) that live allocations still \
+                 touch, which are unmapped only whole; with them the request would fit: set {setting} \
+                 (CUVMM_ALLOC_CONF).",
                 size(stranded)
             ),
             Suggestion::ReduceUsage { need } => write!(
@@ -161,9 +187,8 @@ pub struct OutOfMemory {
     /// Of `idle`, bytes of idle pages stranded in multi-page handles (cuvmm's 20 MiB chunks) that live
     /// allocations still touch: a handle is unmapped only whole, so they could not be given back.
     pub stranded: u64,
-    /// The setting that gives stranded pages back (`compaction:split`, or `large_handle_mb:2` where that is
-    /// already set); empty where none applies (the models of PyTorch).
-    pub stranded_remedy: &'static str,
+    /// The setting that gives stranded pages back; `None` where none applies (the models of PyTorch).
+    pub stranded_remedy: Option<StrandedRemedy>,
     /// Largest request that could have been served without a driver call.
     pub largest_free_block: u64,
     /// Whether the cache was released and the request retried before giving up.
@@ -207,13 +232,13 @@ impl OutOfMemory {
                 };
             }
         }
-        if self.stranded > 0
-            && !self.stranded_remedy.is_empty()
+        if let Some(setting) = self.stranded_remedy
+            && self.stranded > 0
             && self.device_free.saturating_add(self.stranded) >= self.alloc_size
         {
             return Suggestion::Stranded {
                 stranded: self.stranded,
-                setting: self.stranded_remedy,
+                setting,
             };
         }
         let unallocated = self.unallocated();
@@ -281,7 +306,7 @@ impl fmt::Display for OutOfMemory {
         if self.stranded > 0 {
             write!(
                 f,
-                "{} of the idle pages lie in 20 MiB handles that live allocations still touch. ",
+                "{} of the idle pages lie in multi-page handles that live allocations still touch. ",
                 size(self.stranded)
             )?;
         }

@@ -304,7 +304,7 @@ impl<D: Driver> Split<D> {
             idle: c.reserved.current().saturating_sub(c.allocated.current()),
             idle_handles: 0,
             stranded: 0,
-            stranded_remedy: "",
+            stranded_remedy: None,
             largest_free_block: self.largest_cached_block(),
             retried: true,
             graph_pool_bytes: 0,

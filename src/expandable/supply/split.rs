@@ -84,8 +84,9 @@ impl Supply {
         stranded
     }
 
-    /// The chunks at home in large-pool segments that compaction may take (`Parts::pinned`) with both idle
-    /// pages and pages a live block touches, and access set on every page.
+    /// The chunks at home in large-pool segments that compaction may take (`Parts::pinned`) and that never
+    /// shared memory with another process (`Segment::shared`: the other process maps the same handles), with
+    /// both idle pages and pages a live block touches, and access set on every page.
     fn stranded<D>(&self, p: &Parts<'_, D>) -> Vec<Stranded> {
         let k = self.physical.chunk_pages();
         let mut found = Vec::new();
@@ -93,7 +94,11 @@ impl Supply {
             let Some(seg) = p.segments.try_at(slot) else {
                 continue;
             };
-            if seg.pool != Pool::Large || seg.pages.idle_count() == 0 || p.pinned(slot) {
+            if seg.pool != Pool::Large
+                || seg.pages.idle_count() == 0
+                || p.pinned(slot)
+                || seg.shared
+            {
                 continue;
             }
             let mut end = seg.pages.len();
