@@ -93,6 +93,7 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
         small_size: 1024,
         chunk_pages: 1,
         partial_mappings: false,
+        split: false,
     };
     // Eight 4-page chunks fill the device, each kept in use by its last page only.
     let mut stranded = Vec::new();
@@ -222,7 +223,7 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
                 ..setup(32, u64::MAX)
             },
             [
-                stranded,
+                stranded.clone(),
                 vec![
                     alloc(12 * PAGE, 1),
                     fault(Op::Map, 3, err),
@@ -238,6 +239,38 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
                     fault(Op::Unmap, 1, err),
                     EmptyCache,
                 ],
+            ]
+            .concat(),
+        ),
+        (
+            // `compaction:split` on a device full of chunks that one live page each strands: a request
+            // on another stream splits them (a `create` of the single pages failing first, so the chunk
+            // is mapped whole again), then with the split's `unmap`, `release`, `map` and `set_access`
+            // failing in turn, each time on chunks stranded anew; every live block's bytes read back.
+            "seed_split",
+            Setup {
+                chunk_pages: 4,
+                split: true,
+                ..setup(32, u64::MAX)
+            },
+            [
+                stranded.clone(),
+                vec![
+                    fault(Op::Create, 1, err),
+                    alloc(12 * PAGE, 1),
+                    alloc(12 * PAGE, 1),
+                ],
+                (0..9).map(|_| Free { pick: 0 }).collect(),
+                vec![EmptyCache],
+                stranded.clone(),
+                vec![fault(Op::Unmap, 1, err), alloc(12 * PAGE, 2)],
+                vec![fault(Op::Release, 1, err), alloc(12 * PAGE, 2)],
+                vec![fault(Op::Map, 2, err), alloc(12 * PAGE, 2)],
+                vec![fault(Op::SetAccess, 1, oom), alloc(12 * PAGE, 1)],
+                (0..12).map(|_| Free { pick: 0 }).collect(),
+                vec![EmptyCache],
+                stranded,
+                vec![alloc(12 * PAGE, 1), alloc(4 * PAGE, 2), alloc(40 * PAGE, 0)],
             ]
             .concat(),
         ),

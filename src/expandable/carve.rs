@@ -4,6 +4,7 @@
 
 use super::Expandable;
 use super::accounting::SlotCounts;
+use super::segment::Kind;
 use super::supply::Shortage;
 use crate::base::size::round_up;
 use crate::driver::{Driver, StreamId};
@@ -35,7 +36,7 @@ impl<D: Driver> Expandable<D> {
             let mut best: Option<(u64, usize, u64)> = None;
             for slot in self.segments.of_key(&key) {
                 let seg = self.segments.at(slot);
-                if seg.whole_pages && size % self.page_size != 0 {
+                if seg.kind == Kind::WholePages && size % self.page_size != 0 {
                     continue;
                 }
                 if let Some((0, block_size, addr)) = seg.mapped_fit(size, FIT_CANDIDATES, false)

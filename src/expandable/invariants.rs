@@ -15,6 +15,7 @@
 //!    live blocks are those it fell asleep with, and once asleep none of its pages is mapped.
 
 use super::blocks::{Block, BlockState};
+use super::segment::Kind;
 use super::{Expandable, ROUND};
 use crate::driver::Driver;
 use crate::strategy::error::InvariantViolation as V;
@@ -62,7 +63,10 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                 });
             }
             // A segment of whole-page requests is tiled by whole pages: no block shares a page.
-            let align = if seg.whole_pages { a.page_size } else { ROUND };
+            let align = match seg.kind {
+                Kind::WholePages => a.page_size,
+                Kind::Mixed => ROUND,
+            };
             if addr % align != 0 || block.size % align != 0 || block.size == 0 {
                 return Err(V::Misaligned { addr, align });
             }

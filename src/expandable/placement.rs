@@ -4,7 +4,7 @@
 //! finds one that saves pages; else a new segment (`reservations.rs`).
 
 use super::Expandable;
-use super::segment::TagId;
+use super::segment::{Kind, TagId};
 use crate::driver::{Driver, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::GraphPool;
@@ -15,8 +15,9 @@ const FIT_CANDIDATES: usize = 8;
 
 impl<D: Driver> Expandable<D> {
     /// The block for `size` bytes on `stream`: the best-fitting free block among the segments of
-    /// `(stream, pool)` of the request's class (the compaction policy's `whole_pages`; a whole-page request
-    /// that would need pages there takes mapped whole pages of the other segments if they have some),
+    /// `(stream, pool)` of the request's kind ([`Kind`]: whole pages as the compaction policy's `whole_pages`
+    /// says; a whole-page request that would need pages there takes mapped whole pages of the other segments
+    /// if they have some),
     /// unless it needs pages mapped and `cross_stream_reuse` finds a cached block of another stream's
     /// segment; a new segment when none fits. Returns the segment's slot, the block's address, and whether
     /// the block is borrowed from another stream's segment.
@@ -27,11 +28,11 @@ impl<D: Driver> Expandable<D> {
         pool: Pool,
         (graph, tag): (Option<GraphPool>, Option<TagId>),
     ) -> Result<(usize, u64, bool), Error> {
-        let whole_pages = (self.policies.compaction).whole_pages(size, pool, self.page_size);
+        let kind = self.kind_of(size, pool);
         let key = (stream, pool, graph, tag);
         let mut best: Option<((usize, u64), usize, u64)> = None;
         for slot in self.segments.of_key(&key) {
-            if self.segments.at(slot).whole_pages != whole_pages {
+            if self.segments.at(slot).kind != kind {
                 continue;
             }
             if let Some((missing, block_size, addr)) =
@@ -43,12 +44,12 @@ impl<D: Driver> Expandable<D> {
                 best = Some(((missing, block_size), slot, addr));
             }
         }
-        if whole_pages && best.is_none_or(|((missing, _), ..)| missing > 0) {
+        if kind == Kind::WholePages && best.is_none_or(|((missing, _), ..)| missing > 0) {
             // Pages mapped in the other segments serve it where they are, on whole pages of a free block
             // (so it still shares no page), rather than be unmapped and mapped again.
             let mut in_place: Option<(u64, usize, u64)> = None;
             for slot in self.segments.of_key(&key) {
-                if !self.segments.at(slot).whole_pages
+                if self.segments.at(slot).kind != Kind::WholePages
                     && let Some((0, block_size, addr)) =
                         self.segments
                             .at(slot)
@@ -92,20 +93,29 @@ impl<D: Driver> Expandable<D> {
             && own_missing > 0
             && (self.policies.compaction)
                 .reclaims((self.supply).growth(reserved, need.saturating_mul(self.page_size)))
-            && let Some((slot, addr)) = self.borrow_block(size, stream, pool, whole_pages)?
+            && let Some((slot, addr)) = self.borrow_block(size, stream, pool, kind)?
         {
             return Ok((slot, addr, true));
         }
         if let Some((_, slot, addr)) = best {
             return Ok((slot, addr, false));
         }
-        let slot = self.reserve_segment(key, whole_pages, size)?;
+        let slot = self.reserve_segment(key, kind, size)?;
         let (_, addr) = self
             .segments
             .at(slot)
             .best_fit(size)
             .expect("a new segment fits the request it was sized for");
         Ok((slot, addr, false))
+    }
+
+    /// The kind of segments a request of `size` bytes (rounded) in `pool` is placed among: whole pages where
+    /// the compaction policy keeps them apart, else any.
+    fn kind_of(&self, size: u64, pool: Pool) -> Kind {
+        match (self.policies.compaction).whole_pages(size, pool, self.page_size) {
+            true => Kind::WholePages,
+            false => Kind::Mixed,
+        }
     }
 
     /// A cached free block (every page mapped with access, so serving it needs no driver call) of another
@@ -119,13 +129,10 @@ impl<D: Driver> Expandable<D> {
         size: u64,
         stream: StreamId,
         pool: Pool,
-        whole_pages: bool,
+        kind: Kind,
     ) -> Result<Option<(usize, u64)>, Error> {
         // The smallest candidate first, found without collecting them: its stream is usually idle.
-        let Some((_, slot, addr)) = self
-            .borrow_candidates(size, stream, pool, whole_pages)
-            .min()
-        else {
+        let Some((_, slot, addr)) = self.borrow_candidates(size, stream, pool, kind).min() else {
             return Ok(None);
         };
         let busy = self.segments.at(slot).stream;
@@ -134,7 +141,7 @@ impl<D: Driver> Expandable<D> {
         }
         // Its stream is busy: the other streams' candidates by size, each stream checked once.
         let mut candidates: Vec<(u64, usize, u64)> = self
-            .borrow_candidates(size, stream, pool, whole_pages)
+            .borrow_candidates(size, stream, pool, kind)
             .filter(|&(_, slot, _)| self.segments.at(slot).stream != busy)
             .collect();
         candidates.sort_unstable();
@@ -156,7 +163,7 @@ impl<D: Driver> Expandable<D> {
         Ok(None)
     }
 
-    /// For each segment of `pool` of a stream other than `stream`, of the request's class, that has a cached
+    /// For each segment of `pool` of a stream other than `stream`, of the request's kind, that has a cached
     /// fit for `size` bytes, `(block size, slot, address)`
     /// ([`Segment::cached_fit`](super::segment::Segment::cached_fit)).
     fn borrow_candidates(
@@ -164,13 +171,13 @@ impl<D: Driver> Expandable<D> {
         size: u64,
         stream: StreamId,
         pool: Pool,
-        whole_pages: bool,
+        kind: Kind,
     ) -> impl Iterator<Item = (u64, usize, u64)> + '_ {
         self.segments.slotted().filter_map(move |(slot, seg)| {
             let seg = Some(seg).filter(|s| {
                 s.pool == pool
                     && s.stream != stream
-                    && s.whole_pages == whole_pages
+                    && s.kind == kind
                     && s.graph.is_none()
                     && s.tag.is_none()
             })?;

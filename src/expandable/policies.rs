@@ -2,7 +2,7 @@
 //! is a file in `compaction/` or `handle_size/` that implements the folder's `Policy`, and one line here.
 //! The orchestrator holds them and lends them to the parts that consult them (`supply/`, placement).
 
-use super::compaction::{self, eager::Eager, pressure::Pressure};
+use super::compaction::{self, eager::Eager, pressure::Pressure, split::Split};
 use super::handle_size::{self, chunks::Chunks, single_pages::SinglePages};
 use crate::strategy::config::{Compaction, Config};
 
@@ -21,17 +21,18 @@ impl Policies {
         let compaction: Box<dyn compaction::Policy> = match config.compaction {
             Compaction::Pressure => Box::new(Pressure),
             Compaction::Eager => Box::new(Eager),
+            Compaction::Split => Box::new(Split),
         };
         // `large_handle` in whole pages, at least one.
         let pages = (config.large_handle / page_size).max(1) as usize;
         let handle_size: Box<dyn handle_size::Policy> = match config.compaction {
-            Compaction::Pressure if pages > 1 => Box::new(Chunks {
+            Compaction::Pressure | Compaction::Split if pages > 1 => Box::new(Chunks {
                 pages,
                 headroom: config.large_handle_headroom,
             }),
             // Eager compaction moves idle pages one by one, which a chunk, unmapped only whole, would not
             // let it do.
-            Compaction::Pressure | Compaction::Eager => Box::new(SinglePages),
+            Compaction::Pressure | Compaction::Split | Compaction::Eager => Box::new(SinglePages),
         };
         Self {
             compaction,

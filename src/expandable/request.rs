@@ -19,7 +19,8 @@ use super::supply::Shortage;
 use super::{Expandable, ROUND};
 use crate::base::size::round_up;
 use crate::driver::{Driver, MemInfo, StreamId};
-use crate::strategy::error::{Error, OutOfMemory, ReclaimStep};
+use crate::strategy::config::Compaction;
+use crate::strategy::error::{Error, OutOfMemory, ReclaimStep, StrandedRemedy};
 use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::pool::Pool;
 
@@ -251,6 +252,13 @@ impl<D: Driver> Expandable<D> {
             reserved: c.reserved.current,
             idle: self.supply.idle_bytes(&self.books),
             idle_handles: physical.pooled_pages() as u64 * self.page_size,
+            stranded: self.supply.stranded_pages(&self.segments) as u64 * self.page_size,
+            stranded_remedy: Some(match self.config.compaction {
+                Compaction::Split => StrandedRemedy::SinglePages {
+                    page_size: self.page_size,
+                },
+                Compaction::Pressure | Compaction::Eager => StrandedRemedy::Split,
+            }),
             largest_free_block: self.segments.largest_free_mapped_block(),
             retried,
             graph_pool_bytes: self.graphs.pool_bytes(&self.segments, self.page_size).0,

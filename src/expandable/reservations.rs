@@ -2,7 +2,7 @@
 //! mapped page, and every one (with everything mapped in it) given back on drop.
 
 use super::Expandable;
-use super::segment::Segment;
+use super::segment::{Kind, Segment};
 use super::segments::SegmentKey;
 use super::settle::free_reservation_settled;
 use super::streams::synchronize_device;
@@ -11,12 +11,11 @@ use crate::driver::Driver;
 use crate::strategy::error::Error;
 
 impl<D: Driver> Expandable<D> {
-    /// Reserves a segment for `key` large enough for `min_size` bytes, for whole-page requests only if
-    /// `whole_pages`.
+    /// Reserves a segment for `key` large enough for `min_size` bytes, for requests of `kind`.
     pub(super) fn reserve_segment(
         &mut self,
         key: SegmentKey,
-        whole_pages: bool,
+        kind: Kind,
         min_size: u64,
     ) -> Result<usize, Error> {
         let (stream, pool, graph, tag) = key;
@@ -36,7 +35,7 @@ impl<D: Driver> Expandable<D> {
             stream = stream.0,
             "cuvmm: reserved segment"
         );
-        let mut segment = Segment::new(va, stream, pool, whole_pages, self.page_size);
+        let mut segment = Segment::new(va, stream, pool, kind, self.page_size);
         segment.graph = graph;
         segment.tag = tag;
         let slot = self.segments.add_segment(key, segment);

@@ -33,6 +33,17 @@ const INNER_PLACEMENT_DIVISOR: usize = 8;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct TagId(pub u32);
 
+/// Which large-pool requests a segment holds, as the policies place them apart (`compaction/`,
+/// `handle_size/`): a request goes to the segments of its kind first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Any request that no other kind takes: every request, unless a policy places some apart.
+    Mixed,
+    /// Requests of whole pages, which start and end on page boundaries there, so that no two blocks share
+    /// a page (`Segment::mapped_fit` with `whole_pages`).
+    WholePages,
+}
+
 /// What a free of an address inside this segment found there.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum FreeOutcome {
@@ -59,12 +70,15 @@ pub(crate) struct Segment {
     pub graph: Option<GraphPool>,
     /// The tag its allocations were made under, if any (`sleep.rs`): only they are placed here.
     pub tag: Option<TagId>,
-    /// Whether only requests of whole pages are placed here (`compaction:eager`, large pool).
-    pub whole_pages: bool,
+    /// Which requests are placed here ([`Kind`]).
+    pub kind: Kind,
     pub pages: PageMap,
     /// When a block of this segment was last freed (the allocator's free clock): reclaiming under pressure
     /// takes the idle pages of the segments freed longest ago first.
     pub last_free: u64,
+    /// Whether memory of this segment was ever exported to another process (`sharing.rs`): its handles may
+    /// be mapped there too, so none of them is ever re-created as single pages (`compaction:split`).
+    pub shared: bool,
     blocks: Blocks,
     free: FreeIndex,
     occupied: usize,
@@ -75,13 +89,7 @@ pub(crate) struct Segment {
 
 impl Segment {
     /// A segment over `va`, one free block covering all of it.
-    pub fn new(
-        va: VaRange,
-        stream: StreamId,
-        pool: Pool,
-        whole_pages: bool,
-        page_size: u64,
-    ) -> Self {
+    pub fn new(va: VaRange, stream: StreamId, pool: Pool, kind: Kind, page_size: u64) -> Self {
         let page_count = (va.size / page_size) as usize;
         let pages = PageMap::new(page_count, page_size);
         let blocks = Blocks::new(va.start, page_count, page_size, Block::free(va.size));
@@ -91,9 +99,10 @@ impl Segment {
             pool,
             graph: None,
             tag: None,
-            whole_pages,
+            kind,
             pages,
             last_free: 0,
+            shared: false,
             blocks,
             free: FreeIndex::default(),
             occupied: 0,

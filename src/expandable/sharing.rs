@@ -52,6 +52,10 @@ impl<D: Driver> Expandable<D> {
             page += (size / self.page_size) as usize;
         }
         let start = seg.page_addr(pages.start);
+        let size = block.size;
+        // Its handles may now be mapped in another process too: they are never re-created
+        // (`compaction:split`), or the two would no longer share the bytes.
+        self.segments.at_mut(slot).shared = true;
         let mut parts = Vec::with_capacity(layout.len());
         for (source, handle_size, size) in layout {
             parts.push(SharedPart {
@@ -64,7 +68,7 @@ impl<D: Driver> Expandable<D> {
         Ok(SharedMemory {
             parts,
             offset: addr - start,
-            size: block.size,
+            size,
         })
     }
 }

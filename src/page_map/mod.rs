@@ -111,7 +111,6 @@ impl PageMap {
     }
 
     /// Whether page `page` is mapped and touched by no live block.
-    #[cfg(any(test, feature = "testing"))]
     pub fn is_idle(&self, page: usize) -> bool {
         self.idle.get(page)
     }

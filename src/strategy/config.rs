@@ -192,6 +192,12 @@ pub enum Compaction {
     /// Reclaim idle pages before creating any (synchronizing their streams): reserved memory stays at the
     /// pages live blocks touch, at the cost of remapping and synchronizing on every run.
     Eager,
+    /// [`Pressure`](Self::Pressure), and, as the last step before out-of-memory, the chunks (multi-page
+    /// handles) that live blocks still touch are re-created as single pages at the same addresses (after a
+    /// device synchronization; the live pages' bytes staged through host memory), so their idle pages can be
+    /// given back. The program says by choosing it that no other thread launches work on cuvmm memory while
+    /// an allocation is being served. Where memory is plentiful it does exactly what `Pressure` does.
+    Split,
 }
 
 /// The reserved-memory budget of [`Compaction::Pressure`], or the memory limit.

@@ -3,7 +3,7 @@
 use crate::driver::DriverError;
 use crate::strategy::config::ConfigError;
 
-pub use crate::strategy::oom::{OutOfMemory, ReclaimStep, Suggestion};
+pub use crate::strategy::oom::{OutOfMemory, ReclaimStep, StrandedRemedy, Suggestion};
 
 /// What an allocator operation can fail with.
 #[derive(Debug, thiserror::Error)]

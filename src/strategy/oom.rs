@@ -46,6 +46,31 @@ impl fmt::Display for ReclaimStep {
     }
 }
 
+/// The setting that gives back idle pages stranded in multi-page handles that live allocations touch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrandedRemedy {
+    /// `compaction:split`: such handles are re-created as single pages under pressure.
+    Split,
+    /// Single-page handles (`large_handle_mb` of the page size), where split is already set and still
+    /// left pages stranded (in a live CUDA graph pool, memory shared with another process, a capture).
+    SinglePages {
+        /// The page size in bytes.
+        page_size: u64,
+    },
+}
+
+impl fmt::Display for StrandedRemedy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            StrandedRemedy::Split => f.write_str("compaction:split"),
+            StrandedRemedy::SinglePages { page_size } if page_size % MIB == 0 => {
+                write!(f, "large_handle_mb:{}", page_size / MIB)
+            }
+            StrandedRemedy::SinglePages { .. } => f.write_str("large_handle_mb of the page size"),
+        }
+    }
+}
+
 /// The one thing to do about an out-of-memory error, chosen from its numbers by
 /// [`OutOfMemory::suggestion`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +96,14 @@ pub enum Suggestion {
         outside: u64,
         /// Bytes missing for the request.
         need: u64,
+    },
+    /// Free device memory plus the idle pages stranded in multi-page handles that live allocations still
+    /// touch would hold the request: `setting` gives such pages back.
+    Stranded {
+        /// Stranded bytes ([`OutOfMemory::stranded`]).
+        stranded: u64,
+        /// The setting that would have made the request fit.
+        setting: StrandedRemedy,
     },
     /// The device is truly full: live allocations must shrink by at least `need` bytes.
     ReduceUsage {
@@ -104,6 +137,13 @@ impl fmt::Display for Suggestion {
                  (another process or allocator).",
                 size(outside),
                 size(need)
+            ),
+            Suggestion::Stranded { stranded, setting } => write!(
+                f,
+                "{} of idle pages lie in multi-page handles (large_handle_mb) that live allocations still \
+                 touch, which are unmapped only whole; with them the request would fit: set {setting} \
+                 (CUVMM_ALLOC_CONF).",
+                size(stranded)
             ),
             Suggestion::ReduceUsage { need } => write!(
                 f,
@@ -144,6 +184,11 @@ pub struct OutOfMemory {
     pub idle: u64,
     /// Of `idle`, bytes held as unmapped handles (cuvmm's pool; 0 for the models of PyTorch).
     pub idle_handles: u64,
+    /// Of `idle`, bytes of idle pages stranded in multi-page handles (cuvmm's 20 MiB chunks) that live
+    /// allocations still touch: a handle is unmapped only whole, so they could not be given back.
+    pub stranded: u64,
+    /// The setting that gives stranded pages back; `None` where none applies (the models of PyTorch).
+    pub stranded_remedy: Option<StrandedRemedy>,
     /// Largest request that could have been served without a driver call.
     pub largest_free_block: u64,
     /// Whether the cache was released and the request retried before giving up.
@@ -172,7 +217,9 @@ impl OutOfMemory {
             .saturating_sub(self.reserved)
     }
 
-    /// The one thing to do, from the numbers: a memory limit that refused the request; else fragmentation
+    /// The one thing to do, from the numbers: a memory limit that refused the request; else, where free
+    /// memory plus the idle pages stranded in handles that live allocations touch would hold it, the setting
+    /// that gives those back; else fragmentation
     /// if free plus unallocated memory would hold the request; else, with `need` the bytes missing,
     /// other users of the device if they hold at least that much, or smaller live allocations.
     pub fn suggestion(&self) -> Suggestion {
@@ -184,6 +231,15 @@ impl OutOfMemory {
                     need: wanted - allowed,
                 };
             }
+        }
+        if let Some(setting) = self.stranded_remedy
+            && self.stranded > 0
+            && self.device_free.saturating_add(self.stranded) >= self.alloc_size
+        {
+            return Suggestion::Stranded {
+                stranded: self.stranded,
+                setting,
+            };
         }
         let unallocated = self.unallocated();
         let reachable = self.device_free.saturating_add(unallocated);
@@ -247,6 +303,13 @@ impl fmt::Display for OutOfMemory {
             size(self.idle_handles),
             size(self.largest_free_block),
         )?;
+        if self.stranded > 0 {
+            write!(
+                f,
+                "{} of the idle pages lie in multi-page handles that live allocations still touch. ",
+                size(self.stranded)
+            )?;
+        }
         if self.graph_pool_bytes > 0 {
             write!(
                 f,

@@ -45,6 +45,9 @@ pub struct Setup {
     /// Whether the simulated device maps parts of handles (`SimConfig::partial_mappings`, which lending
     /// needs; CUDA does not).
     pub partial_mappings: bool,
+    /// Whether the allocator runs `compaction:split` (chunks that live blocks touch re-created as single
+    /// pages under pressure) rather than the default `pressure`.
+    pub split: bool,
 }
 
 /// One operation.
@@ -97,6 +100,7 @@ pub fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
         small_size: if flags & 4 == 0 { 1024 } else { 8192 },
         chunk_pages: if flags & 8 == 0 { 1 } else { 4 },
         partial_mappings: flags & 16 != 0,
+        split: flags & 32 != 0,
     };
     let mut actions = Vec::new();
     while !input.is_empty() && actions.len() < MAX_ACTIONS {
@@ -144,7 +148,11 @@ pub fn encode(setup: &Setup, actions: &[Action]) -> Vec<u8> {
     };
     assert!((32..=64).contains(&setup.pages), "32 to 64 pages");
     let partial = if setup.partial_mappings { 16 } else { 0 };
-    let mut out = vec![(setup.pages - 32) as u8, idle | small | chunks | partial];
+    let split = if setup.split { 32 } else { 0 };
+    let mut out = vec![
+        (setup.pages - 32) as u8,
+        idle | small | chunks | partial | split,
+    ];
     for action in actions {
         match *action {
             Action::Alloc { size, stream } => {

@@ -32,6 +32,7 @@
 use crate::expandable_input::{Action, PAGE, Setup, decode};
 use crate::ops_common::{Content, Faults, Live, LiveSet, Model, OnSim, Summary, check_bad_free};
 use crate::strategy_ops::OpsHarness;
+use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
@@ -87,6 +88,10 @@ impl State {
         let config = Config {
             small_size: setup.small_size,
             large_handle: setup.chunk_pages * PAGE,
+            compaction: match setup.split {
+                true => Compaction::Split,
+                false => Compaction::Pressure,
+            },
             ..Config::default()
         }
         .with_max_idle_bytes(setup.max_idle_bytes);

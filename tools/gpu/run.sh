@@ -46,6 +46,7 @@
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
+#   capacity-split  the same for cuvmm under compaction:split (issue 43), on three traces ($OUT/capacity-split.md)
 #
 # The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake, sleep-frameworks, two-process) first
 # build the C++ layer, once ($OUT/cpp-layer.txt).
@@ -169,6 +170,16 @@ run_step() {
         done
         python3 tools/gpu/tables.py "$out" capacity-cuda.txt >"$out/capacity-cuda.md" 2>&1
         echo "capacity-cuda: table in $out/capacity-cuda.md" ;;
+    capacity-split)
+        # Issue 43 on the device: cuvmm with compaction:split on the three traces where the default strands the
+        # most (capacity-cuda gives the default's and pytorch-expandable's on the same traces).
+        for name in cs336_medium_ctx128_trainstep cs336_compiled_train_bcrafton bert_large_inference; do
+            [ -e "$bin/traces/$name.pickle" ] || continue
+            step capacity-split "${CAPACITY_LIMIT:-300}" "$bin/cuvmm" capacity --backend cuda --allocator cuvmm \
+                --alloc-conf compaction:split --quiet --format json --trace "$bin/traces/$name.pickle"
+        done
+        python3 tools/gpu/tables.py "$out" capacity-split.txt >"$out/capacity-split.md" 2>&1
+        echo "capacity-split: table in $out/capacity-split.md" ;;
     conformance) step conformance 540 "$bin/conformance_cuda" --test-threads=1 --nocapture ;;
     capture) step capture 120 "$bin/conformance_cuda" capture --test-threads=1 --nocapture ;;
     lib) step lib 300 "$bin/cuvmm-lib" driver::cuda --nocapture ;;

@@ -3,8 +3,8 @@
 
     python3 tools/gpu/tables.py gpu-out [FILE...]
 
-Reads whichever of traces.txt, workloads.txt, torch.txt, hot.txt, train.txt, driver-bench.txt and
-capacity-cuda.txt are there (or only the FILEs named) and prints one table per file found.
+Reads whichever of traces.txt, workloads.txt, torch.txt, hot.txt, train.txt, driver-bench.txt,
+capacity-cuda.txt and capacity-split.txt are there (or only the FILEs named) and prints one table per file found.
 """
 
 import json
@@ -140,7 +140,7 @@ def capacity_cuda(path):
 def main(folder, only=()):
     handlers = {"traces.txt": lambda p: replays(p, "traces"), "workloads.txt": lambda p: replays(p, "workloads"),
                 "torch.txt": torch, "hot.txt": hot, "train.txt": train, "driver-bench.txt": driver_bench,
-                "capacity-cuda.txt": capacity_cuda}
+                "capacity-cuda.txt": capacity_cuda, "capacity-split.txt": capacity_cuda}
     for name, handler in handlers.items():
         if only and name not in only:
             continue

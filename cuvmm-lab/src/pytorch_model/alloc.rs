@@ -303,6 +303,8 @@ impl<D: Driver> Split<D> {
             reserved: c.reserved.current(),
             idle: c.reserved.current().saturating_sub(c.allocated.current()),
             idle_handles: 0,
+            stranded: 0,
+            stranded_remedy: None,
             largest_free_block: self.largest_cached_block(),
             retried: true,
             graph_pool_bytes: 0,

@@ -11,9 +11,11 @@
 //! |---|---|---|
 //! | `Pressure` | `pressure.rs` | `pressure` (the default) |
 //! | `Eager` | `eager.rs` | `eager` |
+//! | `Split` | `split.rs` | `split` |
 
 pub(super) mod eager;
 pub(super) mod pressure;
+pub(super) mod split;
 
 use super::compacting::Wait;
 use super::segments::Segments;
@@ -58,4 +60,9 @@ pub(super) trait Reclaimer {
     /// Lends up to `count` idle pages of chunks that a live block still touches, where the driver maps
     /// parts of handles; returns the pages lent.
     fn lend(&mut self, count: usize, wait: Wait) -> Result<usize, Error>;
+
+    /// Re-creates chunks that live blocks still touch as single pages at the same addresses, after
+    /// synchronizing the device, until at least `count` of their idle pages are given back (released, which
+    /// makes room to create pages); returns the pages given back.
+    fn split(&mut self, count: usize) -> Result<usize, Error>;
 }

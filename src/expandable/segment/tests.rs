@@ -13,7 +13,7 @@ fn segment(pages: u64, mapped: Range<usize>) -> Segment {
         VaRange::new(BASE, pages * PAGE),
         StreamId::DEFAULT,
         Pool::Large,
-        false,
+        Kind::Mixed,
         PAGE,
     );
     for page in mapped.clone() {

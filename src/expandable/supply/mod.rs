@@ -13,7 +13,8 @@
 //! - `obtain.rs`: N pages for missing pages: pooled handles, then the compaction policy's reclaim, then new
 //!   handles (and, once if the request allows, the cache released and creation retried);
 //! - `reclaim.rs`: taking idle pages: unmapping them, lending pieces of chunks in use, putting pages back;
-//! - `release.rs`: giving memory back to the driver: idle memory, the whole cache, everything on drop.
+//! - `release.rs`: giving memory back to the driver: idle memory, the whole cache, everything on drop;
+//! - `split.rs`: re-creating chunks that live blocks still touch as single pages, under pressure.
 
 mod back;
 mod lending;
@@ -21,6 +22,7 @@ mod obtain;
 mod physical;
 mod reclaim;
 mod release;
+mod split;
 
 pub(super) use lending::Lending;
 pub(super) use physical::{Growth, Physical, Setup};

@@ -143,4 +143,8 @@ impl<D: Driver> Reclaimer for Reclaiming<'_, '_, '_, D> {
     fn lend(&mut self, count: usize, wait: Wait) -> Result<usize, Error> {
         (self.supply).lend_stranded(self.parts, count, self.out, wait, &mut self.compacting)
     }
+
+    fn split(&mut self, count: usize) -> Result<usize, Error> {
+        (self.supply).split_stranded(self.parts, count, &mut self.compacting)
+    }
 }

@@ -20,7 +20,7 @@ pub(super) const EXPECT_AT_LEAST_20: &str = "a whole number of MiB >= 20 (PyTorc
 pub(super) const EXPECT_FRACTION: &str = "a number strictly between 0 and 1";
 pub(super) const EXPECT_BUDGET_FRACTION: &str = "a number greater than 0 and at most 1";
 pub(super) const EXPECT_HEADROOM: &str = "a number from 0 to 1";
-const EXPECT_COMPACTION: &str = "`pressure` or `eager`";
+const EXPECT_COMPACTION: &str = "`pressure`, `eager` or `split`";
 pub(super) const EXPECT_ROUNDUP: &str = "a power of two, or a list like [256:1,512:2,>:8] whose keys are \
      powers of two (MiB) or `>` and whose values are powers of two or 0";
 const EXPECT_BOOL: &str = "True or False (spelled as PyTorch spells them)";
@@ -162,6 +162,7 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.compaction = match value {
                 "pressure" => Compaction::Pressure,
                 "eager" => Compaction::Eager,
+                "split" => Compaction::Split,
                 _ => return Err(bad(EXPECT_COMPACTION)),
             }
         }

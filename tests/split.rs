@@ -1,0 +1,168 @@
+//! `compaction:split`: where memory is plentiful, exactly `compaction:pressure`'s driver calls; past the
+//! budget, chunks that live blocks still touch are re-created as single pages at the same addresses, their
+//! live bytes kept, after one device synchronization; and the out-of-memory diagnosis of the default names
+//! the stranded bytes and the setting that would have made the request fit.
+
+mod common;
+
+use common::{expandable_with, pattern};
+use cuvmm::config::Compaction;
+use cuvmm::driver::sim::SimDriver;
+use cuvmm::driver::{Driver, Op, StreamId};
+use cuvmm::expandable::Expandable;
+use cuvmm::oom::{StrandedRemedy, Suggestion};
+use cuvmm::strategy::{DeviceBytes, Sharing};
+use cuvmm::{Config, Error, Strategy};
+
+const PAGE: u64 = 1 << 16;
+const S0: StreamId = StreamId(0);
+const S1: StreamId = StreamId(1);
+
+/// A 32-page device with chunks of 4 pages, `compaction` as given.
+fn allocator(compaction: Compaction) -> Expandable<SimDriver> {
+    let config = Config {
+        large_handle: 4 * PAGE,
+        small_size: 1024,
+        ..Config::default()
+    }
+    .with_compaction(compaction);
+    expandable_with(PAGE, 32, config, true)
+}
+
+/// Fills the device with 8 chunks, each kept by a one-page block written with a pattern; returns those
+/// blocks.
+fn strand(a: &mut Expandable<SimDriver>) -> Vec<u64> {
+    let mut big = Vec::new();
+    let mut kept = Vec::new();
+    for i in 0..8 {
+        big.push(a.alloc(3 * PAGE, S0).unwrap());
+        let addr = a.alloc(PAGE, S0).unwrap();
+        a.copy_from_host_for_test(addr, &pattern(i, PAGE as usize));
+        kept.push(addr);
+    }
+    for addr in big {
+        a.free(addr).unwrap();
+    }
+    a.check_invariants().unwrap();
+    kept
+}
+
+trait Write {
+    fn copy_from_host_for_test(&mut self, addr: u64, bytes: &[u8]);
+}
+
+impl Write for Expandable<SimDriver> {
+    fn copy_from_host_for_test(&mut self, addr: u64, bytes: &[u8]) {
+        self.driver_mut().copy_from_host(addr, bytes).unwrap();
+    }
+}
+
+#[test]
+fn a_request_past_the_budget_splits_stranded_chunks_and_keeps_the_live_bytes() {
+    let mut a = allocator(Compaction::Split);
+    let kept = strand(&mut a);
+    let syncs = a.driver().counters().get(Op::Synchronize);
+    // 24 idle pages in chunks that live pages touch: only a split gives them back.
+    let addr = a.alloc(12 * PAGE, S1).unwrap();
+    a.check_invariants().unwrap();
+    assert!(
+        a.driver().counters().get(Op::Synchronize) > syncs,
+        "the device synchronized"
+    );
+    for (i, &addr) in kept.iter().enumerate() {
+        let mut out = vec![0; PAGE as usize];
+        a.copy_to_host(addr, &mut out).unwrap();
+        assert_eq!(
+            out,
+            pattern(i as u64, PAGE as usize),
+            "block {i} kept its bytes"
+        );
+    }
+    a.free(addr).unwrap();
+    for addr in kept {
+        a.free(addr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
+
+#[test]
+fn the_default_runs_out_of_memory_and_names_the_stranded_bytes_and_the_setting() {
+    let mut a = allocator(Compaction::Pressure);
+    strand(&mut a);
+    let err = a.alloc(12 * PAGE, S1).unwrap_err();
+    let Error::OutOfMemory(oom) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(oom.stranded, 24 * PAGE);
+    assert_eq!(
+        oom.suggestion(),
+        Suggestion::Stranded {
+            stranded: 24 * PAGE,
+            setting: StrandedRemedy::Split
+        }
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("1.50 MiB of the idle pages lie in multi-page handles"),
+        "{text}"
+    );
+    assert!(text.contains("set compaction:split"), "{text}");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn plentiful_memory_makes_pressures_calls_exactly() {
+    let run = |compaction| {
+        let config = Config {
+            large_handle: 4 * PAGE,
+            small_size: 1024,
+            ..Config::default()
+        }
+        .with_compaction(compaction);
+        let mut a = expandable_with(PAGE, 4096, config, false);
+        let mut live = Vec::new();
+        for i in 0..300u64 {
+            let size = ((i * 7919) % 13 + 1) * 3 * PAGE / 2 + (i % 5) * 4096 + 512;
+            live.push(a.alloc(size, StreamId(i % 2)).unwrap());
+            if live.len() > 6 {
+                let victim = live.remove(((i * 31) % live.len() as u64) as usize);
+                a.free(victim).unwrap();
+            }
+            a.check_invariants().unwrap();
+        }
+        a.driver().counters()
+    };
+    let (pressure, split) = (run(Compaction::Pressure), run(Compaction::Split));
+    assert_eq!(pressure, split);
+    assert_eq!(split.get(Op::Synchronize), 0);
+}
+
+#[test]
+fn memory_shared_with_another_process_is_never_split() {
+    // The other process maps the same handles: re-created ones would no longer share the bytes.
+    let mut a = allocator(Compaction::Split);
+    let kept = strand(&mut a);
+    let shared = a.share(kept[0]).unwrap();
+    // All the blocks are in one segment, which has shared memory: nothing is split.
+    let err = a.alloc(12 * PAGE, S1).unwrap_err();
+    let Error::OutOfMemory(oom) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(oom.stranded, 24 * PAGE);
+    assert_eq!(
+        oom.suggestion(),
+        Suggestion::Stranded {
+            stranded: 24 * PAGE,
+            setting: StrandedRemedy::SinglePages { page_size: PAGE }
+        }
+    );
+    assert!(
+        err.to_string()
+            .contains("set large_handle_mb of the page size"),
+        "{err}"
+    );
+    drop(shared);
+    a.check_invariants().unwrap();
+}
