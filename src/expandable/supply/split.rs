@@ -20,6 +20,24 @@ use crate::strategy::history::TraceAction;
 use crate::strategy::pool::Pool;
 use std::ops::Range;
 
+/// How often a split calls a failing driver call again once the chunk is unmapped: until the live pages are
+/// mapped with access again, a program's memory is unbacked, so each call is repeated at once, as settling
+/// repeats a failed call (`settle.rs`). A driver that fails one call this many times in a row (on a GPU, a
+/// lost context) leaves the live pages unmapped and the error returned.
+const REPEATS: usize = 8;
+
+/// `call` made until it succeeds, at most [`REPEATS`] times; the last error if it never does.
+fn repeated<T>(mut call: impl FnMut() -> Result<T, DriverError>) -> Result<T, DriverError> {
+    let mut attempt = 1;
+    loop {
+        match call() {
+            Ok(value) => return Ok(value),
+            Err(err) if attempt == REPEATS => return Err(err),
+            Err(_) => attempt += 1,
+        }
+    }
+}
+
 /// A chunk that live blocks touch, with idle pages: its segment, its group's first page, its idle pages.
 #[derive(Clone, Copy, Debug)]
 struct Stranded {
@@ -200,7 +218,7 @@ impl Supply {
         for (run, host) in live.iter().zip(&kept) {
             if let Some(host) = host {
                 let va = p.segments.at(slot).page_addr(run.start);
-                p.driver.copy_from_host(va, host.as_slice())?;
+                repeated(|| p.driver.copy_from_host(va, host.as_slice()))?;
             }
         }
         result?;
@@ -219,12 +237,14 @@ impl Supply {
         let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
         let count: usize = live.iter().map(Range::len).sum();
         let mut fresh = Vec::with_capacity(count);
-        let created = p.driver.create_each(page_size, count, &mut fresh);
-        p.books.counters.created += fresh.len() as u64;
-        p.books
-            .counters
-            .reserved
-            .add(fresh.len() as u64 * page_size);
+        let created = repeated(|| {
+            let before = fresh.len();
+            let created = p.driver.create_each(page_size, count - before, &mut fresh);
+            let made = (fresh.len() - before) as u64;
+            p.books.counters.created += made;
+            p.books.counters.reserved.add(made * page_size);
+            created
+        });
         if let Err(err) = created {
             self.physical.pool_pages(fresh);
             return Err(err.into());
@@ -239,10 +259,23 @@ impl Supply {
                 .copied()
                 .map(Into::into)
                 .collect();
-            let (done, err) = match p.driver.map_each(va, page_size, &pages) {
-                Ok(()) => (run.len(), None),
-                Err((done, err)) => (done, Some(err)),
-            };
+            let mut done = 0;
+            let result = repeated(|| {
+                match p
+                    .driver
+                    .map_each(va + done as u64 * page_size, page_size, &pages[done..])
+                {
+                    Ok(()) => {
+                        done = pages.len();
+                        Ok(())
+                    }
+                    Err((more, err)) => {
+                        done += more;
+                        undo_failed_map(&mut *p.driver, va + done as u64 * page_size, page_size);
+                        Err(err)
+                    }
+                }
+            });
             (p.segments.at_mut(slot).pages)
                 .map_run(run.start, fresh[taken..taken + done].iter().copied());
             p.books.counters.mapped.add(pool, done as u64 * page_size);
@@ -252,12 +285,11 @@ impl Supply {
                 mapped.push(run.start..run.start + done);
             }
             taken += done;
-            if let Some(err) = err {
-                undo_failed_map(&mut *p.driver, va + done as u64 * page_size, page_size);
+            if let Err(err) = result {
                 failure = Some(Error::from(err));
                 break;
             }
-            match p.driver.set_access(va, run.len() as u64 * page_size) {
+            match repeated(|| p.driver.set_access(va, run.len() as u64 * page_size)) {
                 Ok(()) => p.segments.at_mut(slot).pages.set_accessible(run.clone()),
                 Err(err) => {
                     failure = Some(err.into());
@@ -301,7 +333,7 @@ impl Supply {
                 // Room for it: the single pages created for the split are given back first.
                 self.physical
                     .release_pooled(&mut *p.driver, &mut *p.books, bytes)?;
-                let handle = p.driver.create(bytes)?;
+                let handle = repeated(|| p.driver.create(bytes))?;
                 self.physical.add_chunk(handle);
                 p.books.counters.created += group.len() as u64;
                 p.books.counters.reserved.add(bytes);
@@ -309,8 +341,14 @@ impl Supply {
             }
         };
         let va = p.segments.at(slot).page_addr(group.start);
-        if let Err(err) = p.driver.map(va, bytes, handle) {
-            undo_failed_map(&mut *p.driver, va, bytes);
+        let mapped = repeated(|| {
+            let mapped = p.driver.map(va, bytes, handle);
+            if mapped.is_err() {
+                undo_failed_map(&mut *p.driver, va, bytes);
+            }
+            mapped
+        });
+        if let Err(err) = mapped {
             self.physical.pool_chunk(handle);
             return Err(err.into());
         }
@@ -320,7 +358,7 @@ impl Supply {
             .map_chunk(group.clone(), handle);
         p.books.counters.mapped.add(pool, bytes);
         p.books.record(TraceAction::SegmentMap, va, bytes, stream);
-        p.driver.set_access(va, bytes)?;
+        repeated(|| p.driver.set_access(va, bytes))?;
         p.segments.at_mut(slot).pages.set_accessible(group);
         Ok(())
     }
