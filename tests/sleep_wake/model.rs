@@ -296,12 +296,23 @@ fn run(config: Config, actions: Vec<Action>) {
         a.free(addr).unwrap();
         m.live.remove(&addr);
     }
+    // One tag at a time, its allocations freed before the next wakes: the two need not have been live
+    // together (one may have grown into the memory the other gave back by sleeping), but each was once
+    // live with everything else freed now, so each wake alone must find memory.
     for (tag, name) in TAGS.iter().enumerate() {
         a.wake(name).unwrap_or_else(|e| panic!("final wake: {e}"));
         if let Some(true) = m.asleep.remove(&(tag as u8)) {
             for (&addr, l) in &m.live {
                 assert!(l.tag != Some(tag as u8) || holds_pattern(&a, addr, l.id, l.size));
             }
+        }
+        let mine: Vec<u64> = (m.live.iter())
+            .filter(|(_, l)| l.tag == Some(tag as u8))
+            .map(|(&addr, _)| addr)
+            .collect();
+        for addr in mine {
+            a.free(addr).unwrap();
+            m.live.remove(&addr);
         }
     }
     for addr in std::mem::take(&mut m.live).into_keys() {
