@@ -308,11 +308,7 @@ impl CopyRun for AfterEffectRun {
         host: &mut HostMemory,
     ) -> Result<(), DriverError> {
         let result = self.inner.copy(copy, direction, host);
-        let op = match direction {
-            CopyDirection::ToHost => Op::CopyToHost,
-            CopyDirection::FromHost => Op::CopyFromHost,
-        };
-        self.after(op, result)
+        self.after(direction.op(), result)
     }
     fn record(&mut self) -> Result<(), DriverError> {
         let result = self.inner.record();

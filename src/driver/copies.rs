@@ -36,6 +36,16 @@ pub enum CopyDirection {
     FromHost,
 }
 
+impl CopyDirection {
+    /// The operation its copies are counted, checked and faulted as.
+    pub fn op(self) -> Op {
+        match self {
+            CopyDirection::ToHost => Op::CopyToHost,
+            CopyDirection::FromHost => Op::CopyFromHost,
+        }
+    }
+}
+
 /// One copy of a job: `len` bytes at device address `va`, and at `offset` in host piece `piece`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HostCopy {

@@ -251,10 +251,7 @@ impl CopyRun for CudaCopies {
         direction: CopyDirection,
         host: &mut HostMemory,
     ) -> Result<(), DriverError> {
-        let op = match direction {
-            CopyDirection::ToHost => Op::CopyToHost,
-            CopyDirection::FromHost => Op::CopyFromHost,
-        };
+        let op = direction.op();
         let bad = DriverError::CopyPlan {
             reason: "a copy lies outside its host piece",
         };

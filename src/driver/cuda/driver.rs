@@ -556,10 +556,7 @@ impl Driver for CudaDriver {
     /// the first job (`copies.rs`).
     fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
         plan.validate()?;
-        let op = match plan.direction {
-            crate::driver::CopyDirection::ToHost => Op::CopyToHost,
-            crate::driver::CopyDirection::FromHost => Op::CopyFromHost,
-        };
+        let op = plan.direction.op();
         for c in &plan.copies {
             self.ledger.check_touchable(op, c.va, c.len)?;
         }
