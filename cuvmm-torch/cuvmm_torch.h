@@ -81,6 +81,13 @@ void cuvmm_string_free(char *text);
 /* torch.cuda.empty_cache(): gives `device`'s cached memory back to the driver. */
 void cuvmm_empty_cache(int device);
 
+/* Gives back the idle pages of `device` stranded in 20 MiB handles (large_handle_mb) that live allocations
+ * still touch: each such handle's live part is re-created as single pages at the same addresses, its bytes
+ * moved through host memory after one device synchronization (what compaction:split does under pressure,
+ * done once, now). The caller says no other thread launches work on cuvmm memory until it returns.
+ * Returns the bytes given back, or -1 (a capture underway, a driver failure). */
+long long cuvmm_release_stranded(int device);
+
 /* torch.cuda.memory._dump_snapshot(path): writes `device`'s segments and blocks as the pickle PyTorch's
  * memory viewer (pytorch.org/memory_viz) reads. 0 on success, -1 on failure (NULL path, a path that is
  * not UTF-8, a file that cannot be written). */

@@ -94,6 +94,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_memory_summary",
                 "cuvmm_string_free",
                 "cuvmm_empty_cache",
+                "cuvmm_release_stranded",
                 "cuvmm_dump_snapshot",
                 "cuvmm_begin_allocate_to_pool",
                 "cuvmm_begin_allocate_to_pool_capture",
@@ -388,6 +389,34 @@ class Setup(unittest.TestCase):
         self.assertEqual(status, 0, err)
         self.assertTrue(out.startswith("True False True 1 "), out)
         self.assertIn("out of memory", out.lower())
+
+    def test_pages_stranded_in_chunks_are_named_and_given_back_by_release_stranded(self):
+        # Two 20 MiB chunks each kept by a 2 MiB tensor at its end: 36 MiB idle that only a split frees.
+        code = (
+            "import cuvmm_torch\n"
+            "lib = cuvmm_torch.load()\n"
+            "MiB = 1 << 20\n"
+            "big, kept = [], []\n"
+            "for _ in range(2):\n"
+            "    big.append(lib.cuvmm_malloc(18 * MiB, 0, None))\n"
+            "    kept.append(lib.cuvmm_malloc(2 * MiB, 0, None))\n"
+            "for p in big:\n"
+            "    lib.cuvmm_free(p, 0, 0, None)\n"
+            "refused = lib.cuvmm_malloc(40 * MiB, 0, None)\n"
+            "error = cuvmm_torch.last_error()\n"
+            "reserved = cuvmm_torch.memory_stats(0)['reserved_bytes.all.current']\n"
+            "freed = cuvmm_torch.release_stranded(0)\n"
+            "after = cuvmm_torch.memory_stats(0)['reserved_bytes.all.current']\n"
+            "served = lib.cuvmm_malloc(40 * MiB, 0, None)\n"
+            "print(bool(refused), freed // MiB, (reserved - after) // MiB, bool(served), cuvmm_torch.release_stranded(0))\n"
+            "print(error)\n"
+        )
+        status, out, err = run_python(code, CUVMM_BACKEND="sim", CUVMM_SIM_CAPACITY="64MiB")
+        self.assertEqual(status, 0, err)
+        first, error = out.split("\n", 1)
+        self.assertEqual(first, "False 36 36 True 0", out)
+        self.assertIn("36.00 MiB of idle pages lie in multi-page handles", error)
+        self.assertIn("release_stranded()", error)
 
 
 class FakeTorch:

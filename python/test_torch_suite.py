@@ -23,7 +23,8 @@ import torch_suite  # noqa: E402
 BRIEF_CASES = ["record_stream", "record_stream_cuvmm", "memory_limit", "graphs_back_to_back",
                "graph_after_empty_cache", "graph_threads", "compile_reduce_overhead", "memory_stats", "oom",
                "multiprocessing", "nccl", "transformers", "sleep_wake", "mempool", "mempool_own_allocator",
-               "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm", "sleep_mode_pool"]
+               "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm", "sleep_mode_pool",
+               "release_stranded", "split_under_limit"]
 
 
 def parse(*argv):
@@ -57,6 +58,9 @@ class RegistryTest(unittest.TestCase):
     def test_the_cuvmm_variant_applies_to_cuvmm_only(self):
         self.assertEqual(torch_cases.CASES["record_stream_cuvmm"].allocators, ("cuvmm",))
         self.assertEqual(torch_cases.CASES["ipc_cuvmm_to_pytorch"].allocators, ("cuvmm",))
+        self.assertEqual(torch_cases.CASES["release_stranded"].allocators, ("cuvmm",))
+        self.assertEqual(torch_cases.CASES["split_under_limit"].allocators, ("cuvmm",))
+        self.assertIsNotNone(torch_cases.CASES["split_under_limit"].prepare)
         self.assertEqual(torch_cases.CASES["ipc_pytorch_to_cuvmm"].allocators, ("native", "expandable"))
         self.assertEqual(torch_cases.CASES["record_stream"].allocators, torch_cases.ALLOCATORS)
 
@@ -137,7 +141,8 @@ class PlanTest(unittest.TestCase):
         self.assertEqual(sorted((a, names[0]) for a, names in fresh), sorted(applies))
         self.assertEqual([(r["allocator"], r["case"], r["status"]) for r in skipped],
                          [("native", "record_stream_cuvmm", "skip"), ("native", "sleep_wake", "skip"),
-                          ("native", "ipc_cuvmm_to_pytorch", "skip"), ("cuvmm", "ipc_pytorch_to_cuvmm", "skip")])
+                          ("native", "ipc_cuvmm_to_pytorch", "skip"), ("native", "release_stranded", "skip"),
+                          ("native", "split_under_limit", "skip"), ("cuvmm", "ipc_pytorch_to_cuvmm", "skip")])
 
     def test_isolate_gives_every_case_a_process(self):
         units, skipped = torch_suite.plan(["expandable"], ["record_stream", "oom", "record_stream_cuvmm"], isolate=True)

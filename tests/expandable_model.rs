@@ -1,12 +1,14 @@
 //! Model-based property test of the expandable allocator (sharded-slab style).
 //!
-//! Weighted random sequences of alloc / free / empty_cache / trim over three streams and two
-//! granularities are applied to the allocator and to a `BTreeMap` model of live allocations, under
+//! Weighted random sequences of alloc / free / empty_cache / trim / release_stranded over three streams and
+//! two granularities are applied to the allocator and to a `BTreeMap` model of live allocations, under
 //! `compaction:pressure` (the default) and `compaction:eager` (whole-page requests in segments apart).
 //! Properties checked after every step:
 //! - live allocations never overlap and are 512 B aligned;
 //! - `allocated_bytes`, `requested_bytes` and `allocation` equal the model's sums;
 //! - all of ARCHITECTURE.md's invariants hold (`check_invariants()`);
+//! - `release_stranded()` gives back only idle pages (none with single pages), reserved memory falls by what
+//!   it says, and `empty_cache()` after it leaves no idle page anywhere;
 //! - an allocation fails with out-of-memory only if the pages the live blocks could touch do not fit:
 //!   idle physical pages are always found and reused (compaction), wherever they are;
 //! - at the end, after freeing everything and `empty_cache()`: nothing mapped, no handle held, no
@@ -15,6 +17,7 @@
 mod common;
 
 use cuvmm::config::Compaction;
+use cuvmm::strategy::Controls as _;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -23,10 +26,19 @@ const ROUND: u64 = 512;
 
 #[derive(Debug, Clone)]
 enum Action {
-    Alloc { size: u64, stream: u64 },
-    Free { pick: usize },
+    Alloc {
+        size: u64,
+        stream: u64,
+    },
+    Free {
+        pick: usize,
+    },
     EmptyCache,
-    Trim { pages: u64 },
+    Trim {
+        pages: u64,
+    },
+    /// `release_stranded()`, then `empty_cache()`.
+    ReleaseStranded,
 }
 
 fn action(max_size: u64) -> impl Strategy<Value = Action> {
@@ -39,6 +51,7 @@ fn action(max_size: u64) -> impl Strategy<Value = Action> {
         5 => any::<usize>().prop_map(|pick| Action::Free { pick }),
         1 => Just(Action::EmptyCache),
         1 => (0u64..8).prop_map(|pages| Action::Trim { pages }),
+        1 => Just(Action::ReleaseStranded),
     ]
 }
 
@@ -116,6 +129,28 @@ fn run(
                 assert!(
                     chunk_pages > 1 || released >= (pages * granularity).min(idle_before),
                     "trim released too little"
+                );
+            }
+            Action::ReleaseStranded => {
+                let before = alloc.stats();
+                let released = alloc.release_stranded().expect("release_stranded");
+                let after = alloc.stats();
+                assert!(
+                    released <= before.idle_mapped_bytes,
+                    "gave back {released} B"
+                );
+                assert!(chunk_pages > 1 || released == 0, "split single pages");
+                assert_eq!(
+                    after.reserved_bytes.current,
+                    before.reserved_bytes.current - released
+                );
+                // No idle page is left in a chunk a live block touches: the cache then gives back every
+                // idle page (the simulator, as CUDA, maps no part of a handle, so nothing is lent).
+                alloc.empty_cache().expect("empty_cache");
+                assert_eq!(
+                    alloc.stats().idle_mapped_bytes,
+                    0,
+                    "idle pages left stranded"
                 );
             }
         }

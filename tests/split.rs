@@ -7,12 +7,14 @@ mod common;
 
 use common::{expandable_with, pattern};
 use cuvmm::config::Compaction;
+use cuvmm::driver::CaptureMode;
 use cuvmm::driver::sim::SimDriver;
 use cuvmm::driver::{Driver, Op, StreamId};
 use cuvmm::expandable::Expandable;
 use cuvmm::oom::{StrandedRemedy, Suggestion};
-use cuvmm::strategy::{DeviceBytes, Sharing};
+use cuvmm::strategy::{Controls, DeviceBytes, GraphPools, Sharing};
 use cuvmm::{Config, Error, Strategy};
+use cuvmm::{GraphPool, StreamFilter};
 
 const PAGE: u64 = 1 << 16;
 const S0: StreamId = StreamId(0);
@@ -47,6 +49,29 @@ fn strand(a: &mut Expandable<SimDriver>) -> Vec<u64> {
     kept
 }
 
+/// Each block `strand` kept holds its pattern.
+fn assert_kept(a: &mut Expandable<SimDriver>, kept: &[u64]) {
+    for (i, &addr) in kept.iter().enumerate() {
+        let mut out = vec![0; PAGE as usize];
+        a.copy_to_host(addr, &mut out).unwrap();
+        assert_eq!(
+            out,
+            pattern(i as u64, PAGE as usize),
+            "block {i} kept its bytes"
+        );
+    }
+}
+
+/// Frees `blocks`, then the cache: nothing is left reserved.
+fn free_all(a: &mut Expandable<SimDriver>, blocks: impl IntoIterator<Item = u64>) {
+    for addr in blocks {
+        a.free(addr).unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0);
+}
+
 trait Write {
     fn copy_from_host_for_test(&mut self, addr: u64, bytes: &[u8]);
 }
@@ -69,22 +94,8 @@ fn a_request_past_the_budget_splits_stranded_chunks_and_keeps_the_live_bytes() {
         a.driver().counters().get(Op::Synchronize) > syncs,
         "the device synchronized"
     );
-    for (i, &addr) in kept.iter().enumerate() {
-        let mut out = vec![0; PAGE as usize];
-        a.copy_to_host(addr, &mut out).unwrap();
-        assert_eq!(
-            out,
-            pattern(i as u64, PAGE as usize),
-            "block {i} kept its bytes"
-        );
-    }
-    a.free(addr).unwrap();
-    for addr in kept {
-        a.free(addr).unwrap();
-    }
-    a.empty_cache().unwrap();
-    a.check_invariants().unwrap();
-    assert_eq!(a.stats().reserved_bytes.current, 0);
+    assert_kept(&mut a, &kept);
+    free_all(&mut a, [addr].into_iter().chain(kept));
 }
 
 #[test]
@@ -105,9 +116,15 @@ fn the_default_runs_out_of_memory_and_names_the_stranded_bytes_and_the_setting()
     );
     let text = err.to_string();
     assert!(
-        text.contains("1.50 MiB of the idle pages lie in multi-page handles"),
+        text.contains("1.50 MiB of idle pages lie in multi-page handles"),
         "{text}"
     );
+    assert_eq!(
+        text.matches("lie in multi-page handles").count(),
+        1,
+        "said once: {text}"
+    );
+    assert!(text.contains("or call release_stranded()"), "{text}");
     assert!(text.contains("set compaction:split"), "{text}");
     a.check_invariants().unwrap();
 }
@@ -164,5 +181,56 @@ fn memory_shared_with_another_process_is_never_split() {
         "{err}"
     );
     drop(shared);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn release_stranded_gives_back_the_stranded_pages_under_the_default_policy_and_keeps_the_live_bytes()
+ {
+    // The program's own call at a quiescent point: no `compaction:split` needed.
+    let mut a = allocator(Compaction::Pressure);
+    let kept = strand(&mut a);
+    let reserved = a.stats().reserved_bytes.current;
+    let syncs = a.driver().counters().get(Op::Synchronize);
+    assert_eq!(a.release_stranded().unwrap(), 24 * PAGE);
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, reserved - 24 * PAGE);
+    assert!(
+        a.driver().counters().get(Op::Synchronize) > syncs,
+        "the device synchronized before the live bytes moved"
+    );
+    assert_kept(&mut a, &kept);
+    // Nothing is stranded any more: a second call gives nothing back, and the request that ran out of
+    // memory before (the test above) now fits.
+    assert_eq!(a.release_stranded().unwrap(), 0);
+    let addr = a.alloc(12 * PAGE, S1).unwrap();
+    a.check_invariants().unwrap();
+    free_all(&mut a, [addr].into_iter().chain(kept));
+}
+
+#[test]
+fn release_stranded_leaves_shared_memory_and_is_refused_during_a_capture() {
+    let mut a = allocator(Compaction::Pressure);
+    let kept = strand(&mut a);
+    let shared = a.share(kept[0]).unwrap();
+    assert_eq!(
+        a.release_stranded().unwrap(),
+        0,
+        "the shared segment is not split"
+    );
+    drop(shared);
+    let capture = StreamId(2);
+    let id = a
+        .driver_mut()
+        .begin_capture(capture, CaptureMode::Global)
+        .unwrap();
+    a.begin_allocate_to_pool(GraphPool(3, 0), StreamFilter::Capture(id))
+        .unwrap();
+    assert!(matches!(
+        a.release_stranded(),
+        Err(Error::CaptureUnderway {
+            operation: "release_stranded"
+        })
+    ));
     a.check_invariants().unwrap();
 }

@@ -78,6 +78,16 @@ pub extern "C" fn cuvmm_empty_cache(device: c_int) {
     })
 }
 
+/// Gives back `device`'s idle pages stranded in multi-page handles that live allocations touch; returns
+/// the bytes, or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_release_stranded(device: c_int) -> i64 {
+    shell("cuvmm_release_stranded", -1, || {
+        let bytes = ops::release_stranded(global()?, device)?;
+        Ok(i64::try_from(bytes).unwrap_or(i64::MAX))
+    })
+}
+
 /// Writes `device`'s snapshot pickle to `path`; 0 on success, -1 on failure.
 ///
 /// # Safety

@@ -182,6 +182,17 @@ pub fn empty_cache(registry: &Registry, device: i32) -> Result<(), AbiError> {
     Ok(registry.allocator(device)?.empty_cache()?)
 }
 
+/// Gives back `device`'s idle pages stranded in multi-page handles that live allocations still touch
+/// ([`cuvmm::Allocator::release_stranded`]: the live bytes move, so the caller says no other thread
+/// launches work meanwhile); returns the bytes given back.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; a capture underway or a driver failure
+/// ([`AbiError::Allocator`]).
+pub fn release_stranded(registry: &Registry, device: i32) -> Result<u64, AbiError> {
+    Ok(registry.allocator(device)?.release_stranded()?)
+}
+
 /// Writes `device`'s segments and blocks to `path` as the pickle PyTorch's memory viewer reads
 /// (`torch.cuda.memory._dump_snapshot`).
 ///

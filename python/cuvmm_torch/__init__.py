@@ -57,6 +57,7 @@ __all__ = [
     "memory_stats",
     "memory_summary",
     "empty_cache",
+    "release_stranded",
     "dump_snapshot",
     "record_stream",
     "reset_peak_stats",
@@ -285,6 +286,7 @@ def _declare(lib):
         "cuvmm_memory_summary": (c_void_p, [c_int]),
         "cuvmm_string_free": (None, [c_void_p]),
         "cuvmm_empty_cache": (None, [c_int]),
+        "cuvmm_release_stranded": (ctypes.c_longlong, [c_int]),
         "cuvmm_dump_snapshot": (c_int, [c_int, c_char_p]),
         "cuvmm_last_error": (c_char_p, []),
         "cuvmm_free_any": (None, [c_void_p]),
@@ -412,6 +414,18 @@ def empty_cache(device=None):
     """Gives the device's cached memory back to the driver."""
     load().cuvmm_empty_cache(_device_index(device))
     _check()
+
+
+def release_stranded(device=None):
+    """Gives back the idle pages stranded in 20 MiB handles that live tensors still touch (the out-of-memory
+    message names them): each such handle's live part is re-created as single pages at the same addresses,
+    its bytes moved through host memory after one device synchronization. Call it where no other thread
+    launches work on the GPU until it returns, between training steps say; ``CUVMM_ALLOC_CONF=
+    compaction:split`` does the same by itself whenever memory runs out. Returns the bytes given back."""
+    freed = load().cuvmm_release_stranded(_device_index(device))
+    if freed < 0:
+        raise CuvmmError(last_error() or "cuvmm_release_stranded failed")
+    return freed
 
 
 def dump_snapshot(path, device=None):

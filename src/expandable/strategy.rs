@@ -256,6 +256,16 @@ impl<D: Driver> Controls for Expandable<D> {
         Ok(())
     }
 
+    fn release_stranded(&mut self) -> Result<u64, Error> {
+        if self.graphs.capturing() {
+            return Err(Error::CaptureUnderway {
+                operation: "release_stranded",
+            });
+        }
+        let (supply, mut parts) = self.supply_and_parts();
+        supply.release_stranded(&mut parts)
+    }
+
     fn memory_fraction(&self) -> Option<f64> {
         let total = self.device_total.max(1) as f64;
         (self.supply.physical().limit()).map(|limit| limit as f64 / total)

@@ -543,4 +543,14 @@ impl<S: Strategy + Controls> Allocator<S> {
     pub fn memory_fraction(&self) -> Option<f64> {
         self.shared.strategy.lock().memory_fraction()
     }
+
+    /// Gives back the idle pages stranded in multi-page handles that live allocations still touch, by
+    /// re-creating their live parts as single pages at the same addresses
+    /// ([`Controls::release_stranded`]); returns the bytes given back. Call it where no other thread
+    /// launches work on this allocator's memory until it returns (between steps of a training loop, say):
+    /// the live bytes move. The stream caches are drained first, so the blocks they hold strand nothing.
+    pub fn release_stranded(&self) -> Result<u64, Error> {
+        self.drain_caches()?;
+        self.shared.strategy.lock().release_stranded()
+    }
 }

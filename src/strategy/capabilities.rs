@@ -155,4 +155,12 @@ pub trait Controls {
 
     /// The memory limit as a fraction of the device's memory; `None` when no limit is set.
     fn memory_fraction(&self) -> Option<f64>;
+
+    /// Gives back the idle pages stranded in multi-page handles that live allocations still touch, under
+    /// any compaction policy: each such handle's live part is re-created as single pages at the same
+    /// addresses, its bytes moved through host memory after one device synchronization (what
+    /// `compaction:split` does under pressure, done once, now). By calling it the program says that no
+    /// other thread launches work on this allocator's memory until it returns. Returns the bytes given
+    /// back; refused while a CUDA graph is being captured.
+    fn release_stranded(&mut self) -> Result<u64, Error>;
 }

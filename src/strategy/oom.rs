@@ -142,8 +142,14 @@ impl fmt::Display for Suggestion {
                 f,
                 "{} of idle pages lie in multi-page handles (large_handle_mb) that live allocations still \
                  touch, which are unmapped only whole; with them the request would fit: set {setting} \
-                 (CUVMM_ALLOC_CONF).",
-                size(stranded)
+                 (CUVMM_ALLOC_CONF){}.",
+                size(stranded),
+                match setting {
+                    StrandedRemedy::Split => {
+                        ", or call release_stranded() where no other thread launches work"
+                    }
+                    StrandedRemedy::SinglePages { .. } => "",
+                }
             ),
             Suggestion::ReduceUsage { need } => write!(
                 f,
@@ -303,7 +309,9 @@ impl fmt::Display for OutOfMemory {
             size(self.idle_handles),
             size(self.largest_free_block),
         )?;
-        if self.stranded > 0 {
+        let suggestion = self.suggestion();
+        // A `Stranded` suggestion names the stranded bytes itself: said once.
+        if self.stranded > 0 && !matches!(suggestion, Suggestion::Stranded { .. }) {
             write!(
                 f,
                 "{} of the idle pages lie in multi-page handles that live allocations still touch. ",
@@ -345,7 +353,7 @@ impl fmt::Display for OutOfMemory {
             }
             write!(f, ". ")?;
         }
-        write!(f, "{}", self.suggestion())
+        write!(f, "{suggestion}")
     }
 }
 

@@ -24,7 +24,8 @@
 //! - a successful `empty_cache` leaves nothing idle but, with chunks (`Setup::chunk_pages` > 1), the idle
 //!   pages of the chunks that live blocks' ends lie in and of the chunks that lend pages to live blocks,
 //!   and no lent page outside the live blocks; `trim` gives back what was asked (with single pages),
-//!   within what was idle;
+//!   within what was idle; `release_stranded` gives back no page of a live block (none without chunks),
+//!   and reserved memory falls by what it says it gave back;
 //! - at the end, with faults cleared: every free succeeds, `empty_cache` leaves nothing reserved and no
 //!   segment, and the simulated driver reports no leak.
 //!
@@ -35,6 +36,7 @@ use crate::strategy_ops::OpsHarness;
 use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::Controls as _;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 
 /// Every request is rounded up to this many bytes.
@@ -265,6 +267,34 @@ impl Model for State {
                     }
                     (Ok(_), _) => Ok(()),
                     (Err(err), fired) => self.fault_error("trim", err, fired),
+                }
+            }
+            Action::ReleaseStranded => {
+                let stats = self.alloc.stats();
+                let result = self.alloc.release_stranded();
+                let after = self.alloc.stats().reserved_bytes.current;
+                match (result, self.faults_fired()) {
+                    // The frees that wait are settled first: their blocks' pages may go too.
+                    (Ok(released), _)
+                        if released
+                            > stats.reserved_bytes.current - stats.allocated_bytes.current =>
+                    {
+                        Err(format!(
+                            "release_stranded gave back {released} B of {} B reserved, {} B allocated",
+                            stats.reserved_bytes.current, stats.allocated_bytes.current
+                        ))
+                    }
+                    (Ok(released), _) if released > 0 && self.chunk_pages == 1 => Err(format!(
+                        "release_stranded gave back {released} B without chunks"
+                    )),
+                    (Ok(released), false) if after != stats.reserved_bytes.current - released => {
+                        Err(format!(
+                            "release_stranded gave back {released} B but reserved went from {} to {after}",
+                            stats.reserved_bytes.current
+                        ))
+                    }
+                    (Ok(_), _) => Ok(()),
+                    (Err(err), fired) => self.fault_error("release_stranded", err, fired),
                 }
             }
             Action::Fault { op, n, kind } => {

@@ -46,10 +46,12 @@
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
 #                 per trace (default 300)
-#   capacity-split  the same for cuvmm under compaction:split (issue 43), on three traces ($OUT/capacity-split.md)
+#   capacity-split  the same for cuvmm under compaction:split (issue 43), on three traces ($OUT/capacity-split.md),
+#                 after the two PyTorch cases that move live tensors' pages: release_stranded and
+#                 split_under_limit, each behind a running kernel ($OUT/stranded.jsonl)
 #
-# The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake, sleep-frameworks, two-process) first
-# build the C++ layer, once ($OUT/cpp-layer.txt).
+# The PyTorch steps (torch, train, hot, torch-suite, mempools, sleep-wake, sleep-frameworks, two-process,
+# capacity-split) first build the C++ layer, once ($OUT/cpp-layer.txt).
 #
 # RUN_BUDGET=SECONDS bounds the whole run: each step's limit is cut to what is left, and a step with less than
 # 15 s left is skipped (a device lease is short: the run ends, and its files are there, before the lease does).
@@ -171,8 +173,13 @@ run_step() {
         python3 tools/gpu/tables.py "$out" capacity-cuda.txt >"$out/capacity-cuda.md" 2>&1
         echo "capacity-cuda: table in $out/capacity-cuda.md" ;;
     capacity-split)
-        # Issue 43 on the device: cuvmm with compaction:split on the three traces where the default strands the
-        # most (capacity-cuda gives the default's and pytorch-expandable's on the same traces).
+        # Issue 43 on the device: first the splits of live tensors' pages with their contents checked, then
+        # cuvmm with compaction:split on the three traces where the default strands the most (capacity-cuda
+        # gives the default's and pytorch-expandable's on the same traces).
+        cpp_layer
+        export PYTHONUNBUFFERED=1
+        step stranded 150 python3 tools/gpu/torch_suite.py --budget 120 --json "$out/stranded.jsonl" \
+            --allocator cuvmm --case release_stranded,split_under_limit
         for name in cs336_medium_ctx128_trainstep cs336_compiled_train_bcrafton bert_large_inference; do
             [ -e "$bin/traces/$name.pickle" ] || continue
             step capacity-split "${CAPACITY_LIMIT:-300}" "$bin/cuvmm" capacity --backend cuda --allocator cuvmm \

@@ -47,6 +47,20 @@ struct Stranded {
 }
 
 impl Supply {
+    /// Every stranded chunk re-created as single pages now, whatever the compaction policy: the program's
+    /// own call at a point where it knows no other thread launches work (`release_stranded`). The frees
+    /// that wait are settled first (the device synchronized once, which the split needs anyway), so the
+    /// blocks they free strand nothing. Returns the bytes given back.
+    pub(crate) fn release_stranded<D: Driver>(
+        &mut self,
+        p: &mut Parts<'_, D>,
+    ) -> Result<u64, Error> {
+        let mut compacting = Compacting::by_device();
+        p.settle_frees(&mut compacting)?;
+        let pages = self.split_stranded(p, usize::MAX, &mut compacting)?;
+        Ok(pages as u64 * self.page_size)
+    }
+
     /// Re-creates as single pages the chunks that live blocks still touch, those with the most idle pages
     /// first, until at least `count` idle pages are given back; returns the pages given back. Synchronizes
     /// the device (once per compaction, through `compacting`) before the first. Nothing is done where

@@ -7,7 +7,8 @@ short detail on success, raises ``CaseFailure`` when a result differs from its r
 does not apply; any other exception is classified by ``torch_suite.classify_exception``.
 
 This file is the framework (the registry, choosing the allocator, the context); the cases are in its modules,
-imported at the end in the suite's order: ``streams``, ``graphs``, ``features``, ``programs``, ``pools``.
+imported at the end in the suite's order: ``streams``, ``graphs``, ``features``, ``programs``, ``pools``,
+``stranded``.
 """
 
 import os
@@ -186,4 +187,4 @@ def _first_line(error):
 
 
 # The cases register themselves in CASES, in this order.
-from . import streams, graphs, features, programs, pools  # noqa: E402, F401
+from . import streams, graphs, features, programs, pools, stranded  # noqa: E402, F401
