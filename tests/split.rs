@@ -234,3 +234,23 @@ fn release_stranded_leaves_shared_memory_and_is_refused_during_a_capture() {
     ));
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn release_stranded_leaves_a_live_graph_pool_and_splits_it_once_released() {
+    // A live pool's addresses are baked into its graphs, and its pages stay where they are (`pinned`).
+    let mut a = allocator(Compaction::Pressure);
+    let pool = GraphPool(5, 0);
+    a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![S0]))
+        .unwrap();
+    let kept = strand(&mut a);
+    a.end_allocate_to_pool(pool).unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    assert_eq!(a.release_stranded().unwrap(), 0, "the live pool is left");
+    assert_eq!(a.stats().reserved_bytes.current, reserved);
+    // Released with blocks still live, the pool is memory like any other.
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.release_stranded().unwrap(), 24 * PAGE);
+    a.check_invariants().unwrap();
+    assert_kept(&mut a, &kept);
+    free_all(&mut a, kept);
+}
