@@ -67,6 +67,7 @@ def release_stranded(ctx):
     _write_behind_sleep(ctx, kept)
     before = ctx.cuvmm.memory_stats(0)["reserved_bytes.all.current"]
     released = ctx.cuvmm.release_stranded(0)
+    torch.cuda.synchronize()  # the checks below read on another stream than the one that wrote
     after = ctx.cuvmm.memory_stats(0)["reserved_bytes.all.current"]
     ctx.figures.update(released=released, reserved_before=before, reserved_after=after)
     check(released >= 0.8 * PAIRS * FREED, f"release_stranded gave back {released / MIB:.0f} MiB of "
@@ -100,6 +101,7 @@ def split_under_limit(ctx):
     kept = _strand(ctx)
     _write_behind_sleep(ctx, kept)
     big = torch.full((PAIRS * FREED,), 7, dtype=torch.uint8, device=ctx.device)
+    torch.cuda.synchronize()  # the checks below read on another stream than the one that wrote
     stats = ctx.cuvmm.memory_stats(0)
     ctx.figures.update(reserved=stats["reserved_bytes.all.current"], peak=stats["reserved_bytes.all.peak"],
                        limit=SPLIT_LIMIT)
