@@ -49,6 +49,27 @@ fn strand(a: &mut Expandable<SimDriver>) -> Vec<u64> {
     kept
 }
 
+/// After `strand`, a request of the 12 pages that only the 24 stranded ones would hold runs out of memory,
+/// naming them and `remedy`; returns the message.
+fn runs_out_naming_the_stranded_pages(
+    a: &mut Expandable<SimDriver>,
+    remedy: StrandedRemedy,
+) -> String {
+    let err = a.alloc(12 * PAGE, S1).unwrap_err();
+    let Error::OutOfMemory(oom) = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(oom.stranded, 24 * PAGE);
+    assert_eq!(
+        oom.suggestion(),
+        Suggestion::Stranded {
+            stranded: 24 * PAGE,
+            setting: remedy
+        }
+    );
+    err.to_string()
+}
+
 /// Each block `strand` kept holds its pattern.
 fn assert_kept(a: &mut Expandable<SimDriver>, kept: &[u64]) {
     for (i, &addr) in kept.iter().enumerate() {
@@ -102,19 +123,7 @@ fn a_request_past_the_budget_splits_stranded_chunks_and_keeps_the_live_bytes() {
 fn the_default_runs_out_of_memory_and_names_the_stranded_bytes_and_the_setting() {
     let mut a = allocator(Compaction::Pressure);
     strand(&mut a);
-    let err = a.alloc(12 * PAGE, S1).unwrap_err();
-    let Error::OutOfMemory(oom) = &err else {
-        panic!("{err}");
-    };
-    assert_eq!(oom.stranded, 24 * PAGE);
-    assert_eq!(
-        oom.suggestion(),
-        Suggestion::Stranded {
-            stranded: 24 * PAGE,
-            setting: StrandedRemedy::Split
-        }
-    );
-    let text = err.to_string();
+    let text = runs_out_naming_the_stranded_pages(&mut a, StrandedRemedy::Split);
     assert!(
         text.contains("1.50 MiB of idle pages lie in multi-page handles"),
         "{text}"
@@ -163,22 +172,11 @@ fn memory_shared_with_another_process_is_never_split() {
     let kept = strand(&mut a);
     let shared = a.share(kept[0]).unwrap();
     // All the blocks are in one segment, which has shared memory: nothing is split.
-    let err = a.alloc(12 * PAGE, S1).unwrap_err();
-    let Error::OutOfMemory(oom) = &err else {
-        panic!("{err}");
-    };
-    assert_eq!(oom.stranded, 24 * PAGE);
-    assert_eq!(
-        oom.suggestion(),
-        Suggestion::Stranded {
-            stranded: 24 * PAGE,
-            setting: StrandedRemedy::SinglePages { page_size: PAGE }
-        }
-    );
+    let text =
+        runs_out_naming_the_stranded_pages(&mut a, StrandedRemedy::SinglePages { page_size: PAGE });
     assert!(
-        err.to_string()
-            .contains("set large_handle_mb of the page size"),
-        "{err}"
+        text.contains("set large_handle_mb of the page size"),
+        "{text}"
     );
     drop(shared);
     a.check_invariants().unwrap();
