@@ -138,7 +138,9 @@ fn run(
                 // Frees that wait (a block borrowed from another stream's segment) are settled first:
                 // their pages may go too, never a live block's.
                 assert!(
-                    released <= before.reserved_bytes.current - before.allocated_bytes.current,
+                    released
+                        <= (before.reserved_bytes.current)
+                            .saturating_sub(before.allocated_bytes.current),
                     "gave back {released} B"
                 );
                 assert!(chunk_pages > 1 || released == 0, "split single pages");

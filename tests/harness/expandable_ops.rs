@@ -277,7 +277,8 @@ impl Model for State {
                     // The frees that wait are settled first: their blocks' pages may go too.
                     (Ok(released), _)
                         if released
-                            > stats.reserved_bytes.current - stats.allocated_bytes.current =>
+                            > (stats.reserved_bytes.current)
+                                .saturating_sub(stats.allocated_bytes.current) =>
                     {
                         Err(format!(
                             "release_stranded gave back {released} B of {} B reserved, {} B allocated",
