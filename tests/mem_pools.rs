@@ -5,6 +5,7 @@
 
 mod common;
 
+use cuvmm::driver::VaRange;
 use cuvmm::driver::sim::SimDriver;
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::{GraphPools, Snapshots, StreamUses};
@@ -40,6 +41,25 @@ fn begin(a: &mut Alloc, pool: GraphPool, stream: StreamId) {
 fn end(a: &mut Alloc, pool: GraphPool) {
     a.end_allocate_to_pool(pool).unwrap();
     a.release_pool(pool).unwrap();
+}
+
+/// A live `pool` of `stream` being allocated to, with a block `x` of two pages, and its checkpoint then.
+fn pool_with_a_checkpoint(
+    a: &mut Alloc,
+    pool: GraphPool,
+    stream: StreamId,
+) -> (u64, Vec<PoolBlock>) {
+    a.incref_pool(pool).unwrap();
+    begin(a, pool, stream);
+    let x = a.alloc(2 * PAGE, stream).unwrap();
+    (x, a.pool_blocks(pool))
+}
+
+/// The addresses of `pool`'s live blocks, in order.
+fn live_in(a: &Alloc, pool: GraphPool) -> Vec<u64> {
+    let mut live: Vec<u64> = a.pool_blocks(pool).iter().map(|b| b.addr).collect();
+    live.sort_unstable();
+    live
 }
 
 fn pool_of(a: &Alloc, addr: u64) -> GraphPool {
@@ -188,6 +208,70 @@ fn a_checkpoint_that_cannot_be_put_back_is_refused_with_the_pool_unchanged() {
     for addr in [x, y, outside] {
         a.free(addr).unwrap();
     }
+}
+
+/// A block of the checkpoint over memory freed since but still waited for (`record_stream` on a side
+/// stream whose kernel still reads it) is refused before any block is freed: PyTorch still holds the
+/// blocks live then, and frees them itself.
+#[test]
+fn a_checkpoint_over_memory_still_waited_for_is_refused_before_anything_is_freed() {
+    let mut a = new_alloc();
+    let (s, side) = (StreamId(3), StreamId(4));
+    let pool = GraphPool(4, 0);
+    let (x, checkpoint) = pool_with_a_checkpoint(&mut a, pool, s);
+    a.driver_mut()
+        .launch(side, &[VaRange::new(x, 2 * PAGE)])
+        .unwrap();
+    a.record_stream(x, side).unwrap();
+    a.free(x).unwrap();
+    let y = a.alloc(PAGE, s).unwrap();
+    assert!(
+        !(x..x + 2 * PAGE).contains(&y),
+        "x's memory waits for the side stream"
+    );
+    let refused = a.restore_pool(pool, &checkpoint).unwrap_err();
+    assert!(
+        refused.to_string().contains("overlaps memory in use since"),
+        "{refused}"
+    );
+    assert_eq!(
+        live_in(&a, pool),
+        vec![y],
+        "y, live since the checkpoint, is still live"
+    );
+    a.check_invariants().unwrap();
+    a.free(y).unwrap();
+    a.driver_mut().complete_stream(side);
+    end(&mut a, pool);
+    a.release_pool(pool).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// A pool whose memory is partly under a sleeping tag (a graph captured in a tagged region) refuses a
+/// restore before freeing anything: the awake blocks live since stay live.
+#[test]
+fn a_checkpoint_of_a_pool_with_a_sleeping_tag_is_refused_before_anything_is_freed() {
+    let mut a = new_alloc();
+    let s = StreamId(3);
+    let pool = GraphPool(4, 0);
+    let (x, checkpoint) = pool_with_a_checkpoint(&mut a, pool, s);
+    let z = a.alloc(PAGE, s).unwrap();
+    let kv = a.alloc_tagged(PAGE, s, "kv").unwrap();
+    assert_eq!(pool_of(&a, kv), pool);
+    end(&mut a, pool);
+    a.sleep("kv", true).unwrap();
+    let refused = a.restore_pool(pool, &checkpoint).unwrap_err();
+    assert!(refused.to_string().contains("asleep"), "{refused}");
+    a.wake("kv").unwrap();
+    let mut expected = vec![x, z, kv];
+    expected.sort_unstable();
+    assert_eq!(live_in(&a, pool), expected, "nothing freed");
+    a.check_invariants().unwrap();
+    for addr in [x, z, kv] {
+        a.free(addr).unwrap();
+    }
+    a.release_pool(pool).unwrap();
+    a.check_invariants().unwrap();
 }
 
 /// A pool made with `use_on_oom`: an allocation outside every pool that would run out of memory takes the

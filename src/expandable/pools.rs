@@ -61,10 +61,10 @@ impl<D: Driver> Expandable<D> {
     ///
     /// # Errors
     /// [`Error::GraphPool`] for a pool that is not live, a checkpoint block outside the pool's segments or
-    /// over memory still in use, or a live block of the pool still used on another stream
-    /// (`record_stream`); nothing is changed then, except for an overlap found once blocks were freed. A
-    /// driver failure mapping a page the pool lost (its pages stay mapped while it is live, so none is
-    /// expected).
+    /// over memory still in use, memory of the pool asleep (a tag), or a live block of the pool still used on
+    /// another stream (`record_stream`); nothing is changed then: every refusal is found before a block is
+    /// freed (PyTorch still holds the live blocks, and frees them itself if the restore fails). A driver
+    /// failure mapping a page the pool lost (its pages stay mapped while it is live, so none is expected).
     pub fn restore_pool(
         &mut self,
         pool: GraphPool,
@@ -96,6 +96,34 @@ impl<D: Driver> Expandable<D> {
         if to_free.iter().any(|&addr| self.waits.used_elsewhere(addr)) {
             return Err(refuse(
                 "a block of the pool is still used on another stream (record_stream)",
+            ));
+        }
+        let asleep = |this: &Self, addr: u64| {
+            slot_of(this, addr).is_some_and(|slot| this.tags.sleeps(this.segments.at(slot).tag))
+        };
+        let checkpoint_addrs = checkpoint.iter().map(|b| b.addr);
+        if (to_free.iter().copied().chain(checkpoint_addrs)).any(|addr| asleep(self, addr)) {
+            return Err(refuse("the pool's memory is asleep (its tag sleeps)"));
+        }
+        // A block of the checkpoint to carve again must lie on memory that is free, or that the blocks
+        // about to be freed give back: anything else (a block freed but still waited for, one allocated
+        // since on another key) refuses before a block is freed.
+        let overlaps_in_use = |this: &Self, block: &PoolBlock| {
+            let end = block.addr.saturating_add(block.size);
+            slot_of(this, block.addr).is_none_or(|slot| {
+                let seg = this.segments.at(slot);
+                end > seg.va.end()
+                    || (seg.blocks_overlapping(block.addr, end))
+                        .any(|(start, b)| b.is_occupied() && !to_free.contains(&start))
+            })
+        };
+        if checkpoint
+            .iter()
+            .filter(|c| !now.iter().any(|b| b.addr == c.addr && b.size == c.size))
+            .any(|c| overlaps_in_use(self, c))
+        {
+            return Err(refuse(
+                "a block of the checkpoint overlaps memory in use since",
             ));
         }
         for &addr in &to_free {

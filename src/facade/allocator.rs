@@ -370,6 +370,13 @@ impl<S: Strategy> Allocator<S> {
         stats
     }
 
+    /// Counts the last out-of-memory as recovered from: its caller freed memory of its own (PyTorch's
+    /// free-memory callbacks) and the request then succeeded. [`stats`](Self::stats) shows it as a retry,
+    /// not an out-of-memory, as it shows the caches' drain and retry.
+    pub fn count_recovered_oom(&self) {
+        self.shared.recovered_ooms.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The statistics as PyTorch's `torch.cuda.memory_summary()` table, plus cuvmm's own rows
     /// ([`summary::memory_summary`](crate::facade::summary::memory_summary)).
     pub fn memory_summary(&self) -> String {
