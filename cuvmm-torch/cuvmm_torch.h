@@ -299,7 +299,9 @@ typedef struct {
     int64_t largest_free_block;
 } cuvmm_device_stats;
 
-/* Writes `device`'s statistics to *out (getDeviceStats). 0 on success, -1 on failure (NULL out). */
+/* Writes `device`'s statistics to *out (getDeviceStats). 0 on success, -1 on failure (NULL out). A device
+ * never named gets zeros, and its allocator is not built by asking (on CUDA that would make a context
+ * there); so do the two resets below, which do nothing there. */
 int cuvmm_get_device_stats(int device, cuvmm_device_stats *out);
 
 /* torch.cuda.reset_peak_memory_stats: every peak becomes the current value. 0 or -1. */
@@ -308,6 +310,11 @@ int cuvmm_reset_peak_stats(int device);
 /* torch.cuda.reset_accumulated_memory_stats: every allocated / freed total and every count (retries,
  * OOMs, device allocations and frees, synchronizations) becomes 0. 0 or -1. */
 int cuvmm_reset_accumulated_stats(int device);
+
+/* The last out-of-memory on `device` was recovered from: the caller freed memory of its own (PyTorch's
+ * free-memory callbacks) and the request then succeeded. The statistics count it as a retry (num_alloc_retries),
+ * not an out-of-memory, as PyTorch's would. 0 or -1. */
+int cuvmm_recovered_oom(int device);
 
 /* torch.cuda.set_per_process_memory_fraction: from now on `device`'s allocator reserves at most `fraction`
  * (0 to 1) of the device's memory; a request past it fails with out-of-memory. Memory reserved above it

@@ -70,7 +70,8 @@ using c10::MempoolId_t;
   X(cuvmm_set_torch_version) X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool)          \
   X(cuvmm_release_pool) X(cuvmm_incref_pool)
 #define CUVMM_OPTIONAL(X)                                                                        \
-  X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)
+  X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)        \
+  X(cuvmm_recovered_oom)
 
 struct Api {
 #define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
@@ -255,10 +256,36 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     return {free, total};
   }
+  // cuDNN sizes its workspaces by it (a 0 passed in: "guess"): as PyTorch's, the device's free memory when
+  // asked with 0, or cuvmm's largest free block if larger. Answering the free block alone would leave a
+  // fresh process with no workspace at all, and cudnn.benchmark to the slowest algorithms.
   void cacheInfo(DeviceIndex device, size_t* largest) override {
+    if (*largest == 0) {
+      c10::cuda::CUDAGuard guard(device);
+      size_t total = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(largest, &total));
+    }
     *largest = std::max(*largest, static_cast<size_t>(stats(device).largest_free_block));
   }
-  void* getBaseAllocation(void* ptr, size_t* /*size*/) override { return ptr; }
+  // The live allocation `ptr` lies in, and its size, on whichever device holds it (each of cuvmm's
+  // allocations is its own block; PyTorch answers with the cudaMalloc'd segment, which cuvmm does not have).
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    auto at = reinterpret_cast<uint64_t>(ptr);
+    void* base = nullptr;
+    for_each_used([&](DeviceIndex device) {
+      if (base) return;
+      Snapshot s = take(device);
+      for (size_t i = 0; i < s->num_blocks && !base; ++i) {
+        const cuvmm_block_info& b = s->blocks[i];
+        if (b.state == 1 && b.address <= at && at < b.address + b.size) {
+          base = reinterpret_cast<void*>(b.address);
+          if (size) *size = b.size;
+        }
+      }
+    });
+    TORCH_CHECK(base, "cuvmm: invalid device pointer: ", ptr, " is not live memory of cuvmm's");
+    return base;
+  }
   std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex device) override {
     std::map<std::pair<cudaStream_t, bool>, size_t> sizes;
     Snapshot s = take(device);
@@ -313,7 +340,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 
   // ---- snapshots and history ----
   CCA::SnapshotInfo snapshot(MempoolId_t pool, bool include_traces) override {
-    CCA::SnapshotInfo info;
+    CCA::SnapshotInfo info{};  // every setting cuvmm does not have reads 0, never an indeterminate value
     info.config_metadata.expandable_segments = true;
     info.config_metadata.max_split_size = SIZE_MAX;
     const char* conf = std::getenv("CUVMM_ALLOC_CONF");
@@ -578,12 +605,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     // The deleter runs when the last storage using the mapping goes: it must not throw.
     std::shared_ptr<void> open(base, [this, handle, close](void* p) {
-      {
-        std::lock_guard<std::mutex> lock(ipc_mutex_);
-        auto entry = imports_.find(handle);
-        if (entry != imports_.end() && entry->second.expired()) imports_.erase(entry);
-      }
       try {
+        {
+          std::lock_guard<std::mutex> lock(ipc_mutex_);
+          auto entry = imports_.find(handle);
+          if (entry != imports_.end() && entry->second.expired()) imports_.erase(entry);
+        }
         close(p);
       } catch (...) {
       }
@@ -614,6 +641,11 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       if (own) return malloc_in_own_pool(n, device, stream, pool, own);
     }
     void* p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);
+    if (!p && api_.cuvmm_last_oom(nullptr) && free_memory_callbacks()) {
+      p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);  // once more, as PyTorch's
+      // PyTorch counts a retry, not an out-of-memory, when its callbacks made room.
+      if (p && api_.cuvmm_recovered_oom) api_.cuvmm_recovered_oom(device);
+    }
     if (p) return p;
     std::string error = last_error("malloc");
     cuvmm_oom_info oom{};
@@ -661,7 +693,19 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
   }
+  // PyTorch's FreeCudaMemoryCallbacksRegistry (libtorch registers "cuda_ipc_collect", which frees the
+  // blocks this process sent to others and they have released): run before an out-of-memory is reported,
+  // as PyTorch's allocator runs them before it grows. Whether any freed memory.
+  static bool free_memory_callbacks() {
+    bool freed = false;
+    for (const auto& name : c10::FreeCudaMemoryCallbacksRegistry()->Keys()) {
+      freed |= c10::FreeCudaMemoryCallbacksRegistry()->Create(name)->Execute();
+    }
+    return freed;
+  }
   // Gives the released pools' free segments back to their allocators (one pool's, or all with `all`).
+  // From emptyCache, which ~MemPool calls: one allocator's failure to take a segment back is a warning,
+  // and the others still go back.
   void give_back_segments(DeviceIndex device, MempoolId_t pool, bool all) {
     size_t len = 0;
     cuvmm_foreign_segment* segments =
@@ -676,8 +720,10 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         if (found != own_allocators_.end()) own = found->second;
       }
       if (own) {
-        c10::cuda::CUDAGuard guard(device);
-        own->raw_delete(reinterpret_cast<void*>(seg.address));
+        without_throwing("emptyCache: giving a segment back to its pool's allocator", [&] {
+          c10::cuda::CUDAGuard guard(device);
+          own->raw_delete(reinterpret_cast<void*>(seg.address));
+        });
       }
     }
     api_.cuvmm_foreign_segments_free(segments, len);
@@ -738,10 +784,13 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     TORCH_CHECK(ok && !error, "cuvmm: ", error ? error : (std::string(what) + " failed").c_str());
   }
 
+  // Zeros for a device never named, which asking does not open (see cuvmm_get_device_stats). A device that
+  // holds memory counts as used from then on, though it got it through the C ABI alone (cuvmm_torch's
+  // ctypes calls): snapshots and history cover it.
   cuvmm_device_stats stats(DeviceIndex device) {
-    use(device);
     cuvmm_device_stats s{};
     check(api_.cuvmm_get_device_stats(device, &s) == 0, "getDeviceStats");
+    if (s.reserved_bytes.all.current > 0 || s.allocation.all.current > 0) use(device);
     return s;
   }
   Snapshot take(DeviceIndex device) {

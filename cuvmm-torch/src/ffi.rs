@@ -387,7 +387,8 @@ pub extern "C" fn cuvmm_free_any(ptr: *mut c_void) {
     })
 }
 
-/// Writes `device`'s statistics to `*out`; 0 on success, -1 on failure (`*out` untouched).
+/// Writes `device`'s statistics to `*out` (zeros for a device never named, whose allocator this does not
+/// build); 0 on success, -1 on failure (`*out` untouched).
 ///
 /// # Safety
 /// `out` is null (an error) or points to writable memory for one `cuvmm_device_stats`.
@@ -418,6 +419,15 @@ pub extern "C" fn cuvmm_reset_peak_stats(device: c_int) -> c_int {
 pub extern "C" fn cuvmm_reset_accumulated_stats(device: c_int) -> c_int {
     shell("cuvmm_reset_accumulated_stats", -1, || {
         ops::reset_accumulated_stats(global()?, device).map(|()| 0)
+    })
+}
+
+/// Counts `device`'s last out-of-memory as recovered from (the C++ layer, after PyTorch's free-memory
+/// callbacks freed memory and the request succeeded); 0 on success, -1 on failure.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_recovered_oom(device: c_int) -> c_int {
+    shell("cuvmm_recovered_oom", -1, || {
+        ops::recovered_oom(global()?, device).map(|()| 0)
     })
 }
 

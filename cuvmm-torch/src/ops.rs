@@ -286,12 +286,13 @@ pub fn free_any(registry: &Registry, ptr: u64) -> Result<(), AbiError> {
     Err(cuvmm::Error::UnknownAddress { addr: ptr }.into())
 }
 
-/// `device`'s statistics in PyTorch's `DeviceStats` layout.
+/// `device`'s statistics in PyTorch's `DeviceStats` layout: zeros for a device never named, whose
+/// allocator this does not build ([`Registry::existing`]).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn device_stats(registry: &Registry, device: i32) -> Result<CDeviceStats, AbiError> {
-    let mut stats = registry.allocator(device)?.stats();
+    let mut stats = (registry.existing(device)?).map_or_else(Default::default, |a| a.stats());
     crate::foreign::merge_stats(device, &mut stats);
     Ok(CDeviceStats::new(
         &stats,
@@ -299,24 +300,39 @@ pub fn device_stats(registry: &Registry, device: i32) -> Result<CDeviceStats, Ab
     ))
 }
 
-/// Sets every peak of `device`'s statistics to its current value.
+/// Sets every peak of `device`'s statistics to its current value (nothing to do on a device never named).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn reset_peak_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
-    let allocator = registry.allocator(device)?;
+    let Some(allocator) = registry.existing(device)? else {
+        return Ok(());
+    };
     allocator.reset_peak_stats()?;
     crate::foreign::reset_peaks(device, &allocator.with_strategy(|s| s.stats()));
     Ok(())
 }
 
-/// Sets every cumulative count of `device`'s statistics to 0.
+/// Sets every cumulative count of `device`'s statistics to 0 (nothing to do on a device never named).
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn reset_accumulated_stats(registry: &Registry, device: i32) -> Result<(), AbiError> {
-    registry.allocator(device)?.reset_accumulated_stats()?;
+    let Some(allocator) = registry.existing(device)? else {
+        return Ok(());
+    };
+    allocator.reset_accumulated_stats()?;
     crate::foreign::reset_accumulated(device);
+    Ok(())
+}
+
+/// Counts `device`'s last out-of-memory as recovered from: the caller freed memory of its own and the
+/// request then succeeded ([`cuvmm::Allocator::count_recovered_oom`]).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn recovered_oom(registry: &Registry, device: i32) -> Result<(), AbiError> {
+    registry.allocator(device)?.count_recovered_oom();
     Ok(())
 }
 

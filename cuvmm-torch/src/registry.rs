@@ -133,8 +133,11 @@ pub struct Registry {
     /// This registry's number in the process (the exports of shared memory say whose they are).
     id: u64,
     settings: Settings,
-    slots: Box<[OnceLock<Result<TorchAllocator, InitError>>]>,
+    slots: Box<[Slot]>,
 }
+
+/// A device's allocator, once its first naming has built it (or failed to).
+type Slot = OnceLock<Result<TorchAllocator, InitError>>;
 
 impl Registry {
     /// A registry whose allocators are built from `settings` as devices are first named.
@@ -167,15 +170,33 @@ impl Registry {
     /// [`AbiError::DeviceOutOfRange`] for a negative device or one past the last; [`AbiError::Init`] if the
     /// allocator could not be built (now or at the first try).
     pub fn allocator(&self, device: i32) -> Result<&TorchAllocator, AbiError> {
-        let (ordinal, slot) = usize::try_from(device)
+        let (ordinal, slot) = self.slot(device)?;
+        let built = slot.get_or_init(|| self.build(ordinal));
+        built.as_ref().map_err(|e| AbiError::Init(e.clone()))
+    }
+
+    /// The allocator of `device` if it has been built; `None` if the device was never named, and then
+    /// nothing is built. For what reads or resets statistics: PyTorch's are zeros on a device its allocator
+    /// never served, and asking must not open the device (on CUDA that makes a context there, hundreds of
+    /// MiB on a GPU the program never uses).
+    ///
+    /// # Errors
+    /// As [`allocator`](Self::allocator), for a device out of range or one whose allocator failed to build.
+    pub fn existing(&self, device: i32) -> Result<Option<&TorchAllocator>, AbiError> {
+        let (_, slot) = self.slot(device)?;
+        (slot.get())
+            .map(|built| built.as_ref().map_err(|e| AbiError::Init(e.clone())))
+            .transpose()
+    }
+
+    fn slot(&self, device: i32) -> Result<(usize, &Slot), AbiError> {
+        usize::try_from(device)
             .ok()
             .and_then(|ordinal| Some((ordinal, self.slots.get(ordinal)?)))
             .ok_or(AbiError::DeviceOutOfRange {
                 device,
                 count: self.slots.len(),
-            })?;
-        let built = slot.get_or_init(|| self.build(ordinal));
-        built.as_ref().map_err(|e| AbiError::Init(e.clone()))
+            })
     }
 
     /// The allocators built so far with their devices, in device order (those that failed to build are left
@@ -285,6 +306,17 @@ mod tests {
                 matches!(err, AbiError::DeviceOutOfRange { count: 2, .. }),
                 "{err:?}"
             );
+            assert!(registry.existing(device).is_err());
         }
+    }
+
+    #[test]
+    fn asking_for_an_existing_allocator_builds_none() {
+        let registry = Registry::new(Settings::sim(GIB, 2));
+        assert!(registry.existing(1).unwrap().is_none());
+        assert_eq!(registry.built().count(), 0, "nothing built by asking");
+        registry.allocator(1).unwrap();
+        assert!(registry.existing(1).unwrap().is_some());
+        assert!(registry.existing(0).unwrap().is_none());
     }
 }

@@ -66,6 +66,74 @@ fn device_stats(device: i32) -> CDeviceStats {
     out
 }
 
+/// `torch.cuda.memory_stats(i)` for every `i`: a device never named reads as zeros and resets as a no-op,
+/// and no allocator is built for it (on CUDA that would make a context on a GPU the program never uses).
+#[test]
+fn statistics_of_a_device_never_named_are_zeros_and_build_nothing() {
+    setup();
+    let device = 15;
+    let is_built = || global().unwrap().built().any(|(d, _)| d == device);
+    assert!(!is_built());
+    let c = device_stats(device);
+    assert_eq!(c.reserved_bytes.all.current, 0);
+    assert_eq!(c.allocation.all.allocated, 0);
+    assert_eq!(c.num_device_alloc, 0);
+    assert_eq!(c.max_split_size, -1);
+    assert_eq!(cuvmm_reset_peak_stats(device), 0, "{:?}", last_error());
+    assert_eq!(
+        cuvmm_reset_accumulated_stats(device),
+        0,
+        "{:?}",
+        last_error()
+    );
+    assert!(
+        !is_built(),
+        "reading and resetting statistics built an allocator"
+    );
+    for out_of_range in [-1, DEVICES as i32] {
+        let mut out = CDeviceStats::default();
+        // SAFETY: `out` is a valid place for one struct.
+        let status = unsafe { cuvmm_get_device_stats(out_of_range, &mut out) };
+        assert_eq!(status, -1);
+        assert_failed("a device out of range", "device");
+        assert_eq!(cuvmm_reset_peak_stats(out_of_range), -1);
+    }
+    // Once named, it is built and counts.
+    let p = cuvmm_malloc(4096, device, ptr::null_mut());
+    assert!(!p.is_null(), "{:?}", last_error());
+    assert!(is_built());
+    assert_eq!(device_stats(device).allocation.all.current, 1);
+    cuvmm_free(p, 4096, device, ptr::null_mut());
+    check_invariants(device);
+}
+
+/// The C++ layer's retry after PyTorch's free-memory callbacks made room: the out-of-memory it reports as
+/// recovered from counts as a retry, as PyTorch counts it, not as an out-of-memory.
+#[test]
+fn an_out_of_memory_recovered_from_counts_as_a_retry() {
+    setup();
+    let device = 23;
+    let big = cuvmm_malloc(7 << 30, device, ptr::null_mut());
+    assert!(!big.is_null(), "{:?}", last_error());
+    assert!(cuvmm_malloc(2 << 30, device, ptr::null_mut()).is_null());
+    // SAFETY: a null `out` is allowed (only the answer is wanted).
+    let oom = unsafe { cuvmm_last_oom(ptr::null_mut()) };
+    assert_eq!(oom, 1);
+    let before = device_stats(device);
+    assert_eq!(before.num_ooms, 1);
+    cuvmm_free(big, 7 << 30, device, ptr::null_mut());
+    let p = cuvmm_malloc(2 << 30, device, ptr::null_mut());
+    assert!(!p.is_null(), "{:?}", last_error());
+    assert_eq!(cuvmm_recovered_oom(device), 0, "{:?}", last_error());
+    let after = device_stats(device);
+    assert_eq!(after.num_ooms, 0);
+    assert_eq!(after.num_alloc_retries, before.num_alloc_retries + 1);
+    assert_eq!(cuvmm_recovered_oom(DEVICES as i32), -1);
+    assert_failed("a device out of range", "device");
+    cuvmm_free(p, 2 << 30, device, ptr::null_mut());
+    check_invariants(device);
+}
+
 #[test]
 fn device_stats_follow_the_json_and_reset_their_peaks_and_totals() {
     setup();
