@@ -55,9 +55,11 @@
 #
 # RUN_BUDGET=SECONDS bounds the whole run: each step's limit is cut to what is left, and a step with less than
 # 15 s left is skipped (a device lease is short: the run ends, and its files are there, before the lease does).
-# ARCHIVE=FILE also packs every output file into one .tar.gz at the end (a device tool returns few files).
+# ARCHIVE=FILE also packs every output file into one .tar.gz, again after each step (a device tool returns at
+# most 8 files, and a run stopped from outside keeps what it had). On a lent machine, outputs outside the
+# tool's $OUT and only the archive in it (bash expands OUT=... before ARCHIVE=$OUT/..., hence A):
 #
-#   OUT=... tools/gpu/run.sh info conformance lib streams graphs service driver-bench
+#   A=$OUT; OUT=/tmp/gpu-out ARCHIVE=$A/gpu-out.tar.gz RUN_BUDGET=540 tools/gpu/run.sh info torch-suite
 set -u
 cd "$(dirname "$0")/../.."
 [ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | grep '^#'; exit 2; }
@@ -89,9 +91,20 @@ step() {
         return
     fi
     local began=$SECONDS
-    timeout "$limit" "$@" >>"$out/$name.txt" 2>&1
+    # -k: a command that ignores SIGTERM is killed 10 s later (RUN_BUDGET leaves room for it).
+    timeout -k 10 "$limit" "$@" >>"$out/$name.txt" 2>&1
     local status=$?
     echo "$name: status $status, $((SECONDS - began)) s: $(tail -n 1 "$out/$name.txt")"
+    pack
+}
+
+# pack: every output so far into $ARCHIVE, when set (written aside, then renamed: never a half archive). An
+# archive inside $out leaves itself out; tar's status 1 (a file changed as it was read: the archive's own
+# folder) still made a whole archive.
+pack() {
+    [ -n "${ARCHIVE:-}" ] || return 0
+    tar czf "$ARCHIVE.part" --exclude="./$(basename "$ARCHIVE")*" -C "$out" . 2>/dev/null
+    [ $? -le 1 ] && mv -f "$ARCHIVE.part" "$ARCHIVE"
 }
 
 # Builds the C++ layer once, before the first step that installs cuvmm into PyTorch: a failed build shows in
@@ -251,5 +264,5 @@ for name in "$@"; do
     run_step "$name"
 done
 if [ -n "${ARCHIVE:-}" ]; then
-    tar czf "$ARCHIVE" -C "$out" . && echo "run.sh: every output in $ARCHIVE"
+    pack && echo "run.sh: every output in $ARCHIVE"
 fi

@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 SCHEMA = "cuvmm-sleep-frameworks/1"
 GIB = 1 << 30
+# Seconds a case's process may take: run.sh gives the three cases 300 s together.
+CASE_TIMEOUT_S = 90
 
 
 def free_bytes(torch):
@@ -224,14 +226,20 @@ def main(argv=None):
     failed = 0
     for name in names:
         # A fresh process per case: PyTorch takes one allocator per process.
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", name, "--in-process"],
-                              capture_output=True, text=True, timeout=600, check=False)
-        line = next((l for l in reversed(done.stdout.splitlines()) if l.startswith("{")), None)
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--case", name, "--in-process"],
+                                  capture_output=True, text=True, timeout=CASE_TIMEOUT_S, check=False)
+            status, stdout, stderr = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as error:
+            # What the killed process wrote comes as bytes here, whatever `text` says.
+            status, stdout = f"timed out after {CASE_TIMEOUT_S} s", ""
+            stderr = (error.stderr or b"").decode(errors="replace")
+        line = next((l for l in reversed(stdout.splitlines()) if l.startswith("{")), None)
         if line is None:
-            line = json.dumps({"suite": SCHEMA, "case": name, "ok": False, "status": done.returncode,
-                               "stderr": done.stderr[-1500:]})
+            line = json.dumps({"suite": SCHEMA, "case": name, "ok": False, "status": status,
+                               "stderr": stderr[-1500:]})
         print(line, flush=True)
-        failed += done.returncode != 0
+        failed += status != 0
     print(f"sleep-frameworks: {len(names) - failed} of {len(names)} cases passed")
     return 1 if failed else 0
 

@@ -1,7 +1,8 @@
 """Cases 7 to 10: ``torch.cuda.memory_stats``, ``torch.OutOfMemoryError``, ``torch.multiprocessing`` and
-NCCL."""
+NCCL; then cuDNN's benchmark mode, which sizes its workspaces by what the allocator says it has free."""
 
 import os
+from multiprocessing.connection import wait
 
 from . import (  # the framework, in __init__.py
     CaseFailure,
@@ -144,6 +145,26 @@ def mp_child(allocator, connection):
         connection.recv()
 
 
+def ramp(torch, n):
+    """0, 1, 2, ... as n float32 on the CPU, wrapping at 65536: t and 2t+1 stay exact in float32, which rounds
+    odd integers above 2**24 (and the CPU's arange rounds them as its thread count has it)."""
+    return (torch.arange(n, dtype=torch.int64) % 65536).float()
+
+
+def mp_answer(process, connection, seconds):
+    """The child's answer, or (None, why) if it exits without one or is silent `seconds`: the parent has closed
+    its end of the child's pipe, so the child's exit shows at once."""
+    if connection in wait([connection, process.sentinel], seconds) or connection.poll(1):
+        try:
+            return connection.recv()
+        except EOFError:
+            pass
+    process.join(5)
+    if process.is_alive():
+        return None, f"the child did not answer within {seconds} s"
+    return None, f"the child exited with {process.exitcode} without answering"
+
+
 @case("multiprocessing", "CUDA tensors sent to a spawned torch.multiprocessing child, which writes 2t+1 into "
       "each: a 16 MiB one, a small one that shares its page with a neighbour, a 100 MiB one over several "
       "handles and a view with a storage offset; the parent sees 2t+1 in each and its neighbour unchanged",
@@ -156,25 +177,25 @@ def multiprocessing_case(ctx):
     parent, child = spawn.Pipe()
     process = spawn.Process(target=mp_child, args=(ctx.allocator, child), daemon=True)
     process.start()
+    child.close()
     try:
         sizes = [4 * MIB, 1000, 25 * MIB]
-        tensors = [torch.arange(n, dtype=torch.float32, device=ctx.device) for n in sizes[:1]]
+        tensors = [ramp(torch, n).to(ctx.device) for n in sizes[:1]]
         neighbour = torch.full((1000,), 7.0, device=ctx.device)  # the small one's page-mate
-        tensors.append(torch.arange(sizes[1], dtype=torch.float32, device=ctx.device))
-        tensors.append(torch.arange(sizes[2], dtype=torch.float32, device=ctx.device))
+        tensors.append(ramp(torch, sizes[1]).to(ctx.device))
+        tensors.append(ramp(torch, sizes[2]).to(ctx.device))
         base = torch.zeros(2000, dtype=torch.float32, device=ctx.device)
         view = base[1000:]
-        view.copy_(torch.arange(1000, dtype=torch.float32, device=ctx.device))
+        view.copy_(ramp(torch, 1000))
         tensors.append(view)
         torch.cuda.synchronize()
         parent.send(tensors)  # CUDA IPC: raises here if the memory cannot be shared
-        if not parent.poll(90):
-            raise CaseFailure("the child did not answer within 90 s" + ("" if process.is_alive() else
-                                                                        f" (it exited with {process.exitcode})"))
-        answer, info = parent.recv()
+        answer, info = mp_answer(process, parent, 90)
+        if answer is None:
+            raise CaseFailure(info)
         if answer != "ok":
             raise RuntimeError(f"in the child: {info}")
-        diffs = [_max_diff(torch, t, torch.arange(t.numel(), dtype=torch.float32) * 2 + 1) for t in tensors]
+        diffs = [_max_diff(torch, t, ramp(torch, t.numel()) * 2 + 1) for t in tensors]
         neighbour_diff = _max_diff(torch, neighbour, torch.full((1000,), 7.0))
         head_diff = _max_diff(torch, base[:1000], torch.zeros(1000))
         ctx.figures.update(max_abs_diff=max(diffs), neighbour_diff=neighbour_diff, view_head_diff=head_diff)
@@ -233,3 +254,57 @@ def nccl(ctx):
         finally:
             dist.destroy_process_group()
     return "all_reduce correct, 5 async all_gathers correct"
+
+
+# --- cuDNN's benchmark mode -----------------------------------------------------------------------------------
+
+
+@case("cudnn_benchmark", "torch.backends.cudnn.benchmark: a 3x3 convolution's forward and backward, its algorithms "
+      "tried with the workspace the allocator says it can give (cacheInfo), equal to the same steps without "
+      "benchmark within 1e-3 relative (TF32 off); figures: the extra peak while choosing, ms per step each way",
+      timeout=120, fresh=True)
+def cudnn_benchmark(ctx):
+    import time  # noqa: PLC0415
+
+    torch = ctx.torch
+    if not torch.backends.cudnn.is_available():
+        raise SkipCase("PyTorch has no cuDNN")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).to(ctx.device)
+    x = torch.randn(32, 64, 56, 56, device=ctx.device, requires_grad=True)
+
+    def step():
+        x.grad = None
+        conv.zero_grad(set_to_none=True)
+        y = conv(x)
+        y.square().mean().backward()
+        torch.cuda.synchronize()
+        return y.detach(), x.grad.detach(), conv.weight.grad.detach()
+
+    def peak_of(benchmark):
+        torch.backends.cudnn.benchmark = benchmark
+        torch.cuda.synchronize()
+        live = torch.cuda.memory_allocated(0)
+        torch.cuda.reset_peak_memory_stats(0)
+        results = step()
+        return results, torch.cuda.max_memory_allocated(0) - live
+
+    def ms_per_step(benchmark, steps=10):
+        torch.backends.cudnn.benchmark = benchmark
+        step()
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - began) / steps * 1e3
+
+    reference, reference_peak = peak_of(False)
+    got, chosen_peak = peak_of(True)  # the first benchmarked call tries each algorithm with its workspace
+    worst = max((a - b).abs().max().item() / max(b.abs().max().item(), 1e-30) for a, b in zip(got, reference))
+    ctx.figures.update(peak_without_benchmark=reference_peak, peak_choosing=chosen_peak,
+                       extra_peak_choosing=chosen_peak - reference_peak, max_rel_diff=worst,
+                       ms_without_benchmark=ms_per_step(False), ms_with_benchmark=ms_per_step(True))
+    check(worst <= 1e-3, f"benchmarked results differ from the default algorithms' by {worst:.2e} relative")
+    return (f"equal within {worst:.1e}; {ctx.figures['ms_with_benchmark']:.2f} ms per step benchmarked, "
+            f"{ctx.figures['ms_without_benchmark']:.2f} without; {(chosen_peak - reference_peak) // MIB} MiB more "
+            "at the peak while choosing")

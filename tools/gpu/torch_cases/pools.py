@@ -371,24 +371,23 @@ def _send_to_child(ctx, child_allocator):
     (ok, detail)."""
     import torch.multiprocessing as mp  # noqa: PLC0415
 
-    from .features import mp_child  # noqa: PLC0415
+    from .features import mp_answer, mp_child, ramp  # noqa: PLC0415
 
     torch = ctx.torch
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     process = spawn.Process(target=mp_child, args=(child_allocator, child), daemon=True)
     process.start()
+    child.close()
     try:
-        tensors = [torch.arange(n, dtype=torch.float32, device=ctx.device) for n in (4 * MIB, 1000, 25 * MIB)]
+        tensors = [ramp(torch, n).to(ctx.device) for n in (4 * MIB, 1000, 25 * MIB)]
         neighbour = torch.full((1000,), 7.0, device=ctx.device)
         torch.cuda.synchronize()
         parent.send(tensors)
-        if not parent.poll(90):
-            return False, "the child did not answer within 90 s"
-        answer, info = parent.recv()
+        answer, info = mp_answer(process, parent, 90)
         if answer != "ok":
-            return False, f"in the child: {info}"
-        diffs = [_max_diff(torch, t, torch.arange(t.numel(), dtype=torch.float32) * 2 + 1) for t in tensors]
+            return False, info if answer is None else f"in the child: {info}"
+        diffs = [_max_diff(torch, t, ramp(torch, t.numel()) * 2 + 1) for t in tensors]
         if max(diffs) != 0 or _max_diff(torch, neighbour, torch.full((1000,), 7.0)) != 0:
             return False, f"the parent sees {diffs} off the child's writes (or its neighbour changed)"
         parent.send("done")

@@ -112,9 +112,8 @@ def memory_limit(ctx):
         limits.append(f"set_per_process_memory_fraction raised {_first_line(e)}")
     if ctx.cuvmm is not None:
         limits.append(os.environ.get("CUVMM_ALLOC_CONF", ""))
-        if hasattr(ctx.cuvmm, "set_per_process_memory_fraction"):
-            ctx.cuvmm.set_per_process_memory_fraction(fraction, 0)
-            limits.append("cuvmm_torch.set_per_process_memory_fraction")
+        ctx.cuvmm.set_memory_fraction(fraction, 0)  # the same limit again, through cuvmm's own call
+        limits.append("cuvmm_torch.set_memory_fraction")
     ctx.figures.update(limit_bytes=LIMIT_BYTES, fraction=fraction, limit=limits)
     n = 2 * GIB // 4
     witness = torch.full((16 * MIB,), 7.0, device=ctx.device)  # 64 MiB, live throughout
