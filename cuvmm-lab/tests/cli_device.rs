@@ -1,19 +1,16 @@
 //! `--backend`, `--touch` and `driver-bench` on the command line: exit statuses, one-line messages, JSON.
 //!
-//! What `--backend cuda` does depends on the build and the machine: without the `cuda` feature it is refused
-//! (status 2, one line saying to rebuild with `--features cuda`); with it, on a machine without a CUDA
-//! driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine those
-//! two tests have nothing to check and say so.
+//! What `--backend cuda` does depends on the build and the machine: without CUDA support in the library it
+//! is refused (status 2, one line saying to rebuild with `--features cuda`); with it, on a machine without a
+//! CUDA driver, it is refused too (status 2, one line saying no CUDA driver was found). On a GPU machine that
+//! test has nothing to check and says so. The library's support decides, not this crate's `cuda` feature:
+//! `cargo test --workspace` gives the library its CUDA backend through cuvmm-torch.
 
 mod common;
 
 use common::{cuvmm, stderr};
-
-/// Whether this machine has a usable CUDA device 0.
-#[cfg(feature = "cuda")]
-fn gpu_present() -> bool {
-    cuvmm::driver::cuda::CudaDriver::new(0).is_ok()
-}
+use cuvmm::driver::device::DeviceSpec;
+use cuvmm::driver::sim::SimConfig;
 
 /// Runs `args` and checks: status 2, nothing on stdout, exactly one line on stderr containing `needle`.
 fn refused(args: &[&str], needle: &str) {
@@ -55,26 +52,19 @@ const CUDA_COMMANDS: [&[&str]; 7] = [
     &["frontier", "--backend", "cuda", "--workload", "moe"],
 ];
 
-#[cfg(not(feature = "cuda"))]
 #[test]
-fn cuda_without_the_feature_exits_2_saying_to_rebuild() {
-    for args in CUDA_COMMANDS {
-        refused(
-            args,
-            "no CUDA driver found: cuvmm was built without CUDA support; rebuild with --features cuda",
-        );
-    }
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_without_a_driver_exits_2_saying_no_driver_was_found() {
-    if gpu_present() {
+fn cuda_without_the_support_or_a_driver_exits_2_saying_which() {
+    let cuda = DeviceSpec::Cuda { ordinal: 0 };
+    let needle = if cuda.check_supported().is_err() {
+        "no CUDA driver found: cuvmm was built without CUDA support; rebuild with --features cuda"
+    } else if cuda.open(SimConfig::default()).is_ok() {
         eprintln!("skipped: this machine has a CUDA device, so `--backend cuda` is not refused");
         return;
-    }
+    } else {
+        "no CUDA driver found"
+    };
     for args in CUDA_COMMANDS {
-        refused(args, "no CUDA driver found");
+        refused(args, needle);
     }
 }
 

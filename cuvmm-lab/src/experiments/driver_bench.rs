@@ -297,8 +297,7 @@ pub fn render_table(report: &BenchReport) -> String {
 
 /// What the report says about the device. An `if let` rather than a `match` on [`Device`]: with cuvmm's
 /// `cuda` feature turned on by another crate of the build (`cargo test --workspace`: cuvmm-torch) and this
-/// crate's off, `Device` has a variant this crate does not name (and never opens: `--backend cuda` is refused
-/// while parsing).
+/// crate's off, `Device` has a variant this crate does not name; such a device is reported by its ordinal.
 fn describe(device: &mut Device) -> Result<DeviceInfo, DriverError> {
     let total_bytes = device.mem_info()?.total;
     let granularity = device.granularity();
@@ -313,10 +312,14 @@ fn describe(device: &mut Device) -> Result<DeviceInfo, DriverError> {
             total_bytes,
         });
     }
+    let (kind, name, ordinal) = match device.as_sim() {
+        Some(_) => ("sim", "simulated device", None),
+        None => ("cuda", "CUDA device", Some(device.ordinal())),
+    };
     Ok(DeviceInfo {
-        kind: "sim",
-        name: "simulated device".to_string(),
-        ordinal: None,
+        kind,
+        name: name.to_string(),
+        ordinal,
         granularity,
         recommended_granularity: granularity,
         total_bytes,
