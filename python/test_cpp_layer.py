@@ -115,6 +115,20 @@ int cudaDeviceGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *g
 int cudaStreamIsCapturing(void *stream, int *status) { (void)stream; *status = 0; return 0; }
 int cudaThreadExchangeStreamCaptureMode(int *mode) { (void)mode; return 0; }
 int cudaDriverGetVersion(int *version) { *version = 13000; return 0; }
+/* cudaMalloc and cudaFree, for memory allocated with caching off: addresses from a range no simulated device
+   hands out (never dereferenced), a request over 1 GiB refused as cudaErrorMemoryAllocation (2). */
+static unsigned long long next_address = 0x200000000000ULL;
+static int mallocs, frees;
+int cudaMalloc(void **p, unsigned long size) {
+    if (size > (1UL << 30)) return 2;
+    *p = (void *)next_address;
+    next_address += (size + 0xFFFFF) & ~0xFFFFFUL;
+    mallocs++;
+    return 0;
+}
+int cudaFree(void *p) { (void)p; frees++; return 0; }
+int fake_cuda_mallocs(void) { return mallocs; }
+int fake_cuda_frees(void) { return frees; }
 """
 FAKE_LIBCUDA = r"""
 int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
@@ -350,6 +364,30 @@ C._cuda_setMemoryFraction(0.5, 0)
 out["over_limit"] = h.try_alloc(3 << 30)
 out["observed"] = h.observed()
 out["num_ooms"] = cuvmm_torch.memory_stats(0)["num_ooms"]
+C._cuda_setMemoryFraction(1.0, 0)
+
+# Caching off (torch.cuda.caching_allocator_enable(False)): cudaMalloc and cudaFree, outside cuvmm's figures.
+import ctypes
+fake = ctypes.CDLL(FAKECUDART)
+def cuda_calls():
+    return [fake.fake_cuda_mallocs(), fake.fake_cuda_frees()]
+cached = h.alloc(size)
+C._cuda_cudaCachingAllocator_enable(False)
+off = h.alloc(size)
+off_freed_while_off = h.alloc(size)
+out["off"] = {"ptrs": [cached, off], "allocated": C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"],
+              "calls": cuda_calls()}
+h.release(off_freed_while_off)
+h.release(cached)  # cuvmm's, though freed with caching off
+out["off"]["freed_while_off"] = cuda_calls()
+out["off"]["huge"] = h.try_alloc(2 << 30)
+C._cuda_cudaCachingAllocator_enable(True)
+on = h.alloc(size)
+out["on"] = {"calls": cuda_calls(), "allocated": C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]}
+h.release(off)  # allocated with caching off, freed with it on
+h.release(on)
+out["on"]["freed"] = cuda_calls()
+out["on"]["allocated_after"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
 print(json.dumps(out))
 """
 
@@ -505,11 +543,29 @@ class ThroughPyTorchsInterface(unittest.TestCase):
         code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
         code = code.replace("HARNESS", repr(HARNESS))
         code = code.replace("BUILD", repr(build))
-        cls.out = run_probe(code, LD_PRELOAD=os.path.join(fakes, "libfakecudart.so"), LD_LIBRARY_PATH=fakes)
+        fake_cudart = os.path.join(fakes, "libfakecudart.so")
+        code = code.replace("FAKECUDART", repr(fake_cudart))
+        cls.out = run_probe(code, LD_PRELOAD=fake_cudart, LD_LIBRARY_PATH=fakes)
 
     @classmethod
     def tearDownClass(cls):
         cls.scratch.cleanup()
+
+    def test_with_caching_off_memory_comes_from_cuda_malloc_as_in_pytorch(self):
+        off, on = self.out["off"], self.out["on"]
+        cached, uncached = off["ptrs"]
+        stand_in = range(0x200000000000, 0x200000000000 + (1 << 40))  # the stand-in cudaMalloc's addresses
+        self.assertIn(uncached, stand_in)
+        self.assertNotIn(cached, stand_in, "cuvmm's")
+        self.assertEqual(off["calls"], [2, 0])
+        self.assertEqual(off["allocated"], SIZE, "memory allocated with caching off is in no statistic")
+        self.assertEqual(off["freed_while_off"], [2, 1], "cudaFree for its own, cuvmm's back to cuvmm")
+        self.assertTrue(off["huge"].startswith("OutOfMemoryError: CUDA out of memory"), off["huge"])
+        self.assertIn("caching off", off["huge"])
+        self.assertEqual(on["calls"], [2, 1], "caching on again: cuvmm's")
+        self.assertEqual(on["allocated"], SIZE)
+        self.assertEqual(on["freed"], [2, 2], "memory allocated with caching off goes to cudaFree whenever freed")
+        self.assertEqual(on["allocated_after"], 0)
 
     def test_raw_alloc_and_raw_delete_are_cuvmms(self):
         self.assertEqual(self.out["layer"], "cpp")

@@ -189,21 +189,29 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // ---- allocation ----
   c10::DataPtr allocate(size_t n) override {
     DeviceIndex device = c10::cuda::current_device();
+    if (!isEnabled()) {
+      void* p = uncached_allocate(n);
+      return {p, p, &uncached_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
+    }
     void* p = n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
     return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }  // any of ours, cached or not
   bool is_simple_data_ptr(const c10::DataPtr& ptr) const override { return ptr.get() == ptr.get_context(); }
   void* raw_alloc(size_t n) override {
+    if (!isEnabled()) return uncached_allocate(n);
     DeviceIndex device = c10::cuda::current_device();
     return n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
   }
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
+    if (!isEnabled()) return uncached_allocate(n);
     return n == 0 ? nullptr : malloc_on(n, c10::cuda::current_device(), stream);
   }
-  // A deleter: it must not throw.
+  // A deleter: it must not throw. Memory allocated while caching was off goes back to cudaFree, whenever
+  // it is freed.
   void raw_delete(void* p) override {
     if (p == nullptr) return;
+    if (uncached_count_.load(std::memory_order_acquire) > 0 && uncached_free(p)) return;
     api_.cuvmm_free_any(p);
     if (const char* error = api_.cuvmm_last_error()) {
       std::string text = error;
@@ -221,8 +229,11 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   }
   bool initialized() override { return initialized_; }
   std::string name() override { return "cuvmm"; }
-  void enable(bool /*value*/) override {}
-  bool isEnabled() const override { return true; }
+  // torch.cuda.caching_allocator_enable(False), as PyTorch's own allocator takes it: what is allocated while
+  // caching is off bypasses the allocator (cudaMalloc, and cudaFree when it is freed, even after caching is
+  // back on), in no statistic and no snapshot; memory allocated before stays cuvmm's.
+  void enable(bool value) override { enabled_.store(value, std::memory_order_release); }
+  bool isEnabled() const override { return enabled_.load(std::memory_order_acquire); }
   double getMemoryFraction(DeviceIndex device) override {
     double fraction = api_.cuvmm_memory_fraction(device);
     check(fraction >= 0, "getMemoryFraction");
@@ -621,6 +632,45 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 
  private:
   static void delete_fn(void* p) { instance->raw_delete(p); }
+  // The deleter of a tensor allocated with caching off (recordStream ignores it, as PyTorch's does).
+  static void uncached_delete_fn(void* p) {
+    if (p != nullptr && !instance->uncached_free(p)) instance->raw_delete(p);
+  }
+
+  // Caching off: cudaMalloc, as PyTorch's allocator then (and, as there, refused during a graph capture).
+  void* uncached_allocate(size_t n) {
+    if (n == 0) return nullptr;
+    void* p = nullptr;
+    cudaError_t status = cudaMalloc(&p, n);
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", n,
+                       " bytes with caching off (torch.cuda.caching_allocator_enable(False)): cudaMalloc refused");
+    }
+    C10_CUDA_CHECK(status);
+    std::lock_guard<std::mutex> lock(uncached_mutex_);
+    uncached_.insert(p);
+    uncached_count_.store(uncached_.size(), std::memory_order_release);
+    return p;
+  }
+  // Gives back memory allocated with caching off; false for any other pointer. A deleter: never throws.
+  bool uncached_free(void* p) noexcept {
+    bool found = false;
+    without_throwing("raw_delete", [&] {
+      std::lock_guard<std::mutex> lock(uncached_mutex_);
+      found = uncached_.erase(p) > 0;
+      uncached_count_.store(uncached_.size(), std::memory_order_release);
+    });
+    if (!found) return false;
+    cudaError_t status = cudaFree(p);
+    if (status != cudaSuccess) {
+      (void)cudaGetLastError();
+      without_throwing("raw_delete", [&] {
+        TORCH_CHECK(false, "cudaFree of memory allocated with caching off failed: ", cudaGetErrorString(status));
+      });
+    }
+    return true;
+  }
 
   void* malloc_on(size_t n, DeviceIndex device, cudaStream_t stream) {
     use(device);
@@ -839,6 +889,10 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 #endif
   std::mutex ipc_mutex_;  // guards imports_
   std::unordered_map<std::string, std::weak_ptr<void>> imports_;
+  std::atomic<bool> enabled_{true};  // caching on (torch.cuda.caching_allocator_enable)
+  std::mutex uncached_mutex_;        // guards uncached_
+  std::unordered_set<void*> uncached_;  // live memory allocated while caching was off
+  std::atomic<size_t> uncached_count_{0};  // its size, read without the lock on each free
 };
 
 CuvmmAllocator* CuvmmAllocator::instance = nullptr;

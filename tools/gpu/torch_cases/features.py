@@ -1,5 +1,6 @@
 """Cases 7 to 10: ``torch.cuda.memory_stats``, ``torch.OutOfMemoryError``, ``torch.multiprocessing`` and
-NCCL; then cuDNN's benchmark mode, which sizes its workspaces by what the allocator says it has free."""
+NCCL; then cuDNN's benchmark mode, which sizes its workspaces by what the allocator says it has free, and
+caching turned off (`caching_allocator_enable(False)`)."""
 
 import os
 from multiprocessing.connection import wait
@@ -308,3 +309,41 @@ def cudnn_benchmark(ctx):
     return (f"equal within {worst:.1e}; {ctx.figures['ms_with_benchmark']:.2f} ms per step benchmarked, "
             f"{ctx.figures['ms_without_benchmark']:.2f} without; {(chosen_peak - reference_peak) // MIB} MiB more "
             "at the peak while choosing")
+
+
+# --- caching turned off ---------------------------------------------------------------------------------------
+
+
+@case("caching_allocator_off", "torch.cuda.caching_allocator_enable(False): a tensor allocated while caching is off "
+      "holds its values, is in no statistic (memory_allocated unchanged) and its memory goes back to the device "
+      "when it is freed (mem_get_info); caching on again, a tensor is counted",
+      timeout=60, fresh=True)
+def caching_allocator_off(ctx):
+    torch = ctx.torch
+    size = 256 * MIB
+    elements = size // 4
+    anchor = torch.zeros(1, device=ctx.device)  # noqa: F841 (CUDA initialized: caching_allocator_enable acts)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(0)
+    torch.cuda.memory.caching_allocator_enable(False)
+    try:
+        x = torch.ones(elements, dtype=torch.float32, device=ctx.device)
+        allocated_off = torch.cuda.memory_allocated(0)
+        total = x.sum().item()
+        free_holding = torch.cuda.mem_get_info(0)[0]
+        del x
+        torch.cuda.synchronize()
+        free_released = torch.cuda.mem_get_info(0)[0]
+    finally:
+        torch.cuda.memory.caching_allocator_enable(True)
+    y = torch.ones(elements, dtype=torch.float32, device=ctx.device)
+    allocated_on = torch.cuda.memory_allocated(0)
+    del y
+    ctx.figures.update(allocated_off_delta=allocated_off - before, allocated_on_delta=allocated_on - before,
+                       given_back_at_free=free_released - free_holding, sum=total)
+    check(total == elements, f"the tensor allocated with caching off sums to {total}, not {elements}")
+    check(allocated_off == before, f"memory_allocated grew by {allocated_off - before} with caching off")
+    check(free_released - free_holding >= size * 9 // 10,
+          f"freeing it gave {(free_released - free_holding) // MIB} MiB back to the device, not {size // MIB}")
+    check(allocated_on - before == size, f"caching on again: memory_allocated grew by {allocated_on - before}")
+    return f"uncounted and given back at free ({(free_released - free_holding) // MIB} MiB); counted once on again"
