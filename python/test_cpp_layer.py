@@ -357,8 +357,12 @@ count = int.from_bytes(handle[18:26], "little")
 out["pytorch_layout_alone"] = h.try_open(handle[:2 + header + 4 * count])
 h.close_all()
 h.release(ptr)
-out["after_free"] = h.try_open(handle)
 out["released"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+# Freed, its chunk still held: its descriptor is the chunk's, kept until the release (as PyTorch's).
+out["after_free_held"] = h.try_open(handle)
+h.close_all()
+C._cuda_emptyCache()
+out["after_free"] = h.try_open(handle)
 out["huge"] = h.try_alloc(100 << 30)
 C._cuda_setMemoryFraction(0.5, 0)
 out["over_limit"] = h.try_alloc(3 << 30)
@@ -595,7 +599,8 @@ class ThroughPyTorchsInterface(unittest.TestCase):
         self.assertEqual(again, opened, "one mapping per handle while it is in use")
         self.assertEqual(self.out["reopen"], "opened", "held until the allocation is freed")
         self.assertEqual(self.out["pytorch_layout_alone"], "opened", "taken with pidfd_getfd")
-        self.assertIn("no such export", self.out["after_free"])
+        self.assertEqual(self.out["after_free_held"], "opened", "the chunk's descriptor, kept while it is held")
+        self.assertIn("no such export", self.out["after_free"], "its chunk released: gone")
 
 
 @unittest.skipIf(missing_for_build(), missing_for_build())

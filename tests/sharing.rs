@@ -131,6 +131,57 @@ fn a_large_allocation_is_shared_as_the_whole_chunks_it_touches() {
     a.check_invariants().unwrap();
 }
 
+/// A handle is exported once: blocks on one chunk, shared one by one, all hand out its one descriptor
+/// (one export call, one descriptor open however many shares); the allocator keeps it while it holds the
+/// handle, and once the handle is released, a share exports the new one afresh. An import through the kept
+/// descriptor sees the later block's bytes.
+#[test]
+fn blocks_on_one_handle_share_one_descriptor_until_the_handle_is_released() {
+    use std::sync::Arc;
+    let mut a = new_alloc();
+    let exports = |a: &Alloc| cuvmm::Driver::counters(a.driver()).get(Op::Export);
+    let blocks: Vec<u64> = (0..6)
+        .map(|_| a.alloc(3 * PAGE, StreamId(1)).unwrap())
+        .collect();
+    let shares: Vec<SharedMemory> = blocks.iter().map(|&b| a.share(b).unwrap()).collect();
+    a.check_invariants().unwrap();
+    assert!(
+        shares.iter().all(|s| s.parts.len() == 1),
+        "each on the one chunk"
+    );
+    let first = &shares[0].parts[0].fd;
+    assert!(
+        shares.iter().all(|s| Arc::ptr_eq(&s.parts[0].fd, first)),
+        "every share hands out the chunk's one descriptor"
+    );
+    assert_eq!(exports(&a), 1, "exported once");
+    write_pattern(&mut a, blocks[5], 9, 3 * PAGE);
+    let (base, seen) = open(&mut a, &shares[5]);
+    assert!(holds_pattern(&a, seen, 9, 3 * PAGE));
+    a.close_shared(base).unwrap();
+
+    drop(shares);
+    for b in blocks {
+        a.free(b).unwrap();
+    }
+    a.empty_cache().unwrap();
+    // The descriptor went with the handle (`ExportOutlivesHandle` otherwise).
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 0, "the chunk is released");
+    let x = a.alloc(3 * PAGE, StreamId(1)).unwrap();
+    let again = a.share(x).unwrap();
+    assert_eq!(exports(&a), 2, "the new chunk is exported afresh");
+    write_pattern(&mut a, x, 10, 3 * PAGE);
+    let (base, seen) = open(&mut a, &again);
+    assert!(
+        holds_pattern(&a, seen, 10, 3 * PAGE),
+        "the new export is the new memory's"
+    );
+    a.close_shared(base).unwrap();
+    a.free(x).unwrap();
+    a.check_invariants().unwrap();
+}
+
 /// The memory an import maps outlives the exporter's handles: freed and given back by the exporter, it
 /// stays until the import is closed, then returns to the device.
 #[test]

@@ -53,6 +53,10 @@ pub fn blocks(
 
 /// Puts `pool` of `device` back as `checkpoint` found it; returns the blocks live in it before.
 ///
+/// The blocks live before are freed (those of the checkpoint are made again), so their exports are
+/// forgotten first, as a free forgets them: their descriptors must not outlive the handles. A refused
+/// restore forgets them too; PyTorch then frees those blocks itself.
+///
 /// # Errors
 /// As [`use_count`]; the allocator's refusal ([`cuvmm::Error::GraphPool`]).
 pub fn restore(
@@ -61,7 +65,13 @@ pub fn restore(
     pool: GraphPool,
     checkpoint: &[PoolBlock],
 ) -> Result<Vec<u64>, AbiError> {
-    Ok(registry.allocator(device)?.restore_pool(pool, checkpoint)?)
+    let allocator = registry.allocator(device)?;
+    if crate::sharing::pending_exports() > 0 {
+        for block in allocator.pool_blocks(pool) {
+            crate::sharing::forget(registry, device, block.addr);
+        }
+    }
+    Ok(allocator.restore_pool(pool, checkpoint)?)
 }
 
 /// Gives back the cached memory of the released `pool` of `device`; returns the bytes.

@@ -17,7 +17,9 @@
 //! An export is held until its allocation is freed ([`forget`]): a reader of PyTorch's layout may take the
 //! descriptors at any time, as from PyTorch's own expandable segments, which keep theirs as long as the
 //! memory. Sharing the allocation again returns the same handle string; each fetch over the socket sends
-//! duplicates. The table holds nothing of freed memory.
+//! duplicates. The table holds nothing of freed memory. The allocator exports a handle once and hands the
+//! same descriptor to every share of memory on it, so a thousand small tensors on one 20 MiB handle hold
+//! one descriptor, not a thousand (as PyTorch's expandable segments, which keep one per handle).
 //!
 //! # cuvmm's handle string (version 1, little-endian)
 //! `"CUVMMIPC"`, version `u16`, the server's address (`u16` length, bytes), export id `u64`, offset of the
@@ -155,50 +157,91 @@ impl<'a> Reader<'a> {
 /// string given for it (given again if the allocation is shared again).
 #[derive(Debug)]
 struct Export {
-    /// Which registry's allocator (tests build several registries in one process).
-    registry: u64,
-    device: i32,
-    ptr: u64,
-    fds: Vec<OwnedFd>,
+    /// The allocation: registry, device, address.
+    allocation: Allocation,
+    /// The descriptor of each part. The allocator exports a handle once and keeps its descriptor until it
+    /// releases the handle, so the exports of blocks on one handle hold the same descriptor.
+    fds: Vec<Arc<OwnedFd>>,
     handle: Vec<u8>,
     offset: u64,
 }
 
-/// The process's exports, by id.
+/// An allocation: which registry's allocator (tests build several registries in one process), which
+/// device, which address.
+type Allocation = (u64, i32, u64);
+
+/// The process's exports, by id and by allocation.
 #[derive(Debug, Default)]
 struct ExportTable {
-    exports: Mutex<HashMap<u64, Export>>,
-    /// `exports.len()`, read without the lock at every free.
+    exports: Mutex<Exports>,
+    /// The number of exports, read without the lock at every free.
     len: AtomicUsize,
 }
 
-impl ExportTable {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Export>> {
-        // A panic while the table was locked left it whole (every change is one insert or remove).
-        self.exports
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+#[derive(Debug, Default)]
+struct Exports {
+    by_id: HashMap<u64, Export>,
+    by_allocation: HashMap<Allocation, u64>,
+}
+
+impl Exports {
+    /// Holds `export` under `id`, unless another thread shared the same allocation meanwhile: that export
+    /// stays, and this one is dropped. Returns the export held.
+    fn insert(&mut self, id: u64, export: Export) -> &Export {
+        let held = *self.by_allocation.entry(export.allocation).or_insert(id);
+        self.by_id.entry(held).or_insert(export)
     }
 
-    fn insert(&self, id: u64, export: Export) {
-        let mut exports = self.lock();
-        exports.insert(id, export);
-        self.len.store(exports.len(), Ordering::Release);
+    fn held(&self, allocation: Allocation) -> Option<&Export> {
+        self.by_id.get(self.by_allocation.get(&allocation)?)
+    }
+
+    fn remove(&mut self, allocation: Allocation) {
+        if let Some(id) = self.by_allocation.remove(&allocation) {
+            self.by_id.remove(&id);
+        }
+    }
+
+    /// Removes the exports whose allocation `doomed` says.
+    fn remove_where(&mut self, doomed: impl Fn(Allocation) -> bool) {
+        self.by_allocation.retain(|&allocation, id| {
+            let keep = !doomed(allocation);
+            if !keep {
+                self.by_id.remove(id);
+            }
+            keep
+        });
+    }
+}
+
+impl ExportTable {
+    /// Runs `change` on the exports under the lock, and publishes their number.
+    fn with<T>(&self, change: impl FnOnce(&mut Exports) -> T) -> T {
+        // A panic while the table was locked left it whole (each change keeps both maps in step).
+        let mut exports = (self.exports.lock()).unwrap_or_else(|poisoned| poisoned.into_inner());
+        let out = change(&mut exports);
+        self.len.store(exports.by_id.len(), Ordering::Release);
+        out
+    }
+
+    /// Whether there is no export: one atomic load.
+    fn is_empty(&self) -> bool {
+        self.len.load(Ordering::Acquire) == 0
     }
 }
 
 impl transport::Exports for ExportTable {
     fn descriptors(&self, id: u64) -> Result<Vec<OwnedFd>, String> {
-        let exports = self.lock();
-        let export = exports
-            .get(&id)
-            .ok_or_else(|| "no such export: the exporting process freed that memory".to_owned())?;
-        (export.fds.iter())
-            .map(|fd| {
-                fd.try_clone()
-                    .map_err(|err| format!("cannot duplicate a descriptor: {err}"))
-            })
-            .collect()
+        self.with(|exports| {
+            let export = (exports.by_id.get(&id)).ok_or_else(|| {
+                "no such export: the exporting process freed that memory".to_owned()
+            })?;
+            (export.fds.iter())
+                .map(|fd| {
+                    (fd.try_clone()).map_err(|err| format!("cannot duplicate a descriptor: {err}"))
+                })
+                .collect()
+        })
     }
 }
 
@@ -214,10 +257,10 @@ static EXPORTS: LazyLock<Arc<ExportTable>> = LazyLock::new(Arc::default);
 /// the start of a live allocation, or a device whose handles cannot be exported;
 /// [`AbiError::Transport`] if the process's server cannot start.
 pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64), AbiError> {
-    let id = registry.id();
-    let held = (EXPORTS.lock().values())
-        .find(|e| e.registry == id && e.device == device && e.ptr == ptr)
-        .map(|e| (e.handle.clone(), e.offset));
+    let allocation = (registry.id(), device, ptr);
+    let held = EXPORTS.with(|exports| {
+        (exports.held(allocation)).map(|export| (export.handle.clone(), export.offset))
+    });
     if let Some(held) = held {
         return Ok(held);
     }
@@ -233,7 +276,7 @@ pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64
         parts: shared.parts.iter().map(|part| part.with_fd(())).collect(),
     };
     let segment_size = torch_handle::uniform_size(&shared.parts);
-    let fds: Vec<OwnedFd> = shared.parts.into_iter().map(|part| part.fd).collect();
+    let fds: Vec<Arc<OwnedFd>> = shared.parts.into_iter().map(|part| part.fd).collect();
     let handle = match segment_size {
         Some(size) => {
             torch_handle::let_importers_take_descriptors();
@@ -241,18 +284,16 @@ pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64
         }
         None => own.encode(),
     };
-    EXPORTS.insert(
-        export_id,
-        Export {
-            registry: id,
-            device,
-            ptr,
-            fds,
-            handle: handle.clone(),
-            offset: own.offset,
-        },
-    );
-    Ok((handle, own.offset))
+    let export = Export {
+        allocation,
+        fds,
+        handle,
+        offset: own.offset,
+    };
+    Ok(EXPORTS.with(|exports| {
+        let held = exports.insert(export_id, export);
+        (held.handle.clone(), held.offset)
+    }))
 }
 
 /// Maps on `device` the memory a handle string describes: one from [`share`] (in any process of this user),
@@ -323,35 +364,67 @@ pub fn close(registry: &Registry, device: i32, ptr: u64) -> Result<(), AbiError>
     Ok(registry.allocator(device)?.close_shared(ptr)?)
 }
 
-/// Forgets the exports of the allocation at `ptr` of `device`, which is being freed, closing their
-/// descriptors. One atomic load when there are none.
+/// Forgets the export of the allocation at `ptr` of `device`, which is being freed (call it before the
+/// allocator frees it). One atomic load when there is none.
 pub fn forget(registry: &Registry, device: i32, ptr: u64) {
-    if EXPORTS.len.load(Ordering::Acquire) == 0 {
+    if EXPORTS.is_empty() {
         return;
     }
-    let mut exports = EXPORTS.lock();
-    let id = registry.id();
-    exports.retain(|_, e| !(e.registry == id && e.device == device && e.ptr == ptr));
-    EXPORTS.len.store(exports.len(), Ordering::Release);
+    EXPORTS.with(|exports| exports.remove((registry.id(), device, ptr)));
 }
 
 /// Forgets the exports of `device` whose allocation starts in one of `ranges` (`[start, end)`): memory
 /// whose pages are about to be given back (a sleep), whose descriptors would outlive them.
 pub fn forget_in(registry: &Registry, device: i32, ranges: &[(u64, u64)]) {
-    if EXPORTS.len.load(Ordering::Acquire) == 0 || ranges.is_empty() {
+    if EXPORTS.is_empty() || ranges.is_empty() {
         return;
     }
-    let mut exports = EXPORTS.lock();
     let id = registry.id();
-    exports.retain(|_, e| {
-        !(e.registry == id
-            && e.device == device
-            && ranges.iter().any(|&(lo, hi)| lo <= e.ptr && e.ptr < hi))
+    EXPORTS.with(|exports| {
+        exports.remove_where(|(registry, on, ptr)| {
+            registry == id && on == device && ranges.iter().any(|&(lo, hi)| lo <= ptr && ptr < hi)
+        });
     });
-    EXPORTS.len.store(exports.len(), Ordering::Release);
 }
 
 /// Exports held (for the tests).
 pub fn pending_exports() -> usize {
     EXPORTS.len.load(Ordering::Acquire)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn export(allocation: Allocation, handle: &[u8]) -> Export {
+        let null = std::fs::File::open("/dev/null").expect("/dev/null opens");
+        Export {
+            allocation,
+            fds: vec![Arc::new(OwnedFd::from(null))],
+            handle: handle.to_vec(),
+            offset: 0,
+        }
+    }
+
+    /// Two threads that share one allocation at once both export it; the first held stays, so a free
+    /// finds the one export there is, and nothing is left behind.
+    #[test]
+    fn an_allocation_shared_twice_at_once_is_held_once() {
+        let mut exports = Exports::default();
+        let at = (1, 0, 0x1000);
+        assert_eq!(exports.insert(7, export(at, b"first")).handle, b"first");
+        assert_eq!(exports.insert(8, export(at, b"second")).handle, b"first");
+        assert_eq!(
+            exports.insert(9, export((1, 0, 0x2000), b"other")).handle,
+            b"other"
+        );
+        assert_eq!(exports.by_id.len(), 2);
+        assert_eq!(
+            exports.held(at).map(|e| e.handle.as_slice()),
+            Some(&b"first"[..])
+        );
+        exports.remove(at);
+        exports.remove_where(|(_, _, ptr)| ptr == 0x2000);
+        assert!(exports.by_id.is_empty() && exports.by_allocation.is_empty());
+    }
 }

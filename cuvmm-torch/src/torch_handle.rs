@@ -215,7 +215,7 @@ pub fn uniform_size<F>(parts: &[SharedPart<F>]) -> Option<u64> {
 
 /// The handle in PyTorch's layout for this process's descriptors `fds` (`segment_size` bytes each), with
 /// `rest` after them.
-pub fn for_export(segment_size: u64, fds: &[OwnedFd], rest: Vec<u8>) -> TorchHandle {
+pub fn for_export<F: AsRawFd>(segment_size: u64, fds: &[F], rest: Vec<u8>) -> TorchHandle {
     TorchHandle {
         version: written_version(),
         pid: std::process::id() as i32,

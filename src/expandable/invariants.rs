@@ -6,7 +6,8 @@
 //!    `chunk_pages` pages, or pooled); chunks are exactly the handles the chunk set holds, and exist only
 //!    when `chunk_pages > 1`; pages held = pages created - pages released = reserved bytes / page size.
 //!    A lent page (`lending.rs`) is a lent block of one page at home, in a chunk's group, and one second
-//!    mapping of that page's piece of the chunk elsewhere; the lenders count exactly these.
+//!    mapping of that page's piece of the chunk elsewhere; the lenders count exactly these. Only held
+//!    handles have a kept export descriptor.
 //! 4. Blocks tile each segment exactly; no two free blocks are adjacent; the free index matches.
 //! 5. Statistics equal what the block list says (active = allocated + pending).
 //! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one;
@@ -219,6 +220,10 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         }
         chunks_seen += 1;
         held_pages += physical.chunk_pages() as u64;
+    }
+    // A descriptor is kept for a handle held, and forgotten at its release (`supply/exports.rs`).
+    if let Some(handle) = physical.exported().find(|handle| !held.contains(&handle.0)) {
+        return Err(V::ExportOutlivesHandle { handle: handle.0 });
     }
     let chunks = physical.chunks();
     if chunks_seen != chunks.len() || (physical.chunk_pages() == 1 && !chunks.is_empty()) {

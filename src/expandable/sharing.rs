@@ -1,8 +1,10 @@
 //! Sharing memory with other processes: exporting a live block's mappings, and mapping what another
 //! process exported (`crate::strategy::sharing` says what is shared and why whole mappings).
 //!
-//! Exporting reads the page map and makes one `export_handle` call per mapping; it changes nothing here.
-//! The block's pages stay where they are while it is live: compaction and lending move only idle pages. A
+//! Exporting reads the page map and asks the supply for each handle's descriptor: an `export_handle` call
+//! the first time a handle is shared, the same descriptor after, until the handle is released
+//! (`supply/exports.rs`). The block's pages stay where they are while it is live: compaction and lending
+//! move only idle pages. A
 //! tagged block is shared too: a sleep gives the exporter's handles back, while an importer's mapping keeps
 //! the memory (and the bytes it had) until that importer closes it.
 //!
@@ -59,7 +61,7 @@ impl<D: Driver> Expandable<D> {
         let mut parts = Vec::with_capacity(layout.len());
         for (source, handle_size, size) in layout {
             parts.push(SharedPart {
-                fd: self.driver.export_handle(source.handle)?,
+                fd: self.supply.export(&mut self.driver, source.handle)?,
                 handle_size,
                 handle_offset: source.offset,
                 size,

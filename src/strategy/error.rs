@@ -191,6 +191,12 @@ pub enum InvariantViolation {
         /// The handle.
         handle: u64,
     },
+    /// The descriptor of an exported handle is kept after the handle was released.
+    #[error("an export descriptor is kept for handle#{handle}, which is not held")]
+    ExportOutlivesHandle {
+        /// The handle.
+        handle: u64,
+    },
     /// Handles held do not add up: mapped + pooled must equal created - released.
     #[error(
         "{mapped} mapped + {pooled} pooled handles, but {created} created - {released} released"

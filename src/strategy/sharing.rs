@@ -10,11 +10,12 @@
 //! How the descriptors travel between processes is the caller's (cuvmm-torch passes them over a Unix
 //! socket); this module is the allocator's side only.
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 /// One mapping of a shared range: `size` bytes of a handle of `handle_size` bytes, from byte
-/// `handle_offset` of it. `F` is the handle: an exported descriptor ([`OwnedFd`] at the exporter,
-/// [`BorrowedFd`] at the importer).
+/// `handle_offset` of it. `F` is the handle: an exported descriptor (an [`Arc`] of an [`OwnedFd`] at the
+/// exporter, [`BorrowedFd`] at the importer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedPart<F> {
     /// The exported handle.
@@ -40,20 +41,24 @@ impl<F> SharedPart<F> {
     }
 }
 
-impl SharedPart<OwnedFd> {
+impl<F: AsFd> SharedPart<F> {
     /// The part with its descriptor borrowed.
     pub fn borrowed(&self) -> SharedPart<BorrowedFd<'_>> {
-        use std::os::fd::AsFd;
         self.with_fd(self.fd.as_fd())
     }
 }
 
 /// A live allocation's memory, exported: mapped back to back from the first part, the parts cover the
 /// allocation, which starts `offset` bytes in.
+///
+/// A handle is exported once: every share of memory on it, and every part of it, carries the same
+/// descriptor, which the allocator keeps until it releases the handle (PyTorch keeps one per handle too).
+/// So sharing many allocations of one handle holds one descriptor, and two parts with the same descriptor
+/// are pieces of one handle. Hold the [`Arc`] for as long as an importer may still need the descriptor.
 #[derive(Debug)]
 pub struct SharedMemory {
     /// The mappings in address order.
-    pub parts: Vec<SharedPart<OwnedFd>>,
+    pub parts: Vec<SharedPart<Arc<OwnedFd>>>,
     /// Bytes from the start of the first part to the allocation.
     pub offset: u64,
     /// Bytes of the allocation (its block, rounded as the allocator rounds).

@@ -9,14 +9,14 @@ unsafe extern "C" fn only_stream(context: *mut c_void, stream: *mut c_void) -> s
     (context == stream) as std::ffi::c_int
 }
 
-fn begin(device: i32, pool: (u64, u64), on: *mut c_void) {
+pub(super) fn begin(device: i32, pool: (u64, u64), on: *mut c_void) {
     // SAFETY: `only_stream` may be called from any thread with this context (it only compares pointers).
     let begun =
         unsafe { cuvmm_begin_allocate_to_pool(device, pool.0, pool.1, Some(only_stream), on) };
     assert_eq!(begun, 0, "{:?}", last_error());
 }
 
-fn blocks(device: i32, pool: (u64, u64)) -> Vec<CPoolBlock> {
+pub(super) fn blocks(device: i32, pool: (u64, u64)) -> Vec<CPoolBlock> {
     // SAFETY: a null `out` with `cap` 0 only counts.
     let n = unsafe { cuvmm_pool_blocks(device, pool.0, pool.1, ptr::null_mut(), 0) };
     assert!(n >= 0, "{:?}", last_error());

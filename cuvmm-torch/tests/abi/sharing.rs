@@ -76,10 +76,58 @@ fn a_shared_allocation_opens_in_pytorchs_layout_while_it_lives() {
     assert_eq!(cuvmm_ipc_close(device, base), -1);
     assert_failed("second close", "not open");
     cuvmm_free(ptr, 0, device, stream(0x61));
+    cuvmm_empty_cache(device);
     assert!(
         open(device, &handle).is_null(),
-        "freed: its descriptors are gone"
+        "freed and its chunk released: its descriptors are gone"
     );
+    check_invariants(device);
+}
+
+/// Tensors on one chunk, shared one by one (a model's parameters sent to another process), hold the chunk's
+/// one descriptor, not one each: every handle string names the same descriptor, which stays open while any
+/// of them is live, and each opens with its own bytes' place.
+#[test]
+fn allocations_on_one_chunk_share_one_descriptor() {
+    setup();
+    let device = 24;
+    let s = stream(0x66);
+    let ptrs: Vec<*mut c_void> = (0..12).map(|_| cuvmm_malloc(3 << 19, device, s)).collect();
+    assert!(ptrs.iter().all(|p| !p.is_null()), "{:?}", last_error());
+    let handles: Vec<(TorchHandle, HandleString)> = (ptrs.iter())
+        .map(|&p| {
+            decode(
+                &share(device, p)
+                    .unwrap_or_else(|| panic!("{:?}", last_error()))
+                    .0,
+            )
+        })
+        .collect();
+    let on_first: Vec<&TorchHandle> = (handles.iter())
+        .filter(|(torch, _)| torch.fds == handles[0].0.fds)
+        .map(|(torch, _)| torch)
+        .collect();
+    assert!(
+        on_first.len() >= 6,
+        "a 20 MiB chunk holds six of 1.5 MiB: {handles:?}"
+    );
+    let distinct: std::collections::HashSet<i32> = handles
+        .iter()
+        .flat_map(|(torch, _)| torch.fds.clone())
+        .collect();
+    assert!(
+        distinct.len() <= 2,
+        "one descriptor per chunk: {distinct:?}"
+    );
+    // All but the last freed: its handle string still opens through the same descriptor.
+    for &p in &ptrs[..ptrs.len() - 1] {
+        cuvmm_free(p, 0, device, s);
+    }
+    let last = share(device, ptrs[ptrs.len() - 1]).unwrap().0;
+    let base = open(device, &last);
+    assert!(!base.is_null(), "{:?}", last_error());
+    assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
+    cuvmm_free(ptrs[ptrs.len() - 1], 0, device, s);
     check_invariants(device);
 }
 
@@ -213,5 +261,47 @@ fn bad_handles_and_addresses_are_refused() {
     );
     assert_eq!(cuvmm_ipc_close(device, base), 0, "{:?}", last_error());
     cuvmm_free(ptr, 0, device, stream(0x63));
+    check_invariants(device);
+}
+
+/// A checkpoint put back (cudagraph trees' `setCheckpointPoolState`) frees the pool's live blocks and makes
+/// the checkpoint's again: their exports are forgotten as a free forgets them. A block made again is shared
+/// afresh, one allocated since cannot be shared, and its old handle string no longer opens once its chunk
+/// is released.
+#[test]
+fn a_checkpoint_put_back_forgets_the_exports_of_the_blocks_it_frees() {
+    use super::mem_pools::{begin, blocks};
+    setup();
+    let device = 25;
+    let (pool, s) = ((0, 43), stream(0x67));
+    begin(device, pool, s);
+    let x = cuvmm_malloc(3 << 20, device, s);
+    let checkpoint = blocks(device, pool);
+    let y = cuvmm_malloc(30 << 20, device, s);
+    let (hx, _) = share(device, x).unwrap_or_else(|| panic!("{:?}", last_error()));
+    let (hy, _) = share(device, y).unwrap_or_else(|| panic!("{:?}", last_error()));
+    // SAFETY: `checkpoint` holds its length of blocks.
+    let restored = unsafe {
+        cuvmm_pool_restore(
+            device,
+            pool.0,
+            pool.1,
+            checkpoint.as_ptr(),
+            checkpoint.len(),
+        )
+    };
+    assert_eq!(restored, 0, "{:?}", last_error());
+    let (again, _) = share(device, x).unwrap_or_else(|| panic!("{:?}", last_error()));
+    assert_ne!(
+        decode(&again).1.id,
+        decode(&hx).1.id,
+        "x made again is a new export"
+    );
+    assert!(share(device, y).is_none(), "y was freed by the checkpoint");
+    cuvmm_free(x, 0, device, s);
+    assert_eq!(cuvmm_end_allocate_to_pool(device, pool.0, pool.1), 0);
+    assert_eq!(cuvmm_release_pool(device, pool.0, pool.1), 0);
+    assert!(cuvmm_empty_pool_cache(device, pool.0, pool.1) > 0);
+    assert!(open(device, &hy).is_null(), "y's chunks are released");
     check_invariants(device);
 }

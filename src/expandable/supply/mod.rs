@@ -14,9 +14,11 @@
 //!   handles (and, once if the request allows, the cache released and creation retried);
 //! - `reclaim.rs`: taking idle pages: unmapping them, lending pieces of chunks in use, putting pages back;
 //! - `release.rs`: giving memory back to the driver: idle memory, the whole cache, everything on drop;
-//! - `split.rs`: re-creating chunks that live blocks still touch as single pages, under pressure.
+//! - `split.rs`: re-creating chunks that live blocks still touch as single pages, under pressure;
+//! - `exports.rs`: the descriptor of each exported handle, made once and kept until the handle's release.
 
 mod back;
+mod exports;
 mod lending;
 mod obtain;
 mod physical;
@@ -33,6 +35,9 @@ use super::policies::Policies;
 use super::segments::Segments;
 use super::streams::StreamWaits;
 use super::tags::Tags;
+use crate::driver::{Driver, DriverError, PhysHandle};
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 /// The physical pages: the handles held and the pages lent.
 #[derive(Debug)]
@@ -107,6 +112,16 @@ impl Supply {
     /// The handles held, the budget and the limit (read: statistics, invariants, sharing).
     pub(super) fn physical(&self) -> &Physical {
         &self.physical
+    }
+
+    /// The descriptor that exports the held `handle` (sharing): made at its first share, the same one at
+    /// every later share, closed by cuvmm at its release.
+    pub(super) fn export<D: Driver>(
+        &mut self,
+        driver: &mut D,
+        handle: PhysHandle,
+    ) -> Result<Arc<OwnedFd>, DriverError> {
+        self.physical.export(driver, handle)
     }
 
     /// The pages lent (read: invariants, sharing).

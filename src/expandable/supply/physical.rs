@@ -11,6 +11,7 @@
 //! is PyTorch's `set_per_process_memory_fraction` for cuvmm: growth past it is refused as a full device's
 //! would be, so a request is served from idle memory or fails with out-of-memory.
 
+use super::exports::Exports;
 use super::lending::Lending;
 use crate::driver::{Driver, DriverError, Op, PhysHandle, PhysPage};
 use crate::expandable::accounting::Books;
@@ -19,6 +20,8 @@ use crate::expandable::settle::release_settled;
 use crate::strategy::error::Error;
 use rustc_hash::FxHashSet;
 use std::ops::Range;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 /// The handles held and the rules growth follows.
 #[derive(Debug)]
@@ -42,6 +45,8 @@ pub(crate) struct Physical {
     handle_queue: Vec<PhysPage>,
     /// The handles of a run being unmapped, as the page map gives them; kept so its buffer is reused.
     unmapped_scratch: Vec<PhysHandle>,
+    /// The descriptors of the handles exported, until their release (`exports.rs`).
+    exports: Exports,
 }
 
 /// Reserved memory against the budget, for a growth of `extra` bytes: what the policies decide by
@@ -86,6 +91,7 @@ impl Physical {
             limit: s.limit,
             handle_queue: Vec::new(),
             unmapped_scratch: Vec::new(),
+            exports: Exports::default(),
         }
     }
 
@@ -189,6 +195,20 @@ impl Physical {
     /// The chunks held (for the invariants).
     pub(crate) fn chunks(&self) -> &FxHashSet<PhysHandle> {
         &self.chunks
+    }
+
+    /// The descriptor that exports the held `handle`: the same one for every share of it until its release.
+    pub(crate) fn export<D: Driver>(
+        &mut self,
+        driver: &mut D,
+        handle: PhysHandle,
+    ) -> Result<Arc<OwnedFd>, DriverError> {
+        self.exports.descriptor(driver, handle)
+    }
+
+    /// The handles exported and not released since (for the invariants).
+    pub(crate) fn exported(&self) -> impl Iterator<Item = PhysHandle> + '_ {
+        self.exports.handles()
     }
 
     /// The pooled single pages and chunks (for the invariants).
@@ -307,6 +327,7 @@ impl Physical {
         handle: PhysHandle,
     ) -> Result<(), Error> {
         release_settled(driver, handle)?;
+        self.exports.forget(handle);
         let pages = match self.chunks.remove(&handle) {
             true => self.chunk_pages as u64,
             false => 1,
