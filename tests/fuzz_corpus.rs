@@ -274,6 +274,40 @@ fn scenarios() -> Vec<(&'static str, Setup, Vec<Action>)> {
             ]
             .concat(),
         ),
+        (
+            // Blocks on one chunk shared (one export, the same descriptor after), the chunks stranded and
+            // split under `compaction:split` (a shared segment's chunks are kept whole), everything freed
+            // and given back, and the new memory shared afresh.
+            "seed_share",
+            Setup {
+                chunk_pages: 4,
+                split: true,
+                ..setup(32, u64::MAX)
+            },
+            [
+                vec![
+                    alloc(1500, 0),
+                    alloc(2 * PAGE, 0),
+                    Share { pick: 0 },
+                    Share { pick: 1 },
+                ],
+                stranded.clone(),
+                vec![
+                    Share { pick: 2 },
+                    ReleaseStranded,
+                    Share { pick: 3 },
+                    alloc(12 * PAGE, 1),
+                ],
+                (0..12).map(|_| Free { pick: 0 }).collect(),
+                vec![
+                    EmptyCache,
+                    alloc(3 * PAGE, 2),
+                    Share { pick: 0 },
+                    Share { pick: 0 },
+                ],
+            ]
+            .concat(),
+        ),
     ]
     .into_iter()
     .chain(release_stranded_scenarios(&stranded))

@@ -79,6 +79,12 @@ pub enum Action {
     },
     /// `release_stranded()`.
     ReleaseStranded,
+    /// `share()` of the live allocation picked by `pick` (modulo their number), twice; nothing if there is
+    /// none.
+    Share {
+        /// Picks the allocation (0 to 7).
+        pick: u8,
+    },
     /// Makes the `n`th next call of `op` fail with `kind`.
     Fault {
         /// The driver call.
@@ -91,8 +97,8 @@ pub enum Action {
 }
 
 /// Decodes `data`: the setup, then one operation per opcode byte (`byte % 16`: 0-6 alloc, 7-10 free,
-/// 11 bad free, 12 empty_cache, 13 trim (or, with a next byte of 248 or more, release_stranded), 14-15
-/// arm a fault).
+/// 11 bad free, 12 empty_cache, 13 trim (or, with a next byte of 248 or more, release_stranded, and of
+/// 240 to 247, share), 14-15 arm a fault).
 pub fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
     let mut input = Input::new(data);
     let pages = 32 + u64::from(input.below(33));
@@ -118,6 +124,7 @@ pub fn decode(data: &[u8]) -> (Setup, Vec<Action>) {
             13 => match input.byte() {
                 // Added after the corpus was written: bytes that decoded to a trim before mostly still do.
                 248.. => Action::ReleaseStranded,
+                b @ 240..=247 => Action::Share { pick: b - 240 },
                 b => Action::Trim {
                     pages: u64::from(b % 8),
                 },
@@ -172,6 +179,7 @@ pub fn encode(setup: &Setup, actions: &[Action]) -> Vec<u8> {
             Action::EmptyCache => out.push(12),
             Action::Trim { pages } => out.extend([13, pages as u8]),
             Action::ReleaseStranded => out.extend([13, 255]),
+            Action::Share { pick } => out.extend([13, 240 + pick % 8]),
             Action::Fault { op, n, kind } => out.extend(encode_fault(op, n, kind, &FAULT_OPS)),
         }
     }

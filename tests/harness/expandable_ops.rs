@@ -26,6 +26,8 @@
 //!   and no lent page outside the live blocks; `trim` gives back what was asked (with single pages),
 //!   within what was idle; `release_stranded` gives back no page of a live block (none without chunks),
 //!   and reserved memory falls by what it says it gave back;
+//! - `share` of a live allocation returns whole mappings that cover it; sharing it again makes no
+//!   export call and hands out the same descriptors (a handle is exported once, until its release);
 //! - at the end, with faults cleared: every free succeeds, `empty_cache` leaves nothing reserved and no
 //!   segment, and the simulated driver reports no leak.
 //!
@@ -34,10 +36,13 @@ use crate::expandable_input::{Action, PAGE, Setup, decode};
 use crate::ops_common::{Content, Faults, Live, LiveSet, Model, OnSim, Summary, check_bad_free};
 use crate::strategy_ops::OpsHarness;
 use cuvmm::config::Compaction;
+use cuvmm::driver::Op;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::Controls as _;
+use cuvmm::strategy::Sharing as _;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
+use std::sync::Arc;
 
 /// Every request is rounded up to this many bytes.
 const ROUND: u64 = 512;
@@ -181,6 +186,34 @@ impl State {
         Ok(())
     }
 
+    /// Shares a live allocation twice: whole mappings that cover it, and the second time the same
+    /// descriptors with no export call. Sharing makes no call a fault is armed on.
+    fn share(&mut self, pick: u8) -> Result<(), String> {
+        let Some(addr) = self.live.pick(u16::from(pick)) else {
+            return Ok(());
+        };
+        let size = self
+            .live
+            .iter()
+            .find(|&(a, _)| a == addr)
+            .map_or(0, |(_, l)| l.size);
+        let exports = |alloc: &Expandable<SimDriver>| alloc.driver_counters().get(Op::Export);
+        let first = (self.alloc.share(addr)).map_err(|err| format!("share({addr:#x}): {err}"))?;
+        let made = exports(&self.alloc);
+        let again =
+            (self.alloc.share(addr)).map_err(|err| format!("share({addr:#x}) again: {err}"))?;
+        let covers = first.offset + size <= first.range_size() && first.size >= size;
+        let same = first.parts.len() == again.parts.len()
+            && (first.parts.iter().zip(&again.parts)).all(|(a, b)| Arc::ptr_eq(&a.fd, &b.fd));
+        if !covers || !same || exports(&self.alloc) != made || again.offset != first.offset {
+            return Err(format!(
+                "share({addr:#x}) of {size} B: {first:?}, then {again:?} ({} export calls more)",
+                exports(&self.alloc) - made
+            ));
+        }
+        Ok(())
+    }
+
     /// Frees a live allocation; a failure in the driver must still have freed it.
     fn free(&mut self, pick: u16) -> Result<(), String> {
         let Some(addr) = self.live.pick(pick) else {
@@ -302,6 +335,7 @@ impl Model for State {
                 self.faults.arm(&mut self.alloc, op, n, kind);
                 Ok(())
             }
+            Action::Share { pick } => self.share(pick),
         }
     }
 
