@@ -24,7 +24,8 @@ BRIEF_CASES = ["record_stream", "record_stream_cuvmm", "memory_limit", "graphs_b
                "graph_after_empty_cache", "graph_threads", "compile_reduce_overhead", "memory_stats", "oom",
                "multiprocessing", "nccl", "cudnn_benchmark", "caching_allocator_off", "transformers", "sleep_wake",
                "mempool", "mempool_own_allocator",
-               "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm", "sleep_mode_pool",
+               "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm",
+               "ipc_many_tensors", "sleep_mode_pool",
                "release_stranded", "split_under_limit"]
 
 

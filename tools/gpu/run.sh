@@ -255,7 +255,7 @@ run_step() {
         limit=$(clip "${MEMPOOLS_LIMIT:-540}")
         step mempools "$limit" python3 tools/gpu/torch_suite.py --budget $((limit > 60 ? limit - 30 : limit / 2)) \
             --json "$out/mempools.jsonl" --case mempool,mempool_own_allocator,compile_train_two_shapes \
-            --case ipc_cuvmm_to_pytorch,ipc_pytorch_to_cuvmm,sleep_mode_pool ;;
+            --case ipc_cuvmm_to_pytorch,ipc_pytorch_to_cuvmm,ipc_many_tensors,sleep_mode_pool ;;
     *) echo "run.sh: unknown step $1"; return 2 ;;
     esac
 }

@@ -366,9 +366,13 @@ def compile_train_two_shapes(ctx):
 # --- 15, 16. torch.multiprocessing between cuvmm and PyTorch's own allocators ---------------------------------
 
 
-def _send_to_child(ctx, child_allocator):
-    """Sends CUDA tensors to a spawned child on `child_allocator`, which writes 2t+1 into each; returns
-    (ok, detail)."""
+def _open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _send_to_child(ctx, child_allocator, sizes=(4 * MIB, 1000, 25 * MIB), opened=None):
+    """Sends CUDA tensors of `sizes` floats to a spawned child on `child_allocator`, which writes 2t+1 into
+    each; returns (ok, detail). `opened`, a dict, gets the descriptors the sending opened in this process."""
     import torch.multiprocessing as mp  # noqa: PLC0415
 
     from .features import mp_answer, mp_child, ramp  # noqa: PLC0415
@@ -380,10 +384,13 @@ def _send_to_child(ctx, child_allocator):
     process.start()
     child.close()
     try:
-        tensors = [ramp(torch, n).to(ctx.device) for n in (4 * MIB, 1000, 25 * MIB)]
+        tensors = [ramp(torch, n).to(ctx.device) for n in sizes]
         neighbour = torch.full((1000,), 7.0, device=ctx.device)
         torch.cuda.synchronize()
+        before = _open_descriptors()
         parent.send(tensors)
+        if opened is not None:
+            opened["descriptors"] = _open_descriptors() - before
         answer, info = mp_answer(process, parent, 90)
         if answer != "ok":
             return False, info if answer is None else f"in the child: {info}"
@@ -423,6 +430,21 @@ def ipc_pytorch_to_cuvmm(ctx):
         raise SkipCase(f"PyTorch's own child is refused too: {reference}")
     check(ok, f"the cuvmm child: {detail} (PyTorch's own child: {reference})")
     return "the cuvmm child opened PyTorch's tensors" + ("" if reference_ok else f" (its own: {reference})")
+
+
+@case("ipc_many_tensors", "a parent sends 2000 tensors of 1000 floats and 40 of 1.5 MiB in one message to a "
+      "child on PyTorch's default allocator (a model's parameters to an inference worker), which writes 2t+1 "
+      "into each: the parent sees it, and the sending holds a descriptor per physical handle, not per tensor "
+      "(at most 100 more open; one per tensor would pass ulimit -n 1024)", timeout=240)
+def ipc_many_tensors(ctx):
+    sizes = (1000,) * 2000 + (3 * MIB // 8,) * 40
+    opened = {}
+    ok, detail = _send_to_child(ctx, "native", sizes, opened)
+    ctx.figures.update(child=detail, tensors=len(sizes), descriptors_opened=opened.get("descriptors"))
+    check(ok, f"the child: {detail}")
+    if ctx.allocator != "native":
+        check(opened["descriptors"] <= 100, f"{opened['descriptors']} descriptors opened for {len(sizes)} tensors")
+    return f"{len(sizes)} tensors, {opened['descriptors']} descriptors opened by the sending"
 
 
 # --- 17. a vLLM-style sleep mode on a pluggable MemPool -----------------------------------------------------
