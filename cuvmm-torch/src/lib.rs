@@ -13,7 +13,8 @@
 //!   `no_split`, checkpoints, one pool's `empty_cache`), and the pools with an allocator of their own.
 //! - [`ffi`]: the exported shells; no panic crosses them, and a failure is recorded for `cuvmm_last_error`.
 //! - [`sharing`]: sharing memory with other processes (PyTorch's IPC), in PyTorch's handle layout
-//!   ([`torch_handle`]) where the memory allows, over `pidfd_getfd` or [`transport`].
+//!   ([`torch_handle`]) where the memory allows, over `pidfd_getfd` or [`transport`]; [`export_table`]
+//!   holds one export per range shared, while an allocation shared through it lives.
 //! - [`foreign`]: pools with an allocator of their own (PyTorch's `MemPool(allocator=...)`), carved as
 //!   PyTorch's caching allocator carves them.
 //! - [`structs`]: the C structs of statistics, an out-of-memory diagnosis and a snapshot.
@@ -22,6 +23,7 @@
 //!   an importing process fetches them (`SCM_RIGHTS`), for PyTorch's IPC of CUDA tensors.
 
 pub mod error;
+pub mod export_table;
 pub mod ffi;
 pub mod foreign;
 pub mod ops;

@@ -14,32 +14,34 @@
 //! exporter's server over a Unix socket (SCM_RIGHTS, [`crate::transport`]). It maps them
 //! ([`cuvmm::Allocator::open_shared`]) and closes them; [`close`] unmaps.
 //!
-//! An export is held until its allocation is freed ([`forget`]): a reader of PyTorch's layout may take the
-//! descriptors at any time, as from PyTorch's own expandable segments, which keep theirs as long as the
-//! memory. Sharing the allocation again returns the same handle string; each fetch over the socket sends
-//! duplicates. The table holds nothing of freed memory. The allocator exports a handle once and hands the
-//! same descriptor to every share of memory on it, so a thousand small tensors on one 20 MiB handle hold
-//! one descriptor, not a thousand (as PyTorch's expandable segments, which keep one per handle).
+//! An export is held while an allocation shared through it lives ([`forget`]): a reader of PyTorch's
+//! layout may take the descriptors at any time, as from PyTorch's own expandable segments, which keep
+//! theirs as long as the memory. An export is a range's, not an allocation's ([`crate::export_table`]):
+//! allocations on the same mappings get the same handle string, each with its offset, so an importer maps
+//! the range once for all of them, as for PyTorch's expandable segments. Sharing an allocation again
+//! returns the same handle string; each fetch over the socket sends duplicates. The table holds nothing of
+//! freed memory. The allocator exports a handle once and hands the same descriptor to every share of
+//! memory on it, so a thousand small tensors on one 20 MiB handle hold one descriptor, not a thousand (as
+//! PyTorch's expandable segments, which keep one per handle).
 //!
-//! # cuvmm's handle string (version 1, little-endian)
-//! `"CUVMMIPC"`, version `u16`, the server's address (`u16` length, bytes), export id `u64`, offset of the
-//! allocation in the range `u64`, allocation size `u64`, number of parts `u32`, and per part its handle
-//! size, offset in the handle and size (`u64` each). Alone, its first byte is above the versions PyTorch's
-//! handles start with, so a process on PyTorch's allocator refuses it (as "a future version") rather than
-//! misreading it.
+//! # cuvmm's handle string (version 2, little-endian)
+//! `"CUVMMIPC"`, version `u16`, the server's address (`u16` length, bytes), export id `u64`, number of
+//! parts `u32`, and per part its handle size, offset in the handle and size (`u64` each). The offset of an
+//! allocation in the range travels beside the handle string, as PyTorch's does. Alone, its first byte is
+//! above the versions PyTorch's handles start with, so a process on PyTorch's allocator refuses it (as "a
+//! future version") rather than misreading it. Version 1 carried one allocation's offset and size too.
 
 use crate::error::AbiError;
+use crate::export_table::{Candidate, ExportTable};
 use crate::registry::Registry;
 use crate::torch_handle::{self, TorchHandle};
 use crate::transport::{self, Address};
 use cuvmm::sharing::SharedPart;
-use std::collections::HashMap;
-use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::sync::{Arc, LazyLock};
 
 const MAGIC: &[u8; 8] = b"CUVMMIPC";
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 
 /// A handle string, decoded.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,10 +50,6 @@ pub struct HandleString {
     pub address: Address,
     /// The export's id there.
     pub id: u64,
-    /// Bytes from the range's start to the allocation.
-    pub offset: u64,
-    /// Bytes of the allocation.
-    pub size: u64,
     /// The mappings of the range, in address order.
     pub parts: Vec<SharedPart<()>>,
 }
@@ -60,14 +58,12 @@ impl HandleString {
     /// The handle string's bytes.
     pub fn encode(&self) -> Vec<u8> {
         let address = self.address.as_bytes();
-        let mut out = Vec::with_capacity(48 + address.len() + 24 * self.parts.len());
+        let mut out = Vec::with_capacity(32 + address.len() + 24 * self.parts.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&(address.len() as u16).to_le_bytes());
         out.extend_from_slice(address);
-        for n in [self.id, self.offset, self.size] {
-            out.extend_from_slice(&n.to_le_bytes());
-        }
+        out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&(self.parts.len() as u32).to_le_bytes());
         for part in &self.parts {
             for n in [part.handle_size, part.handle_offset, part.size] {
@@ -94,7 +90,7 @@ impl HandleString {
         let len = usize::from(u16::from_le_bytes(r.array()?));
         let address =
             Address::from_bytes(r.take(len)?).map_err(|_| bad("its address is malformed"))?;
-        let [id, offset, size] = [r.u64()?, r.u64()?, r.u64()?];
+        let id = r.u64()?;
         let count = u32::from_le_bytes(r.array()?) as usize;
         if r.bytes.len() != count.saturating_mul(24) {
             return Err(bad("its length does not match its number of parts"));
@@ -108,17 +104,8 @@ impl HandleString {
                 size: r.u64()?,
             });
         }
-        let range = cuvmm::sharing::range_size(&parts).map_err(cuvmm::Error::from)?;
-        if offset.checked_add(size).is_none_or(|end| end > range) || size == 0 {
-            return Err(bad("its allocation lies outside its range"));
-        }
-        Ok(Self {
-            address,
-            id,
-            offset,
-            size,
-            parts,
-        })
+        cuvmm::sharing::range_size(&parts).map_err(cuvmm::Error::from)?;
+        Ok(Self { address, id, parts })
     }
 }
 
@@ -153,98 +140,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// An export held until its allocation is freed: the descriptors, the allocation they share, and the handle
-/// string given for it (given again if the allocation is shared again).
-#[derive(Debug)]
-struct Export {
-    /// The allocation: registry, device, address.
-    allocation: Allocation,
-    /// The descriptor of each part. The allocator exports a handle once and keeps its descriptor until it
-    /// releases the handle, so the exports of blocks on one handle hold the same descriptor.
-    fds: Vec<Arc<OwnedFd>>,
-    handle: Vec<u8>,
-    offset: u64,
-}
-
-/// An allocation: which registry's allocator (tests build several registries in one process), which
-/// device, which address.
-type Allocation = (u64, i32, u64);
-
-/// The process's exports, by id and by allocation.
-#[derive(Debug, Default)]
-struct ExportTable {
-    exports: Mutex<Exports>,
-    /// The number of exports, read without the lock at every free.
-    len: AtomicUsize,
-}
-
-#[derive(Debug, Default)]
-struct Exports {
-    by_id: HashMap<u64, Export>,
-    by_allocation: HashMap<Allocation, u64>,
-}
-
-impl Exports {
-    /// Holds `export` under `id`, unless another thread shared the same allocation meanwhile: that export
-    /// stays, and this one is dropped. Returns the export held.
-    fn insert(&mut self, id: u64, export: Export) -> &Export {
-        let held = *self.by_allocation.entry(export.allocation).or_insert(id);
-        self.by_id.entry(held).or_insert(export)
-    }
-
-    fn held(&self, allocation: Allocation) -> Option<&Export> {
-        self.by_id.get(self.by_allocation.get(&allocation)?)
-    }
-
-    fn remove(&mut self, allocation: Allocation) {
-        if let Some(id) = self.by_allocation.remove(&allocation) {
-            self.by_id.remove(&id);
-        }
-    }
-
-    /// Removes the exports whose allocation `doomed` says.
-    fn remove_where(&mut self, doomed: impl Fn(Allocation) -> bool) {
-        self.by_allocation.retain(|&allocation, id| {
-            let keep = !doomed(allocation);
-            if !keep {
-                self.by_id.remove(id);
-            }
-            keep
-        });
-    }
-}
-
-impl ExportTable {
-    /// Runs `change` on the exports under the lock, and publishes their number.
-    fn with<T>(&self, change: impl FnOnce(&mut Exports) -> T) -> T {
-        // A panic while the table was locked left it whole (each change keeps both maps in step).
-        let mut exports = (self.exports.lock()).unwrap_or_else(|poisoned| poisoned.into_inner());
-        let out = change(&mut exports);
-        self.len.store(exports.by_id.len(), Ordering::Release);
-        out
-    }
-
-    /// Whether there is no export: one atomic load.
-    fn is_empty(&self) -> bool {
-        self.len.load(Ordering::Acquire) == 0
-    }
-}
-
-impl transport::Exports for ExportTable {
-    fn descriptors(&self, id: u64) -> Result<Vec<OwnedFd>, String> {
-        self.with(|exports| {
-            let export = (exports.by_id.get(&id)).ok_or_else(|| {
-                "no such export: the exporting process freed that memory".to_owned()
-            })?;
-            (export.fds.iter())
-                .map(|fd| {
-                    (fd.try_clone()).map_err(|err| format!("cannot duplicate a descriptor: {err}"))
-                })
-                .collect()
-        })
-    }
-}
-
 static EXPORTS: LazyLock<Arc<ExportTable>> = LazyLock::new(Arc::default);
 
 /// Exports the live allocation at `ptr` of `device`: returns its handle string and the allocation's offset
@@ -258,42 +153,42 @@ static EXPORTS: LazyLock<Arc<ExportTable>> = LazyLock::new(Arc::default);
 /// [`AbiError::Transport`] if the process's server cannot start.
 pub fn share(registry: &Registry, device: i32, ptr: u64) -> Result<(Vec<u8>, u64), AbiError> {
     let allocation = (registry.id(), device, ptr);
-    let held = EXPORTS.with(|exports| {
-        (exports.held(allocation)).map(|export| (export.handle.clone(), export.offset))
-    });
-    if let Some(held) = held {
+    if let Some(held) = EXPORTS.with(|exports| exports.held(allocation)) {
         return Ok(held);
     }
     let shared = registry.allocator(device)?.share(ptr)?;
     let table: Arc<ExportTable> = Arc::clone(&EXPORTS);
     let address = transport::serve(table)?;
-    let export_id = transport::random_u64();
-    let own = HandleString {
-        address,
-        id: export_id,
-        offset: shared.offset,
-        size: shared.size,
-        parts: shared.parts.iter().map(|part| part.with_fd(())).collect(),
-    };
     let segment_size = torch_handle::uniform_size(&shared.parts);
-    let fds: Vec<Arc<OwnedFd>> = shared.parts.into_iter().map(|part| part.fd).collect();
-    let handle = match segment_size {
-        Some(size) => {
-            torch_handle::let_importers_take_descriptors();
-            torch_handle::for_export(size, &fds, own.encode()).encode()
+    if segment_size.is_some() {
+        torch_handle::let_importers_take_descriptors();
+    }
+    // The handle string of a new export of the range, if it has none yet.
+    let handle = |id| {
+        let own = HandleString {
+            address,
+            id,
+            parts: shared.parts.iter().map(|part| part.with_fd(())).collect(),
+        };
+        match segment_size {
+            Some(size) => {
+                let fds: Vec<RawFd> = shared
+                    .parts
+                    .iter()
+                    .map(|part| part.fd.as_raw_fd())
+                    .collect();
+                torch_handle::for_export(size, &fds, own.encode()).encode()
+            }
+            None => own.encode(),
         }
-        None => own.encode(),
     };
-    let export = Export {
+    let candidate = Candidate {
         allocation,
-        fds,
-        handle,
-        offset: own.offset,
+        offset: shared.offset,
+        parts: &shared.parts,
     };
-    Ok(EXPORTS.with(|exports| {
-        let held = exports.insert(export_id, export);
-        (held.handle.clone(), held.offset)
-    }))
+    let id = transport::random_u64();
+    Ok(EXPORTS.with(|exports| exports.insert(candidate, id, handle)))
 }
 
 /// Maps on `device` the memory a handle string describes: one from [`share`] (in any process of this user),
@@ -367,7 +262,7 @@ pub fn close(registry: &Registry, device: i32, ptr: u64) -> Result<(), AbiError>
 /// Forgets the export of the allocation at `ptr` of `device`, which is being freed (call it before the
 /// allocator frees it). One atomic load when there is none.
 pub fn forget(registry: &Registry, device: i32, ptr: u64) {
-    if EXPORTS.is_empty() {
+    if EXPORTS.allocations() == 0 {
         return;
     }
     EXPORTS.with(|exports| exports.remove((registry.id(), device, ptr)));
@@ -376,7 +271,7 @@ pub fn forget(registry: &Registry, device: i32, ptr: u64) {
 /// Forgets the exports of `device` whose allocation starts in one of `ranges` (`[start, end)`): memory
 /// whose pages are about to be given back (a sleep), whose descriptors would outlive them.
 pub fn forget_in(registry: &Registry, device: i32, ranges: &[(u64, u64)]) {
-    if EXPORTS.is_empty() || ranges.is_empty() {
+    if EXPORTS.allocations() == 0 || ranges.is_empty() {
         return;
     }
     let id = registry.id();
@@ -387,44 +282,7 @@ pub fn forget_in(registry: &Registry, device: i32, ranges: &[(u64, u64)]) {
     });
 }
 
-/// Exports held (for the tests).
+/// Allocations shared and not freed since (for the tests).
 pub fn pending_exports() -> usize {
-    EXPORTS.len.load(Ordering::Acquire)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn export(allocation: Allocation, handle: &[u8]) -> Export {
-        let null = std::fs::File::open("/dev/null").expect("/dev/null opens");
-        Export {
-            allocation,
-            fds: vec![Arc::new(OwnedFd::from(null))],
-            handle: handle.to_vec(),
-            offset: 0,
-        }
-    }
-
-    /// Two threads that share one allocation at once both export it; the first held stays, so a free
-    /// finds the one export there is, and nothing is left behind.
-    #[test]
-    fn an_allocation_shared_twice_at_once_is_held_once() {
-        let mut exports = Exports::default();
-        let at = (1, 0, 0x1000);
-        assert_eq!(exports.insert(7, export(at, b"first")).handle, b"first");
-        assert_eq!(exports.insert(8, export(at, b"second")).handle, b"first");
-        assert_eq!(
-            exports.insert(9, export((1, 0, 0x2000), b"other")).handle,
-            b"other"
-        );
-        assert_eq!(exports.by_id.len(), 2);
-        assert_eq!(
-            exports.held(at).map(|e| e.handle.as_slice()),
-            Some(&b"first"[..])
-        );
-        exports.remove(at);
-        exports.remove_where(|(_, _, ptr)| ptr == 0x2000);
-        assert!(exports.by_id.is_empty() && exports.by_allocation.is_empty());
-    }
+    EXPORTS.allocations()
 }

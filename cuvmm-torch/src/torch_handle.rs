@@ -30,7 +30,7 @@ use crate::error::AbiError;
 use cuvmm::sharing::SharedPart;
 use rustix::process::{PTracer, Pid, PidfdFlags, PidfdGetfdFlags};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{OwnedFd, RawFd};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -215,12 +215,12 @@ pub fn uniform_size<F>(parts: &[SharedPart<F>]) -> Option<u64> {
 
 /// The handle in PyTorch's layout for this process's descriptors `fds` (`segment_size` bytes each), with
 /// `rest` after them.
-pub fn for_export<F: AsRawFd>(segment_size: u64, fds: &[F], rest: Vec<u8>) -> TorchHandle {
+pub fn for_export(segment_size: u64, fds: &[RawFd], rest: Vec<u8>) -> TorchHandle {
     TorchHandle {
         version: written_version(),
         pid: std::process::id() as i32,
         segment_size,
-        fds: fds.iter().map(AsRawFd::as_raw_fd).collect(),
+        fds: fds.to_vec(),
         rest,
     }
 }
