@@ -4,9 +4,8 @@
 //! Exporting reads the page map and asks the supply for each handle's descriptor: an `export_handle` call
 //! the first time a handle is shared, the same descriptor after, until the handle is released
 //! (`supply/exports.rs`). The block's pages stay where they are while it is live: compaction and lending
-//! move only idle pages. A
-//! tagged block is shared too: a sleep gives the exporter's handles back, while an importer's mapping keeps
-//! the memory (and the bytes it had) until that importer closes it.
+//! move only idle pages. A tagged block is shared too: a sleep gives the exporter's handles back, while an
+//! importer's mapping keeps the memory (and the bytes it had) until that importer closes it.
 //!
 //! Imported memory is a part of its own (`imports.rs`), which `mod.rs` calls.
 
