@@ -27,6 +27,20 @@ pub(super) fn blocks(device: i32, pool: (u64, u64)) -> Vec<CPoolBlock> {
     out
 }
 
+/// `cuvmm_pool_restore` of `checkpoint`.
+pub(super) fn restore(device: i32, pool: (u64, u64), checkpoint: &[CPoolBlock]) -> i32 {
+    // SAFETY: `checkpoint` holds its length of blocks.
+    unsafe {
+        cuvmm_pool_restore(
+            device,
+            pool.0,
+            pool.1,
+            checkpoint.as_ptr(),
+            checkpoint.len(),
+        )
+    }
+}
+
 #[test]
 fn use_counts_and_a_checkpoint_put_back_through_the_c_functions() {
     setup();
@@ -45,17 +59,7 @@ fn use_counts_and_a_checkpoint_put_back_through_the_c_functions() {
     );
     let y = cuvmm_malloc(5 << 20, device, s);
     cuvmm_free(x, 0, device, s);
-    // SAFETY: `checkpoint` holds its length of blocks.
-    let restored = unsafe {
-        cuvmm_pool_restore(
-            device,
-            pool.0,
-            pool.1,
-            checkpoint.as_ptr(),
-            checkpoint.len(),
-        )
-    };
-    assert_eq!(restored, 0, "{:?}", last_error());
+    assert_eq!(restore(device, pool, &checkpoint), 0, "{:?}", last_error());
     assert_eq!(blocks(device, pool), checkpoint);
     cuvmm_free(y, 0, device, s);
     assert_failed("y was freed by the checkpoint", "double free");

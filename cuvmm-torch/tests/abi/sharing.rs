@@ -271,7 +271,7 @@ fn bad_handles_and_addresses_are_refused() {
 /// is released.
 #[test]
 fn a_checkpoint_put_back_forgets_the_exports_of_the_blocks_it_frees() {
-    use super::mem_pools::{begin, blocks};
+    use super::mem_pools::{begin, blocks, restore};
     setup();
     let device = 25;
     let (pool, s) = ((0, 43), stream(0x67));
@@ -281,17 +281,7 @@ fn a_checkpoint_put_back_forgets_the_exports_of_the_blocks_it_frees() {
     let y = cuvmm_malloc(30 << 20, device, s);
     let (hx, _) = share(device, x).unwrap_or_else(|| panic!("{:?}", last_error()));
     let (hy, _) = share(device, y).unwrap_or_else(|| panic!("{:?}", last_error()));
-    // SAFETY: `checkpoint` holds its length of blocks.
-    let restored = unsafe {
-        cuvmm_pool_restore(
-            device,
-            pool.0,
-            pool.1,
-            checkpoint.as_ptr(),
-            checkpoint.len(),
-        )
-    };
-    assert_eq!(restored, 0, "{:?}", last_error());
+    assert_eq!(restore(device, pool, &checkpoint), 0, "{:?}", last_error());
     let (again, _) = share(device, x).unwrap_or_else(|| panic!("{:?}", last_error()));
     assert_ne!(
         decode(&again).1.id,
