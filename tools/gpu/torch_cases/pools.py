@@ -451,7 +451,8 @@ def ipc_many_tensors(ctx):
 
 
 @case("sleep_mode_pool", "vLLM's sleep mode: a model's weights and a KV cache allocated in a MemPool over a "
-      "pluggable allocator of cuMemCreate'd memory; its output is computed, the weights copied to the host, "
+      "pluggable allocator of cuMemCreate'd memory, the pool's unused segments freed by that allocator as vLLM "
+      "does when the region ends; its output is computed, the weights copied to the host, "
       "the pool's memory given back (free device memory grows by it) while other work allocates, mapped again "
       "at the same addresses and the weights copied back: the output is the same", timeout=180, fresh=True)
 def sleep_mode_pool(ctx):
@@ -469,6 +470,19 @@ def sleep_mode_pool(ctx):
         with torch.cuda.use_mem_pool(pool):
             model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(dev)
             kv_cache = torch.zeros(64 * MIB // 4, device=dev)
+            scratch = torch.empty(48 * MIB, dtype=torch.uint8, device=dev)  # loading's temporary (its own segment)
+            scratch_ptr = scratch.data_ptr()
+            del scratch
+        # vLLM's use_memory_pool ends so: every segment of the pool's snapshot with nothing allocated is given
+        # back by the pool's allocator itself, behind the caching allocator's back (the caching allocator
+        # then still lists it, and hands it back to the allocator when the pool goes: a free of nothing).
+        torch.cuda.synchronize()
+        unused = [s["address"] for s in pool.snapshot() if s["allocated_size"] == 0]
+        for address in unused:
+            lib.sleepy_free(ctypes.c_void_p(address), ctypes.c_ssize_t(0), 0, None)
+        ctx.figures.update(unused_segments=len(unused))
+        check(scratch_ptr in unused, f"the freed temporary's segment ({scratch_ptr:#x}) is not among the pool's "
+              f"unused segments {[hex(a) for a in unused]}: vLLM would free a pointer its allocator never gave")
         x = torch.randn(32, 1024, device=dev)
         with torch.no_grad():
             before = model(x).cpu()
