@@ -104,7 +104,7 @@ impl HandleString {
                 size: r.u64()?,
             });
         }
-        cuvmm::sharing::range_size(&parts).map_err(cuvmm::Error::from)?;
+        cuvmm::sharing::range_size(&parts).map_err(|err| bad(&err.to_string()))?;
         Ok(Self { address, id, parts })
     }
 }

@@ -129,9 +129,11 @@ impl TorchHandle {
             ));
         }
         let header = if version >= 3 { 32 } else { 24 };
+        // The bytes `at..at + n` after the version and type bytes (a count from the bytes may be any u64).
         let field = |at: usize, n: usize| {
-            bytes
-                .get(2 + at..2 + at + n)
+            (2 + at)
+                .checked_add(n)
+                .and_then(|end| bytes.get(2 + at..end))
                 .ok_or_else(|| bad("it is cut short"))
         };
         let pid = i32::from_le_bytes(field(0, 4)?.try_into().unwrap_or([0; 4]));
@@ -330,6 +332,17 @@ mod tests {
                 .to_string()
                 .contains("no memory")
         );
+    }
+
+    #[test]
+    fn a_count_near_the_top_of_u64_is_cut_short() {
+        let mut bytes = b"\x03e".to_vec();
+        bytes.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0]);
+        bytes.extend_from_slice(&(2u64 << 20).to_le_bytes());
+        bytes.extend_from_slice(&(u64::MAX / 4).to_le_bytes());
+        bytes.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0]);
+        let err = TorchHandle::decode(&bytes).unwrap_err().to_string();
+        assert!(err.contains("cut short"), "{err}");
     }
 
     #[test]
