@@ -3,6 +3,8 @@
 //! built-in workload and every PyTorch snapshot in `../shared/traces` within 1% of the peak of live bytes
 //! rounded up to a page; PyTorch's segment sizes show in the classic model's answer.
 
+mod common;
+
 use cuvmm::StreamId;
 use cuvmm::size::MIB;
 use cuvmm_lab::experiments::capacity::{self, CapacityOptions, CapacityResult};
@@ -14,7 +16,7 @@ use cuvmm_lab::trace::Trace;
 use cuvmm_lab::trace::TraceBuilder;
 use cuvmm_lab::trace::load;
 use cuvmm_lab::workload;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Replays `trace` through `allocator` on `capacity` bytes, checking the invariants every few thousand
 /// events and at the end; returns the OOMs.
@@ -102,21 +104,7 @@ fn cuvmm_fits_every_builtin_workload_within_3_percent_of_peak_live() {
 }
 
 fn shared_snapshots() -> Option<Vec<PathBuf>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
-    let Ok(read) = std::fs::read_dir(&dir) else {
-        println!("skipped: {} is absent", dir.display());
-        return None;
-    };
-    let mut files: Vec<PathBuf> = read
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        println!("skipped: no .pickle file in {}", dir.display());
-        return None;
-    }
-    Some(files)
+    common::shared_trace_files(&[".pickle"])
 }
 
 #[test]

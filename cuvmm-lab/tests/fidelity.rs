@@ -10,26 +10,11 @@ use cuvmm_lab::trace::pytorch::{self, SnapshotError, TraceOp};
 use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
 
-fn traces_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces")
-}
-
 #[test]
 fn every_pytorch_trace_is_reproduced() {
-    let dir = traces_dir();
-    let Ok(read) = std::fs::read_dir(&dir) else {
-        println!("skipped: {} is absent", dir.display());
+    let Some(files) = common::shared_trace_files(&[".pickle"]) else {
         return;
     };
-    let mut files: Vec<PathBuf> = read
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "pickle"))
-        .collect();
-    files.sort();
-    if files.is_empty() {
-        println!("skipped: no .pickle file in {}", dir.display());
-        return;
-    }
     for file in files {
         let report = fidelity(&file, None).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let trace = pytorch::load(&file, None).unwrap();

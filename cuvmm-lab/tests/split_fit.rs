@@ -5,13 +5,14 @@
 //! plentiful (80 GiB) the setting costs nothing: at most 1.05x PyTorch expandable's driver calls and no more
 //! synchronizations than it.
 
+mod common;
+
 use cuvmm::Config;
 use cuvmm::config::Compaction;
 use cuvmm::size::{GIB, MIB, round_up};
 use cuvmm_lab::replay::{ReplayOptions, allocators, replay};
 use cuvmm_lab::trace::{Trace, load};
 use cuvmm_lab::workload;
-use std::path::Path;
 
 const PAGE: u64 = 2 * MIB;
 
@@ -57,23 +58,10 @@ fn every_builtin_workload_fits_in_1_005x_its_lower_bound_under_split() {
 
 /// The traces of `../shared/traces`, or None (with a message) where it is absent.
 fn shared_traces() -> Option<Vec<Trace>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
-    let Ok(read) = std::fs::read_dir(&dir) else {
-        println!("shared traces skipped: {} is absent", dir.display());
-        return None;
-    };
-    let mut files: Vec<_> = read
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| {
-            let name = p.to_string_lossy();
-            name.ends_with(".pickle") || name.ends_with(".gz")
-        })
-        .collect();
-    files.sort();
-    let traces: Vec<Trace> = (files.iter())
+    let files = common::shared_trace_files(&[".pickle", ".gz"])?;
+    let traces = (files.iter())
         .flat_map(|file| load::load(file, None).unwrap_or_else(|e| panic!("{e}")))
         .collect();
-    assert!(!traces.is_empty(), "no trace in {}", dir.display());
     Some(traces)
 }
 

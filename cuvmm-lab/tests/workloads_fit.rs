@@ -8,6 +8,8 @@
 //! The streams issue's goal too: every built-in multi-stream workload (a name with "stream" in it) does so
 //! with cross-stream reuse on and off.
 
+mod common;
+
 use cuvmm::Config;
 use cuvmm::config::Compaction;
 use cuvmm::size::GIB;
@@ -18,7 +20,6 @@ use cuvmm_lab::replay::replay;
 use cuvmm_lab::trace::Trace;
 use cuvmm_lab::trace::load;
 use cuvmm_lab::workload;
-use std::path::Path;
 
 const PAGE: u64 = 2 * MIB;
 
@@ -106,21 +107,8 @@ fn with_eager_compaction_utilization_at_80_gib_is_at_least_0_99() {
         .iter()
         .map(|name| workload::generate(name, workload::DEFAULT_SEED).expect("built-in workload"))
         .collect();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/traces");
-    match std::fs::read_dir(&dir) {
-        Ok(read) => {
-            let mut files: Vec<_> = read
-                .filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| {
-                    p.to_string_lossy().ends_with(".pickle") || p.to_string_lossy().ends_with(".gz")
-                })
-                .collect();
-            files.sort();
-            for file in files {
-                traces.extend(load::load(&file, None).unwrap_or_else(|e| panic!("{e}")));
-            }
-        }
-        Err(_) => println!("shared traces skipped: {} is absent", dir.display()),
+    for file in common::shared_trace_files(&[".pickle", ".gz"]).unwrap_or_default() {
+        traces.extend(load::load(&file, None).unwrap_or_else(|e| panic!("{e}")));
     }
     let mut measured = 0;
     for trace in &traces {
