@@ -191,6 +191,48 @@ class RunAScript(Stand):
             self.assertEqual(status, 2, args)
             self.assertIn(message, err)
 
+    def test_it_runs_in_the_processs_own_main_module(self):
+        # What pickle and multiprocessing look up by module name, during the script and after its last line
+        # (an atexit function, a pool's feeder thread): the process's `__main__` holds the script's globals,
+        # and none of the runner's.
+        path = self.script("""
+            import atexit, pickle, sys
+            def work():
+                return 7
+            def at_exit():
+                print(pickle.loads(pickle.dumps(work))(), flush=True)
+            atexit.register(at_exit)
+            print(globals() is sys.modules["__main__"].__dict__, "USAGE" in globals(), __file__, flush=True)
+        """)
+        status, out, err = self.run_python("-m", "cuvmm_torch", os.path.relpath(path, self.dir))
+        self.assertEqual((status, out.splitlines()), (0, [f"True False {path}", "7"]), err)
+
+    def test_a_directory_or_archive_runs_as_python_runs_it(self):
+        write_files(self.dir, {"app/__main__.py": REPORT})
+        app = os.path.join(self.dir, "app")
+        seen = self.report("-m", "cuvmm_torch", app, "--fast")
+        self.assertEqual((seen["argv"], seen["name"], seen["path0"]), ([app, "--fast"], "__main__", app))
+        self.assertEqual(seen["events"], CPP_INSTALLED)
+
+    def test_an_autoinstall_variable_set_already_does_not_tell_a_failure_twice(self):
+        # The .pth line armed (as the installed wheel's does at start-up), then the runner, whose own
+        # install fails: one line, the runner's.
+        path = self.script("print('ran')\n")
+        code = (f"exec({pth_line()!r})\nimport runpy, sys\nsys.argv = ['cuvmm_torch', {path!r}]\n"
+                "runpy.run_module('cuvmm_torch', run_name='__main__', alter_sys=True)\n")
+        status, out, err = self.run_python(code=code, CUVMM_TORCH_LIB=os.path.join(self.dir, "missing.so"),
+                                           **{VARIABLE: "1"})
+        self.assertEqual((status, out), (1, ""))
+        (line,) = err.strip().splitlines()
+        self.assertIn("cuvmm could not be installed as PyTorch's CUDA allocator: OSError", line)
+
+    def test_a_build_that_fails_says_why_in_one_line(self):
+        status, _, err = self.run_python("-m", "cuvmm_torch", "build", FAKE_TORCH_BROKEN="1")
+        self.assertEqual(status, 1)
+        self.assertEqual(err.strip().splitlines()[-1],
+                         "cuvmm_torch: the C++ layer could not be built: ImportError: this torch is broken on purpose")
+        self.assertNotIn("Traceback", err)
+
     def test_build_still_builds_the_cpp_layer(self):
         status, out, err = self.run_python("-m", "cuvmm_torch", "build")
         self.assertEqual(status, 0, err)
@@ -221,6 +263,16 @@ class AutoInstall(Stand):
         """, **{VARIABLE: "1"})
         self.assertEqual(status, 0, err)
         self.assertEqual(out.strip(), f"[False, True] {CPP_INSTALLED} cpp")
+
+    def test_asking_whether_torch_is_there_first_does_not_use_the_hook_up(self):
+        # transformers' is_torch_available() looks torch up with find_spec before anything imports it.
+        status, out, err = self.probe("""
+            import importlib.util
+            found = importlib.util.find_spec("torch") is not None
+            import torch, cuvmm_torch
+            print(found, torch.events, cuvmm_torch.active_layer())
+        """, **{VARIABLE: "1"})
+        self.assertEqual((status, out.strip()), (0, f"True {CPP_INSTALLED} cpp"), err)
 
     def test_torch_stays_torch(self):
         status, out, err = self.probe("""

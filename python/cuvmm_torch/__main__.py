@@ -7,14 +7,20 @@
 
 cuvmm is installed (:func:`cuvmm_torch.install`) before the program runs, so before its first CUDA
 allocation; installing touches no device (each torchrun rank allocates on the device its script picks). The
-program then runs as the interpreter would run it: ``sys.argv``, ``__name__ == "__main__"``, ``__file__``
-and ``sys.path[0]`` are the script's (``runpy``). ``CUVMM_ALLOC_CONF`` configures cuvmm as
+program then runs as the interpreter would run it, in the process's own ``__main__`` module (what pickle and
+multiprocessing look up): ``sys.argv``, ``__name__ == "__main__"``, ``__file__`` (absolute) and
+``sys.path[0]`` are the script's; a module, a directory or a zip archive runs as ``python -m`` and
+``python DIR`` run it. ``CUVMM_ALLOC_CONF`` configures cuvmm as
 ``PYTORCH_CUDA_ALLOC_CONF`` configures PyTorch's allocator; ``CUVMM_TORCH_AUTOINSTALL=1`` is set for the
 processes the program starts (see :mod:`cuvmm_torch.autoinstall`). If cuvmm cannot be installed, nothing
 runs: status 1 and one line on stderr saying why (a mistake on the command line: status 2).
 """
 
+import builtins
+import importlib.machinery
+import io
 import os
+import pkgutil
 import runpy
 import sys
 import zipfile
@@ -29,6 +35,8 @@ def install():
     import cuvmm_torch  # noqa: PLC0415
     from cuvmm_torch import autoinstall  # noqa: PLC0415
 
+    # With CUVMM_TORCH_AUTOINSTALL=1 set already, importing torch would try too and tell its own failure.
+    autoinstall.disarm()
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError as error:
@@ -47,32 +55,64 @@ def usage_error(message):
     sys.exit(2)
 
 
+def fresh_main():
+    """The process's ``__main__`` module, emptied as the interpreter starts it: the program's globals go
+    there, where pickle finds the program's functions and classes by module name. (This file runs as
+    ``cuvmm_torch.__main__``, whose globals are its own: see the end of it.)"""
+    main = sys.modules["__main__"]
+    main.__dict__.clear()
+    main.__dict__.update(__name__="__main__", __doc__=None, __package__=None, __loader__=None, __spec__=None,
+                         __builtins__=builtins)
+    return main.__dict__
+
+
 def run_script(path, args):
     if not os.path.exists(path):
         usage_error(f"can't open file {path!r}: no such file")
     install()
     sys.argv = [path, *args]
-    plain_file = os.path.isfile(path) and not zipfile.is_zipfile(path)
-    if not sys.flags.safe_path and sys.path:
-        # `python -m cuvmm_torch` put the working directory first; `python SCRIPT.py` puts the script's
-        # directory (runpy adds a directory or zip archive itself).
-        if plain_file:
+    # -P (Python 3.11 on): no directory of the program's first on sys.path.
+    safe_path = getattr(sys.flags, "safe_path", False)
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):
+        # `python -m cuvmm_torch` put the working directory first; `python SCRIPT.py` puts the script's.
+        if not safe_path and sys.path:
             sys.path[0] = os.path.dirname(os.path.realpath(path))
+        absolute = os.path.abspath(path)
+        with io.open_code(absolute) as source:
+            code = pkgutil.read_code(source)  # a .pyc, as python runs one; None for source
+        if code is None:
+            with io.open_code(absolute) as source:
+                code = compile(source.read(), absolute, "exec")
+        main_globals = fresh_main()
+        main_globals.update(__file__=absolute,
+                            __loader__=importlib.machinery.SourceFileLoader("__main__", absolute))
+        exec(code, main_globals)  # noqa: S102 (running the user's program is the point)
+    else:
+        # A directory or zip archive holding __main__.py: first on sys.path, its __main__ run as a module.
+        if not safe_path and sys.path:
+            sys.path[0] = path
         else:
-            del sys.path[0]
-    runpy.run_path(path, run_name="__main__")
+            sys.path.insert(0, path)
+        fresh_main()
+        runpy._run_module_as_main("__main__", alter_argv=False)
 
 
 def run_module(name, args):
     install()
     sys.argv = [name, *args]  # runpy puts the module's file first, as `python -m` does
-    runpy.run_module(name, run_name="__main__", alter_sys=True)
+    fresh_main()
+    runpy._run_module_as_main(name, alter_argv=True)
 
 
 def build():
     from cuvmm_torch import build_extension  # noqa: PLC0415
 
-    extension = build_extension(verbose=True)
+    try:
+        extension = build_extension(verbose=True)
+    except Exception as error:  # noqa: BLE001 (the compiler's log is above; the reason in one line)
+        import cuvmm_torch  # noqa: PLC0415
+
+        sys.exit(f"cuvmm_torch: the C++ layer could not be built: {cuvmm_torch._summary(error)}")
     print(f"built {extension.__file__}")
 
 
@@ -93,4 +133,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    # As pdb does: the functions above run from the module `cuvmm_torch.__main__`, with globals of their own,
+    # so that the process's `__main__` can be emptied and given to the program.
+    from cuvmm_torch import __main__ as runner
+
+    runner.main(sys.argv[1:])

@@ -4,8 +4,8 @@ with no change to the program.
 The wheel puts ``cuvmm_torch_autoinstall.pth`` in site-packages; the interpreter runs its one line at
 start-up, and that line imports this module only when the variable is set to something other than ``0``
 (unset, nothing is imported: not this package, not torch). :func:`arm` then waits for ``import torch`` (a
-finder on ``sys.meta_path`` that steps aside once torch is found), and right after torch's own ``__init__``
-has run, calls :func:`cuvmm_torch.install`, before the program can allocate CUDA memory. A process that
+finder on ``sys.meta_path`` that steps aside once torch is imported), and right after torch's own
+``__init__`` has run, calls :func:`cuvmm_torch.install`, before the program can allocate CUDA memory. A process that
 never imports torch pays for nothing more.
 
 A failure (the library missing, a PyTorch without CUDA, an allocator already in use) does not stop the
@@ -40,28 +40,42 @@ def install_now():
 
 
 class _AfterTorch:
-    """A meta path finder that lets the others find ``torch``, and makes its loader install cuvmm once
-    torch's ``__init__`` has run. It leaves ``sys.meta_path`` at its first call."""
+    """A meta path finder that lets the others find ``torch``, and makes the loader it returns install cuvmm
+    once torch's ``__init__`` has run. It stays on ``sys.meta_path`` until then: a lookup that only asks
+    whether torch is there (``importlib.util.find_spec("torch")``, as transformers' ``is_torch_available``
+    does) loads nothing, and the import that follows must still find it."""
 
     def find_spec(self, name, path=None, target=None):
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
-        import importlib.util  # noqa: PLC0415 (only once torch is being imported)
-
-        spec = importlib.util.find_spec(name)
+        # The other finders, asked directly: through importlib.util.find_spec this one would ask itself.
+        spec = None
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is not self and find is not None:
+                spec = find(name, path, target)
+                if spec is not None:
+                    break
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         run_torch_init = loader.exec_module
+        finder = self
 
         def exec_module(module):
-            # On the loader instance only, and removed again: torch's spec and loader stay what they were.
-            del loader.exec_module
+            # On this spec's loader instance only, and removed again: torch's spec and loader stay what they
+            # were.
+            vars(loader).pop("exec_module", None)
             run_torch_init(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             install_now()
 
-        loader.exec_module = exec_module
+        try:
+            loader.exec_module = exec_module
+        except (AttributeError, TypeError):  # a loader that takes no attribute: torch imports without cuvmm
+            _say(f"{VARIABLE} is set, but torch's loader ({type(loader).__name__}) cannot be hooked: nothing "
+                 "installed")
         return spec
 
 
@@ -81,3 +95,9 @@ def arm(environ=None):
     elif not any(isinstance(finder, _AfterTorch) for finder in sys.meta_path):
         sys.meta_path.insert(0, _AfterTorch())
     return True
+
+
+def disarm():
+    """Takes :func:`arm`'s finder off ``sys.meta_path``: for ``python -m cuvmm_torch``, which installs cuvmm
+    itself and says so when it cannot (once, and as an error)."""
+    sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, _AfterTorch)]
