@@ -92,5 +92,15 @@ fn a_page_size_that_is_not_a_multiple_of_the_granularity_is_refused() {
         cuvmm::Config::default().with_page_size(PAGE + 512),
     )
     .unwrap_err();
-    assert!(err.to_string().contains("page_size"), "{err}");
+    // The key, the size given and the granularity it must be a multiple of: what the user needs to fix it.
+    let message = err.to_string();
+    assert!(message.contains("page_size_mb"), "{message}");
+    assert!(
+        message.contains(&format!("{} bytes", PAGE + 512)),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("granularity is {PAGE} bytes")),
+        "{message}"
+    );
 }

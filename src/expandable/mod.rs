@@ -140,7 +140,9 @@ impl<D: Driver> Expandable<D> {
         if page_size == 0 || granularity == 0 || page_size % granularity != 0 {
             return Err(ConfigError::BadValue {
                 key: "page_size_mb".into(),
-                value: page_size.to_string(),
+                value: format!(
+                    "{page_size} bytes (the driver's granularity is {granularity} bytes)"
+                ),
                 expected: "a positive multiple of the driver's allocation granularity",
             }
             .into());
