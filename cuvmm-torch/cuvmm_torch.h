@@ -268,8 +268,11 @@ long long cuvmm_release_host_buffers(int device, const char *tag);
 
 /* `device`'s tags as a JSON array of {"name", "state" (awake, asleep, sleeping: half way, copying),
  * "live_bytes", "asleep_bytes" (what its wake maps), "bytes_kept", "host_kept_bytes"}; free it with
- * cuvmm_string_free. NULL on failure. */
+ * cuvmm_string_free. "[]" for a device cuvmm never allocated on, without opening it. NULL on failure. */
 char *cuvmm_tags_json(int device);
+
+/* The number of devices cuvmm serves (devices 0 to count - 1), or -1 (no CUDA driver, a bad setting). */
+int cuvmm_device_count(void);
 
 /* ---- The C++ layer: what PyTorch's CUDAAllocator interface needs beyond the above ---- */
 

@@ -120,6 +120,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_wake",
                 "cuvmm_release_host_buffers",
                 "cuvmm_tags_json",
+                "cuvmm_device_count",
                 "cuvmm_ipc_share",
                 "cuvmm_bytes_free",
                 "cuvmm_ipc_open",
@@ -578,13 +579,30 @@ class Install(unittest.TestCase):
                 else:
                     sys.modules["ninja"] = saved
 
-    def test_the_build_directory_is_per_torch_version_and_can_be_named(self):
+    def test_a_build_lock_left_long_ago_is_removed_and_a_fresh_one_kept(self):
+        # torch.utils.cpp_extension waits with no end while its lock exists: one left by a killed build
+        # would make every later install() hang.
+        with tempfile.TemporaryDirectory() as directory:
+            lock = os.path.join(directory, cuvmm_torch.BUILD_LOCK)
+            self.assertFalse(cuvmm_torch._remove_stale_lock(directory))
+            open(lock, "w").close()
+            now = os.path.getmtime(lock)
+            self.assertFalse(cuvmm_torch._remove_stale_lock(directory, now=now + 60), "maybe building now")
+            self.assertTrue(os.path.exists(lock))
+            with self.assertWarnsRegex(RuntimeWarning, "did not finish"):
+                removed = cuvmm_torch._remove_stale_lock(directory, now=now + cuvmm_torch.STALE_LOCK_SECONDS)
+            self.assertTrue(removed)
+            self.assertFalse(os.path.exists(lock))
+
+    def test_the_build_directory_is_per_torch_version_and_python_and_can_be_named(self):
+        python = sys.implementation.cache_tag  # cpython-311: the layer is a module of one Python's ABI
         self.assertEqual(cuvmm_torch.build_dir("2.11.0", {cuvmm_torch.BUILD_ENV_VAR: "/b"}), "/b")
         self.assertEqual(
             cuvmm_torch.build_dir("2.11.0+cu130", {"XDG_CACHE_HOME": "/c"}),
-            os.path.join("/c", "cuvmm_torch", "torch-2.11.0_cu130"),
+            os.path.join("/c", "cuvmm_torch", f"torch-2.11.0_cu130-{python}"),
         )
-        self.assertTrue(cuvmm_torch.build_dir("2.11.0", {}).endswith(os.path.join(".cache", "cuvmm_torch", "torch-2.11.0")))
+        self.assertTrue(cuvmm_torch.build_dir("2.11.0", {}).endswith(
+            os.path.join(".cache", "cuvmm_torch", f"torch-2.11.0-{python}")))
         self.assertTrue(os.path.isfile(os.path.join(cuvmm_torch.csrc_dir(), "cuvmm_allocator.cpp")))
 
 

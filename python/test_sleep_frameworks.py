@@ -123,10 +123,65 @@ for block in (weights, kv, default):
 print(json.dumps(out))
 """
 
+# Three devices; the current one is 0 (no PyTorch here), and a program allocates on device 2 inside regions,
+# as one does with `device="cuda:2"` and no set_device.
+OTHER_DEVICE = PRELUDE + r"""
+import os
+from cuvmm_torch import autoinstall
+from cuvmm_torch.memory_saver import torch_memory_saver as tms, configure_subprocess
+from cuvmm_torch.cumem import CuMemAllocator
+def on(device, size):
+    ptr = lib.cuvmm_malloc(size, device, None)
+    assert ptr, cuvmm_torch.last_error()
+    return ptr
+def states(device):
+    return {t["name"]: t["state"] for t in cuvmm_torch.tags(device)}
+with tms.region(tag="kv"):
+    on(2, 8 << 20)
+with tms.region(tag="weights", enable_cpu_backup=True):
+    on(0, 4 << 20)
+    on(2, 4 << 20)
+tms.pause("kv")
+out["tms_pause_kv"] = [states(0), states(1), states(2)]
+tms.pause("")
+out["tms_pause_all"] = states(2)
+tms.resume()
+out["tms_resume_all"] = [states(0), states(2)]
+allocator = CuMemAllocator.get_instance()
+with allocator.use_memory_pool(tag="cache"):
+    on(2, 2 << 20)
+out["usage"] = allocator.get_current_usage()
+allocator.sleep(offload_tags=())
+out["vllm_sleep"] = states(2)["vllm:cache"]
+allocator.wake_up()
+out["vllm_wake"] = states(2)["vllm:cache"]
+out["env_before"] = os.environ.get(autoinstall.VARIABLE)
+with configure_subprocess():
+    out["env_inside"] = os.environ.get(autoinstall.VARIABLE)
+out["env_after"] = os.environ.get(autoinstall.VARIABLE)
+out["devices"] = {repr(d): cuvmm_torch._device_index(d) for d in (None, "cuda", "cuda:2", 1)}
+refusals = {}
+for name, call in [
+    ("region_bytes", lambda: cuvmm_torch.region(b"kv").__enter__()),
+    ("sleep_none", lambda: cuvmm_torch.sleep(None)),
+    ("tms_region_none", lambda: tms.region(tag=None).__enter__()),
+    ("device_cpu", lambda: cuvmm_torch.memory_stats("cpu")),
+    ("device_float", lambda: cuvmm_torch.memory_stats(1.5)),
+    ("history_negative", lambda: cuvmm_torch.record_history(-5)),
+]:
+    try:
+        call()
+        refusals[name] = None
+    except Exception as error:
+        refusals[name] = type(error).__name__
+out["refusals"] = refusals
+print(json.dumps(out))
+"""
 
-def run(code):
+
+def run(code, devices=1):
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUVMM_")}
-    env.update(CUVMM_BACKEND="sim", CUVMM_SIM_DEVICES="1", CUVMM_SIM_CAPACITY="1GiB",
+    env.update(CUVMM_BACKEND="sim", CUVMM_SIM_DEVICES=str(devices), CUVMM_SIM_CAPACITY="1GiB",
                CUVMM_TORCH_LIB=cuvmm_torch.library_path(),
                PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -140,7 +195,7 @@ class MemorySaver(unittest.TestCase):
         out = run(MEMORY_SAVER)
         self.assertTrue(out["enabled"])
         # A tag with and without its CPU backup are two of cuvmm's tags; pause(tag) sleeps both.
-        self.assertEqual(out["pause_weights"]["tms:weights:backup"], ["asleep", True])
+        self.assertEqual(out["pause_weights"]["tms-backup:weights"], ["asleep", True])
         self.assertEqual(out["pause_weights"]["tms:weights"], ["asleep", False])
         self.assertEqual(out["pause_weights"]["tms:kv_cache"], ["awake", False])
         self.assertGreaterEqual(out["given_back"], 24 * MIB)  # whole 20 MiB chunks
@@ -179,6 +234,26 @@ class CuMem(unittest.TestCase):
         self.assertEqual(out["default_offloaded"]["vllm:default"], ["asleep", True])
         self.assertEqual(out["default_offloaded"]["vllm:weights"], ["asleep", False])
         self.assertEqual(out["usage_after"], 50 * MIB)
+
+
+class EveryDevice(unittest.TestCase):
+    def test_the_frameworks_calls_reach_every_device_the_tag_has_memory_on(self):
+        out = run(OTHER_DEVICE, devices=3)
+        # pause(tag) sleeps the tag on device 2, where the region allocated though device 0 was current; a
+        # device never allocated on lists no tags, and asking did not open it.
+        self.assertEqual(out["tms_pause_kv"], [{"tms-backup:weights": "awake"}, {},
+                                               {"tms:kv": "asleep", "tms-backup:weights": "awake"}])
+        self.assertEqual(out["tms_pause_all"], {"tms:kv": "asleep", "tms-backup:weights": "asleep"})
+        self.assertEqual(out["tms_resume_all"], [{"tms-backup:weights": "awake"},
+                                                 {"tms:kv": "awake", "tms-backup:weights": "awake"}])
+        self.assertEqual(out["usage"], 2 * MIB)
+        self.assertEqual([out["vllm_sleep"], out["vllm_wake"]], ["asleep", "awake"])
+        # Processes started inside configure_subprocess install cuvmm when they import torch.
+        self.assertEqual([out["env_before"], out["env_inside"], out["env_after"]], [None, "1", None])
+        self.assertEqual(out["devices"], {"None": 0, "'cuda'": 0, "'cuda:2'": 2, "1": 1})
+        self.assertEqual(out["refusals"], {
+            "region_bytes": "TypeError", "sleep_none": "TypeError", "tms_region_none": "TypeError",
+            "device_cpu": "ValueError", "device_float": "TypeError", "history_negative": "ValueError"})
 
 
 if __name__ == "__main__":

@@ -285,7 +285,16 @@ pub unsafe extern "C" fn cuvmm_release_host_buffers(device: c_int, tag: *const c
     })
 }
 
-/// `device`'s tags as a JSON array (free it with [`cuvmm_string_free`]); null on failure.
+/// The number of devices cuvmm serves (devices `0..count`), or -1 (no CUDA driver, a bad setting).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_device_count() -> c_int {
+    shell("cuvmm_device_count", -1, || {
+        Ok(c_int::try_from(ops::device_count(global()?)).unwrap_or(c_int::MAX))
+    })
+}
+
+/// `device`'s tags as a JSON array (`[]` for a device never allocated on, which is not opened; free it
+/// with [`cuvmm_string_free`]); null on failure.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_tags_json(device: c_int) -> *mut c_char {
     shell("cuvmm_tags_json", ptr::null_mut(), || {

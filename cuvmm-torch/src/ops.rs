@@ -61,12 +61,19 @@ pub fn release_host_buffers(
 }
 
 /// `device`'s tags as a JSON array: each one's name, state, live bytes, the bytes its wake would map,
-/// whether its bytes are kept and the host memory it holds.
+/// whether its bytes are kept and the host memory it holds. A device cuvmm never allocated on has none
+/// (`[]`), and asking does not open it: the frameworks' sleep calls ask every device.
 ///
 /// # Errors
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn tags_json(registry: &Registry, device: i32) -> Result<String, AbiError> {
-    Ok(serde_json::to_string(&registry.allocator(device)?.tags())?)
+    let tags = (registry.existing(device)?).map_or_else(Vec::new, |allocator| allocator.tags());
+    Ok(serde_json::to_string(&tags)?)
+}
+
+/// The number of devices the registry serves (device numbers `0..count`).
+pub fn device_count(registry: &Registry) -> usize {
+    registry.device_count()
 }
 
 /// Allocates `size` bytes on `device` for use on `stream` (a raw `CUstream`; 0 is the legacy default stream),

@@ -154,6 +154,11 @@ impl Registry {
         }
     }
 
+    /// The number of devices: device numbers are `0..device_count()`.
+    pub fn device_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// This registry's number among the process's registries.
     pub fn id(&self) -> u64 {
         self.id

@@ -35,11 +35,13 @@ import ctypes
 import glob
 import importlib
 import json
+import operator
 import os
 import shutil
 import sys
 import sysconfig
 import threading
+import time
 import warnings
 
 __all__ = [
@@ -76,7 +78,7 @@ LIBRARY_NAME = "libcuvmm_torch.so"
 ENV_VAR = "CUVMM_TORCH_LIB"
 # "0" turns the C++ layer off (install() takes the ctypes path); "1" makes a failure to build it an error.
 CPP_ENV_VAR = "CUVMM_TORCH_CPP"
-# Where the C++ layer is built and cached (default: $XDG_CACHE_HOME/cuvmm_torch/torch-<version>).
+# Where the C++ layer is built and cached (default: $XDG_CACHE_HOME/cuvmm_torch/torch-<version>-<python>).
 BUILD_ENV_VAR = "CUVMM_TORCH_BUILD"
 EXTENSION_NAME = "cuvmm_torch_ext"
 EXTENSION_SOURCES = ["cuvmm_allocator.cpp"]
@@ -140,13 +142,16 @@ def csrc_dir():
 
 def build_dir(torch_version, environ=None):
     """Where the C++ layer for PyTorch ``torch_version`` is built and cached: ``$CUVMM_TORCH_BUILD``, else
-    ``$XDG_CACHE_HOME/cuvmm_torch/torch-<version>`` (``~/.cache`` without XDG_CACHE_HOME). One directory
-    per PyTorch version, since the layer is compiled against its headers."""
+    ``$XDG_CACHE_HOME/cuvmm_torch/torch-<version>-<python>`` (``~/.cache`` without XDG_CACHE_HOME; python
+    as ``cpython-311``). One directory per PyTorch version, since the layer is compiled against its headers,
+    and per Python, since it is a module of one Python's ABI (two environments with the same PyTorch on two
+    Pythons share ``~/.cache``)."""
     environ = os.environ if environ is None else environ
     if environ.get(BUILD_ENV_VAR):
         return environ[BUILD_ENV_VAR]
     cache = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    safe = "".join(c if c.isalnum() or c in ".-_" else "_" for c in str(torch_version))
+    python = sys.implementation.cache_tag or sys.implementation.name
+    safe = "".join(c if c.isalnum() or c in ".-_" else "_" for c in f"{torch_version}-{python}")
     return os.path.join(cache, "cuvmm_torch", f"torch-{safe}")
 
 
@@ -263,6 +268,7 @@ def build_extension(torch=None, verbose=False):
     cuda_includes, cudart = cuda_runtime(cuda_home=cpp_extension.CUDA_HOME)
     directory = build_dir(torch.__version__)
     os.makedirs(directory, exist_ok=True)
+    _remove_stale_lock(directory)
     return cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[os.path.join(sources_dir, source) for source in EXTENSION_SOURCES],
@@ -273,6 +279,32 @@ def build_extension(torch=None, verbose=False):
         with_cuda=False,
         verbose=verbose,
     )
+
+
+# The file torch.utils.cpp_extension holds while it builds in a directory (even a cached build takes it, to run
+# ninja), and every other process waits on, with no end, while it exists.
+BUILD_LOCK = "lock"
+# A lock older than this was left by a build that died (a rank killed while building): the layer builds in
+# about 30 s.
+STALE_LOCK_SECONDS = 600
+
+
+def _remove_stale_lock(directory, now=None):
+    """Removes ``directory``'s build lock if a build that did not finish left it there long ago, so that a
+    killed process does not make every later ``install()`` wait forever; says so in a warning. Returns
+    whether it removed one."""
+    lock = os.path.join(directory, BUILD_LOCK)
+    try:
+        age = (time.time() if now is None else now) - os.path.getmtime(lock)
+    except OSError:
+        return False  # no lock: nothing to wait for
+    if age < STALE_LOCK_SECONDS:
+        return False  # another process may be building now
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(lock)
+    warnings.warn(f"cuvmm_torch: removed {lock}, left {age / 60:.0f} minutes ago by a build of the C++ layer "
+                  "that did not finish (a process killed while building it)", RuntimeWarning, stacklevel=3)
+    return True
 
 
 def _declare(lib):
@@ -300,6 +332,7 @@ def _declare(lib):
         "cuvmm_wake": (c_int, [c_int, c_char_p]),
         "cuvmm_release_host_buffers": (ctypes.c_longlong, [c_int, c_char_p]),
         "cuvmm_tags_json": (c_void_p, [c_int]),
+        "cuvmm_device_count": (c_int, []),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -337,17 +370,40 @@ def _take_string(pointer):
         load().cuvmm_string_free(pointer)
 
 
+def _current_device():
+    try:
+        import torch  # noqa: PLC0415 (optional: only to read the current device)
+    except ImportError:
+        return 0
+    # Without CUDA (the simulated backend on a machine with no GPU) there is no current device to ask:
+    # current_device() would raise.
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
 def _device_index(device):
-    if device is None:
-        try:
-            import torch  # noqa: PLC0415 (optional: only to read the current device)
-        except ImportError:
-            return 0
-        # Without CUDA (the simulated backend on a machine with no GPU) there is no current device to ask:
-        # current_device() would raise.
-        return torch.cuda.current_device() if torch.cuda.is_available() else 0
+    """A device as ``torch.cuda``'s calls take it: None, ``"cuda"`` or ``torch.device("cuda")`` (the current
+    device), ``"cuda:1"``, ``torch.device("cuda", 1)`` or 1."""
+    if isinstance(device, str):
+        kind, _, number = device.partition(":")
+        if kind != "cuda" or (number and not number.isdigit()):
+            raise ValueError(f"device: {device!r} is not a CUDA device (\"cuda\", \"cuda:N\" or N)")
+        device = int(number) if number else None
+    elif getattr(device, "type", "cuda") != "cuda":
+        raise ValueError(f"device: {device!r} is not a CUDA device")
     index = getattr(device, "index", device)
-    return 0 if index is None else int(index)
+    if index is None:
+        return _current_device()
+    try:
+        return operator.index(index)
+    except TypeError:
+        raise TypeError(f"device: {device!r} is not a device number, \"cuda:N\" or a torch.device") from None
+
+
+def _tag_bytes(tag, what):
+    """A tag's name as the library takes it; a name that is not a string is refused here, in words."""
+    if not isinstance(tag, str):
+        raise TypeError(f"{what}: the tag must be a string, not {tag!r}")
+    return tag.encode("utf-8")
 
 
 def _stream_handle(stream):
@@ -381,16 +437,37 @@ def install(path=None, cpp=None):
             _layer = "cpp"
             return _layer
         except Exception as error:  # noqa: BLE001 (any failure to build or load means: fall back)
+            _refuse_if_too_late(error)
             if cpp:
                 raise
             reason = _summary(error)
     else:
         reason = f"{CPP_ENV_VAR}=0"
-    warnings.warn(fallback_warning(reason), RuntimeWarning, stacklevel=2)
     allocator = torch.cuda.memory.CUDAPluggableAllocator(library, "cuvmm_malloc", "cuvmm_free")
-    torch.cuda.memory.change_current_allocator(allocator)
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except Exception as error:  # noqa: BLE001 (re-raised, in words, if it is the swap refused)
+        _refuse_if_too_late(error)
+        raise
+    warnings.warn(fallback_warning(reason), RuntimeWarning, stacklevel=2)
     _layer = "ctypes"
     return _layer
+
+
+# PyTorch's refusal to swap its CUDA allocator once used (CUDAPluggableAllocator::changeCurrentAllocator),
+# which both layers meet: no reason to fall back from one to the other.
+_SWAP_REFUSED = "already initialized allocator"
+
+
+def _refuse_if_too_late(error):
+    """Raises the error a user can act on when ``error`` is PyTorch refusing the swap; returns otherwise."""
+    if _SWAP_REFUSED in str(error):
+        raise RuntimeError(
+            "cuvmm_torch.install() came too late: PyTorch's own CUDA allocator is initialized already (a CUDA "
+            "call ran before install(): a tensor on the GPU, torch.cuda.set_device, torch.cuda.init, ...), and "
+            "PyTorch swaps no allocator once it is. Call install() before the program's first CUDA call, or run "
+            "the program under `python -m cuvmm_torch`"
+        ) from error
 
 
 def active_layer():
@@ -472,7 +549,10 @@ def set_memory_fraction(fraction, device=None):
 def record_history(max_entries=100_000, device=None):
     """``torch.cuda.memory._record_memory_history`` for cuvmm: keep the last ``max_entries`` events for
     :func:`dump_snapshot`; 0 or None stops."""
-    status = load().cuvmm_record_history(_device_index(device), int(max_entries or 0))
+    entries = operator.index(max_entries or 0)
+    if entries < 0:
+        raise ValueError(f"record_history: max_entries={max_entries} is negative (0 or None stops)")
+    status = load().cuvmm_record_history(_device_index(device), entries)
     _check_status(status, "cuvmm_record_history")
 
 
@@ -488,7 +568,7 @@ def region(tag):
     stack = getattr(_tags, "stack", None)
     if stack is None:
         stack = _tags.stack = []
-    _check_status(load().cuvmm_set_tag(None if tag is None else tag.encode("utf-8")), "cuvmm_set_tag")
+    _check_status(load().cuvmm_set_tag(None if tag is None else _tag_bytes(tag, "region")), "cuvmm_set_tag")
     stack.append(tag)
     try:
         yield tag
@@ -506,7 +586,7 @@ def sleep(tag, keep=True, device=None):
     replayed, until :func:`wake`. The bytes go to page-locked memory the tag keeps for its next sleep (see
     :func:`release_host_buffers`), copied on a stream of cuvmm's own while other threads go on allocating.
     Returns the bytes given back (0 if already asleep)."""
-    given = load().cuvmm_sleep(_device_index(device), tag.encode("utf-8"), int(bool(keep)))
+    given = load().cuvmm_sleep(_device_index(device), _tag_bytes(tag, "sleep"), int(bool(keep)))
     if given < 0:
         raise CuvmmError(last_error() or "cuvmm_sleep failed")
     return given
@@ -514,18 +594,41 @@ def sleep(tag, keep=True, device=None):
 
 def wake(tag, device=None):
     """Wakes ``tag``: its memory is mapped again at the same addresses, with its bytes if they were kept."""
-    _check_status(load().cuvmm_wake(_device_index(device), tag.encode("utf-8")), "cuvmm_wake")
+    _check_status(load().cuvmm_wake(_device_index(device), _tag_bytes(tag, "wake")), "cuvmm_wake")
 
 
 def release_host_buffers(tag=None, device=None):
     """Frees the page-locked host memory a tag keeps after its wake for its next sleep (``tag``'s, or every
     tag's with ``None``; ``CUVMM_ALLOC_CONF=keep_host_buffers:False`` frees it at each wake instead). The
     bytes of a sleeping tag are never freed. Returns the bytes freed."""
-    name = None if tag is None else tag.encode("utf-8")
+    name = None if tag is None else _tag_bytes(tag, "release_host_buffers")
     freed = load().cuvmm_release_host_buffers(_device_index(device), name)
     if freed < 0:
         raise CuvmmError(last_error() or "cuvmm_release_host_buffers failed")
     return freed
+
+
+def _tag_devices(name):
+    """The devices on which tag ``name`` has memory, awake or asleep: every device cuvmm serves is asked,
+    and asking opens none that cuvmm never allocated on."""
+    count = load().cuvmm_device_count()
+    if count < 0:
+        raise CuvmmError(last_error() or "cuvmm_device_count failed")
+    return [device for device in range(count) if any(t["name"] == name for t in tags(device))]
+
+
+def _ensure_installed(api):
+    """For the frameworks' APIs (:mod:`cuvmm_torch.memory_saver`, :mod:`cuvmm_torch.cumem`): in a program that
+    has imported torch, cuvmm is installed as its CUDA allocator now if it is not yet, as those frameworks'
+    own allocators need nothing more; if that fails, the error says so, rather than regions that tag nothing
+    PyTorch allocates. (Without torch, allocations come through the library's own functions.)"""
+    if _layer is not None or "torch" not in sys.modules:
+        return
+    try:
+        install()
+    except Exception as error:  # noqa: BLE001 (whatever it is, the user is told, in one exception)
+        raise CuvmmError(f"{api} over cuvmm needs cuvmm as PyTorch's CUDA allocator, and it could not be "
+                         f"installed: {_summary(error)}") from error
 
 
 def tags(device=None):

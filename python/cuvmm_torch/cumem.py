@@ -12,15 +12,19 @@ sleep mode API switches by changing its import::
     allocator.wake_up(tags=["weights"])
     allocator.wake_up(tags=["kv_cache"])
 
-cuvmm must be PyTorch's allocator (``cuvmm_torch.install()`` before the first CUDA allocation); there is no
-pluggable ``MemPool`` of its own. Each call is a thin function over cuvmm's tags (``vllm:TAG``):
-``use_memory_pool`` is ``cuvmm_torch.region``, ``sleep`` is ``cuvmm_torch.sleep`` of every tag used (keeping
-the bytes of ``offload_tags``), ``wake_up`` is ``cuvmm_torch.wake``.
+cuvmm must be PyTorch's allocator: the first ``use_memory_pool`` of a program that imported torch installs
+it (``cuvmm_torch.install()``) if nothing did before, and raises if it can no longer be (a CUDA call came
+first); there is no pluggable ``MemPool`` of its own. Each call is a thin function over cuvmm's tags
+(``vllm:TAG``): ``use_memory_pool`` is ``cuvmm_torch.region``, ``sleep`` is ``cuvmm_torch.sleep`` of every tag
+used (keeping the bytes of ``offload_tags``), ``wake_up`` is ``cuvmm_torch.wake``, on every device where the
+tag has memory.
 
 What differs from vLLM's: the bytes go to page-locked memory kept across cycles (vLLM pins a new buffer per
 allocation at each sleep), copied asynchronously on a stream of cuvmm's own; CUDA graphs captured inside
 ``use_memory_pool`` sleep and wake with the tag (vLLM's graph pool stays); ``pointer_to_data`` and
-``allocator_and_pools`` do not exist (cuvmm keeps that state); expandable segments need no turning off.
+``allocator_and_pools`` do not exist (cuvmm keeps that state); expandable segments need no turning off;
+``get_current_usage`` counts the bytes of live tensors, where vLLM's counts its pool's segments (cached free
+blocks included).
 """
 
 import contextlib
@@ -54,8 +58,8 @@ class CuMemAllocator:
     def __init__(self):
         self.current_tag = CuMemAllocator.default_tag
         self._lock = threading.Lock()
-        # vLLM tag -> the devices it was used on
-        self._tags = {}
+        # the vLLM tags used
+        self._tags = set()
 
     @contextlib.contextmanager
     def use_memory_pool(self, tag=None):
@@ -63,8 +67,9 @@ class CuMemAllocator:
         if tag is None:
             tag = CuMemAllocator.default_tag
         assert isinstance(tag, str)
+        _cuvmm._ensure_installed("vLLM's CuMemAllocator.use_memory_pool")
         with self._lock:
-            self._tags.setdefault(tag, set()).add(_cuvmm._device_index(None))
+            self._tags.add(tag)
         old_tag, self.current_tag = self.current_tag, tag
         try:
             with _cuvmm.region(_PREFIX + tag):
@@ -73,8 +78,10 @@ class CuMemAllocator:
             self.current_tag = old_tag
 
     def _known(self, tags=None):
+        """The tags used (those of ``tags``, every one for None), with the devices where they have memory."""
         with self._lock:
-            return [(tag, set(devices)) for tag, devices in self._tags.items() if tags is None or tag in tags]
+            known = sorted(tag for tag in self._tags if tags is None or tag in tags)
+        return [(tag, _cuvmm._tag_devices(_PREFIX + tag)) for tag in known]
 
     def sleep(self, offload_tags=None):
         """Every tag's memory is given back: the bytes of ``offload_tags`` (the default tag for None) are
@@ -84,24 +91,24 @@ class CuMemAllocator:
         elif isinstance(offload_tags, str):
             offload_tags = (offload_tags,)
         assert isinstance(offload_tags, tuple)
-        for tag, devices in self._known():
-            for device in sorted(devices):
+        known = self._known()
+        for tag, devices in known:
+            for device in devices:
                 _cuvmm.sleep(_PREFIX + tag, keep=tag in offload_tags, device=device)
         gc.collect()
-        for device in sorted({d for _, devices in self._known() for d in devices}):
+        for device in sorted({d for _, devices in known for d in devices}):
             _cuvmm.empty_cache(device)
 
     def wake_up(self, tags=None):
         """Maps the memory of ``tags`` (every tag for None) again: what was offloaded has its bytes back,
         the rest is memory with no bytes kept."""
         for tag, devices in self._known(tags):
-            for device in sorted(devices):
+            for device in devices:
                 _cuvmm.wake(_PREFIX + tag, device=device)
 
     def get_current_usage(self):
-        """Bytes allocated in the allocator's tags, on every device they were used on."""
-        names = {_PREFIX + tag: devices for tag, devices in self._known()}
-        total = 0
-        for device in sorted({d for devices in names.values() for d in devices}):
-            total += sum(t["live_bytes"] for t in _cuvmm.tags(device) if t["name"] in names)
-        return total
+        """Bytes of the live tensors in the allocator's tags, on every device where they have memory."""
+        known = self._known()
+        names = {_PREFIX + tag for tag, _ in known}
+        devices = sorted({d for _, devices in known for d in devices})
+        return sum(t["live_bytes"] for device in devices for t in _cuvmm.tags(device) if t["name"] in names)

@@ -11,12 +11,14 @@ slime) switches by changing its import::
     ...
     torch_memory_saver.resume("kv_cache")
 
-cuvmm must be PyTorch's allocator (``cuvmm_torch.install()`` before the first CUDA allocation); there is no
-``LD_PRELOAD`` and no ``MemPool`` of its own. Each call is a thin function over cuvmm's tags: a region is
-``cuvmm_torch.region``, ``pause`` is ``cuvmm_torch.sleep``, ``resume`` is ``cuvmm_torch.wake``. A
-torch_memory_saver tag made with ``enable_cpu_backup=True`` and without are two cuvmm tags
-(``tms:TAG:backup`` and ``tms:TAG``), so that ``pause(TAG)`` keeps the bytes of the first and drops the
-second's, as torch_memory_saver does per allocation.
+cuvmm must be PyTorch's allocator: the first ``region`` of a program that imported torch installs it
+(``cuvmm_torch.install()``) if nothing did before, and raises if it can no longer be (a CUDA call came
+first); there is no ``LD_PRELOAD`` and no ``MemPool`` of its own. Each call is a thin function over cuvmm's
+tags: a region is ``cuvmm_torch.region``, ``pause`` is ``cuvmm_torch.sleep``, ``resume`` is
+``cuvmm_torch.wake``, on every device where the tag has memory. A torch_memory_saver tag made with
+``enable_cpu_backup=True`` and without are two cuvmm tags (``tms-backup:TAG`` and ``tms:TAG``), so that
+``pause(TAG)`` keeps the bytes of the first and drops the second's, as torch_memory_saver does per
+allocation.
 
 What differs, or cannot apply:
 
@@ -31,9 +33,14 @@ What differs, or cannot apply:
   ``cuvmm_torch.set_memory_fraction``); a warning says so.
 - ``cuda_graph`` works in either hook mode: the graph's private pool's memory is allocated under the tag
   and sleeps and wakes with it; do not replay the graph while the tag is paused.
+- Allocating under a paused tag is refused (cuvmm's ``TagAsleep``: its addresses are reserved, its memory is
+  given back); torch_memory_saver allocates such memory, which stays mapped through the pause.
+- ``configure_subprocess`` sets ``CUVMM_TORCH_AUTOINSTALL=1`` (where torch_memory_saver sets ``LD_PRELOAD``),
+  so that a process started inside it installs cuvmm when it imports torch.
 """
 
 import contextlib
+import os
 import threading
 import warnings
 
@@ -42,7 +49,9 @@ import cuvmm_torch as _cuvmm
 __all__ = ["TorchMemorySaver", "torch_memory_saver", "configure_subprocess"]
 
 _TAG_DEFAULT = "default"
+# Two prefixes, so that no torch_memory_saver tag of one kind is named as a tag of the other.
 _PREFIX = "tms:"
+_PREFIX_BACKUP = "tms-backup:"
 
 
 class TorchMemorySaver:
@@ -51,26 +60,26 @@ class TorchMemorySaver:
 
     def __init__(self):
         self._lock = threading.Lock()
-        # cuvmm tag -> (whether its bytes are kept at a pause, the devices it was used on)
+        # cuvmm tag -> whether its bytes are kept at a pause
         self._tags = {}
         self._retain = True
         self._hook_mode = "preload"
 
     @staticmethod
     def _name(tag, backup):
-        return f"{_PREFIX}{tag}:backup" if backup else f"{_PREFIX}{tag}"
-
-    def _note(self, name, backup, device):
-        with self._lock:
-            self._tags.setdefault(name, (backup, set()))[1].add(device)
+        if not isinstance(tag, str):
+            raise TypeError(f"tag must be a string, not {tag!r}")
+        return f"{_PREFIX_BACKUP if backup else _PREFIX}{tag}"
 
     def _named(self, tag):
-        """The cuvmm tags of torch_memory_saver tag ``tag`` (every tag's for None), with their devices."""
+        """The cuvmm tags of torch_memory_saver tag ``tag`` (every tag's for None or "", as
+        torch_memory_saver's), with whether their bytes are kept and the devices where they have memory."""
         with self._lock:
-            items = [(name, backup, set(devices)) for name, (backup, devices) in self._tags.items()]
-        if tag is None:
-            return items
-        return [item for item in items if item[0] in (self._name(tag, False), self._name(tag, True))]
+            items = list(self._tags.items())
+        if tag:
+            names = (self._name(tag, False), self._name(tag, True))
+            items = [(name, backup) for name, backup in items if name in names]
+        return [(name, backup, _cuvmm._tag_devices(name)) for name, backup in items]
 
     @contextlib.contextmanager
     def region(self, tag=_TAG_DEFAULT, enable_cpu_backup=False, enable_disk_backup=False,
@@ -85,7 +94,9 @@ class TorchMemorySaver:
         if cpu_backup_backend not in (None, "pinned", "mmap"):
             raise ValueError(f"cpu_backup_backend: {cpu_backup_backend!r} is not 'pinned' or 'mmap'")
         name = self._name(tag, enable_cpu_backup)
-        self._note(name, enable_cpu_backup, _cuvmm._device_index(None))
+        _cuvmm._ensure_installed("torch_memory_saver's region")
+        with self._lock:
+            self._tags[name] = enable_cpu_backup
         with _cuvmm.region(name):
             yield
 
@@ -111,14 +122,14 @@ class TorchMemorySaver:
         """Gives back the memory of ``tag`` (of every tag for None), keeping the bytes of what was allocated
         with ``enable_cpu_backup=True``."""
         for name, backup, devices in self._named(tag):
-            for device in sorted(devices):
+            for device in devices:
                 _cuvmm.sleep(name, keep=backup, device=device)
 
     def resume(self, tag=None):
         """Maps the memory of ``tag`` (of every tag for None) again at the same addresses, with the bytes
         kept."""
         for name, _, devices in self._named(tag):
-            for device in sorted(devices):
+            for device in devices:
                 _cuvmm.wake(name, device=device)
                 if not self._retain:
                     _cuvmm.release_host_buffers(name, device=device)
@@ -155,7 +166,7 @@ class TorchMemorySaver:
         self._retain = bool(value)
         if not self._retain:
             for name, _, devices in self._named(None):
-                for device in sorted(devices):
+                for device in devices:
                     _cuvmm.release_host_buffers(name, device=device)
 
     def get_cpu_backup(self, x, zero_copy=False):
@@ -168,9 +179,20 @@ class TorchMemorySaver:
 
 @contextlib.contextmanager
 def configure_subprocess():
-    """torch_memory_saver sets ``LD_PRELOAD`` for subprocesses here; with cuvmm each process calls
-    ``cuvmm_torch.install()`` itself, so this does nothing."""
-    yield
+    """Processes started inside install cuvmm as PyTorch's allocator when they import torch
+    (``CUVMM_TORCH_AUTOINSTALL=1`` while inside; torch_memory_saver sets ``LD_PRELOAD`` here), so that their
+    regions, pauses and resumes work as this process's."""
+    from cuvmm_torch import autoinstall  # noqa: PLC0415
+
+    previous = os.environ.get(autoinstall.VARIABLE)
+    os.environ[autoinstall.VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(autoinstall.VARIABLE, None)
+        else:
+            os.environ[autoinstall.VARIABLE] = previous
 
 
 # The singleton, as torch_memory_saver names it.

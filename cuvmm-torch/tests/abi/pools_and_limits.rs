@@ -276,3 +276,42 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
     assert!(last_error().is_none());
     check_invariants(device);
 }
+
+/// The frameworks' sleep calls (torch_memory_saver's `pause`, vLLM's `sleep`) ask every device for its
+/// tags: a device cuvmm never allocated on answers `[]` and is not opened by the asking (on CUDA that would
+/// make a context there); once allocated on, it lists its tags.
+#[test]
+fn every_device_can_be_asked_for_its_tags_without_opening_it() {
+    setup();
+    let device = 26;
+    assert_eq!(cuvmm_device_count(), DEVICES as i32);
+    let tags = || {
+        let json = cuvmm_tags_json(device);
+        assert!(!json.is_null(), "{:?}", last_error());
+        // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
+        let text = unsafe { CStr::from_ptr(json) }
+            .to_str()
+            .unwrap()
+            .to_string();
+        // SAFETY: as above.
+        unsafe { cuvmm_string_free(json) };
+        text
+    };
+    assert_eq!(tags(), "[]");
+    assert!(
+        global().unwrap().existing(device).unwrap().is_none(),
+        "asking opened the device"
+    );
+    let tag = CString::new("kv").unwrap();
+    // SAFETY: `tag` is a NUL-terminated string valid for the call; NULL clears the tag.
+    assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+    let block = cuvmm_malloc(1 << 20, device, stream(3));
+    // SAFETY: as above.
+    assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+    assert!(!block.is_null(), "{:?}", last_error());
+    let listed = tags();
+    assert!(listed.contains(r#""name":"kv""#), "{listed}");
+    cuvmm_free(block, 1 << 20, device, stream(3));
+    assert!(last_error().is_none());
+    check_invariants(device);
+}
