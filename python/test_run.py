@@ -37,10 +37,15 @@ FAKE_TORCH = {
         def _pluggable(path, malloc, free):
             events.append(["pluggable", os.path.basename(path), malloc, free])
             return "allocator"
+        def _swap(what):
+            # PyTorch's refusal once its allocator has served (FAKE_TORCH_USED: a CUDA call came first).
+            if os.environ.get("FAKE_TORCH_USED"):
+                raise RuntimeError("Can't swap an already initialized allocator")
+            events.append(what)
         cuda = types.ModuleType("torch.cuda")
         cuda.memory = types.SimpleNamespace(
             CUDAPluggableAllocator=_pluggable,
-            change_current_allocator=lambda allocator: events.append(["changed", allocator]))
+            change_current_allocator=lambda allocator: _swap(["changed", allocator]))
         cuda.is_initialized = lambda: False
         sys.modules["torch.cuda"] = cuda
     """,
@@ -52,7 +57,7 @@ FAKE_TORCH = {
             torch.events.append(["built", name, [os.path.basename(s) for s in sources]])
             return types.SimpleNamespace(
                 __file__=os.path.join(build_directory, name + ".so"),
-                install=lambda path: torch.events.append(["cpp installed", os.path.basename(path)]))
+                install=lambda path: torch._swap(["cpp installed", os.path.basename(path)]))
     """,
 }
 
@@ -167,6 +172,14 @@ class RunAScript(Stand):
         path = self.script("import cuvmm_torch, torch\nprint(cuvmm_torch.install(), len(torch.events))\n")
         status, out, err = self.run_python("-m", "cuvmm_torch", path)
         self.assertEqual((status, out.strip()), (0, "cpp 3"), err)
+
+    def test_installing_after_pytorchs_allocator_served_is_refused_in_words_with_no_fallback(self):
+        for cpp in ("", "0"):
+            status, _, err = self.run_python(code="import cuvmm_torch\ncuvmm_torch.install()\n", FAKE_TORCH_USED="1",
+                                             CUVMM_TORCH_CPP=cpp)
+            self.assertEqual(status, 1, cpp)
+            self.assertIn("cuvmm_torch.install() came too late", err)
+            self.assertNotIn("the C++ layer is not in use", err, "no fallback to a path refused the same way")
 
     def test_nothing_runs_when_cuvmm_cannot_be_installed(self):
         marker = os.path.join(self.dir, "ran")
