@@ -223,6 +223,73 @@ fn a_graph_captured_on_tagged_memory_replays_after_the_wake() {
     a.check_invariants().unwrap();
 }
 
+/// Captures `blocks` (tagged "t", each `4 * PAGE`) into graph pool 1 on stream 3 as `torch.cuda.graph`
+/// does, with a kernel using them and `weights`, and frees the last of them in the capture (a temporary the
+/// graph keeps using); returns the graph and the ranges its replay touches.
+fn capture_in_tag(a: &mut Alloc, weights: Option<u64>, blocks: usize) -> (u64, Vec<VaRange>) {
+    let capture = StreamId(3);
+    let id = a
+        .driver_mut()
+        .begin_capture(capture, CaptureMode::ThreadLocal)
+        .unwrap();
+    let pool = GraphPool(1, 0);
+    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
+        .unwrap();
+    let made: Vec<u64> = (0..blocks)
+        .map(|_| a.alloc_tagged(4 * PAGE, capture, "t").unwrap())
+        .collect();
+    let mut ranges: Vec<VaRange> = made.iter().map(|&b| VaRange::new(b, 4 * PAGE)).collect();
+    ranges.extend(weights.map(|w| VaRange::new(w, 6 * PAGE)));
+    a.driver_mut().launch(capture, &ranges).unwrap();
+    a.free(*made.last().unwrap()).unwrap();
+    a.driver_mut().end_capture(capture).unwrap();
+    a.end_allocate_to_pool(pool).unwrap();
+    (id, ranges)
+}
+
+/// vLLM empties the cache right after a sleep: the segments of a sleeping tag that hold only a graph's
+/// freed temporaries (no live block, no page mapped once asleep) keep their addresses, which the graph
+/// baked in, and the wake maps them again there, with the tag's weights.
+#[test]
+fn empty_cache_keeps_a_sleeping_tags_graph_memory_and_the_wake_maps_it_in_place() {
+    let mut a = new_alloc(Config::default());
+    let s = StreamId(1);
+    let weights = a.alloc_tagged(6 * PAGE, s, "t").unwrap();
+    write_pattern(&mut a, weights, 7, 6 * PAGE);
+    let (_, ranges) = capture_in_tag(&mut a, Some(weights), 1);
+    a.sleep("t", true).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+    // Another job takes memory; none of it at the graph's addresses.
+    let other = a.alloc(8 * PAGE, StreamId(5)).unwrap();
+    assert!(
+        (ranges.iter()).all(|r| other + 8 * PAGE <= r.start || r.start + r.size <= other),
+        "the graph's addresses went to another allocation"
+    );
+    a.wake("t").unwrap();
+    a.driver_mut()
+        .launch(s, &ranges)
+        .expect("the replay finds its memory");
+    assert!(holds_pattern(&a, weights, 7, 6 * PAGE));
+    a.free(other).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// `torch.cuda.graph` captures on a side stream and replays on the current one: the allocator never sees
+/// the replay's stream, so a sleep of the graph's tag waits for the whole device before it copies and
+/// unmaps (the simulator refuses an unmap under running work, as a GPU faults).
+#[test]
+fn a_sleep_waits_for_a_graph_replayed_on_another_stream_than_its_capture() {
+    let mut a = new_alloc(Config::default());
+    let (graph, _) = capture_in_tag(&mut a, None, 2);
+    a.driver_mut()
+        .replay_graph(graph, StreamId(1))
+        .expect("replay queued");
+    a.sleep("t", true).unwrap();
+    a.wake("t").unwrap();
+    a.check_invariants().unwrap();
+}
+
 /// A sleep whose second unmap fails leaves the tag asleep half way: the allocation and free stay refused,
 /// a second sleep finishes, and the wake restores everything. A wake that runs out of memory leaves the
 /// tag asleep; once memory is free a second wake finishes.

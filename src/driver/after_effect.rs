@@ -318,6 +318,9 @@ impl CopyRun for AfterEffectRun {
         let result = self.inner.wait(recorded);
         self.after(Op::Synchronize, result)
     }
+    fn done(&mut self, host: &mut HostMemory) {
+        self.inner.done(host);
+    }
     fn finish(&mut self) {
         self.inner.finish();
     }

@@ -152,6 +152,10 @@ pub trait CopyRun: Send {
     fn record(&mut self) -> Result<(), DriverError>;
     /// Waits for every copy enqueued: for the event if `recorded`, else for the copy stream.
     fn wait(&mut self, recorded: bool) -> Result<(), DriverError>;
+    /// Every copy of the job into or out of `host` is known complete (the wait succeeded): what the
+    /// memory keeps to wait for them at its next access or its drop is let go, so that the access or the
+    /// drop (under the allocator's lock) waits for no later job's copies.
+    fn done(&mut self, _host: &mut HostMemory) {}
     /// The job is over: its device ranges may be unmapped again.
     fn finish(&mut self);
 }
@@ -212,6 +216,9 @@ impl CopyJob {
         };
         let recorded = run.record();
         let waited = run.wait(recorded.is_ok());
+        if recorded.is_ok() && waited.is_ok() {
+            pieces.iter_mut().flatten().for_each(|host| run.done(host));
+        }
         run.finish();
         let result = match (failure, recorded, waited) {
             (Some(err), _, _) | (None, Err(err), _) | (None, Ok(()), Err(err)) => Err(err),
@@ -332,5 +339,64 @@ mod tests {
         let mut unordered = plan(CopyDirection::ToHost);
         unordered.copies.swap(0, 1);
         assert!(unordered.validate().is_err());
+    }
+
+    /// A backend that writes down the steps a job takes, its wait failing if asked.
+    struct Steps {
+        seen: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
+        wait_fails: bool,
+    }
+
+    impl CopyRun for Steps {
+        fn alloc(&mut self, len: u64) -> Result<HostMemory, DriverError> {
+            HostMemory::pageable(len as usize)
+        }
+        fn copy(
+            &mut self,
+            _: &HostCopy,
+            _: CopyDirection,
+            _: &mut HostMemory,
+        ) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn record(&mut self) -> Result<(), DriverError> {
+            Ok(())
+        }
+        fn wait(&mut self, _: bool) -> Result<(), DriverError> {
+            self.seen.lock().unwrap().push("wait");
+            match self.wait_fails {
+                true => Err(DriverError::Injected {
+                    op: Op::Synchronize,
+                    call: 0,
+                }),
+                false => Ok(()),
+            }
+        }
+        fn done(&mut self, _: &mut HostMemory) {
+            self.seen.lock().unwrap().push("done");
+        }
+        fn finish(&mut self) {
+            self.seen.lock().unwrap().push("finish");
+        }
+    }
+
+    /// Each piece hears that its copies are complete once the wait for them succeeded, and only then (the
+    /// page-locked memory of a job whose wait failed still waits for its copies at its drop).
+    #[test]
+    fn pieces_are_told_their_copies_are_done_only_after_a_successful_wait() {
+        for wait_fails in [false, true] {
+            let seen = std::sync::Arc::default();
+            let run = Steps {
+                seen: std::sync::Arc::clone(&seen),
+                wait_fails,
+            };
+            let outcome = CopyJob::new(plan(CopyDirection::ToHost), Box::new(run)).run(Vec::new());
+            assert_eq!(outcome.result.is_err(), wait_fails);
+            let expected: &[&str] = match wait_fails {
+                false => &["wait", "done", "done", "finish"],
+                true => &["wait", "finish"],
+            };
+            assert_eq!(*seen.lock().unwrap(), expected);
+        }
     }
 }

@@ -197,7 +197,9 @@ impl<D: Driver> Expandable<D> {
         let released = supply.release_idle_of(&mut parts, &slots)?;
         for slot in slots {
             let seg = self.segments.at(slot);
-            if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
+            // A sleeping tag's segment stays reserved, as in `free_empty_segments`.
+            if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 || self.tags.sleeps(seg.tag)
+            {
                 continue;
             }
             let (va, class) = (seg.va, seg.pool);

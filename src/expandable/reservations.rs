@@ -43,13 +43,16 @@ impl<D: Driver> Expandable<D> {
         Ok(slot)
     }
 
-    /// Frees the reservations of segments that hold no live block and no mapped page.
+    /// Frees the reservations of segments that hold no live block and no mapped page, and belong to no
+    /// sleeping tag: a sleeping tag's wake maps pages of its segments again at the same addresses (a CUDA
+    /// graph captured in it replays there), though its sleep left none mapped.
     pub(super) fn free_empty_segments(&mut self) -> Result<(), Error> {
         for slot in 0..self.segments.slot_count() {
             let Some(seg) = self.segments.try_at(slot) else {
                 continue;
             };
-            if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 {
+            if seg.occupied_count() > 0 || seg.pages.mapped_count() > 0 || self.tags.sleeps(seg.tag)
+            {
                 continue;
             }
             let (va, graph, pool) = (seg.va, seg.graph, seg.pool);

@@ -5,7 +5,8 @@
 //! with anyone else's blocks and are never borrowed by another stream. `sleep(tag, keep)`:
 //! 1. waits for the streams that used the tag's memory: each segment's stream, the streams recorded on its
 //!    live blocks and those of its pending frees; an event query first, a synchronization only of a stream
-//!    still busy (never during a capture, which is refused);
+//!    still busy (never during a capture, which is refused). A tag with memory of a CUDA graph pool waits
+//!    for the whole device: a graph replays on any stream, unseen by the allocator;
 //! 2. with `keep`, copies each live block's bytes to the tag's host memory (`kept.rs`): large asynchronous
 //!    copies on the driver's copy stream into page-locked pieces kept across cycles, run *without the
 //!    allocator's lock* by the facade (`begin_sleep` .. [`TagCopy::run`] .. `finish_sleep`);
@@ -34,6 +35,7 @@ use super::Expandable;
 use super::compacting::{Compacting, Wait};
 use super::kept;
 use super::segment::TagId;
+use super::streams::synchronize_device;
 use crate::driver::{CopyDirection, Driver, PhysPage, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::tags::{Begun, TagCopy, TagInfo};
@@ -291,9 +293,21 @@ impl<D: Driver> Expandable<D> {
     /// Waits for every stream that used the memory of the segments `slots`: their own streams, the
     /// streams recorded on their live blocks, and those their pending frees wait for. A stream an event
     /// query shows idle is not synchronized. Then frees the pending blocks whose events completed.
+    ///
+    /// Memory of a CUDA graph pool is used by the graph's replays, on whatever stream the program replays
+    /// it (`torch.cuda.graph` captures on a side stream and replays on the current one), and no replay
+    /// reaches the allocator: for a tag with such memory the whole device is synchronized instead.
     fn wait_for_tag(&mut self, slots: &[usize]) -> Result<(), Error> {
         if self.graphs.any_deferred() {
             self.parts().insert_deferred_events()?;
+        }
+        if slots
+            .iter()
+            .any(|&slot| self.segments.at(slot).graph.is_some())
+        {
+            synchronize_device(&mut self.driver, &mut self.books)?;
+            self.poll_events()?;
+            return Ok(());
         }
         let segments = &self.segments;
         let inside = |addr: u64| segments.slot_of(addr).is_some_and(|s| slots.contains(&s));

@@ -299,8 +299,9 @@ impl Tags {
     }
 
     /// The sleep part of `check_invariants()`: every segment's tag is known; a sleeping tag's live blocks
-    /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages, and
-    /// the host memory holding its bytes is long enough for them; an asleep tag has no page mapped; an
+    /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages in
+    /// segments of the tag still reserved, and the host memory holding its bytes is long enough for them;
+    /// an asleep tag has no page mapped; an
     /// awake tag keeps no bytes, nor blocks, nor ranges to map.
     pub(super) fn check_tags(&self, segments: &Segments) -> Result<(), InvariantViolation> {
         for seg in segments.live() {
@@ -338,6 +339,16 @@ impl Tags {
                 (tag.wake.iter()).any(|&(start, len)| start <= addr && addr + size <= start + len)
             };
             if let Some(&(addr, _)) = tag.blocks.iter().find(|b| !covered(b)) {
+                return Err(InvariantViolation::Asleep { addr });
+            }
+            // What the wake maps lies in segments of the tag, reserved until it wakes.
+            let in_tag = |&(addr, size): &(u64, u64)| {
+                (segments.slot_of(addr)).is_some_and(|slot| {
+                    let seg = segments.at(slot);
+                    seg.tag == Some(id) && addr + size <= seg.va.start + seg.va.size
+                })
+            };
+            if let Some(&(addr, _)) = tag.wake.iter().find(|r| !in_tag(r)) {
                 return Err(InvariantViolation::Asleep { addr });
             }
             let bytes: u64 = tag.blocks.iter().map(|b| b.1).sum();

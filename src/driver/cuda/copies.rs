@@ -261,13 +261,13 @@ impl CopyRun for CudaCopies {
         let storage = host.storage_mut();
         let writes = direction == CopyDirection::ToHost;
         let ptr = match storage.as_any_mut().downcast_mut::<Pinned>() {
-            Some(pinned) => pinned.dma(range, &self.stream, writes).ok_or(bad)?,
-            None => (storage.bytes_mut().get_mut(range))
+            Some(pinned) => pinned.dma(range.clone(), &self.stream).ok_or(bad)?,
+            None => (storage.bytes_mut().get_mut(range.clone()))
                 .ok_or(bad)?
                 .as_mut_ptr(),
         };
         let stream = self.stream.raw();
-        self.call(op, || match direction {
+        let enqueued = self.call(op, || match direction {
             // SAFETY: the device range was checked mapped with access when the job started and the driver
             // refuses to unmap it until the job is over (point 1); the host range lies inside the piece,
             // which is page-locked memory whose every access and drop wait for this stream, or pageable
@@ -280,7 +280,21 @@ impl CopyRun for CudaCopies {
             CopyDirection::FromHost => unsafe {
                 result::memcpy_htod_async(copy.va, ptr, len, stream)
             },
-        })
+        });
+        // Written only by a copy enqueued: a refused one leaves the bytes as they were.
+        if enqueued.is_ok()
+            && writes
+            && let Some(pinned) = host.storage_mut().as_any_mut().downcast_mut::<Pinned>()
+        {
+            pinned.writing(range);
+        }
+        enqueued
+    }
+
+    fn done(&mut self, host: &mut HostMemory) {
+        if let Some(pinned) = host.storage_mut().as_any_mut().downcast_mut::<Pinned>() {
+            pinned.copies_done();
+        }
     }
 
     fn record(&mut self) -> Result<(), DriverError> {

@@ -3,7 +3,9 @@
 //!
 //! A copy job (`copies.rs`) copies into and out of this memory asynchronously, on the driver's copy stream,
 //! after the call that enqueued the copy has returned. So the memory knows the copies that may still touch
-//! it: reading or writing its bytes from Rust, and freeing it, first waits for the copy stream. Memory
+//! it: reading or writing its bytes from Rust, and freeing it, first waits for the copy stream, unless the
+//! job that enqueued them has waited for them already (then nothing waits: a drop under the allocator's
+//! lock does not wait for another tag's copies running on the same stream meanwhile). Memory
 //! pinned for a job is not zeroed (zeroing gigabytes would cost what the copies do): the memory remembers
 //! which bytes copies have written, and the first read from Rust zeroes the others.
 
@@ -127,15 +129,10 @@ impl Pinned {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The address of `range` for a copy enqueued on `stream` (which writes it if `writes`): from now on,
-    /// every access to the bytes and the drop wait for `stream` first. Copies pending on another stream are
-    /// waited for now. `None` if `range` is not inside the memory.
-    pub(super) fn dma(
-        &mut self,
-        range: Range<usize>,
-        stream: &Arc<CopyStream>,
-        writes: bool,
-    ) -> Option<*mut u8> {
+    /// The address of `range` for a copy to enqueue on `stream`: from now on, every access to the bytes and
+    /// the drop wait for `stream` first. Copies pending on another stream are waited for now. `None` if
+    /// `range` is not inside the memory.
+    pub(super) fn dma(&mut self, range: Range<usize>, stream: &Arc<CopyStream>) -> Option<*mut u8> {
         if range.start > range.end || range.end > self.len {
             return None;
         }
@@ -147,16 +144,30 @@ impl Pinned {
         {
             state.settle();
         }
-        let (_, written) = state
+        state
             .pending
             .get_or_insert_with(|| (Arc::clone(stream), Vec::new()));
-        // Ranges merge as they come (a piece's copies are end to end), so the list stays short however many
-        // jobs copy before the bytes are read.
-        if writes {
-            insert_merged(written, range.clone());
-        }
         // SAFETY: `range.start <= len`, so the pointer stays inside the allocation (or one past its end).
         Some(unsafe { self.ptr.as_ptr().add(range.start) })
+    }
+
+    /// A copy enqueued on the pending stream ([`dma`](Self::dma)) writes `range`: written once it completes.
+    pub(super) fn writing(&mut self, range: Range<usize>) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, written)) = &mut state.pending {
+            // Ranges merge as they come (a piece's copies are end to end), so the list stays short however
+            // many jobs copy before the bytes are read.
+            insert_merged(written, range);
+        }
+    }
+
+    /// Every copy pending is known complete (the job's event was waited for): its ranges count as written
+    /// and no access or drop waits for the copy stream again.
+    pub(super) fn copies_done(&mut self) {
+        let state = self.state.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, written)) = state.pending.take() {
+            written.into_iter().for_each(|r| state.add(r));
+        }
     }
 
     /// Waits for pending copies and zeroes the bytes no copy wrote, so that every byte may be read.
