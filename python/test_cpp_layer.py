@@ -129,6 +129,33 @@ int cudaMalloc(void **p, unsigned long size) {
 int cudaFree(void *p) { (void)p; frees++; return 0; }
 int fake_cuda_mallocs(void) { return mallocs; }
 int fake_cuda_frees(void) { return frees; }
+/* Streams and events, for a stream of another device recorded on memory: each call written down as
+   `call@current device:stream;`. fake_fail_events(1) makes event creation fail. */
+#include <stdio.h>
+#include <string.h>
+static char cross_log[4096];
+static int fail_events;
+static void note(const char *call, const void *stream) {
+    size_t used = strlen(cross_log);
+    snprintf(cross_log + used, sizeof cross_log - used, "%s@%d:%llu;", call, current,
+             (unsigned long long)stream);
+}
+int cudaStreamCreateWithFlags(void **stream, unsigned flags) {
+    (void)flags; *stream = (void *)(0x7000ULL + current); note("create", *stream); return 0;
+}
+int cudaEventCreateWithFlags(void **event, unsigned flags) {
+    (void)flags;
+    if (fail_events) return 1;
+    *event = (void *)0x900; return 0;
+}
+int cudaEventRecord(void *event, void *stream) { (void)event; note("record", stream); return 0; }
+int cudaStreamWaitEvent(void *stream, void *event, unsigned flags) {
+    (void)event; (void)flags; note("wait", stream); return 0;
+}
+int cudaEventDestroy(void *event) { (void)event; return 0; }
+int cudaStreamSynchronize(void *stream) { note("sync", stream); return 0; }
+const char *fake_cross_log(void) { return cross_log; }
+void fake_fail_events(int on) { fail_events = on; }
 """
 FAKE_LIBCUDA = r"""
 int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
@@ -197,6 +224,14 @@ py::tuple restore(int64_t i) {
   }
   return py::make_tuple(freed, allocd);
 }
+// Tensor.record_stream(s) of memory at `p` (on device 0) with the external stream `stream` of `device`.
+void record_on(uint64_t p, int64_t device, uint64_t stream) {
+  c10::DataPtr ptr(reinterpret_cast<void*>(p), reinterpret_cast<void*>(p), CCA::get()->raw_deleter(),
+                   c10::Device(c10::DeviceType::CUDA, 0));
+  CCA::recordStream(ptr, c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(stream),
+                                                          static_cast<c10::DeviceIndex>(device)));
+  ptr.release_context();  // the memory stays allocated; the test frees it
+}
 std::string try_call(py::object f) {
   try {
     f();
@@ -207,7 +242,7 @@ std::string try_call(py::object f) {
 }
 """
 HARNESS_FUNCTIONS = ["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
-                     "close_handle", "close_all", "checkpoint", "restore", "try_call"]
+                     "close_handle", "close_all", "checkpoint", "restore", "record_on", "try_call"]
 
 # A pool's own allocator for CUDAPluggableAllocator: addresses from a range no simulated device hands out
 # (never dereferenced), each call noted.
@@ -392,6 +427,21 @@ h.release(off)  # allocated with caching off, freed with it on
 h.release(on)
 out["on"]["freed"] = cuda_calls()
 out["on"]["allocated_after"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+
+# Memory of device 0 used on a stream of device 1 (record_stream), then freed: an event on that stream, on
+# its device, which a stream of device 0 waits for; and where events fail, that stream synchronized.
+fake.fake_cross_log.restype = ctypes.c_char_p
+x = h.alloc(size)
+h.record_on(x, 1, 0x5000)
+out["cross"] = {"before_free": fake.fake_cross_log().decode()}
+h.release(x)
+out["cross"]["freed"] = fake.fake_cross_log().decode()
+fake.fake_fail_events(1)
+y = h.alloc(size)
+h.record_on(y, 1, 0x6000)
+h.release(y)
+out["cross"]["failing"] = fake.fake_cross_log().decode()
+out["cross"]["allocated_after"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
 print(json.dumps(out))
 """
 
@@ -554,6 +604,16 @@ class ThroughPyTorchsInterface(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.scratch.cleanup()
+
+    def test_another_devices_stream_recorded_on_memory_is_waited_for_through_an_event_at_the_free(self):
+        cross, stream, proxy = self.out["cross"], 0x5000, 0x7000  # the fake's stream of device 0
+        self.assertEqual(cross["before_free"], "", "nothing happens before the free")
+        # A stream of device 0 the layer owns, made once; an event recorded on device 1's stream there; the
+        # proxy waits for it (cuvmm's free then waits for the proxy).
+        self.assertEqual(cross["freed"], f"create@0:{proxy};record@1:{stream};wait@1:{proxy};")
+        # Events refused: the host synchronizes the other stream, and the memory is freed all the same.
+        self.assertEqual(cross["failing"], cross["freed"] + f"sync@1:{0x6000};")
+        self.assertEqual(cross["allocated_after"], 0)
 
     def test_with_caching_off_memory_comes_from_cuda_malloc_as_in_pytorch(self):
         off, on = self.out["off"], self.out["on"]

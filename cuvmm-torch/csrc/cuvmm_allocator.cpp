@@ -28,10 +28,12 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <functional>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -212,10 +214,13 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   void raw_delete(void* p) override {
     if (p == nullptr) return;
     if (uncached_count_.load(std::memory_order_acquire) > 0 && uncached_free(p)) return;
+    if (cross_device_count_.load(std::memory_order_acquire) > 0) wait_for_other_devices(p);
     api_.cuvmm_free_any(p);
     if (const char* error = api_.cuvmm_last_error()) {
-      std::string text = error;
-      without_throwing("raw_delete", [&] { TORCH_WARN("cuvmm: ", text); });
+      without_throwing("raw_delete", [&] {
+        std::string text = error;  // before anything else can call cuvmm on this thread
+        TORCH_WARN("cuvmm: ", text);
+      });
     }
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -312,7 +317,19 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // ---- streams ----
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
     if (!ptr.get() || ptr.get_deleter() != &delete_fn) return;  // not ours (from_blob, ...): as PyTorch
-    api_.cuvmm_record_stream(ptr.get(), ptr.device().index(), stream.stream());
+    DeviceIndex device = ptr.device().index();
+    if (stream.device_index() != device) {
+      // cuvmm's events are its device's, and CUDA records an event only on a stream of its own device: the
+      // use is kept here until the free (wait_for_other_devices), as PyTorch's allocator records its events
+      // on the stream's device.
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& uses = cross_device_uses_[ptr.get()];
+      uses.first = device;
+      uses.second.push_back(stream);
+      cross_device_count_.store(cross_device_uses_.size(), std::memory_order_release);
+      return;
+    }
+    api_.cuvmm_record_stream(ptr.get(), device, stream.stream());
     check(true, "recordStream");
   }
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
@@ -359,7 +376,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     info.device_traces.resize(std::max(device_count_, 1));
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      info.external_annotations = annotations_;
+      info.external_annotations.assign(annotations_.begin(), annotations_.end());
     }
     for_each_used([&](DeviceIndex device) {
       Snapshot s = take(device);
@@ -386,14 +403,14 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     CDA::AnnotationEntry entry(c10::cuda::current_device(), c10::getApproximateTime());
     for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
     std::lock_guard<std::mutex> lock(mutex_);
-    if (annotations_.size() >= history_entries_) annotations_.erase(annotations_.begin());
+    while (annotations_.size() >= history_entries_) annotations_.pop_front();  // the last max_entries kept
     annotations_.push_back(std::move(entry));
   }
   // cuvmm records no stack traces or contexts with its events (`context` is not kept), so a compile
   // context, a pointer's context and user metadata have nothing to attach to.
   void pushCompileContext(std::string& /*md*/) override {}
   void popCompileContext() override {}
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14
   bool supportsUserMetadata() override { return false; }
   void setUserMetadata(const std::string& /*metadata*/) override {
     TORCH_WARN_ONCE("cuvmm does not record user metadata in its snapshots; the value set via "
@@ -404,16 +421,15 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     TORCH_WARN_ONCE("cuvmm does not record memory annotations in its snapshots; the value passed to "
                     "torch.cuda.memory._annotate_memory is ignored");
   }
-  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* /*ptr*/) override { return nullptr; }
+#else
+  // The metadata of the calling thread (PyTorch keeps it per thread, to attach to its events).
+  void setUserMetadata(const std::string& metadata) override { user_metadata() = metadata; }
+  std::string getUserMetadata() override { return user_metadata(); }
+#endif
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
   // cuvmm learns of captures from beginAllocateToPool and its own capture query.
   void markCaptureBegin(DeviceIndex /*device*/) override {}
   void markCaptureEnd(DeviceIndex /*device*/) override {}
-  // cuvmm rejects no allocation ahead of an out-of-memory (no throw_on_cudamalloc_oom policy): the
-  // observers are kept and never called.
-  void attachOomRejectionObserver(CCA::OomRejectionObserver observer) override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    oom_rejection_observers_.push_back(std::move(observer));
-  }
   // A block at `addr`, which must lie in free memory of one of cuvmm's segments on the current device.
   c10::DataPtr allocateWithAddress(size_t size, void* addr) override {
     DeviceIndex device = c10::cuda::current_device();
@@ -422,15 +438,26 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     TORCH_CHECK(p, last_error("allocateWithAddress"));
     return {p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
   }
-#else
-  // The metadata of the calling thread (PyTorch keeps it per thread, to attach to its events).
-  void setUserMetadata(const std::string& metadata) override { user_metadata() = metadata; }
-  std::string getUserMetadata() override { return user_metadata(); }
+#endif
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 12
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(const void* /*ptr*/) override { return nullptr; }
+  // cuvmm rejects no allocation ahead of an out-of-memory (no throw_on_cudamalloc_oom policy): the
+  // observers are kept and never called.
+  void attachOomRejectionObserver(CCA::OomRejectionObserver observer) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    oom_rejection_observers_.push_back(std::move(observer));
+  }
 #endif
   void recordHistory(bool enabled, CCA::CreateContextFn /*stack traces: not kept*/, size_t max_entries,
                      CCA::RecordContext /*when*/, bool clear, const std::vector<std::string>& /*skip*/) override {
     size_t entries = enabled ? std::max<size_t>(max_entries, 1) : 0;
     history_entries_ = entries;
+    {
+      // As PyTorch's annotation buffer: emptied when recording stops or is cleared, cut to the new size.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (entries == 0 || clear) annotations_.clear();
+      while (annotations_.size() > entries) annotations_.pop_front();
+    }
     for_each_used([&](DeviceIndex d) {
       if (clear && entries > 0) api_.cuvmm_record_history(d, 0);
       check(api_.cuvmm_record_history(d, entries) == 0, "recordHistory");
@@ -475,8 +502,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // more often than begun and increfed) is a warning.
   void releasePool(DeviceIndex device, MempoolId_t pool) override {
     if (api_.cuvmm_release_pool(device, pool.first, pool.second) != 0) {
-      std::string error = last_error("releasePool");
-      without_throwing("releasePool", [&] { TORCH_WARN(error); });
+      without_throwing("releasePool", [&] { TORCH_WARN(last_error("releasePool")); });
     }
   }
   int getPoolUseCount(DeviceIndex device, MempoolId_t pool) override {
@@ -498,8 +524,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // ~MemPool calls it with false: it never throws.
   void setUseOnOOM(DeviceIndex device, MempoolId_t pool, bool use_on_oom) override {
     if (api_.cuvmm_set_use_on_oom(device, pool.first, pool.second, use_on_oom ? 1 : 0) != 0) {
-      std::string error = last_error("setUseOnOOM");
-      without_throwing("setUseOnOOM", [&] { TORCH_WARN(error); });
+      without_throwing("setUseOnOOM", [&] { TORCH_WARN(last_error("setUseOnOOM")); });
     }
   }
   void setNoSplit(DeviceIndex device, MempoolId_t pool) override {
@@ -584,6 +609,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // twice maps once). A handle from a process on PyTorch's own allocator (cudaMalloc'd) opens too.
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     std::lock_guard<std::mutex> lock(ipc_mutex_);
+    IpcLockHeld held;
     auto found = imports_.find(handle);
     if (found != imports_.end()) {
       if (auto open = found->second.lock()) return open;
@@ -617,7 +643,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     // The deleter runs when the last storage using the mapping goes: it must not throw.
     std::shared_ptr<void> open(base, [this, handle, close](void* p) {
       try {
-        {
+        // Run here under ipc_mutex_ only when making the pointer or its entry threw (the standard calls the
+        // deleter then): the lock is not taken twice, and the expired entry is replaced at the next open.
+        if (!IpcLockHeld::here()) {
           std::lock_guard<std::mutex> lock(ipc_mutex_);
           auto entry = imports_.find(handle);
           if (entry != imports_.end() && entry->second.expired()) imports_.erase(entry);
@@ -631,6 +659,73 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   }
 
  private:
+  // Marks the thread as holding ipc_mutex_ while it lives (getIpcDevPtr), for the deleter it may run.
+  struct IpcLockHeld {
+    IpcLockHeld() { flag() = true; }
+    ~IpcLockHeld() { flag() = false; }
+    IpcLockHeld(const IpcLockHeld&) = delete;
+    IpcLockHeld& operator=(const IpcLockHeld&) = delete;
+    static bool here() { return flag(); }
+    static bool& flag() {
+      static thread_local bool held = false;
+      return held;
+    }
+  };
+
+  // Before `p` is freed: each stream of another device recorded on it gets an event now, which a stream of
+  // `p`'s device that cuvmm owns waits for (CUDA lets a stream wait for another device's event); that
+  // stream is recorded on `p`, so cuvmm's free waits for it as for any stream, and the memory is reused
+  // only after the other devices' work queued before the free. Where that fails, those streams are
+  // synchronized (the host waits). A deleter: never throws.
+  void wait_for_other_devices(void* p) noexcept {
+    DeviceIndex device = -1;
+    std::vector<c10::cuda::CUDAStream> streams;
+    without_throwing("raw_delete", [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto found = cross_device_uses_.find(p);
+      if (found == cross_device_uses_.end()) return;
+      device = found->second.first;
+      streams = std::move(found->second.second);
+      cross_device_uses_.erase(found);
+      cross_device_count_.store(cross_device_uses_.size(), std::memory_order_release);
+    });
+    if (streams.empty()) return;
+    bool waited = false;
+    without_throwing("raw_delete: waiting for another device's stream", [&] {
+      cudaStream_t proxy = proxy_stream(device);
+      for (const auto& stream : streams) {
+        c10::cuda::CUDAGuard on_stream(stream.device_index());
+        cudaEvent_t event = nullptr;
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+        cudaError_t status = cudaEventRecord(event, stream.stream());
+        if (status == cudaSuccess) status = cudaStreamWaitEvent(proxy, event, 0);
+        (void)cudaEventDestroy(event);  // released once complete; the wait above keeps its place
+        C10_CUDA_CHECK(status);
+      }
+      api_.cuvmm_record_stream(p, device, proxy);
+      waited = api_.cuvmm_last_error() == nullptr;
+    });
+    if (waited) return;
+    (void)cudaGetLastError();
+    without_throwing("raw_delete: synchronizing another device's stream", [&] {
+      for (const auto& stream : streams) {
+        c10::cuda::CUDAGuard on_stream(stream.device_index());
+        if (cudaStreamSynchronize(stream.stream()) != cudaSuccess) (void)cudaGetLastError();
+      }
+    });
+  }
+  // A stream of `device` that cuvmm's layer owns, made at first use and kept for the process's life.
+  cudaStream_t proxy_stream(DeviceIndex device) {
+    TORCH_CHECK(device >= 0 && device < 64, "cuvmm: device ", int(device), " out of range");
+    std::lock_guard<std::mutex> lock(mutex_);
+    cudaStream_t& stream = proxies_[device];
+    if (stream == nullptr) {
+      c10::cuda::CUDAGuard guard(device);
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    }
+    return stream;
+  }
+
   static void delete_fn(void* p) { instance->raw_delete(p); }
   // The deleter of a tensor allocated with caching off (recordStream ignores it, as PyTorch's does).
   static void uncached_delete_fn(void* p) {
@@ -690,26 +785,47 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
       if (own) return malloc_in_own_pool(n, device, stream, pool, own);
     }
-    void* p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);
-    if (!p && api_.cuvmm_last_oom(nullptr) && free_memory_callbacks()) {
-      p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);  // once more, as PyTorch's
-      // PyTorch counts a retry, not an out-of-memory, when its callbacks made room.
-      if (p && api_.cuvmm_recovered_oom) api_.cuvmm_recovered_oom(device);
+    // The failure of the last try, read at once: what runs between tries calls cuvmm too.
+    std::string error;
+    cuvmm_oom_info oom{};
+    bool out_of_memory = false;
+    auto attempt = [&] {
+      void* p = api_.cuvmm_malloc(static_cast<ssize_t>(n), device, stream);
+      if (!p) {
+        error = last_error("malloc");
+        out_of_memory = api_.cuvmm_last_oom(&oom) != 0;
+      }
+      return p;
+    };
+    void* p = attempt();
+    // Before an out-of-memory, as PyTorch's allocator: the callbacks' frees, and the free segments of
+    // released pools with an allocator of their own (memory cuvmm does not reserve), then once more.
+    if (!p && out_of_memory) {
+      bool freed = free_memory_callbacks();
+      freed = give_back_segments(device, MempoolId_t{0, 0}, true) > 0 || freed;
+      if (freed) {
+        p = attempt();
+        // PyTorch counts a retry, not an out-of-memory, when room was made.
+        if (p && api_.cuvmm_recovered_oom) api_.cuvmm_recovered_oom(device);
+      }
     }
     if (p) return p;
-    std::string error = last_error("malloc");
-    cuvmm_oom_info oom{};
-    if (api_.cuvmm_last_oom(&oom)) {
-      std::vector<CCA::OutOfMemoryObserver> observers;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        observers = oom_observers_;
-      }
+    if (out_of_memory) {
       size_t limit = oom.allowed ? oom.allowed : oom.device_total;
-      for (const auto& observer : observers) observer(device, oom.alloc_size, limit, oom.device_free);
+      notify_oom(device, oom.alloc_size, limit, oom.device_free);
       TORCH_CHECK_WITH(OutOfMemoryError, false, error);
     }
     TORCH_CHECK(false, error);
+  }
+  // Calls the out-of-memory observers (torch.cuda.memory._record_memory_history's dump on OOM, ...), with
+  // no lock held.
+  void notify_oom(DeviceIndex device, size_t size, size_t limit, size_t free) {
+    std::vector<CCA::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      observers = oom_observers_;
+    }
+    for (const auto& observer : observers) observer(device, size, limit, free);
   }
 
   // A block in a pool with an allocator of its own: carved by cuvmm in segments that allocator makes.
@@ -726,15 +842,26 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
                                           no_split ? 1 : 0, &grow);
       if (p) return p;
       TORCH_CHECK(grow > 0, last_error("malloc in a pool with an allocator of its own"));
-      void* segment = nullptr;
-      {
-        // As PyTorch calls a pool's allocator: allowed during a capture (relaxed mode).
-        c10::cuda::CUDAGuard guard(device);
-        c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
-        segment = own->raw_alloc_with_stream(grow, stream);
+      void* segment = own_segment(own, device, stream, grow);
+      if (!segment) {
+        // As PyTorch's allocator before an out-of-memory: what is cached goes back to the device (cuvmm's
+        // idle pages, released pools' free segments), the callbacks free theirs, and the pool's allocator
+        // is asked once more.
+        api_.cuvmm_empty_cache(device);  // refused during a capture: then nothing is given back
+        give_back_segments(device, MempoolId_t{0, 0}, true);
+        free_memory_callbacks();
+        segment = own_segment(own, device, stream, grow);
       }
-      TORCH_CHECK_WITH(OutOfMemoryError, segment, "cuvmm: the allocator of pool (", pool.first, ", ",
-                       pool.second, ") could not allocate a segment of ", grow, " bytes");
+      if (!segment) {
+        size_t free = 0, total = 0;
+        {
+          c10::cuda::CUDAGuard guard(device);
+          if (cudaMemGetInfo(&free, &total) != cudaSuccess) (void)cudaGetLastError();
+        }
+        notify_oom(device, n, total, free);
+        TORCH_CHECK_WITH(OutOfMemoryError, false, "cuvmm: the allocator of pool (", pool.first, ", ",
+                         pool.second, ") could not allocate a segment of ", grow, " bytes");
+      }
       if (api_.cuvmm_foreign_add_segment(device, pool.first, pool.second, stream, segment, grow) != 0) {
         std::string error = last_error("a segment of a pool's allocator");
         own->raw_delete(segment);
@@ -742,6 +869,14 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
     }
     TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
+  }
+  // A segment of `bytes` from a pool's own allocator, or null. As PyTorch calls a pool's allocator: on the
+  // device, and allowed during a capture (relaxed mode).
+  static void* own_segment(const std::shared_ptr<CCA::CUDAAllocator>& own, DeviceIndex device,
+                           cudaStream_t stream, size_t bytes) {
+    c10::cuda::CUDAGuard guard(device);
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed{cudaStreamCaptureModeRelaxed};
+    return own->raw_alloc_with_stream(bytes, stream);
   }
   // PyTorch's FreeCudaMemoryCallbacksRegistry (libtorch registers "cuda_ipc_collect", which frees the
   // blocks this process sent to others and they have released): run before an out-of-memory is reported,
@@ -756,7 +891,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // Gives the released pools' free segments back to their allocators (one pool's, or all with `all`).
   // From emptyCache, which ~MemPool calls: one allocator's failure to take a segment back is a warning,
   // and the others still go back.
-  void give_back_segments(DeviceIndex device, MempoolId_t pool, bool all) {
+  // Gives the wholly free segments of released pools with an allocator of their own (`pool`'s, or every
+  // one's with `all`) back to their allocators; returns how many.
+  size_t give_back_segments(DeviceIndex device, MempoolId_t pool, bool all) {
     size_t len = 0;
     cuvmm_foreign_segment* segments =
         api_.cuvmm_foreign_release(device, pool.first, pool.second, all ? 1 : 0, &len);
@@ -777,6 +914,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
     }
     api_.cuvmm_foreign_segments_free(segments, len);
+    return len;
   }
   void forget_underway(DeviceIndex device, MempoolId_t pool) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -802,7 +940,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       blocks.resize(static_cast<size_t>(n));
     }
   }
-#if !(TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15)
+#if !(TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 14)
   static std::string& user_metadata() {
     static thread_local std::string metadata;
     return metadata;
@@ -883,8 +1021,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   std::atomic<int> own_underway_{0};  // entries of underway_ with an allocator of their own
   std::map<std::pair<DeviceIndex, MempoolId_t>, std::shared_ptr<CCA::CUDAAllocator>> own_allocators_;
   std::set<std::pair<DeviceIndex, MempoolId_t>> no_split_;
-  std::vector<CDA::AnnotationEntry> annotations_;
-#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 15
+  std::deque<CDA::AnnotationEntry> annotations_;
+  // Streams of other devices recorded on live memory, with the memory's device (recordStream).
+  std::unordered_map<void*, std::pair<DeviceIndex, std::vector<c10::cuda::CUDAStream>>> cross_device_uses_;
+  std::atomic<size_t> cross_device_count_{0};  // its size, read without the lock on each free
+  std::array<cudaStream_t, 64> proxies_{};     // proxy_stream's, by device
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 12
   std::vector<CCA::OomRejectionObserver> oom_rejection_observers_;
 #endif
   std::mutex ipc_mutex_;  // guards imports_
@@ -910,6 +1052,10 @@ void install(const std::string& path) {
     CuvmmAllocator::instance = nullptr;
     throw;
   }
+  // Never destroyed: a tensor freed on another thread while the process exits (PyTorch's own reference is
+  // a static, destroyed at exit) still finds the allocator its deleter calls.
+  static auto* kept = new std::shared_ptr<CuvmmAllocator>(std::move(allocator));
+  (void)kept;
 }
 
 bool installed() { return CuvmmAllocator::instance != nullptr; }
