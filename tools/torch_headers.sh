@@ -13,7 +13,7 @@
 # Usage: tools/torch_headers.sh VERSION        e.g. tools/torch_headers.sh 2.15.0
 #        TORCH_HEADERS_DIR=DIR tools/torch_headers.sh VERSION   (where downloads are kept; default
 #        target/torch-headers/VERSION, reused by the next run)
-# CI checks one version (.ci/run); the README names the other and this command.
+# CI checks 2.11 and 2.13 (.ci/run); the README names the others and this command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=${1:?usage: tools/torch_headers.sh TORCH_VERSION (e.g. 2.11.0)}
