@@ -394,9 +394,6 @@ fn free_in(registry: &Registry, p: &mut Pools, device: i32, ptr: u64) -> Result<
         Some(_) => return Err(cuvmm::Error::DoubleFree { addr: ptr }.into()),
         None => return Err(cuvmm::Error::UnknownAddress { addr: ptr }.into()),
     };
-    let books = p.books.entry(device).or_default();
-    books.count(class, Field::Allocation, 1, false);
-    books.count(class, Field::AllocatedBytes, size, false);
     let streams: Vec<u64> = streams.into_iter().filter(|&s| s != own_stream).collect();
     let state = if streams.is_empty() {
         None
@@ -408,6 +405,10 @@ fn free_in(registry: &Registry, p: &mut Pools, device: i32, ptr: u64) -> Result<
             events: record_events(registry, device, &streams)?,
         })
     };
+    // Counted once the free cannot fail: a refused one leaves the block live, and the figures with it.
+    let books = p.books.entry(device).or_default();
+    books.count(class, Field::Allocation, 1, false);
+    books.count(class, Field::AllocatedBytes, size, false);
     let seg = segment_of(p, ptr).expect("found above");
     match state {
         Some(state) => {
