@@ -232,6 +232,10 @@ void record_on(uint64_t p, int64_t device, uint64_t stream) {
                                                           static_cast<c10::DeviceIndex>(device)));
   ptr.release_context();  // the memory stays allocated; the test frees it
 }
+// torch.cuda.memory._record_memory_history(max_entries=entries), or its stop for 0.
+void record_history(size_t entries) {
+  CCA::get()->recordHistory(entries > 0, nullptr, entries, CCA::RecordContext::NEVER, false, {});
+}
 std::string try_call(py::object f) {
   try {
     f();
@@ -242,7 +246,7 @@ std::string try_call(py::object f) {
 }
 """
 HARNESS_FUNCTIONS = ["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
-                     "close_handle", "close_all", "checkpoint", "restore", "record_on", "try_call"]
+                     "close_handle", "close_all", "checkpoint", "restore", "record_on", "record_history", "try_call"]
 
 # A pool's own allocator for CUDAPluggableAllocator: addresses from a range no simulated device hands out
 # (never dereferenced), each call noted.
@@ -442,6 +446,16 @@ h.record_on(y, 1, 0x6000)
 h.release(y)
 out["cross"]["failing"] = fake.fake_cross_log().decode()
 out["cross"]["allocated_after"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+
+# History: the events of a malloc and a free, with the times PyTorch's snapshots report (microseconds since
+# the epoch).
+import time
+h.record_history(100)
+h.release(h.alloc(size))
+traces = C._cuda_memorySnapshot(None)["device_traces"][0]
+out["history"] = {"actions": [t["action"] for t in traces], "now_us": time.time() * 1e6,
+                  "times_us": [t["time_us"] for t in traces]}
+h.record_history(0)
 print(json.dumps(out))
 """
 
@@ -604,6 +618,13 @@ class ThroughPyTorchsInterface(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.scratch.cleanup()
+
+    def test_history_events_carry_times_in_microseconds_since_the_epoch(self):
+        history = self.out["history"]
+        self.assertIn("alloc", history["actions"])
+        self.assertIn("free_completed", history["actions"])
+        for time_us in history["times_us"]:
+            self.assertLess(abs(time_us - history["now_us"]), 60e6, history)
 
     def test_another_devices_stream_recorded_on_memory_is_waited_for_through_an_event_at_the_free(self):
         cross, stream, proxy = self.out["cross"], 0x5000, 0x7000  # the fake's stream of device 0

@@ -30,6 +30,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <functional>
 #include <cstdlib>
@@ -386,11 +387,15 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         info.segments.push_back(segment_info(device, seg, s->blocks));
       }
       if (include_traces && device < static_cast<DeviceIndex>(info.device_traces.size())) {
+        // cuvmm's events carry no time of their own: each gets the snapshot's, in what PyTorch reports
+        // (time_.t_, microseconds since the epoch), in their order.
+        int64_t now = now_us();
         for (size_t i = 0; i < s->num_traces; ++i) {
           const cuvmm_trace_entry& t = s->traces[i];
-          info.device_traces[device].emplace_back(
+          auto& entry = info.device_traces[device].emplace_back(
               static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
               MempoolId_t{0, 0}, c10::getApproximateTime());
+          entry.time_.t_ = now;
         }
       }
     });
@@ -401,6 +406,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
     if (history_entries_ == 0) return;
     CDA::AnnotationEntry entry(c10::cuda::current_device(), c10::getApproximateTime());
+    entry.time_.t_ = now_us();  // what PyTorch's snapshot reports: microseconds since the epoch
     for (const auto& [name, value] : md) entry.recordUserMetadata(name, value);
     std::lock_guard<std::mutex> lock(mutex_);
     while (annotations_.size() >= history_entries_) annotations_.pop_front();  // the last max_entries kept
@@ -869,6 +875,11 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
     }
     TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
+  }
+  // Microseconds since the epoch: the time PyTorch's snapshots report (PyTorch converts its clock to it).
+  static int64_t now_us() {
+    using namespace std::chrono;
+    return duration_cast<microseconds>(system_clock::now().time_since_epoch()).count();
   }
   // A segment of `bytes` from a pool's own allocator, or null. As PyTorch calls a pool's allocator: on the
   // device, and allowed during a capture (relaxed mode).
