@@ -47,6 +47,7 @@ FAKE_TORCH = {
             CUDAPluggableAllocator=_pluggable,
             change_current_allocator=lambda allocator: _swap(["changed", allocator]))
         cuda.is_initialized = lambda: False
+        cuda.is_available = lambda: True
         sys.modules["torch.cuda"] = cuda
     """,
     "torch/utils/__init__.py": "",
@@ -180,6 +181,16 @@ class RunAScript(Stand):
             self.assertEqual(status, 1, cpp)
             self.assertIn("cuvmm_torch.install() came too late", err)
             self.assertNotIn("the C++ layer is not in use", err, "no fallback to a path refused the same way")
+
+    def test_the_frameworks_first_region_installs_cuvmm_or_says_why_not(self):
+        code = ("import torch, cuvmm_torch\nfrom cuvmm_torch.memory_saver import torch_memory_saver as tms\n"
+                "with tms.region(tag='kv'):\n    pass\nprint(torch.events, cuvmm_torch.active_layer())\n")
+        status, out, err = self.run_python(code=code)
+        self.assertEqual((status, out.strip()), (0, f"{CPP_INSTALLED} cpp"), err)
+        status, _, err = self.run_python(code=code, FAKE_TORCH_USED="1")
+        self.assertEqual(status, 1)
+        self.assertIn("CuvmmError: torch_memory_saver's region over cuvmm needs cuvmm as PyTorch's CUDA allocator", err)
+        self.assertIn("came too late", err)
 
     def test_nothing_runs_when_cuvmm_cannot_be_installed(self):
         marker = os.path.join(self.dir, "ran")

@@ -619,11 +619,13 @@ def _tag_devices(name):
 
 def _ensure_installed(api):
     """For the frameworks' APIs (:mod:`cuvmm_torch.memory_saver`, :mod:`cuvmm_torch.cumem`): in a program that
-    has imported torch, cuvmm is installed as its CUDA allocator now if it is not yet, as those frameworks'
-    own allocators need nothing more; if that fails, the error says so, rather than regions that tag nothing
-    PyTorch allocates. (Without torch, allocations come through the library's own functions.)"""
-    if _layer is not None or "torch" not in sys.modules:
-        return
+    has imported torch and has a GPU, cuvmm is installed as its CUDA allocator now if it is not yet, as those
+    frameworks' own allocators need nothing more; if that fails, the error says so, rather than regions that
+    tag nothing PyTorch allocates. (Without torch or a GPU, allocations come through the library's own
+    functions.)"""
+    torch = sys.modules.get("torch")
+    if _layer is not None or torch is None or not torch.cuda.is_available():
+        return  # installed; or nothing PyTorch allocates on a GPU to tag
     try:
         install()
     except Exception as error:  # noqa: BLE001 (whatever it is, the user is told, in one exception)
