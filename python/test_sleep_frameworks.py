@@ -36,6 +36,16 @@ def tags():
     return {t["name"]: [t["state"], t["bytes_kept"]] for t in cuvmm_torch.tags(0)}
 def stat(key):
     return cuvmm_torch.memory_stats(0)[key]
+def refused(calls):
+    # Each call's exception type by name, or None where it returned.
+    seen = {}
+    for name, call in calls:
+        try:
+            call()
+            seen[name] = None
+        except Exception as error:
+            seen[name] = type(error).__name__
+    return seen
 """
 
 MEMORY_SAVER = PRELUDE + r"""
@@ -72,20 +82,13 @@ tms.retain_cpu_backup = False
 out["host_kept_released"] = stat("cuvmm.host_kept_bytes")
 tms.pause("weights"); tms.resume("weights")
 out["host_kept_not_retained"] = stat("cuvmm.host_kept_bytes")
-refusals = {}
-for name, call in [
+out["refusals"] = refused([
     ("disk", lambda: tms.region(enable_disk_backup=True).__enter__()),
     ("backend_without_backup", lambda: tms.region(cpu_backup_backend="pinned").__enter__()),
     ("get_cpu_backup", lambda: tms.get_cpu_backup(None)),
     ("disk_dir", lambda: tms.set_disk_backup_dir("/tmp")),
     ("hook_mode", lambda: setattr(tms, "hook_mode", "ld")),
-]:
-    try:
-        call()
-        refusals[name] = None
-    except Exception as error:
-        refusals[name] = type(error).__name__
-out["refusals"] = refusals
+])
 with configure_subprocess():
     pass
 for block in (kv, weights, plain, scratch, default):
@@ -160,21 +163,14 @@ with configure_subprocess():
     out["env_inside"] = os.environ.get(autoinstall.VARIABLE)
 out["env_after"] = os.environ.get(autoinstall.VARIABLE)
 out["devices"] = {repr(d): cuvmm_torch._device_index(d) for d in (None, "cuda", "cuda:2", 1)}
-refusals = {}
-for name, call in [
+out["refusals"] = refused([
     ("region_bytes", lambda: cuvmm_torch.region(b"kv").__enter__()),
     ("sleep_none", lambda: cuvmm_torch.sleep(None)),
     ("tms_region_none", lambda: tms.region(tag=None).__enter__()),
     ("device_cpu", lambda: cuvmm_torch.memory_stats("cpu")),
     ("device_float", lambda: cuvmm_torch.memory_stats(1.5)),
     ("history_negative", lambda: cuvmm_torch.record_history(-5)),
-]:
-    try:
-        call()
-        refusals[name] = None
-    except Exception as error:
-        refusals[name] = type(error).__name__
-out["refusals"] = refusals
+])
 print(json.dumps(out))
 """
 

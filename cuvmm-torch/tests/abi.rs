@@ -46,17 +46,21 @@ fn stream(n: usize) -> *mut c_void {
     ptr::with_exposed_provenance_mut(n)
 }
 
-fn stats(device: i32) -> serde_json::Map<String, serde_json::Value> {
-    let text = cuvmm_memory_stats_json(device);
+/// The text of a string the library returned (asserting it returned one), freed.
+fn taken(text: *mut std::ffi::c_char) -> String {
     assert!(!text.is_null(), "{:?}", last_error());
-    // SAFETY: a non-null result of cuvmm_memory_stats_json is a NUL-terminated string until freed.
-    let json = unsafe { CStr::from_ptr(text) }
+    // SAFETY: a non-null string from the library is NUL-terminated until freed, and is freed once, below.
+    let owned = unsafe { CStr::from_ptr(text) }
         .to_str()
         .unwrap()
         .to_string();
-    // SAFETY: `text` came from cuvmm_memory_stats_json and is freed once.
+    // SAFETY: as above.
     unsafe { cuvmm_string_free(text) };
-    serde_json::from_str(&json).unwrap()
+    owned
+}
+
+fn stats(device: i32) -> serde_json::Map<String, serde_json::Value> {
+    serde_json::from_str(&taken(cuvmm_memory_stats_json(device))).unwrap()
 }
 
 fn stat(device: i32, key: &str) -> u64 {

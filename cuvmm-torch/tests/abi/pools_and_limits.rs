@@ -194,14 +194,7 @@ fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
         assert_failed("allocation under a sleeping tag", "asleep");
         assert_eq!(cuvmm_set_tag(ptr::null()), 0);
     }
-    let summary = cuvmm_memory_summary(device);
-    // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
-    let text = unsafe { CStr::from_ptr(summary) }
-        .to_str()
-        .unwrap()
-        .to_string();
-    // SAFETY: as above.
-    unsafe { cuvmm_string_free(summary) };
+    let text = taken(cuvmm_memory_summary(device));
     assert!(text.contains("tag kv_cache"), "{text}");
 
     // SAFETY: `tag` is valid for the call; a NULL tag is refused.
@@ -234,18 +227,7 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
     // SAFETY: NULL clears the tag.
     assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
     assert!(!weights.is_null(), "{:?}", last_error());
-    let tags = |device| {
-        let json = cuvmm_tags_json(device);
-        assert!(!json.is_null(), "{:?}", last_error());
-        // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
-        let text = unsafe { CStr::from_ptr(json) }
-            .to_str()
-            .unwrap()
-            .to_string();
-        // SAFETY: as above.
-        unsafe { cuvmm_string_free(json) };
-        text
-    };
+    let tags = |device| taken(cuvmm_tags_json(device));
     // SAFETY: `tag` is valid for each call.
     unsafe {
         // The pages of its 20 MiB chunk are given back; its 8 MiB kept.
@@ -285,18 +267,7 @@ fn every_device_can_be_asked_for_its_tags_without_opening_it() {
     setup();
     let device = 26;
     assert_eq!(cuvmm_device_count(), DEVICES as i32);
-    let tags = || {
-        let json = cuvmm_tags_json(device);
-        assert!(!json.is_null(), "{:?}", last_error());
-        // SAFETY: a non-null result is a NUL-terminated string until freed, and is freed once.
-        let text = unsafe { CStr::from_ptr(json) }
-            .to_str()
-            .unwrap()
-            .to_string();
-        // SAFETY: as above.
-        unsafe { cuvmm_string_free(json) };
-        text
-    };
+    let tags = || taken(cuvmm_tags_json(device));
     assert_eq!(tags(), "[]");
     assert!(
         global().unwrap().existing(device).unwrap().is_none(),

@@ -8,15 +8,7 @@ fn summary_and_snapshot_are_written_and_a_null_path_is_refused() {
     let device = 4;
     let p = cuvmm_malloc(5 << 20, device, ptr::null_mut());
     assert!(!p.is_null());
-    let text = cuvmm_memory_summary(device);
-    assert!(!text.is_null());
-    // SAFETY: a non-null result of cuvmm_memory_summary is a NUL-terminated string until freed.
-    let summary = unsafe { CStr::from_ptr(text) }
-        .to_str()
-        .unwrap()
-        .to_string();
-    // SAFETY: `text` came from cuvmm_memory_summary and is freed once.
-    unsafe { cuvmm_string_free(text) };
+    let summary = taken(cuvmm_memory_summary(device));
     assert!(summary.contains("Allocated memory"), "{summary}");
     // SAFETY: null is allowed.
     unsafe { cuvmm_string_free(ptr::null_mut()) };
