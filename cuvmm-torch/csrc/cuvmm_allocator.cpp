@@ -899,11 +899,10 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     return freed;
   }
-  // Gives the released pools' free segments back to their allocators (one pool's, or all with `all`).
-  // From emptyCache, which ~MemPool calls: one allocator's failure to take a segment back is a warning,
-  // and the others still go back.
   // Gives the wholly free segments of released pools with an allocator of their own (`pool`'s, or every
-  // one's with `all`) back to their allocators; returns how many.
+  // one's with `all`) back to their allocators; returns how many. From emptyCache, which ~MemPool calls,
+  // and before an out-of-memory: one allocator's failure to take a segment back is a warning, and the
+  // others still go back.
   size_t give_back_segments(DeviceIndex device, MempoolId_t pool, bool all) {
     size_t len = 0;
     cuvmm_foreign_segment* segments =
