@@ -20,6 +20,7 @@ use cuvmm::driver::{
 };
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::GraphPools;
+use cuvmm::strategy::tags::Begun;
 use cuvmm::{Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
 
 const PAGE: u64 = 4096;
@@ -99,6 +100,13 @@ fn bytes_stay_intact_over_cycles_and_the_second_sleep_pins_nothing() {
         pieces * PIECE
     );
     assert_eq!(a.stats().host_kept_bytes, 0);
+    assert_eq!(
+        a.driver().pinned_host_bytes(),
+        pieces * PIECE,
+        "let go of, for the caller to free after its lock"
+    );
+    drop(a.take_freed_host());
+    assert_eq!(a.driver().pinned_host_bytes(), 0);
     let before = host_allocs(&a);
     a.sleep("weights", true).unwrap();
     assert_eq!(host_allocs(&a) - before, pieces, "released: pinned again");
@@ -122,8 +130,25 @@ fn without_keep_host_buffers_a_wake_frees_them_and_each_sleep_pins_again() {
         assert_eq!(host_allocs(&a) - before, 5);
         a.wake("weights").unwrap();
         assert_eq!(a.stats().host_kept_bytes, 0);
+        assert_eq!(a.driver().pinned_host_bytes(), 0, "freed by the wake");
         assert!(intact(&a, &blocks));
     }
+    // In phases, as the facade runs them under its lock, the wake lets go of the pieces and the caller
+    // frees them after its lock.
+    a.sleep("weights", true).unwrap();
+    let Begun::Copy(mut copy) = a.begin_wake("weights").unwrap() else {
+        panic!("the kept bytes are copied back");
+    };
+    copy.run();
+    a.finish_wake(*copy).unwrap();
+    assert_eq!(a.stats().host_kept_bytes, 0);
+    assert_eq!(a.driver().pinned_host_bytes(), 5 * PIECE, "not freed yet");
+    let freed = a.take_freed_host();
+    assert_eq!(freed.len(), 5);
+    drop(freed);
+    assert_eq!(a.driver().pinned_host_bytes(), 0);
+    assert!(a.take_freed_host().is_empty());
+    a.check_invariants().unwrap();
     let parsed = Config::from_alloc_conf("keep_host_buffers:False,sleep_copy_mb:16").unwrap();
     assert!(!parsed.keep_host_buffers);
     assert_eq!(parsed.sleep_copy, 16 << 20);
@@ -154,6 +179,11 @@ fn a_tag_that_grows_gets_the_pieces_it_lacks_and_one_that_shrinks_frees_the_rest
         a.stats().host_kept_bytes,
         5 * PIECE,
         "the pieces beyond are freed"
+    );
+    assert_eq!(
+        a.driver().pinned_host_bytes(),
+        5 * PIECE,
+        "a sleep in one call frees them itself"
     );
     a.wake("weights").unwrap();
     assert!(intact(&a, &blocks));

@@ -6,11 +6,13 @@
 //!
 //! A gate in the driver's copy job holds a sleep in its copies for as long as the test needs; every step
 //! the test takes meanwhile runs on another thread with a time limit, so an implementation that held the
-//! lock through the copies fails here rather than hanging.
+//! lock through the copies fails here rather than hanging. The same gate can hold the free of a piece of
+//! host memory (`cuMemFreeHost` may wait for the device): that too happens without the lock.
 
 use cuvmm::driver::sim::{COPY_STREAM, SimConfig, SimDriver};
 use cuvmm::driver::{
-    CopyDirection, CopyJob, CopyPlan, CopyRun, Driver, DriverError, Forward, HostCopy, HostMemory,
+    CopyDirection, CopyJob, CopyPlan, CopyRun, Driver, DriverError, Forward, HostBytes, HostCopy,
+    HostMemory,
 };
 use cuvmm::expandable::Expandable;
 use cuvmm::{Allocator, Config, Error, StreamId};
@@ -22,12 +24,25 @@ use std::time::Duration;
 const PAGE: u64 = 4096;
 const PAGES: u64 = 64;
 
-/// Holds the first copy job it is armed for at its first step until the test releases it.
+/// Holds the first copy job it is armed for at its first step until the test releases it; with
+/// `hold_free`, the first free of a piece of host memory the jobs allocated.
 #[derive(Debug)]
 struct Gate {
     armed: AtomicBool,
+    hold_free: AtomicBool,
     reached: Barrier,
     release: Barrier,
+}
+
+impl Gate {
+    fn new(armed: bool) -> Arc<Self> {
+        Arc::new(Gate {
+            armed: AtomicBool::new(armed),
+            hold_free: AtomicBool::new(false),
+            reached: Barrier::new(2),
+            release: Barrier::new(2),
+        })
+    }
 }
 
 /// The simulator, with its copy jobs behind a [`Gate`].
@@ -46,29 +61,54 @@ impl Forward for Gated {
     }
     fn start_copies(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
         let job = Driver::start_copies(&mut self.sim, plan)?;
-        if !self.gate.armed.swap(false, Ordering::SeqCst) {
-            return Ok(job);
-        }
+        let armed = self.gate.armed.swap(false, Ordering::SeqCst);
         let gate = Arc::clone(&self.gate);
-        Ok(job.wrap(|inner| {
-            Box::new(GatedRun {
-                inner,
-                gate: Some(gate),
-            })
-        }))
+        Ok(job.wrap(|inner| Box::new(GatedRun { inner, gate, armed })))
     }
 }
 
 struct GatedRun {
     inner: Box<dyn CopyRun>,
-    gate: Option<Arc<Gate>>,
+    gate: Arc<Gate>,
+    /// Whether the next step waits at the gate.
+    armed: bool,
 }
 
 impl GatedRun {
     fn pass(&mut self) {
-        if let Some(gate) = self.gate.take() {
-            gate.reached.wait();
-            gate.release.wait();
+        if std::mem::take(&mut self.armed) {
+            self.gate.reached.wait();
+            self.gate.release.wait();
+        }
+    }
+}
+
+/// A piece of host memory whose free waits at the gate when it holds frees.
+struct GatedPiece {
+    inner: HostMemory,
+    gate: Arc<Gate>,
+}
+
+impl HostBytes for GatedPiece {
+    fn bytes(&self) -> &[u8] {
+        self.inner.as_slice()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.inner.as_mut_slice()
+    }
+    fn pinned(&self) -> bool {
+        self.inner.is_pinned()
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+impl Drop for GatedPiece {
+    fn drop(&mut self) {
+        if self.gate.hold_free.swap(false, Ordering::SeqCst) {
+            self.gate.reached.wait();
+            self.gate.release.wait();
         }
     }
 }
@@ -76,7 +116,9 @@ impl GatedRun {
 impl CopyRun for GatedRun {
     fn alloc(&mut self, len: u64) -> Result<HostMemory, DriverError> {
         self.pass();
-        self.inner.alloc(len)
+        let inner = self.inner.alloc(len)?;
+        let gate = Arc::clone(&self.gate);
+        Ok(HostMemory::new(GatedPiece { inner, gate }))
     }
     fn copy(
         &mut self,
@@ -126,7 +168,7 @@ fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static)
     std::thread::spawn(move || send.send(f()));
     receive
         .recv_timeout(Duration::from_secs(10))
-        .unwrap_or_else(|_| panic!("{what} waited for the lock the sleep's copies held"))
+        .unwrap_or_else(|_| panic!("{what} waited for the lock, held through the copies or a free"))
 }
 
 fn bytes(n: u64, value: u8) -> Vec<u8> {
@@ -135,11 +177,7 @@ fn bytes(n: u64, value: u8) -> Vec<u8> {
 
 #[test]
 fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refused() {
-    let gate = Arc::new(Gate {
-        armed: AtomicBool::new(true),
-        reached: Barrier::new(2),
-        release: Barrier::new(2),
-    });
+    let gate = Gate::new(true);
     let a = allocator(&gate);
     let s = StreamId(1);
     let kv = a.alloc_tagged_raw(8 * PAGE, s, "kv").unwrap();
@@ -217,15 +255,59 @@ fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refu
     a.check_invariants().unwrap();
 }
 
+/// Freeing page-locked host memory may wait for the device (`cuMemFreeHost`), so the tags' buffers are
+/// freed after the allocator's lock is let go of: a piece beyond what a tag that shrank needs (at its
+/// sleep), and the buffers `release_host_buffers` gives back. Other threads allocate while a free waits.
+#[test]
+fn host_memory_is_freed_without_the_lock_while_other_threads_allocate() {
+    let gate = Gate::new(false);
+    let a = allocator(&gate);
+    let s = StreamId(1);
+    let kv = a.alloc_tagged_raw(8 * PAGE, s, "kv").unwrap();
+    let tail = a.alloc_tagged_raw(2 * PAGE, s, "kv").unwrap();
+    let pinned = |a: &Alloc| a.with_strategy(|st| st.driver().sim.pinned_host_bytes());
+    a.sleep("kv", true).unwrap();
+    a.wake("kv").unwrap();
+    assert_eq!(pinned(&a), 10 * PAGE);
+    a.free_raw(tail).unwrap();
+
+    let held_free = |a: &Alloc, what: &'static str, f: fn(&Alloc) -> Result<u64, Error>| {
+        gate.hold_free.store(true, Ordering::SeqCst);
+        let call = {
+            let a = a.clone();
+            std::thread::spawn(move || f(&a))
+        };
+        gate.reached.wait();
+        // A piece's free waits: the lock must be free.
+        let b = a.clone();
+        within(what, move || {
+            let p = b.alloc_raw(4 * PAGE, StreamId(2)).unwrap();
+            b.free_raw(p).unwrap();
+            b.check_invariants().unwrap();
+        });
+        gate.release.wait();
+        call.join().unwrap().unwrap()
+    };
+    let slept = held_free(&a, "an allocation while a sleep frees a piece", |a| {
+        a.sleep("kv", true)
+    });
+    assert_eq!(slept, 10 * PAGE, "the freed tail's pages are unmapped too");
+    assert_eq!(pinned(&a), 8 * PAGE, "the piece beyond is freed");
+    a.wake("kv").unwrap();
+    let released = held_free(&a, "an allocation while buffers are released", |a| {
+        a.release_host_buffers(None)
+    });
+    assert_eq!(released, 8 * PAGE);
+    assert_eq!((pinned(&a), a.stats().host_kept_bytes), (0, 0));
+    a.free_raw(kv).unwrap();
+    a.check_invariants().unwrap();
+}
+
 /// Four threads allocate, write and free under other tags and untagged while a fifth sleeps and wakes a
 /// tag twenty times with its bytes kept: every byte of every allocation survives, and the books balance.
 #[test]
 fn sleep_and_wake_cycles_race_allocations_on_other_threads() {
-    let gate = Arc::new(Gate {
-        armed: AtomicBool::new(false),
-        reached: Barrier::new(1),
-        release: Barrier::new(1),
-    });
+    let gate = Gate::new(false);
     let a = allocator(&gate);
     let kv = a.alloc_tagged_raw(12 * PAGE, StreamId(1), "kv").unwrap();
     a.with_strategy(|st| st.driver_mut().sim.write(kv, &bytes(12 * PAGE, 5)))

@@ -70,14 +70,13 @@ impl Kept {
         self.contents = false;
     }
 
-    /// Frees the pieces unless they hold the tag's bytes or a copy holds them; returns the bytes freed.
-    pub(super) fn free_buffers(&mut self) -> u64 {
+    /// The pieces, let go of unless they hold the tag's bytes or a copy holds them (then none), for the
+    /// caller to free.
+    pub(super) fn free_buffers(&mut self) -> Vec<HostMemory> {
         if self.contents || self.lent() {
-            return 0;
+            return Vec::new();
         }
-        let bytes = self.held_bytes();
-        self.pieces.clear();
-        bytes
+        std::mem::take(&mut self.pieces)
     }
 
     /// The piece lengths, for the invariants.
@@ -137,8 +136,9 @@ type Planned = (CopyPlan, Vec<Option<HostMemory>>);
 type Refused = (DriverError, Vec<HostMemory>);
 
 /// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes, and the pieces to run
-/// it with: those of `held` that are long enough, in order; a missing one, or one too short (freed), is
-/// allocated by a copy to the host; the held pieces beyond what the blocks need are freed.
+/// it with: those of `held` that are long enough, in order; a missing one, or one too short (put in
+/// `freed`), is allocated by a copy to the host; the held pieces beyond what the blocks need go to `freed`
+/// too, for the caller to free after its lock.
 ///
 /// A copy from the host needs every piece: [`DriverError::CopyPlan`] if one is missing (the pieces held
 /// are given back in the error's stead, nothing freed).
@@ -147,6 +147,7 @@ pub(super) fn plan(
     blocks: &[(u64, u64)],
     piece: u64,
     held: Vec<HostMemory>,
+    freed: &mut Vec<HostMemory>,
 ) -> Result<Planned, Refused> {
     let total = blocks.iter().map(|b| b.1).sum();
     let lens = piece_lens(total, piece);
@@ -156,15 +157,18 @@ pub(super) fn plan(
         let reason = "a wake's bytes are missing from the tag's host memory";
         return Err((DriverError::CopyPlan { reason }, held));
     }
-    let mut pieces: Vec<Option<HostMemory>> = held.into_iter().map(Some).collect();
-    // Pieces beyond the blocks' bytes are freed here.
-    pieces.truncate(lens.len());
-    pieces.resize_with(lens.len(), || None);
-    for (p, &len) in pieces.iter_mut().zip(&lens) {
-        if p.as_ref().is_some_and(|h| (h.len() as u64) < len) {
-            *p = None;
-        }
+    let mut held = held.into_iter();
+    let mut pieces: Vec<Option<HostMemory>> = Vec::with_capacity(lens.len());
+    for &len in &lens {
+        pieces.push(match held.next() {
+            Some(h) if (h.len() as u64) < len => {
+                freed.push(h);
+                None
+            }
+            h => h,
+        });
     }
+    freed.extend(held);
     let plan = CopyPlan {
         direction,
         allocate: pieces.iter().map(Option::is_none).collect(),
@@ -225,7 +229,8 @@ mod tests {
             HostMemory::pageable(piece as usize).unwrap(),
             HostMemory::pageable(piece as usize).unwrap(),
         ];
-        let (plan, pieces) = plan(CopyDirection::ToHost, &blocks, piece, held).unwrap();
+        let mut freed = Vec::new();
+        let (plan, pieces) = plan(CopyDirection::ToHost, &blocks, piece, held, &mut freed).unwrap();
         plan.validate().unwrap();
         assert_eq!(plan.pieces, [piece, piece, HOST_ROUND]);
         assert_eq!(
@@ -233,11 +238,19 @@ mod tests {
             [false, true, false],
             "the short piece is replaced"
         );
-        assert_eq!(pieces.len(), 3, "the piece beyond is freed");
+        assert_eq!(pieces.len(), 3, "the piece beyond is let go of");
+        let freed_lens: Vec<u64> = freed.iter().map(|h| h.len() as u64).collect();
+        assert_eq!(
+            freed_lens,
+            [HOST_ROUND, piece],
+            "the short piece and the one beyond, for the caller to free"
+        );
         assert_eq!(plan.bytes(), 5 * HOST_ROUND);
         let short = vec![HostMemory::pageable(piece as usize).unwrap()];
-        let (err, back) = super::plan(CopyDirection::FromHost, &blocks, piece, short).unwrap_err();
+        let mut freed = Vec::new();
+        let (err, back) =
+            super::plan(CopyDirection::FromHost, &blocks, piece, short, &mut freed).unwrap_err();
         assert!(matches!(err, DriverError::CopyPlan { .. }));
-        assert_eq!(back.len(), 1, "nothing freed");
+        assert_eq!((back.len(), freed.len()), (1, 0), "nothing freed");
     }
 }

@@ -36,7 +36,7 @@ use super::compacting::{Compacting, Wait};
 use super::kept;
 use super::segment::TagId;
 use super::streams::synchronize_device;
-use crate::driver::{CopyDirection, Driver, PhysPage, StreamId};
+use crate::driver::{CopyDirection, Driver, HostMemory, PhysPage, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::tags::{Begun, TagCopy, TagInfo};
 use std::ops::Range;
@@ -63,13 +63,16 @@ impl<D: Driver> Expandable<D> {
     ///
     /// The copies run with `&mut self` held; the facade (`Allocator::sleep`) runs them without its lock.
     pub fn sleep(&mut self, tag: &str, keep: bool) -> Result<u64, Error> {
-        match self.begin_sleep(tag, keep)? {
-            Begun::Done(bytes) => Ok(bytes),
-            Begun::Copy(mut copy) => {
+        let slept = match self.begin_sleep(tag, keep) {
+            Ok(Begun::Done(bytes)) => Ok(bytes),
+            Ok(Begun::Copy(mut copy)) => {
                 copy.run();
                 self.finish_sleep(*copy)
             }
-        }
+            Err(err) => Err(err),
+        };
+        drop(self.take_freed_host());
+        slept
     }
 
     /// Wakes `tag`: maps pages under its live blocks at the same addresses and puts back the bytes the
@@ -77,13 +80,16 @@ impl<D: Driver> Expandable<D> {
     /// another sleep or wake copies its bytes. On failure (out of memory, say) the tag stays asleep and a
     /// second wake finishes.
     pub fn wake(&mut self, tag: &str) -> Result<(), Error> {
-        match self.begin_wake(tag)? {
-            Begun::Done(()) => Ok(()),
-            Begun::Copy(mut copy) => {
+        let woke = match self.begin_wake(tag) {
+            Ok(Begun::Done(())) => Ok(()),
+            Ok(Begun::Copy(mut copy)) => {
                 copy.run();
                 self.finish_wake(*copy)
             }
-        }
+            Err(err) => Err(err),
+        };
+        drop(self.take_freed_host());
+        woke
     }
 
     /// The first part of [`sleep`](Self::sleep), under the caller's lock: the waits, and for a sleep that
@@ -192,9 +198,10 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// Frees the host memory kept for the next sleep of `tag` (of every tag with `None`): never bytes a
-    /// sleeping tag keeps. Returns the bytes freed. [`Error::TagBusy`] for a tag whose bytes are being
-    /// copied (with `None`, such a tag is left out).
+    /// Lets go of the host memory kept for the next sleep of `tag` (of every tag with `None`): never bytes
+    /// a sleeping tag keeps. Returns its bytes; the memory is freed when the caller drops what
+    /// [`take_freed_host`](Self::take_freed_host) gives it. [`Error::TagBusy`] for a tag whose bytes are
+    /// being copied (with `None`, such a tag is left out).
     pub fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error> {
         let ids: Vec<TagId> = match tag {
             Some(name) => match self.tags.find(name) {
@@ -207,6 +214,15 @@ impl<D: Driver> Expandable<D> {
             None => self.tags.ids().collect(),
         };
         Ok(ids.into_iter().map(|id| self.tags.release_host(id)).sum())
+    }
+
+    /// The host memory the tags let go of since the last call (buffers released or replaced, by
+    /// [`release_host_buffers`](Self::release_host_buffers), a sleep or a wake's first or last phase), for
+    /// the caller to drop after letting go of its lock: freeing page-locked memory may wait for the
+    /// device, and other threads should not wait with it. [`sleep`](Self::sleep) and
+    /// [`wake`](Self::wake) free theirs before they return.
+    pub fn take_freed_host(&mut self) -> Vec<HostMemory> {
+        self.tags.take_freed()
     }
 
     /// The tags asleep (or half way) and the bytes each would map at its wake, by name.
@@ -230,7 +246,10 @@ impl<D: Driver> Expandable<D> {
         blocks: &[(u64, u64)],
     ) -> Result<TagCopy, Error> {
         let held = self.tags.lend_host(id);
-        let (plan, pieces) = match kept::plan(direction, blocks, self.config.sleep_copy, held) {
+        let mut freed = Vec::new();
+        let planned = kept::plan(direction, blocks, self.config.sleep_copy, held, &mut freed);
+        self.tags.free_later(freed);
+        let (plan, pieces) = match planned {
             Ok(planned) => planned,
             Err((err, held)) => {
                 self.tags.unlend_host(id, held);

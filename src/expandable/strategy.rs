@@ -5,7 +5,7 @@
 use super::Expandable;
 use super::accounting::Derived;
 use super::invariants;
-use crate::driver::{CaptureProbe, Driver, DriverCounters, StreamId};
+use crate::driver::{CaptureProbe, Driver, DriverCounters, HostMemory, StreamId};
 use crate::strategy::Strategy;
 use crate::strategy::capabilities::{
     Controls, DeviceBytes, GraphPools, Peers, Sharing, Snapshots, StreamUses, Tags,
@@ -182,6 +182,10 @@ impl<D: Driver> Tags for Expandable<D> {
 
     fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error> {
         Expandable::release_host_buffers(self, tag)
+    }
+
+    fn take_freed_host(&mut self) -> Vec<HostMemory> {
+        Expandable::take_freed_host(self)
     }
 
     fn tag_infos(&self) -> Vec<TagInfo> {

@@ -47,6 +47,10 @@ struct Tag {
 #[derive(Debug, Default)]
 pub(super) struct Tags {
     tags: Vec<Tag>,
+    /// Host memory let go of (buffers released or replaced), not freed yet: the caller frees it after
+    /// letting go of its lock ([`take_freed`](Self::take_freed)), as freeing page-locked memory may wait
+    /// for the device. Counted in no tag's bytes.
+    freed: Vec<HostMemory>,
 }
 
 impl Tags {
@@ -191,8 +195,10 @@ impl Tags {
         }
         t.kept.forget_contents();
         if !keep_buffers {
-            t.kept.free_buffers();
+            let pieces = t.kept.free_buffers();
+            self.freed.extend(pieces);
         }
+        let t = self.get_mut(id);
         t.state = State::Awake;
         t.blocks.clear();
         t.wake.clear();
@@ -230,9 +236,23 @@ impl Tags {
         t.kept.take_back(pieces, contents);
     }
 
-    /// Frees the host buffers of tag `id` (not bytes it keeps); returns the bytes freed.
+    /// Lets go of the host buffers of tag `id` (not bytes it keeps), to be freed by the caller
+    /// ([`take_freed`](Self::take_freed)); returns their bytes.
     pub(super) fn release_host(&mut self, id: TagId) -> u64 {
-        self.get_mut(id).kept.free_buffers()
+        let pieces = self.get_mut(id).kept.free_buffers();
+        let bytes = pieces.iter().map(|p| p.len() as u64).sum();
+        self.freed.extend(pieces);
+        bytes
+    }
+
+    /// Host memory to free later: see [`take_freed`](Self::take_freed).
+    pub(super) fn free_later(&mut self, pieces: Vec<HostMemory>) {
+        self.freed.extend(pieces);
+    }
+
+    /// The host memory let go of since the last call, for the caller to free (drop) after its lock.
+    pub(super) fn take_freed(&mut self) -> Vec<HostMemory> {
+        std::mem::take(&mut self.freed)
     }
 
     /// Bytes of host memory every tag holds.

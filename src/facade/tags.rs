@@ -31,11 +31,11 @@ impl<S: Strategy + Tags> Allocator<S> {
     /// call (0 if already asleep). Refused during a CUDA graph capture, and while another thread's sleep or
     /// wake of the tag copies its bytes ([`Error::TagBusy`]). See docs/allocator.md, "Sleep and wake".
     pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
-        match self.with_strategy(|strategy| strategy.begin_sleep(tag, keep))? {
+        match self.with_tags(|strategy| strategy.begin_sleep(tag, keep))? {
             Begun::Done(bytes) => Ok(bytes),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.with_strategy(|strategy| strategy.finish_sleep(*copy))
+                self.with_tags(|strategy| strategy.finish_sleep(*copy))
             }
         }
     }
@@ -45,10 +45,10 @@ impl<S: Strategy + Tags> Allocator<S> {
     /// nothing for a tag awake. Out of memory with buffers in the stream caches, they are given back to the
     /// strategy and the wake tried once more.
     pub fn wake(&self, tag: &str) -> Result<(), Error> {
-        let begun = match self.with_strategy(|strategy| strategy.begin_wake(tag)) {
+        let begun = match self.with_tags(|strategy| strategy.begin_wake(tag)) {
             Err(err) if err.is_out_of_memory() && self.retries_after_drain() => {
                 self.drain_caches()?;
-                self.with_strategy(|strategy| strategy.begin_wake(tag))
+                self.with_tags(|strategy| strategy.begin_wake(tag))
             }
             other => other,
         };
@@ -56,7 +56,7 @@ impl<S: Strategy + Tags> Allocator<S> {
             Begun::Done(()) => Ok(()),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.with_strategy(|strategy| strategy.finish_wake(*copy))
+                self.with_tags(|strategy| strategy.finish_wake(*copy))
             }
         }
     }
@@ -68,9 +68,21 @@ impl<S: Strategy + Tags> Allocator<S> {
 
     /// Frees the page-locked host memory tags keep for their next sleep (`tag`'s alone, or every tag's
     /// with `None`), never the bytes of a sleeping tag; returns the bytes freed
-    /// ([`Tags::release_host_buffers`]).
+    /// ([`Tags::release_host_buffers`]). The memory is freed after the lock is let go of.
     pub fn release_host_buffers(&self, tag: Option<&str>) -> Result<u64, Error> {
-        self.with_strategy(|strategy| strategy.release_host_buffers(tag))
+        self.with_tags(|strategy| strategy.release_host_buffers(tag))
+    }
+
+    /// `f` under the strategy's lock; then, with the lock let go of, frees the host memory the tags let go
+    /// of meanwhile ([`Tags::take_freed_host`]): `cuMemFreeHost` may wait for the device, and the threads
+    /// that allocate should not wait with it.
+    fn with_tags<R>(&self, f: impl FnOnce(&mut S) -> R) -> R {
+        let (out, freed) = self.with_strategy(|strategy| {
+            let out = f(strategy);
+            (out, strategy.take_freed_host())
+        });
+        drop(freed);
+        out
     }
 
     /// Every tag named so far, with its state, its live bytes, the bytes its wake would map and the host

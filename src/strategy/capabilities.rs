@@ -7,7 +7,7 @@
 //! and [`Strategy::device_bytes`](super::Strategy::device_bytes). (They are not subtraits of `Strategy`,
 //! which names them in those methods: each file reads only the other's names, never back.)
 
-use crate::driver::StreamId;
+use crate::driver::{HostMemory, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
 use crate::strategy::sharing::{SharedMemory, SharedPart};
@@ -85,9 +85,16 @@ pub trait Tags {
     /// The tags asleep and the bytes each gave back, by name.
     fn asleep_tags(&self) -> Vec<(String, u64)>;
 
-    /// Frees the host memory tags keep for their next sleep (`tag`'s, or every tag's with `None`), never
-    /// the bytes of a sleeping tag; returns the bytes freed.
+    /// Lets go of the host memory tags keep for their next sleep (`tag`'s, or every tag's with `None`),
+    /// never the bytes of a sleeping tag; returns its bytes. It is freed when the caller drops what
+    /// [`take_freed_host`](Tags::take_freed_host) gives it.
     fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error>;
+
+    /// The host memory let go of since the last call (buffers released, or replaced or given up by a
+    /// sleep's or a wake's phases), for a caller holding a lock to drop after letting go of it: freeing
+    /// page-locked memory may wait for the device. [`sleep`](Tags::sleep) and [`wake`](Tags::wake) free
+    /// theirs themselves.
+    fn take_freed_host(&mut self) -> Vec<HostMemory>;
 
     /// Every tag named so far: its state, live bytes, the bytes its wake would map and its host memory.
     fn tag_infos(&self) -> Vec<TagInfo>;

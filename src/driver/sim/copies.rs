@@ -16,7 +16,7 @@
 use super::latency::wait_out;
 use super::store::ByteStore;
 use super::{COPY_STREAM, SimDriver, Span};
-use crate::base::sync::{Arc, AtomicBool, Mutex};
+use crate::base::sync::{Arc, AtomicBool, AtomicU64, Mutex};
 use crate::driver::{
     CopyDirection, CopyJob, CopyPlan, CopyRun, DriverError, HostBytes, HostCopy, HostMemory, Op,
     VaRange,
@@ -25,13 +25,22 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 
-/// The jobs not over yet and the device ranges each copies.
+/// The jobs not over yet and the device ranges each copies; the page-locked host memory they allocated
+/// that is not freed yet.
 #[derive(Debug, Default)]
 pub(super) struct Copying {
     jobs: Vec<(Arc<AtomicBool>, Vec<VaRange>)>,
+    /// Bytes of host memory the jobs allocated and not freed yet (shared with each piece, which counts
+    /// itself out when dropped).
+    pinned: Arc<AtomicU64>,
 }
 
 impl Copying {
+    /// Bytes of page-locked host memory allocated by copy jobs and not freed yet.
+    pub(super) fn pinned_bytes(&self) -> u64 {
+        self.pinned.load(Ordering::Acquire)
+    }
+
     /// Marks `ranges` in use until the returned flag is set.
     fn add(&mut self, ranges: Vec<VaRange>) -> Arc<AtomicBool> {
         let over = Arc::new(AtomicBool::new(false));
@@ -53,8 +62,15 @@ impl Copying {
     }
 }
 
-/// Host memory the simulated device calls page-locked.
-struct SimPinned(Vec<u8>);
+/// Host memory the simulated device calls page-locked, counted in its copies' pinned bytes while it
+/// lives.
+struct SimPinned(Vec<u8>, Arc<AtomicU64>);
+
+impl Drop for SimPinned {
+    fn drop(&mut self) {
+        self.1.fetch_sub(self.0.len() as u64, Ordering::AcqRel);
+    }
+}
 
 impl HostBytes for SimPinned {
     fn bytes(&self) -> &[u8] {
@@ -87,6 +103,8 @@ struct SimCopies {
     sleep: bool,
     /// Set once the job is over: its device ranges may be unmapped again.
     over: Arc<AtomicBool>,
+    /// The device's count of pinned bytes ([`Copying::pinned_bytes`]).
+    pinned: Arc<AtomicU64>,
 }
 
 impl SimCopies {
@@ -111,7 +129,8 @@ impl CopyRun for SimCopies {
         (bytes.try_reserve_exact(len))
             .map_err(|_| DriverError::HostOutOfMemory { bytes: len as u64 })?;
         bytes.resize(len, 0);
-        Ok(HostMemory::new(SimPinned(bytes)))
+        self.pinned.fetch_add(len as u64, Ordering::AcqRel);
+        Ok(HostMemory::new(SimPinned(bytes, Arc::clone(&self.pinned))))
     }
 
     fn copy(
@@ -189,6 +208,7 @@ impl SimDriver {
             store: self.store.clone(),
             sleep: self.config.sleep_latency,
             over,
+            pinned: Arc::clone(&self.copying.pinned),
         };
         Ok(CopyJob::new(plan, Box::new(run)))
     }

@@ -400,6 +400,10 @@ impl SimDriver {
         })?;
         self.malloc_plan.remove(index).map(|(_, addr)| addr)
     }
+    /// Bytes of page-locked host memory the copy jobs allocated and that is not freed yet.
+    pub fn pinned_host_bytes(&self) -> u64 {
+        self.copying.pinned_bytes()
+    }
     /// What the device still holds.
     pub fn leak_report(&self) -> LeakReport {
         LeakReport {
