@@ -365,6 +365,7 @@ typedef struct {
     int action;
     uint64_t addr, size;
     cudaStream_t stream;
+    int64_t time_us; /* when it happened: microseconds since the Unix epoch (PyTorch's time_us) */
 } cuvmm_trace_entry;
 
 typedef struct {

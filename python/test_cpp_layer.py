@@ -447,11 +447,13 @@ h.release(y)
 out["cross"]["failing"] = fake.fake_cross_log().decode()
 out["cross"]["allocated_after"] = C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
 
-# History: the events of a malloc and a free, with the times PyTorch's snapshots report (microseconds since
-# the epoch).
+# History: the events of a malloc and, 50 ms later, its free, each with its own time as PyTorch's
+# snapshots report it (microseconds since the epoch).
 import time
 h.record_history(100)
-h.release(h.alloc(size))
+x = h.alloc(size)
+time.sleep(0.05)
+h.release(x)
 traces = C._cuda_memorySnapshot(None)["device_traces"][0]
 out["history"] = {"actions": [t["action"] for t in traces], "now_us": time.time() * 1e6,
                   "times_us": [t["time_us"] for t in traces]}
@@ -619,12 +621,15 @@ class ThroughPyTorchsInterface(unittest.TestCase):
     def tearDownClass(cls):
         cls.scratch.cleanup()
 
-    def test_history_events_carry_times_in_microseconds_since_the_epoch(self):
+    def test_history_events_carry_their_own_times_in_microseconds_since_the_epoch(self):
         history = self.out["history"]
         self.assertIn("alloc", history["actions"])
         self.assertIn("free_completed", history["actions"])
         for time_us in history["times_us"]:
             self.assertLess(abs(time_us - history["now_us"]), 60e6, history)
+        actions, times = history["actions"], history["times_us"]
+        alloc, freed = times[actions.index("alloc")], times[actions.index("free_completed")]
+        self.assertGreaterEqual(freed - alloc, 40e3, "each event has its own time, not the snapshot's")
 
     def test_another_devices_stream_recorded_on_memory_is_waited_for_through_an_event_at_the_free(self):
         cross, stream, proxy = self.out["cross"], 0x5000, 0x7000  # the fake's stream of device 0

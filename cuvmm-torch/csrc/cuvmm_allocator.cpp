@@ -50,7 +50,7 @@
 // The header's layout, as tests/abi.rs checks it on the Rust side.
 static_assert(sizeof(cuvmm_device_stats) == 984, "cuvmm_device_stats: header and Rust disagree");
 static_assert(sizeof(cuvmm_segment_info) == 88, "cuvmm_segment_info: header and Rust disagree");
-static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 32, "block/trace layout");
+static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 40, "block/trace layout");
 static_assert(sizeof(cuvmm_oom_info) == 56 && sizeof(cuvmm_snapshot) == 48, "oom/snapshot layout");
 
 namespace cuvmm_torch {
@@ -387,15 +387,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         info.segments.push_back(segment_info(device, seg, s->blocks));
       }
       if (include_traces && device < static_cast<DeviceIndex>(info.device_traces.size())) {
-        // cuvmm's events carry no time of their own: each gets the snapshot's, in what PyTorch reports
-        // (time_.t_, microseconds since the epoch), in their order.
-        int64_t now = now_us();
         for (size_t i = 0; i < s->num_traces; ++i) {
           const cuvmm_trace_entry& t = s->traces[i];
           auto& entry = info.device_traces[device].emplace_back(
               static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
               MempoolId_t{0, 0}, c10::getApproximateTime());
-          entry.time_.t_ = now;
+          entry.time_.t_ = t.time_us;  // what PyTorch's snapshot reports: microseconds since the epoch
         }
       }
     });

@@ -248,6 +248,8 @@ pub struct CTraceEntry {
     pub size: u64,
     /// The stream.
     pub stream: *mut c_void,
+    /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
+    pub time_us: i64,
 }
 
 /// `cuvmm_snapshot`: what a caller reads. Points into the [`OwnedSnapshot`] that holds it.
@@ -321,6 +323,7 @@ impl OwnedSnapshot {
                 addr: e.device_free.unwrap_or(e.addr),
                 size: e.size,
                 stream: stream_ptr(e.stream),
+                time_us: i64::try_from(e.time_us).unwrap_or(i64::MAX),
             })
             .collect();
         let (segments, blocks) = (segments.into_boxed_slice(), blocks.into_boxed_slice());

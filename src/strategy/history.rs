@@ -1,12 +1,14 @@
 //! The allocator's event history for snapshots: PyTorch's `torch.cuda.memory._record_memory_history`.
 //!
 //! Recording is off until [`Snapshots::record_history`](crate::strategy::Snapshots::record_history) turns it on, and
-//! then keeps the last `max_entries` events in a ring buffer, as PyTorch's `alloc_buffer` does. Off, it
-//! costs each operation one test of an `Option`.
+//! then keeps the last `max_entries` events in a ring buffer, as PyTorch's `alloc_buffer` does, each with
+//! its time (microseconds since the Unix epoch, as PyTorch's `time_us`). Off, it costs each operation one
+//! test of an `Option`.
 
 use crate::driver::StreamId;
 use serde::Serialize;
 use std::collections::VecDeque;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What happened, under PyTorch's names for trace entries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -76,6 +78,13 @@ pub struct TraceEntry {
     pub stream: StreamId,
     /// For `oom`: the bytes the device reported free.
     pub device_free: Option<u64>,
+    /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
+    pub time_us: u64,
+}
+
+/// Now, in microseconds since the Unix epoch (0 for a clock set before it).
+fn now_us() -> u64 {
+    (SystemTime::now().duration_since(UNIX_EPOCH)).map_or(0, |d| d.as_micros() as u64)
 }
 
 /// The last `max_entries` events, oldest first.
@@ -125,6 +134,7 @@ pub fn record(
             size,
             stream,
             device_free: None,
+            time_us: now_us(),
         });
     }
 }
@@ -139,6 +149,7 @@ pub fn record_oom(history: &mut Option<History>, size: u64, stream: StreamId, de
             size,
             stream,
             device_free: Some(device_free),
+            time_us: now_us(),
         });
     }
 }
@@ -154,6 +165,7 @@ mod tests {
             size: 512,
             stream: StreamId(0),
             device_free: None,
+            time_us: 0,
         }
     }
 
@@ -165,6 +177,19 @@ mod tests {
         }
         let addrs: Vec<u64> = h.entries().iter().map(|e| e.addr).collect();
         assert_eq!(addrs, [3, 4, 5]);
+    }
+
+    #[test]
+    fn each_event_carries_its_own_time() {
+        let mut on = Some(History::new(4));
+        let before = now_us();
+        record(&mut on, TraceAction::Alloc, 1, 512, StreamId(0));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        record_oom(&mut on, 1 << 30, StreamId(0), 0);
+        let after = now_us();
+        let times: Vec<u64> = on.unwrap().entries().iter().map(|e| e.time_us).collect();
+        assert!(before <= times[0] && times[1] <= after, "{times:?}");
+        assert!(times[1] - times[0] >= 15_000, "{times:?}");
     }
 
     #[test]

@@ -269,6 +269,7 @@ fn entry_value(entry: &TraceEntry) -> Value {
     }
     fields.push(("size".into(), entry.size.into()));
     fields.push(("stream".into(), entry.stream.0.into()));
+    fields.push(("time_us".into(), entry.time_us.into()));
     fields.push(("frames".into(), Value::List(Vec::new())));
     Value::Dict(fields)
 }
