@@ -13,7 +13,7 @@
 //! - the statistics' `asleep_bytes` is the bytes under the asleep allocations' pages, and the device holds
 //!   exactly `reserved_bytes`;
 //! - what must be refused is refused with its typed error: an allocation under, or a free of, a sleeping
-//!   tag (`TagAsleep`), a sleep or wake during a capture (`CaptureUnderway`).
+//!   tag (`TagAsleep`), a sleep, a wake or a release of host memory during a capture (`CaptureUnderway`).
 
 mod common;
 
@@ -162,7 +162,7 @@ fn a_sleeping_tag_refuses_allocations_frees_and_captures() {
             ..
         })
     ));
-    // A capture: neither sleep nor wake.
+    // A capture: neither sleep, nor wake, nor a release of host memory.
     let capture = StreamId(3);
     let id = a
         .driver_mut()
@@ -177,6 +177,13 @@ fn a_sleeping_tag_refuses_allocations_frees_and_captures() {
     assert!(matches!(
         a.sleep("other", false),
         Err(Error::CaptureUnderway { operation: "sleep" })
+    ));
+    // Freeing page-locked memory would invalidate the capture.
+    assert!(matches!(
+        a.release_host_buffers(None),
+        Err(Error::CaptureUnderway {
+            operation: "release_host_buffers"
+        })
     ));
     a.driver_mut().end_capture(capture).unwrap();
     a.end_allocate_to_pool(GraphPool(1, 0)).unwrap();

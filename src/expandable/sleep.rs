@@ -201,8 +201,15 @@ impl<D: Driver> Expandable<D> {
     /// Lets go of the host memory kept for the next sleep of `tag` (of every tag with `None`): never bytes
     /// a sleeping tag keeps. Returns its bytes; the memory is freed when the caller drops what
     /// [`take_freed_host`](Self::take_freed_host) gives it. [`Error::TagBusy`] for a tag whose bytes are
-    /// being copied (with `None`, such a tag is left out).
+    /// being copied (with `None`, such a tag is left out). Refused during a capture
+    /// ([`Error::CaptureUnderway`]): freeing page-locked memory is an implicit synchronization, which
+    /// CUDA forbids while a graph is captured (it would invalidate the capture).
     pub fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error> {
+        if self.graphs.capturing() {
+            return Err(Error::CaptureUnderway {
+                operation: "release_host_buffers",
+            });
+        }
         let ids: Vec<TagId> = match tag {
             Some(name) => match self.tags.find(name) {
                 Some(id) if self.tags.is_copying(id) => {

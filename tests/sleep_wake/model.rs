@@ -229,8 +229,15 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
             }
         }
         Action::ReleaseHost { tag } => {
-            a.release_host_buffers(tag.map(|t| TAGS[t as usize]))
-                .unwrap();
+            let released = a.release_host_buffers(tag.map(|t| TAGS[t as usize]));
+            if m.capturing.is_some() {
+                assert!(
+                    matches!(released, Err(Error::CaptureUnderway { .. })),
+                    "{released:?}"
+                );
+                return;
+            }
+            released.unwrap();
             if tag.is_none() && !m.asleep.values().any(|&keep| keep) {
                 assert_eq!(a.stats().host_kept_bytes, 0, "only kept bytes stay");
             }
