@@ -263,7 +263,8 @@ long long cuvmm_sleep(int device, const char *tag, int keep);
 int cuvmm_wake(int device, const char *tag);
 
 /* Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s, or every tag's for
- * NULL); never the bytes a sleeping tag keeps. Returns the bytes freed, or -1 (a tag being copied). */
+ * NULL); never the bytes a sleeping tag keeps. Returns the bytes freed, or -1 (a tag being copied, a
+ * capture underway). */
 long long cuvmm_release_host_buffers(int device, const char *tag);
 
 /* `device`'s tags as a JSON array of {"name", "state" (awake, asleep, sleeping: half way, copying),

@@ -600,7 +600,8 @@ def wake(tag, device=None):
 def release_host_buffers(tag=None, device=None):
     """Frees the page-locked host memory a tag keeps after its wake for its next sleep (``tag``'s, or every
     tag's with ``None``; ``CUVMM_ALLOC_CONF=keep_host_buffers:False`` frees it at each wake instead). The
-    bytes of a sleeping tag are never freed. Returns the bytes freed."""
+    bytes of a sleeping tag are never freed. Returns the bytes freed; raises :class:`CuvmmError` for a tag
+    being copied and during a CUDA graph capture."""
     name = None if tag is None else _tag_bytes(tag, "release_host_buffers")
     freed = load().cuvmm_release_host_buffers(_device_index(device), name)
     if freed < 0:
