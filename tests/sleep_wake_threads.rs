@@ -15,7 +15,8 @@ use cuvmm::driver::{
     HostMemory,
 };
 use cuvmm::expandable::Expandable;
-use cuvmm::{Allocator, Config, Error, StreamId};
+use cuvmm::strategy::GraphPools as _;
+use cuvmm::{Allocator, Config, Error, GraphPool, StreamFilter, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Barrier};
@@ -251,6 +252,49 @@ fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refu
     let read = a.with_strategy(|st| st.driver().sim.read(kv, (8 * PAGE) as usize));
     assert_eq!(read.unwrap(), bytes(8 * PAGE, 7));
     assert_eq!(a.stats().num_ooms, before.num_ooms);
+    a.free_raw(kv).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// A capture announced while another thread's sleep copies its bytes begins only once the copies are over:
+/// they pin host memory and wait for an event, calls a global-mode capture forbids on every thread.
+#[test]
+fn a_pool_begun_while_a_sleep_copies_waits_for_the_copies() {
+    let gate = Gate::new(true);
+    let a = allocator(&gate);
+    let kv = a.alloc_tagged_raw(8 * PAGE, StreamId(1), "kv").unwrap();
+    let sleeper = {
+        let a = a.clone();
+        std::thread::spawn(move || a.sleep("kv", true))
+    };
+    gate.reached.wait();
+    assert!(matches!(
+        a.with_strategy(|st| st.ready_to_begin_pool()),
+        Err(Error::TagBusy {
+            operation: "begin_allocate_to_pool",
+            ..
+        })
+    ));
+    let (send, begun) = channel();
+    let capturer = {
+        let a = a.clone();
+        std::thread::spawn(move || {
+            let filter = StreamFilter::Streams(vec![StreamId(5)]);
+            send.send(a.begin_allocate_to_pool(GraphPool(1, 0), filter))
+        })
+    };
+    assert!(
+        begun.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the pool began while the copies ran"
+    );
+    gate.release.wait();
+    let began = begun.recv_timeout(Duration::from_secs(10));
+    assert!(matches!(began, Ok(Ok(()))), "{began:?}");
+    capturer.join().unwrap().expect("the test still listens");
+    assert_eq!(sleeper.join().unwrap().unwrap(), 8 * PAGE);
+    a.end_allocate_to_pool(GraphPool(1, 0)).unwrap();
+    a.release_pool(GraphPool(1, 0)).unwrap();
+    a.wake("kv").unwrap();
     a.free_raw(kv).unwrap();
     a.check_invariants().unwrap();
 }

@@ -20,6 +20,22 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 #[cfg(loom)]
 pub(crate) use loom_mutex::Mutex;
 
+/// Lets other threads run a moment, for a thread waiting for another's work between looks; returns how
+/// long (1 ms; under loom a yield, counted as 1 ms).
+#[cfg(not(loom))]
+pub(crate) fn pause() -> std::time::Duration {
+    let pause = std::time::Duration::from_millis(1);
+    std::thread::sleep(pause);
+    pause
+}
+
+/// See the non-loom `pause`.
+#[cfg(loom)]
+pub(crate) fn pause() -> std::time::Duration {
+    loom::thread::yield_now();
+    std::time::Duration::from_millis(1)
+}
+
 /// A small number for the calling thread, the same at every call from it: what spreads threads over the stream
 /// caches' shards (`facade/stream_cache.rs`). Threads are numbered as they first ask, so that up to as many
 /// threads as there are shards each get their own. Under loom, loom's number of the thread, which is the same

@@ -131,7 +131,15 @@ impl<D: Driver> GraphPools for Expandable<D> {
         pool: GraphPool,
         filter: StreamFilter,
     ) -> Result<(), Error> {
+        self.ready_to_begin_pool()?;
         self.graphs.begin_pool(pool, filter, None)
+    }
+
+    fn ready_to_begin_pool(&self) -> Result<(), Error> {
+        match self.tags.copying() {
+            Some(id) => Err(self.tags.busy_error("begin_allocate_to_pool", id)),
+            None => Ok(()),
+        }
     }
 
     fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error> {

@@ -94,6 +94,11 @@ impl Tags {
         self.get(id).state == State::Copying
     }
 
+    /// A tag whose bytes are being copied now, if any.
+    pub(super) fn copying(&self) -> Option<TagId> {
+        self.ids().find(|&id| self.is_copying(id))
+    }
+
     /// The tag's name.
     pub(super) fn name(&self, id: TagId) -> &str {
         &self.get(id).name

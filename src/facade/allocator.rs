@@ -8,7 +8,7 @@
 //! threads have contended for that lock), so that steady-state reuse on a stream takes no lock another thread
 //! holds and never waits for another stream's driver calls (docs/library.md, "Locking").
 
-use crate::base::sync::{Arc, AtomicU64, AtomicUsize, Mutex};
+use crate::base::sync::{self, Arc, AtomicU64, AtomicUsize, Mutex};
 use crate::driver::{CaptureProbe, CaptureStatus, Driver, StreamId};
 use crate::expandable::{Expandable, HeldBack};
 use crate::facade::raw_book::{RawBlock, RawBook};
@@ -24,9 +24,15 @@ use rustc_hash::FxHashSet;
 use std::fmt;
 use std::ops::DerefMut;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 /// Bytes each stream cache shard may hold unless configured (`stream_cache_mb`).
 pub const DEFAULT_STREAM_CACHE: u64 = crate::strategy::config::DEFAULT_STREAM_CACHE;
+
+/// How long [`Allocator::begin_allocate_to_pool`] waits for a sleep's or a wake's copies: far longer than
+/// any copy at a link's speed, so that only copies that will never end (a thread that panicked in them)
+/// reach it.
+const COPIES_WAIT_LIMIT: Duration = Duration::from_secs(600);
 
 struct Shared<S> {
     strategy: Mutex<S>,
@@ -483,12 +489,25 @@ impl<S: Strategy + GraphPools> Allocator<S> {
     /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
     /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
     /// no call CUDA refuses during a capture. See [`crate::strategy::graph_pool`].
+    ///
+    /// While another thread's sleep or wake copies a tag's bytes (without the lock), this waits for the
+    /// copies to end ([`GraphPools::ready_to_begin_pool`]): they make calls a global-mode capture forbids
+    /// on every thread. After ten minutes of copies it gives up with [`Error::TagBusy`].
     pub fn begin_allocate_to_pool(
         &self,
         pool: GraphPool,
         filter: StreamFilter,
     ) -> Result<(), Error> {
         let mut strategy = self.shared.strategy.lock();
+        let mut waited = Duration::ZERO;
+        while let Err(busy) = strategy.ready_to_begin_pool() {
+            if waited >= COPIES_WAIT_LIMIT {
+                return Err(busy);
+            }
+            drop(strategy);
+            waited += sync::pause();
+            strategy = self.shared.strategy.lock();
+        }
         let result = strategy.begin_allocate_to_pool(pool, filter);
         (self.shared.capturing).store(strategy.captures_underway(), Ordering::Release);
         result

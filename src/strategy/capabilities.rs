@@ -26,12 +26,21 @@ pub trait StreamUses {
 /// [`crate::strategy::graph_pool`].
 pub trait GraphPools {
     /// From now on, allocations on the streams `filter` accepts come from the private pool `pool` (called
-    /// before a CUDA graph capture begins).
+    /// before a CUDA graph capture begins). Refused as [`ready_to_begin_pool`](GraphPools::ready_to_begin_pool)
+    /// says.
     fn begin_allocate_to_pool(
         &mut self,
         pool: GraphPool,
         filter: StreamFilter,
     ) -> Result<(), Error>;
+
+    /// Whether a pool may begin now. Not while a sleep's or a wake's copies run without the caller's lock
+    /// ([`Error::TagBusy`], [`Tags`]): they make calls that a global-mode capture forbids on every thread
+    /// (pinning host memory, waiting for an event), so a capture begun meanwhile would be invalidated. The
+    /// facade waits for them to end. `Ok` for a strategy without tags.
+    fn ready_to_begin_pool(&self) -> Result<(), Error> {
+        Ok(())
+    }
 
     /// Allocations stop going to `pool` (after the capture ended); its memory stays the pool's.
     fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error>;
