@@ -20,6 +20,7 @@ use cuvmm::{Allocator, Config, Error, GraphPool, StreamFilter, StreamId};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::channel;
 use std::sync::{Arc, Barrier};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 const PAGE: u64 = 4096;
@@ -163,6 +164,15 @@ fn allocator(gate: &Arc<Gate>) -> Alloc {
     Allocator::expandable(driver, config).unwrap()
 }
 
+/// Runs `f` with a handle of `a` on another thread.
+fn spawn_with<T: Send + 'static>(
+    a: &Alloc,
+    f: impl FnOnce(Alloc) -> T + Send + 'static,
+) -> JoinHandle<T> {
+    let a = a.clone();
+    std::thread::spawn(move || f(a))
+}
+
 /// Runs `f` on another thread and waits at most ten seconds for it.
 fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
     let (send, receive) = channel();
@@ -186,10 +196,7 @@ fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refu
         .unwrap();
     let before = a.stats();
 
-    let sleeper = {
-        let a = a.clone();
-        std::thread::spawn(move || a.sleep("kv", true))
-    };
+    let sleeper = spawn_with(&a, |a| a.sleep("kv", true));
     gate.reached.wait();
 
     // The sleep is in its copies, holding no lock.
@@ -263,10 +270,7 @@ fn a_pool_begun_while_a_sleep_copies_waits_for_the_copies() {
     let gate = Gate::new(true);
     let a = allocator(&gate);
     let kv = a.alloc_tagged_raw(8 * PAGE, StreamId(1), "kv").unwrap();
-    let sleeper = {
-        let a = a.clone();
-        std::thread::spawn(move || a.sleep("kv", true))
-    };
+    let sleeper = spawn_with(&a, |a| a.sleep("kv", true));
     gate.reached.wait();
     assert!(matches!(
         a.with_strategy(|st| st.ready_to_begin_pool()),
@@ -276,13 +280,10 @@ fn a_pool_begun_while_a_sleep_copies_waits_for_the_copies() {
         })
     ));
     let (send, begun) = channel();
-    let capturer = {
-        let a = a.clone();
-        std::thread::spawn(move || {
-            let filter = StreamFilter::Streams(vec![StreamId(5)]);
-            send.send(a.begin_allocate_to_pool(GraphPool(1, 0), filter))
-        })
-    };
+    let capturer = spawn_with(&a, move |a| {
+        let filter = StreamFilter::Streams(vec![StreamId(5)]);
+        send.send(a.begin_allocate_to_pool(GraphPool(1, 0), filter))
+    });
     assert!(
         begun.recv_timeout(Duration::from_millis(300)).is_err(),
         "the pool began while the copies ran"
@@ -317,10 +318,7 @@ fn host_memory_is_freed_without_the_lock_while_other_threads_allocate() {
 
     let held_free = |a: &Alloc, what: &'static str, f: fn(&Alloc) -> Result<u64, Error>| {
         gate.hold_free.store(true, Ordering::SeqCst);
-        let call = {
-            let a = a.clone();
-            std::thread::spawn(move || f(&a))
-        };
+        let call = spawn_with(a, move |a| f(&a));
         gate.reached.wait();
         // A piece's free waits: the lock must be free.
         let b = a.clone();
