@@ -8,6 +8,8 @@
 //! pool handed outside it.
 
 mod common;
+
+use common::{begin_capture, end_capture};
 #[path = "graph_pools/model.rs"]
 mod model;
 
@@ -38,25 +40,6 @@ fn new_alloc(config: Config) -> Alloc {
     )
 }
 
-/// Begins a capture of `stream` and the pool it allocates to, as PyTorch's `CUDAGraph.capture_begin` does.
-fn begin(a: &mut Alloc, stream: StreamId, pool: GraphPool, mode: CaptureMode) -> u64 {
-    let id = a
-        .driver_mut()
-        .begin_capture(stream, mode)
-        .expect("begin capture");
-    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-        .expect("begin pool");
-    id
-}
-
-/// Ends the capture (it must not have been invalidated) and stops allocating to the pool.
-fn end(a: &mut Alloc, stream: StreamId, pool: GraphPool) {
-    a.driver_mut()
-        .end_capture(stream)
-        .expect("the capture was invalidated");
-    a.end_allocate_to_pool(pool).expect("end pool");
-}
-
 fn assert_capture_safe(a: &Alloc) {
     let d = a.driver();
     assert_eq!(
@@ -84,7 +67,7 @@ fn a_free_of_a_block_used_on_another_stream_waits_until_the_capture_ends() {
         .launch(side, &[VaRange::new(x, 8 * PAGE)])
         .unwrap();
     let pool = GraphPool(1, 0);
-    begin(&mut a, capture, pool, CaptureMode::Global);
+    begin_capture(&mut a, capture, pool, CaptureMode::Global);
     a.free(x).unwrap();
     // Deferred: still counted, and not handed out again on its own stream.
     assert_eq!(a.stats().allocated_bytes.current, 8 * PAGE);
@@ -98,7 +81,7 @@ fn a_free_of_a_block_used_on_another_stream_waits_until_the_capture_ends() {
         "a deferred free is a free"
     );
     a.check_invariants().unwrap();
-    end(&mut a, capture, pool);
+    end_capture(&mut a, capture, pool);
     // Freed twice, or used again, before the deferred free ran: typed errors, and nothing breaks later.
     assert!(matches!(a.free(x), Err(Error::DoubleFree { .. })));
     assert!(matches!(
@@ -135,15 +118,15 @@ fn graphs_captured_back_to_back_keep_their_memory_apart() {
     let mut a = new_alloc(Config::default());
     let capture = StreamId(5);
     let (g1, g2) = (GraphPool(1, 0), GraphPool(2, 0));
-    begin(&mut a, capture, g1, CaptureMode::Global);
+    begin_capture(&mut a, capture, g1, CaptureMode::Global);
     let t1 = a.alloc(3 * PAGE, capture).unwrap();
     let out1 = a.alloc(PAGE, capture).unwrap();
     a.free(t1).unwrap();
-    end(&mut a, capture, g1);
-    begin(&mut a, capture, g2, CaptureMode::Global);
+    end_capture(&mut a, capture, g1);
+    begin_capture(&mut a, capture, g2, CaptureMode::Global);
     let t2 = a.alloc(3 * PAGE, capture).unwrap();
     a.free(t2).unwrap();
-    end(&mut a, capture, g2);
+    end_capture(&mut a, capture, g2);
     assert!(!overlaps(
         VaRange::new(t1, 3 * PAGE),
         VaRange::new(t2, 3 * PAGE)
@@ -175,13 +158,13 @@ fn pressure_never_takes_a_live_pools_pages_and_a_released_pool_gives_them_back()
     let mut a = new_alloc(Config::default());
     let capture = StreamId(7);
     let pool = GraphPool(0, 9);
-    begin(&mut a, capture, pool, CaptureMode::Global);
+    begin_capture(&mut a, capture, pool, CaptureMode::Global);
     let temp = a.alloc(20 * PAGE, capture).unwrap();
     a.driver_mut()
         .write(temp, &common::pattern(1, (20 * PAGE) as usize))
         .unwrap();
     a.free(temp).unwrap();
-    end(&mut a, capture, pool);
+    end_capture(&mut a, capture, pool);
     // 20 of 32 pages are the pool's, idle: 16 pages elsewhere cannot be had without them.
     let err = a.alloc(16 * PAGE, StreamId(1)).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
@@ -228,7 +211,7 @@ fn during_a_capture_out_of_memory_is_reported_and_the_cache_is_left_alone() {
     a.free(x).unwrap();
     let capture = StreamId(2);
     let pool = GraphPool(3, 0);
-    begin(&mut a, capture, pool, CaptureMode::Global);
+    begin_capture(&mut a, capture, pool, CaptureMode::Global);
     let err = a.alloc(16 * PAGE, capture).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     assert!(err.to_string().contains("being captured"), "{err}");
@@ -239,7 +222,7 @@ fn during_a_capture_out_of_memory_is_reported_and_the_cache_is_left_alone() {
     assert!(matches!(a.trim(PAGE), Err(Error::CaptureUnderway { .. })));
     let small = a.alloc(4 * PAGE, capture).unwrap();
     a.check_invariants().unwrap();
-    end(&mut a, capture, pool);
+    end_capture(&mut a, capture, pool);
     assert_capture_safe(&a);
     // After the capture the idle pages can be taken again.
     let y = a.alloc(16 * PAGE, busy).unwrap();

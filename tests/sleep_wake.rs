@@ -17,8 +17,8 @@
 
 mod common;
 
-use common::{holds_pattern, write_pattern};
-use cuvmm::strategy::{GraphPools, StreamUses};
+use common::{begin_capture, end_capture, holds_pattern, write_pattern};
+use cuvmm::strategy::StreamUses;
 #[path = "sleep_wake/model.rs"]
 mod model;
 
@@ -26,9 +26,7 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{CaptureMode, DriverError, Op, VaRange};
 use cuvmm::expandable::Expandable;
-use cuvmm::{
-    Allocator, Config, Driver as _, Error, GraphPool, Strategy as _, StreamFilter, StreamId,
-};
+use cuvmm::{Allocator, Config, Driver as _, Error, GraphPool, Strategy as _, StreamId};
 use proptest::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -164,12 +162,7 @@ fn a_sleeping_tag_refuses_allocations_frees_and_captures() {
     ));
     // A capture: neither sleep, nor wake, nor a release of host memory.
     let capture = StreamId(3);
-    let id = a
-        .driver_mut()
-        .begin_capture(capture, CaptureMode::ThreadLocal)
-        .unwrap();
-    a.begin_allocate_to_pool(GraphPool(1, 0), StreamFilter::Capture(id))
-        .unwrap();
+    begin_capture(&mut a, capture, GraphPool(1, 0), CaptureMode::ThreadLocal);
     assert!(matches!(
         a.wake("kv"),
         Err(Error::CaptureUnderway { operation: "wake" })
@@ -185,8 +178,7 @@ fn a_sleeping_tag_refuses_allocations_frees_and_captures() {
             operation: "release_host_buffers"
         })
     ));
-    a.driver_mut().end_capture(capture).unwrap();
-    a.end_allocate_to_pool(GraphPool(1, 0)).unwrap();
+    end_capture(&mut a, capture, GraphPool(1, 0));
     a.wake("kv").unwrap();
     a.wake("kv").unwrap();
     a.wake("never named").unwrap();
@@ -202,18 +194,12 @@ fn a_graph_captured_on_tagged_memory_replays_after_the_wake() {
     let (s, capture) = (StreamId(1), StreamId(3));
     let weights = a.alloc_tagged(6 * PAGE, s, "weights").unwrap();
     write_pattern(&mut a, weights, 7, 6 * PAGE);
-    let id = a
-        .driver_mut()
-        .begin_capture(capture, CaptureMode::ThreadLocal)
-        .unwrap();
     let pool = GraphPool(1, 0);
-    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-        .unwrap();
+    begin_capture(&mut a, capture, pool, CaptureMode::ThreadLocal);
     let out = a.alloc(PAGE, capture).unwrap();
     let ranges = [VaRange::new(weights, 6 * PAGE), VaRange::new(out, PAGE)];
     a.driver_mut().launch(capture, &ranges).unwrap();
-    a.driver_mut().end_capture(capture).unwrap();
-    a.end_allocate_to_pool(pool).unwrap();
+    end_capture(&mut a, capture, pool);
 
     a.sleep("weights", true).unwrap();
     assert!(
@@ -235,13 +221,8 @@ fn a_graph_captured_on_tagged_memory_replays_after_the_wake() {
 /// graph keeps using); returns the graph and the ranges its replay touches.
 fn capture_in_tag(a: &mut Alloc, weights: Option<u64>, blocks: usize) -> (u64, Vec<VaRange>) {
     let capture = StreamId(3);
-    let id = a
-        .driver_mut()
-        .begin_capture(capture, CaptureMode::ThreadLocal)
-        .unwrap();
     let pool = GraphPool(1, 0);
-    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-        .unwrap();
+    let id = begin_capture(a, capture, pool, CaptureMode::ThreadLocal);
     let made: Vec<u64> = (0..blocks)
         .map(|_| a.alloc_tagged(4 * PAGE, capture, "t").unwrap())
         .collect();
@@ -249,8 +230,7 @@ fn capture_in_tag(a: &mut Alloc, weights: Option<u64>, blocks: usize) -> (u64, V
     ranges.extend(weights.map(|w| VaRange::new(w, 6 * PAGE)));
     a.driver_mut().launch(capture, &ranges).unwrap();
     a.free(*made.last().unwrap()).unwrap();
-    a.driver_mut().end_capture(capture).unwrap();
-    a.end_allocate_to_pool(pool).unwrap();
+    end_capture(a, capture, pool);
     (id, ranges)
 }
 

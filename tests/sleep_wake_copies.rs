@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{holds_pattern, pattern, write_pattern};
+use common::{begin_capture, end_capture, holds_pattern, pattern, write_pattern};
 use cuvmm::driver::after_effect::AfterEffect;
 use cuvmm::driver::sim::{COPY_STREAM, FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{
@@ -21,7 +21,7 @@ use cuvmm::driver::{
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::GraphPools;
 use cuvmm::strategy::tags::Begun;
-use cuvmm::{Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
+use cuvmm::{Config, Error, GraphPool, Strategy as _, StreamId};
 
 const PAGE: u64 = 4096;
 const PAGES: u64 = 64;
@@ -298,13 +298,8 @@ fn a_graph_captured_in_a_tag_sleeps_and_replays_after_the_wake() {
     let (s, capture) = (StreamId(1), StreamId(3));
     let input = a.alloc_tagged(4 * PAGE, s, "graph").unwrap();
     write_pattern(&mut a, input, 1, 4 * PAGE);
-    let id = a
-        .driver_mut()
-        .begin_capture(capture, CaptureMode::ThreadLocal)
-        .unwrap();
     let pool = GraphPool(1, 0);
-    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-        .unwrap();
+    let id = begin_capture(&mut a, capture, pool, CaptureMode::ThreadLocal);
     let tmp = a.alloc_tagged(6 * PAGE, capture, "graph").unwrap();
     let input_range = VaRange::new(input, 4 * PAGE);
     a.driver_mut()
@@ -316,8 +311,7 @@ fn a_graph_captured_in_a_tag_sleeps_and_replays_after_the_wake() {
         .launch(capture, &[VaRange::new(tmp, 6 * PAGE), out_range])
         .unwrap();
     a.free(tmp).unwrap();
-    a.driver_mut().end_capture(capture).unwrap();
-    a.end_allocate_to_pool(pool).unwrap();
+    end_capture(&mut a, capture, pool);
     write_pattern(&mut a, out, 2, 2 * PAGE);
     a.driver_mut().replay_graph(id, s).unwrap();
     a.driver_mut().complete_stream(s);

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{expandable_with, pattern};
+use common::{begin_capture, expandable_with, pattern};
 use cuvmm::config::Compaction;
 use cuvmm::driver::CaptureMode;
 use cuvmm::driver::sim::SimDriver;
@@ -217,13 +217,7 @@ fn release_stranded_leaves_shared_memory_and_is_refused_during_a_capture() {
         "the shared segment is not split"
     );
     drop(shared);
-    let capture = StreamId(2);
-    let id = a
-        .driver_mut()
-        .begin_capture(capture, CaptureMode::Global)
-        .unwrap();
-    a.begin_allocate_to_pool(GraphPool(3, 0), StreamFilter::Capture(id))
-        .unwrap();
+    begin_capture(&mut a, StreamId(2), GraphPool(3, 0), CaptureMode::Global);
     assert!(matches!(
         a.release_stranded(),
         Err(Error::CaptureUnderway {

@@ -5,9 +5,11 @@ pub mod memory;
 pub mod sim_device;
 pub mod source;
 
-use cuvmm::Config;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
+use cuvmm::driver::{CaptureMode, StreamId};
 use cuvmm::expandable::Expandable;
+use cuvmm::strategy::GraphPools;
+use cuvmm::{Config, GraphPool, StreamFilter};
 
 /// An expandable allocator on a simulated device of `pages` pages of `granularity` bytes. Requests above
 /// `small_size` go to the large pool.
@@ -57,4 +59,29 @@ pub fn write_pattern(a: &mut Expandable<SimDriver>, addr: u64, id: u64, size: u6
 /// Whether `addr` of the allocator's simulated device holds [`pattern`]`(id, size)`.
 pub fn holds_pattern(a: &Expandable<SimDriver>, addr: u64, id: u64, size: u64) -> bool {
     a.driver().read(addr, size as usize).expect("readable") == pattern(id, size as usize)
+}
+
+/// Begins a capture of `stream` and the pool it allocates to, as PyTorch's `CUDAGraph.capture_begin` does;
+/// returns the capture's id.
+pub fn begin_capture(
+    a: &mut Expandable<SimDriver>,
+    stream: StreamId,
+    pool: GraphPool,
+    mode: CaptureMode,
+) -> u64 {
+    let id = a
+        .driver_mut()
+        .begin_capture(stream, mode)
+        .expect("begin capture");
+    a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
+        .expect("begin pool");
+    id
+}
+
+/// Ends the capture of `stream` (it must not have been invalidated) and stops allocating to `pool`.
+pub fn end_capture(a: &mut Expandable<SimDriver>, stream: StreamId, pool: GraphPool) {
+    a.driver_mut()
+        .end_capture(stream)
+        .expect("the capture was invalidated");
+    a.end_allocate_to_pool(pool).expect("end pool");
 }

@@ -214,9 +214,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
                     GraphPool(m.next_pool, 0)
                 }
             };
-            let id = a.driver_mut().begin_capture(s, mode(md)).unwrap();
-            a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-                .unwrap();
+            begin_capture(a, s, pool, mode(md));
             m.pools.entry(pool).or_default().0 += 1;
             m.capturing.insert(s, pool);
             m.last_pool = Some(pool);
@@ -288,7 +286,7 @@ fn run(config: Config, handle: (u64, bool), actions: Vec<Action>) {
     }
     // The end: every capture ended, every pool released, every stream done, everything freed.
     for (s, pool) in std::mem::take(&mut m.capturing) {
-        end(&mut a, s, pool);
+        end_capture(&mut a, s, pool);
     }
     for (pool, (uses, _)) in std::mem::take(&mut m.pools) {
         for _ in 0..uses {

@@ -204,19 +204,11 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
             None => {
                 m.pools += 1;
                 let pool = GraphPool(m.pools, 0);
-                let id = a
-                    .driver_mut()
-                    .begin_capture(CAPTURE, CaptureMode::ThreadLocal)
-                    .unwrap();
-                a.begin_allocate_to_pool(pool, StreamFilter::Capture(id))
-                    .unwrap();
+                begin_capture(a, CAPTURE, pool, CaptureMode::ThreadLocal);
                 m.capturing = Some(pool);
             }
             Some(pool) => {
-                a.driver_mut()
-                    .end_capture(CAPTURE)
-                    .expect("the capture was not invalidated");
-                a.end_allocate_to_pool(pool).unwrap();
+                end_capture(a, CAPTURE, pool);
                 a.release_pool(pool).unwrap();
             }
         },
