@@ -264,7 +264,7 @@ fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refu
 }
 
 /// A capture announced while another thread's sleep copies its bytes begins only once the copies are over:
-/// they pin host memory and wait for an event, calls a global-mode capture forbids on every thread.
+/// they pin host memory, which a global-mode capture forbids on every thread.
 #[test]
 fn a_pool_begun_while_a_sleep_copies_waits_for_the_copies() {
     let gate = Gate::new(true);

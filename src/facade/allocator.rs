@@ -491,8 +491,8 @@ impl<S: Strategy + GraphPools> Allocator<S> {
     /// no call CUDA refuses during a capture. See [`crate::strategy::graph_pool`].
     ///
     /// While another thread's sleep or wake copies a tag's bytes (without the lock), this waits for the
-    /// copies to end ([`GraphPools::ready_to_begin_pool`]): they make calls a global-mode capture forbids
-    /// on every thread. After ten minutes of copies it gives up with [`Error::TagBusy`].
+    /// copies to end ([`GraphPools::ready_to_begin_pool`]): they pin host memory, which a global-mode
+    /// capture forbids on every thread. After ten minutes of copies it gives up with [`Error::TagBusy`].
     pub fn begin_allocate_to_pool(
         &self,
         pool: GraphPool,

@@ -35,9 +35,9 @@ pub trait GraphPools {
     ) -> Result<(), Error>;
 
     /// Whether a pool may begin now. Not while a sleep's or a wake's copies run without the caller's lock
-    /// ([`Error::TagBusy`], [`Tags`]): they make calls that a global-mode capture forbids on every thread
-    /// (pinning host memory, waiting for an event), so a capture begun meanwhile would be invalidated. The
-    /// facade waits for them to end. `Ok` for a strategy without tags.
+    /// ([`Error::TagBusy`], [`Tags`]): they pin host memory, which a global-mode capture forbids on every
+    /// thread (a capture begun meanwhile would be invalidated), and then wait for an event. The facade waits
+    /// for them to end. `Ok` for a strategy without tags.
     fn ready_to_begin_pool(&self) -> Result<(), Error> {
         Ok(())
     }
