@@ -199,14 +199,12 @@ impl Tags {
             t.kept.take_back(pieces, false);
         }
         t.kept.forget_contents();
-        if !keep_buffers {
-            let pieces = t.kept.free_buffers();
-            self.freed.extend(pieces);
-        }
-        let t = self.get_mut(id);
         t.state = State::Awake;
         t.blocks.clear();
         t.wake.clear();
+        if !keep_buffers {
+            self.release_host(id);
+        }
     }
 
     /// The live blocks tag `id` fell asleep with.
