@@ -105,3 +105,54 @@ fn many_threads_on_several_streams() {
     assert_eq!(alloc.stats().reserved_bytes.current, 0);
     alloc.with_strategy(|s| assert!(s.driver().leak_report().is_empty()));
 }
+
+#[test]
+fn a_trace_tracker_sees_the_mappings_and_blocks_as_they_happen_and_its_panic_is_contained() {
+    use cuvmm::history::{TraceAction, TraceEntry};
+    use std::sync::{Arc, Mutex};
+    let alloc = allocator(64);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&seen);
+    alloc
+        .attach_trace_tracker(|e: &TraceEntry| {
+            assert_ne!(e.action, TraceAction::FreeCompleted, "a tracker's bug")
+        })
+        .unwrap();
+    alloc
+        .attach_trace_tracker(move |e: &TraceEntry| {
+            sink.lock().unwrap().push((e.action, e.addr, e.size))
+        })
+        .unwrap();
+    let buffer = alloc.alloc(3 * PAGE).unwrap();
+    let addr = buffer.ptr();
+    drop(buffer);
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    use TraceAction::*;
+    let actions: Vec<TraceAction> = seen.iter().map(|e| e.0).collect();
+    assert_eq!(
+        actions,
+        [
+            SegmentMap,
+            Alloc,
+            FreeRequested,
+            FreeCompleted,
+            SegmentUnmap
+        ],
+        "{seen:x?}"
+    );
+    assert_eq!(seen[1], (Alloc, addr, 3 * PAGE));
+    let (mapped, unmapped) = (seen[0], seen[4]);
+    assert!(
+        mapped.1 <= addr && addr + 3 * PAGE <= mapped.1 + mapped.2,
+        "{seen:x?}"
+    );
+    assert_eq!(
+        (unmapped.1, unmapped.2),
+        (mapped.1, mapped.2),
+        "the pages mapped for it, given back"
+    );
+    assert_eq!(alloc.stats().reserved_bytes.current, 0);
+    alloc.with_strategy(|s| assert!(s.driver().leak_report().is_empty()));
+}

@@ -143,6 +143,66 @@ fn the_history_is_a_ring_buffer_and_off_by_default() {
     assert!(!snap.segments.is_empty());
 }
 
+/// Replays `moe` through `name` with a trace tracker attached (and the history kept, with `keep`); the
+/// tracker's events and the snapshot.
+fn replayed_with_tracker(name: &str, keep: bool) -> (Vec<TraceEntry>, MemorySnapshot) {
+    let mut strategy = allocators::build(name, 80 * GIB, 2 * MIB).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = std::sync::Arc::clone(&seen);
+    let snapshots = strategy.snapshots().unwrap();
+    let tracker = move |e: &TraceEntry| sink.lock().unwrap().push(*e);
+    snapshots
+        .attach_trace_tracker(std::sync::Arc::new(tracker))
+        .unwrap();
+    if keep {
+        snapshots.record_history(Some(usize::MAX)).unwrap();
+    }
+    replay(strategy.as_mut(), &moe(), &ReplayOptions::default()).unwrap();
+    strategy.check_invariants().unwrap();
+    let snap = strategy.snapshots().unwrap().snapshot().unwrap();
+    let seen = seen.lock().unwrap().clone();
+    (seen, snap)
+}
+
+#[test]
+fn trace_trackers_see_each_event_the_history_keeps_recording_or_not() {
+    for &name in ALLOCATORS {
+        let (tracked, snap) = replayed_with_tracker(name, true);
+        assert!(!tracked.is_empty(), "{name}");
+        assert_eq!(
+            tracked, snap.device_traces[0],
+            "{name}: the same events, in order, with their times"
+        );
+
+        // A registration hook's view (NCCL's): the segment events add up to the memory mapped now.
+        let net: i128 = (tracked.iter())
+            .map(|e| match e.action {
+                TraceAction::SegmentMap | TraceAction::SegmentAlloc => e.size as i128,
+                TraceAction::SegmentUnmap | TraceAction::SegmentFree => -(e.size as i128),
+                _ => 0,
+            })
+            .sum();
+        assert_eq!(net, snap.reserved() as i128, "{name}");
+
+        let (tracked_alone, snap) = replayed_with_tracker(name, false);
+        assert!(
+            snap.device_traces.iter().all(Vec::is_empty),
+            "{name}: nothing kept"
+        );
+        let actions = |events: &[TraceEntry]| {
+            events
+                .iter()
+                .map(|e| (e.action, e.addr, e.size))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            actions(&tracked_alone),
+            actions(&tracked),
+            "{name}: recording or not"
+        );
+    }
+}
+
 #[test]
 fn the_pickle_uses_only_memoryviz_opcodes_and_reads_back() {
     for &name in ALLOCATORS {

@@ -5,7 +5,7 @@
 
 use super::segment::Segment;
 use crate::driver::{DriverCounters, StreamId};
-use crate::strategy::history::{self, History, TraceAction, TraceEntry};
+use crate::strategy::history::{Events, TraceAction, TraceEntry, TraceTracker};
 use crate::strategy::pool::Pool;
 use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
 
@@ -205,8 +205,8 @@ pub(super) struct Books {
     lent_pages: [usize; 2],
     /// The block being backed with pages (pool, bytes): carved, not yet counted as allocated.
     carving: Option<(Pool, u64)>,
-    /// Events recorded for snapshots, when recording is on.
-    history: Option<History>,
+    /// Where events go: the history kept for snapshots, and the trace trackers.
+    events: Events,
     page_size: u64,
     /// [`Config::max_split_size`](crate::Config): a block at least this large is oversize.
     max_split_size: Option<u64>,
@@ -221,7 +221,7 @@ impl Books {
             idle_pages: 0,
             lent_pages: [0; 2],
             carving: None,
-            history: None,
+            events: Events::default(),
             page_size,
             max_split_size,
         }
@@ -265,28 +265,30 @@ impl Books {
         (self.counters).count_block(pool, size, requested, live, oversize);
     }
 
-    /// Records an event for snapshots if recording is on.
+    /// Records an event for snapshots and trackers, if either wants it.
     #[inline]
     pub(super) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        history::record(&mut self.history, action, addr, size, stream);
+        self.events.record(action, addr, size, stream);
     }
 
-    /// Records an out-of-memory of a request of `size` bytes, if recording is on.
+    /// Records an out-of-memory of a request of `size` bytes, if recording or tracked.
     pub(super) fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
-        history::record_oom(&mut self.history, size, stream, device_free);
+        self.events.record_oom(size, stream, device_free);
     }
 
     /// Starts (`Some(max_entries)`) or stops recording history.
     pub(super) fn record_history(&mut self, max_entries: Option<usize>) {
-        self.history = max_entries.map(History::new);
+        self.events.keep(max_entries);
+    }
+
+    /// Calls `tracker` with every event from now on.
+    pub(super) fn attach_trace_tracker(&mut self, tracker: TraceTracker) {
+        self.events.track(tracker);
     }
 
     /// The history recorded, oldest first.
     pub(super) fn history_entries(&self) -> Vec<TraceEntry> {
-        self.history
-            .as_ref()
-            .map(|h| h.entries())
-            .unwrap_or_default()
+        self.events.entries()
     }
 
     /// The block being backed with pages, if any (pool, bytes).

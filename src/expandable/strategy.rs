@@ -13,6 +13,7 @@ use crate::strategy::capabilities::{
 use crate::strategy::config::ConfigError;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::history::TraceTracker;
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
@@ -228,6 +229,11 @@ impl<D: Driver> Snapshots for Expandable<D> {
 
     fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
         self.books.record_history(max_entries);
+        Ok(())
+    }
+
+    fn attach_trace_tracker(&mut self, tracker: TraceTracker) -> Result<(), Error> {
+        self.books.attach_trace_tracker(tracker);
         Ok(())
     }
 }

@@ -19,6 +19,7 @@ use crate::strategy::capabilities::{Controls, GraphPools, Peers, Snapshots, Stre
 use crate::strategy::config::Config;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::history::TraceEntry;
 use crate::strategy::stats::Stats;
 use rustc_hash::FxHashSet;
 use std::fmt;
@@ -480,6 +481,19 @@ impl<S: Strategy + Snapshots> Allocator<S> {
     /// with `None` (PyTorch's `torch.cuda.memory._record_memory_history`).
     pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), Error> {
         self.shared.strategy.lock().record_history(max_entries)
+    }
+
+    /// Calls `tracker` with every event from now on, recording or not (PyTorch's
+    /// `attachAllocatorTraceTracker`, which NCCL's memory-registration hooks use): on the thread of the
+    /// event, under the allocator's lock, so it must not call this allocator. Segment events always reach
+    /// it; the alloc and free events of buffers a stream cache serves reach neither it nor the history
+    /// (with `stream_cache_eager`, the default, from a thread's first free; else once threads contend).
+    /// A panic in it is caught and logged.
+    pub fn attach_trace_tracker(
+        &self,
+        tracker: impl Fn(&TraceEntry) + Send + Sync + 'static,
+    ) -> Result<(), Error> {
+        (self.shared.strategy.lock()).attach_trace_tracker(std::sync::Arc::new(tracker))
     }
 }
 

@@ -10,6 +10,7 @@
 use crate::driver::{HostMemory, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
+use crate::strategy::history::TraceTracker;
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::tags::{Begun, TagCopy, TagInfo};
@@ -143,6 +144,11 @@ pub trait Snapshots {
     /// (PyTorch's `_record_memory_history(max_entries=...)`), or stops and forgets them with `None`.
     /// Recording is off until this is called; off, it costs nothing measurable.
     fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error>;
+
+    /// Calls `tracker` with every event from now on, recording or not (PyTorch's
+    /// `attachAllocatorTraceTracker`): on the thread of the event, under the allocator's lock, so it must not
+    /// call the allocator ([`TraceTracker`]).
+    fn attach_trace_tracker(&mut self, tracker: TraceTracker) -> Result<(), Error>;
 }
 
 /// The bytes of allocated memory, through the driver (`--touch` replays and tests; not a fast path).

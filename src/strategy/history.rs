@@ -1,13 +1,17 @@
-//! The allocator's event history for snapshots: PyTorch's `torch.cuda.memory._record_memory_history`.
+//! The allocator's events: the history kept for snapshots (PyTorch's `torch.cuda.memory._record_memory_history`)
+//! and the trackers called with each event as it happens (PyTorch's `attachAllocatorTraceTracker`).
 //!
 //! Recording is off until [`Snapshots::record_history`](crate::strategy::Snapshots::record_history) turns it on, and
 //! then keeps the last `max_entries` events in a ring buffer, as PyTorch's `alloc_buffer` does, each with
-//! its time (microseconds since the Unix epoch, as PyTorch's `time_us`). Off, it costs each operation one
-//! test of an `Option`.
+//! its time (microseconds since the Unix epoch, as PyTorch's `time_us`). Trackers are called whether or not
+//! it records, as PyTorch calls them. With neither, an event costs each operation one test of a flag.
 
 use crate::driver::StreamId;
 use serde::Serialize;
 use std::collections::VecDeque;
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What happened, under PyTorch's names for trace entries.
@@ -118,39 +122,93 @@ impl History {
     }
 }
 
-/// Records `action` in `history` if recording is on. Inlined so that, off, an event costs one branch.
-#[inline]
-pub fn record(
-    history: &mut Option<History>,
-    action: TraceAction,
-    addr: u64,
-    size: u64,
-    stream: StreamId,
-) {
-    if let Some(h) = history {
-        h.push(TraceEntry {
-            action,
-            addr,
-            size,
-            stream,
-            device_free: None,
-            time_us: now_us(),
-        });
+/// A function called with each event as it happens (PyTorch's allocator trace tracker: NCCL's and
+/// torchcomms' memory-registration hooks read the `segment_map` and `segment_unmap` events). It is called on
+/// the thread the event happens on, under the allocator's lock, as PyTorch calls its trackers, so it must not
+/// call the allocator (that thread would wait for itself). A panic in it is caught and logged, and the
+/// operation goes on.
+pub type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
+
+/// Where a strategy's events go: the history kept for snapshots, while recording, and the trackers.
+#[derive(Clone, Default)]
+pub struct Events {
+    kept: Option<History>,
+    trackers: Vec<TraceTracker>,
+    /// Whether an event goes anywhere: the one test an operation pays when none does.
+    on: bool,
+}
+
+impl fmt::Debug for Events {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Events")
+            .field("kept", &self.kept)
+            .field("trackers", &self.trackers.len())
+            .finish()
     }
 }
 
-/// Records an out-of-memory of a request of `size` bytes on `stream` in `history`, if recording is on, with
-/// the device's free bytes at that moment (PyTorch's `TraceEntry::OOM`).
-pub fn record_oom(history: &mut Option<History>, size: u64, stream: StreamId, device_free: u64) {
-    if let Some(h) = history {
-        h.push(TraceEntry {
-            action: TraceAction::Oom,
-            addr: 0,
-            size,
-            stream,
-            device_free: Some(device_free),
-            time_us: now_us(),
-        });
+impl Events {
+    /// Starts keeping the last `max_entries` events (`Some`), or stops and forgets them (`None`).
+    pub fn keep(&mut self, max_entries: Option<usize>) {
+        self.kept = max_entries.map(History::new);
+        self.on = self.kept.is_some() || !self.trackers.is_empty();
+    }
+
+    /// Calls `tracker` with every event from now on, after the trackers attached before it (PyTorch's
+    /// trackers cannot be detached either).
+    pub fn track(&mut self, tracker: TraceTracker) {
+        self.trackers.push(tracker);
+        self.on = true;
+    }
+
+    /// The events kept, oldest first (none while not recording).
+    pub fn entries(&self) -> Vec<TraceEntry> {
+        self.kept.as_ref().map(History::entries).unwrap_or_default()
+    }
+
+    /// Records `action`. Inlined so that, with nowhere to go, an event costs one branch.
+    #[inline]
+    pub fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+        if self.on {
+            self.push(TraceEntry {
+                action,
+                addr,
+                size,
+                stream,
+                device_free: None,
+                time_us: now_us(),
+            });
+        }
+    }
+
+    /// Records an out-of-memory of a request of `size` bytes on `stream`, with the device's free bytes at
+    /// that moment (PyTorch's `TraceEntry::OOM`).
+    pub fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
+        if self.on {
+            self.push(TraceEntry {
+                action: TraceAction::Oom,
+                addr: 0,
+                size,
+                stream,
+                device_free: Some(device_free),
+                time_us: now_us(),
+            });
+        }
+    }
+
+    fn push(&mut self, entry: TraceEntry) {
+        for tracker in &self.trackers {
+            // Unwinding out of the middle of an operation would leave the allocator half changed.
+            if catch_unwind(AssertUnwindSafe(|| tracker(&entry))).is_err() {
+                tracing::error!(
+                    ?entry,
+                    "cuvmm: an allocator trace tracker panicked; the event is dropped for it"
+                );
+            }
+        }
+        if let Some(kept) = &mut self.kept {
+            kept.push(entry);
+        }
     }
 }
 
@@ -181,25 +239,58 @@ mod tests {
 
     #[test]
     fn each_event_carries_its_own_time() {
-        let mut on = Some(History::new(4));
+        let mut on = Events::default();
+        on.keep(Some(4));
         let before = now_us();
-        record(&mut on, TraceAction::Alloc, 1, 512, StreamId(0));
+        on.record(TraceAction::Alloc, 1, 512, StreamId(0));
         std::thread::sleep(std::time::Duration::from_millis(20));
-        record_oom(&mut on, 1 << 30, StreamId(0), 0);
+        on.record_oom(1 << 30, StreamId(0), 0);
         let after = now_us();
-        let times: Vec<u64> = on.unwrap().entries().iter().map(|e| e.time_us).collect();
+        let times: Vec<u64> = on.entries().iter().map(|e| e.time_us).collect();
         assert!(before <= times[0] && times[1] <= after, "{times:?}");
         assert!(times[1] - times[0] >= 15_000, "{times:?}");
     }
 
     #[test]
     fn off_records_nothing_and_names_round_trip() {
-        let mut off: Option<History> = None;
-        record(&mut off, TraceAction::Oom, 0, 1, StreamId(0));
-        assert!(off.is_none());
+        let mut off = Events::default();
+        off.record(TraceAction::Oom, 0, 1, StreamId(0));
+        assert!(off.entries().is_empty());
+        off.keep(Some(2));
+        off.keep(None);
+        off.record(TraceAction::Alloc, 0, 1, StreamId(0));
+        assert!(off.entries().is_empty(), "stopped recording keeps nothing");
         for name in ["alloc", "free_completed", "segment_unmap", "oom"] {
             assert_eq!(TraceAction::from_name(name).unwrap().as_str(), name);
         }
         assert_eq!(TraceAction::from_name("snapshot"), None);
+    }
+
+    #[test]
+    fn trackers_see_every_event_with_or_without_recording_and_a_panic_in_one_is_contained() {
+        use std::sync::Mutex;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let mut events = Events::default();
+        events.track(Arc::new(|_: &TraceEntry| panic!("a tracker's bug")));
+        let sink = Arc::clone(&seen);
+        events.track(Arc::new(move |e: &TraceEntry| {
+            sink.lock().unwrap().push((e.action, e.addr))
+        }));
+        events.record(TraceAction::SegmentMap, 1 << 21, 2 << 20, StreamId(0));
+        events.keep(Some(1));
+        events.record(TraceAction::Alloc, 1 << 21, 512, StreamId(0));
+        events.keep(None);
+        events.record_oom(1 << 40, StreamId(0), 7);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(
+            seen,
+            [
+                (TraceAction::SegmentMap, 1 << 21),
+                (TraceAction::Alloc, 1 << 21),
+                (TraceAction::Oom, 0)
+            ],
+            "the tracker after the panicking one still sees each event"
+        );
+        assert!(events.entries().is_empty(), "recording stopped");
     }
 }

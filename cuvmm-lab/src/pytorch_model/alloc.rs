@@ -7,7 +7,7 @@ use super::{SegmentAction, Split};
 use cuvmm::driver::{Driver, StreamId};
 use cuvmm::strategy::Strategy;
 use cuvmm::strategy::error::{Error, OutOfMemory, ReclaimStep};
-use cuvmm::strategy::history::{self, TraceAction};
+use cuvmm::strategy::history::TraceAction;
 use cuvmm::strategy::pool::Pool;
 
 /// One request, as PyTorch's `AllocParams` carries it.
@@ -50,12 +50,7 @@ impl<D: Driver> Split<D> {
                     None => {
                         self.counters.ooms += 1;
                         let oom = self.out_of_memory(orig_size, &req, marks);
-                        history::record_oom(
-                            &mut self.history,
-                            req.size,
-                            oom.stream,
-                            oom.device_free,
-                        );
+                        (self.events).record_oom(req.size, oom.stream, oom.device_free);
                         tracing::info!(
                             allocator = self.name(),
                             requested = orig_size,
@@ -266,7 +261,7 @@ impl<D: Driver> Split<D> {
         self.counters.retries += 1;
         self.counters.ooms += 1;
         let device_free = self.driver.mem_info().map_or(0, |m| m.free);
-        history::record_oom(&mut self.history, requested, stream, device_free);
+        self.events.record_oom(requested, stream, device_free);
         Ok(Error::TooLarge {
             requested,
             capacity: self.device_total,

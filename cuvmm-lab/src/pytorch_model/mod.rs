@@ -37,7 +37,7 @@ use block::{BlockPool, Blocks};
 use cuvmm::driver::{Driver, DriverCounters, StreamId, VaRange};
 use cuvmm::strategy::config::{Config, ConfigError};
 use cuvmm::strategy::error::{Error, InvariantViolation};
-use cuvmm::strategy::history::{self, History, TraceAction};
+use cuvmm::strategy::history::{Events, TraceAction, TraceTracker};
 use cuvmm::strategy::pool::Pool;
 use cuvmm::strategy::snapshot::MemorySnapshot;
 use cuvmm::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
@@ -139,8 +139,8 @@ pub struct Split<D: Driver> {
     allowed_memory_maximum: Option<u64>,
     counters: Counters,
     log: Option<Vec<SegmentEvent>>,
-    /// Events recorded for snapshots, when recording is on.
-    history: Option<History>,
+    /// Where events go: the history kept for snapshots, and the trace trackers.
+    events: Events,
 }
 
 impl<D: Driver> Split<D> {
@@ -173,7 +173,7 @@ impl<D: Driver> Split<D> {
             allowed_memory_maximum: None,
             counters: Counters::default(),
             log: None,
-            history: None,
+            events: Events::default(),
         })
     }
 
@@ -304,7 +304,7 @@ impl<D: Driver> Split<D> {
             SegmentAction::SegmentMap => TraceAction::SegmentMap,
             SegmentAction::SegmentUnmap => TraceAction::SegmentUnmap,
         };
-        history::record(&mut self.history, traced, addr, size, stream);
+        self.events.record(traced, addr, size, stream);
         if let Some(log) = &mut self.log {
             log.push(SegmentEvent {
                 action,
@@ -315,10 +315,10 @@ impl<D: Driver> Split<D> {
         }
     }
 
-    /// Records a block event for snapshots if recording is on.
+    /// Records a block event for snapshots and trackers, if either wants it.
     #[inline]
     fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        history::record(&mut self.history, action, addr, size, stream);
+        self.events.record(action, addr, size, stream);
     }
 
     /// Adds `delta` (which may be negative) to a statistic of `pool`.
@@ -425,7 +425,12 @@ impl<D: Driver> Snapshots for Split<D> {
     }
 
     fn record_history(&mut self, max_entries: Option<usize>) -> Result<(), Error> {
-        self.history = max_entries.map(History::new);
+        self.events.keep(max_entries);
+        Ok(())
+    }
+
+    fn attach_trace_tracker(&mut self, tracker: TraceTracker) -> Result<(), Error> {
+        self.events.track(tracker);
         Ok(())
     }
 }

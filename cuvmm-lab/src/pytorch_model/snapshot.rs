@@ -43,11 +43,6 @@ impl<D: Driver> Split<D> {
             }
             segments.extend(current);
         }
-        let events = self
-            .history
-            .as_ref()
-            .map(|h| h.entries())
-            .unwrap_or_default();
-        MemorySnapshot::new(device, segments, events)
+        MemorySnapshot::new(device, segments, self.events.entries())
     }
 }
