@@ -22,6 +22,8 @@ mod expandable_input;
 mod expandable_ops;
 #[path = "harness/input.rs"]
 mod input;
+#[path = "harness/mapped_events.rs"]
+mod mapped_events;
 #[path = "harness/ops_common.rs"]
 mod ops_common;
 #[path = "harness/page_map.rs"]

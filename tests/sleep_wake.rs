@@ -10,6 +10,7 @@
 //! - no two live allocations overlap, tagged or not, asleep or awake;
 //! - every awake allocation holds its bytes; an asleep one is not accessible; after a wake its bytes are
 //!   back if the sleep kept them;
+//! - the segment events a trace tracker sees add up to the driver's mappings (`harness/mapped_events.rs`);
 //! - the statistics' `asleep_bytes` is the bytes under the asleep allocations' pages, and the device holds
 //!   exactly `reserved_bytes`;
 //! - what must be refused is refused with its typed error: an allocation under, or a free of, a sleeping
@@ -19,6 +20,8 @@ mod common;
 
 use common::{begin_capture, end_capture, holds_pattern, write_pattern};
 use cuvmm::strategy::StreamUses;
+#[path = "harness/mapped_events.rs"]
+mod mapped_events;
 #[path = "sleep_wake/model.rs"]
 mod model;
 

@@ -9,6 +9,8 @@ mod expandable_input;
 mod expandable_ops;
 #[path = "../../tests/harness/input.rs"]
 mod input;
+#[path = "../../tests/harness/mapped_events.rs"]
+mod mapped_events;
 #[path = "../../tests/harness/ops_common.rs"]
 mod ops_common;
 #[path = "../../tests/harness/strategy_ops.rs"]

@@ -26,6 +26,9 @@
 //!   and no lent page outside the live blocks; `trim` gives back what was asked (with single pages),
 //!   within what was idle; `release_stranded` gives back no page of a live block (none without chunks),
 //!   and reserved memory falls by what it says it gave back;
+//! - the memory mapped, as a trace tracker sees it from the `segment_map` and `segment_unmap` events (the
+//!   view NCCL's registration hooks keep), is what the driver has mapped, page for page: nothing is
+//!   reported mapped twice, nothing unmapped that was not mapped, and no mapping goes unreported;
 //! - `share` of a live allocation returns whole mappings that cover it; sharing it again makes no
 //!   export call and hands out the same descriptors (a handle is exported once, until its release);
 //! - at the end, with faults cleared: every free succeeds, `empty_cache` leaves nothing reserved and no
@@ -33,6 +36,7 @@
 //!
 
 use crate::expandable_input::{Action, PAGE, Setup, decode};
+use crate::mapped_events::MappedEvents;
 use crate::ops_common::{Content, Faults, Live, LiveSet, Model, OnSim, Summary, check_bad_free};
 use crate::strategy_ops::OpsHarness;
 use cuvmm::config::Compaction;
@@ -80,6 +84,8 @@ pub struct State {
     lends: bool,
     live: LiveSet,
     summary: Summary,
+    /// The pages mapped, as a trace tracker sees them.
+    mapped: MappedEvents,
 }
 
 impl State {
@@ -102,8 +108,11 @@ impl State {
             ..Config::default()
         }
         .with_max_idle_bytes(setup.max_idle_bytes);
+        let mut alloc = Expandable::new(sim, config).expect("a valid configuration");
+        let mapped = MappedEvents::attach(&mut alloc, PAGE);
         Self {
-            alloc: Expandable::new(sim, config).expect("a valid configuration"),
+            alloc,
+            mapped,
             faults: Faults::default(),
             capacity,
             chunk_pages: setup.chunk_pages,
@@ -373,7 +382,7 @@ impl Model for State {
         for (addr, l) in live {
             CONTENT.verify(&mut self.alloc, addr, l)?;
         }
-        Ok(())
+        self.mapped.check(self.alloc.driver())
     }
 
     /// Clears the faults, frees everything and checks that the device is left holding nothing.

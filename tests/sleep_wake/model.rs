@@ -2,6 +2,7 @@
 //! captures and memory pressure, against a model of every allocation's bytes and tag.
 
 use super::*;
+use crate::mapped_events::MappedEvents;
 use cuvmm::strategy::{GraphPools, StreamUses};
 
 #[derive(Clone, Debug)]
@@ -237,8 +238,9 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
     }
 }
 
-fn check(a: &Alloc, m: &Model) {
+fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     a.check_invariants().unwrap();
+    mapped.check(a.driver()).unwrap();
     assert_eq!(a.driver().capture_refusals(), 0);
     let mut asleep_pages = BTreeSet::new();
     for (&addr, l) in &m.live {
@@ -278,10 +280,11 @@ fn check(a: &Alloc, m: &Model) {
 
 fn run(config: Config, actions: Vec<Action>) {
     let mut a = new_alloc(config);
+    let mapped = MappedEvents::attach(&mut a, PAGE);
     let mut m = Model::default();
     for action in &actions {
         step(&mut a, &mut m, action);
-        check(&a, &m);
+        check(&a, &m, &mapped);
     }
     if m.capturing.is_some() {
         step(&mut a, &mut m, &Action::Capture);
@@ -322,6 +325,7 @@ fn run(config: Config, actions: Vec<Action>) {
     }
     a.empty_cache().unwrap();
     assert_eq!(a.stats().reserved_bytes.current, 0);
+    mapped.check(a.driver()).unwrap();
 }
 
 proptest! {
