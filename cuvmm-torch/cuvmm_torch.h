@@ -378,6 +378,13 @@ typedef struct {
     size_t num_traces;
 } cuvmm_snapshot;
 
+/* torch's attachAllocatorTraceTracker: call `tracker(context, device, entry)` with each of `device`'s events
+ * from now on, recording or not, on the thread of the event and under cuvmm's lock of the device (as PyTorch
+ * calls its trackers): it must not call cuvmm, nor let an exception out; `entry` is valid for the call only.
+ * Trackers stay attached for the life of the process. 0 or -1. */
+typedef void (*cuvmm_trace_tracker_fn)(void *context, int device, const cuvmm_trace_entry *entry);
+int cuvmm_attach_trace_tracker(int device, cuvmm_trace_tracker_fn tracker, void *context);
+
 /* `device`'s snapshot; free it with cuvmm_snapshot_free. NULL on failure. */
 cuvmm_snapshot *cuvmm_snapshot_take(int device);
 

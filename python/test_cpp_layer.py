@@ -177,6 +177,16 @@ void observe() {
   });
 }
 std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>> observed() { return observed_; }
+// Two allocator trace trackers: one that throws at every event, then one that notes each (action, address,
+// size, pool), as NCCL's registration hook reads them.
+static std::vector<std::tuple<int64_t, uint64_t, uint64_t, uint64_t, uint64_t>> tracked_;
+void track() {
+  CCA::attachAllocatorTraceTracker([](const CCA::TraceEntry&) { throw std::runtime_error("a tracker's bug"); });
+  CCA::attachAllocatorTraceTracker([](const CCA::TraceEntry& e) {
+    tracked_.emplace_back(e.action_, e.addr_, e.size_, e.mempool_.first, e.mempool_.second);
+  });
+}
+std::vector<std::tuple<int64_t, uint64_t, uint64_t, uint64_t, uint64_t>> tracked() { return tracked_; }
 uint64_t alloc(size_t n) { return reinterpret_cast<uint64_t>(CCA::raw_alloc(n)); }
 void release(uint64_t p) { CCA::raw_delete(reinterpret_cast<void*>(p)); }
 std::string try_alloc(size_t n) {
@@ -245,7 +255,7 @@ std::string try_call(py::object f) {
   }
 }
 """
-HARNESS_FUNCTIONS = ["observe", "observed", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
+HARNESS_FUNCTIONS = ["observe", "observed", "track", "tracked", "alloc", "release", "try_alloc", "share", "open_handle", "try_open",
                      "close_handle", "close_all", "checkpoint", "restore", "record_on", "record_history", "try_call"]
 
 # A pool's own allocator for CUDAPluggableAllocator: addresses from a range no simulated device hands out
@@ -336,6 +346,7 @@ fake = ctypes.CDLL(FAKE_ALLOC)
 fake.fake_size.restype, fake.fake_ptr.restype = ctypes.c_size_t, ctypes.c_ulonglong
 plug = torch.cuda.memory.CUDAPluggableAllocator(FAKE_ALLOC, "fake_malloc", "fake_free")
 own = torch.cuda.MemPool(plug.allocator())
+h.track()
 before = stats()
 with torch.cuda.use_mem_pool(own, device=0):
     small, large, small2 = h.alloc(1000), h.alloc(3 << 20), h.alloc(2000)
@@ -347,12 +358,14 @@ out["own"] = {
     "stats": [before, stats()],
     "snapshot": [[s["address"], s["total_size"], list(s["segment_pool_id"])]
                  for s in C._cuda_memorySnapshot(own.id)["segments"]],
+    "id": list(own.id),
 }
 for p in (small, large, small2, outside):
     h.release(p)
 out["own"]["frees_while_live"] = fake.fake_frees()
 del own
 out["own"]["frees_after_del"] = fake.fake_frees()
+out["own"]["tracked"] = h.tracked()
 out["own"]["after"] = stats()
 
 # cudagraph trees: a checkpoint of a pool, blocks freed and allocated, the pool put back.
@@ -760,6 +773,21 @@ class MemPools(unittest.TestCase):
         self.assertEqual(own["frees_while_live"], 0, "kept while the pool lives, as PyTorch keeps them")
         self.assertEqual(own["frees_after_del"], 2, "given back to its allocator when the pool is deleted")
         self.assertEqual(own["after"]["allocated_bytes"], 0)
+
+    def test_trace_trackers_see_cuvmms_events_and_the_segments_of_a_pools_own_allocator(self):
+        own = self.out["own"]
+        tracked, pool = own["tracked"], own["id"]
+        segment_alloc, segment_free, alloc, free_requested = 3, 4, 0, 1  # PyTorch's TraceEntry::Action
+        sizes = own["sizes"]
+        made = [(s, size, pool) for s, size in zip(own["segments"], sizes)]
+        seen = [(e[1], e[2], e[3:]) for e in tracked if e[0] == segment_alloc]
+        self.assertEqual(seen, made, "each segment the pool's allocator made, with the pool, as PyTorch's")
+        given_back = sorted((e[1], e[2], e[3:]) for e in tracked if e[0] == segment_free)
+        self.assertEqual(given_back, sorted(made), "given back when the pool was deleted")
+        outside = own["blocks"][3]
+        self.assertIn([alloc, outside, 1000, 0, 0], tracked, "cuvmm's own events, through the C ABI")
+        self.assertIn([free_requested, outside, 1000, 0, 0], tracked)
+        self.assertLess(tracked.index([alloc, outside, 1000, 0, 0]), tracked.index([free_requested, outside, 1000, 0, 0]))
 
     def test_a_checkpoint_puts_the_pool_back(self):
         cp = self.out["checkpoint"]

@@ -74,7 +74,7 @@ using c10::MempoolId_t;
   X(cuvmm_release_pool) X(cuvmm_incref_pool)
 #define CUVMM_OPTIONAL(X)                                                                        \
   X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)        \
-  X(cuvmm_recovered_oom)
+  X(cuvmm_recovered_oom) X(cuvmm_attach_trace_tracker)
 
 struct Api {
 #define CUVMM_FIELD(name) decltype(&::name) name = nullptr;
@@ -388,11 +388,8 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
       if (include_traces && device < static_cast<DeviceIndex>(info.device_traces.size())) {
         for (size_t i = 0; i < s->num_traces; ++i) {
-          const cuvmm_trace_entry& t = s->traces[i];
-          auto& entry = info.device_traces[device].emplace_back(
-              static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
-              MempoolId_t{0, 0}, c10::getApproximateTime());
-          entry.time_.t_ = t.time_us;  // what PyTorch's snapshot reports: microseconds since the epoch
+          auto& entry = info.device_traces[device].emplace_back(trace_entry(device, s->traces[i]));
+          entry.time_.t_ = s->traces[i].time_us;  // what PyTorch's snapshot reports: microseconds since the epoch
         }
       }
     });
@@ -470,8 +467,22 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     std::lock_guard<std::mutex> lock(mutex_);
     oom_observers_.push_back(std::move(observer));
   }
-  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker /*tracker*/) override {
-    TORCH_WARN_ONCE("cuvmm: allocator trace trackers are not called; use torch.cuda.memory._snapshot()");
+  // Called with each event of every device, as PyTorch calls them: on the thread of the event, under cuvmm's
+  // lock of the device (so a tracker must not call the allocator, as PyTorch's comment on this method says),
+  // with the approximate time PyTorch's own entries carry. A tracker's exception is a warning.
+  void attachAllocatorTraceTracker(CCA::AllocatorTraceTracker tracker) override {
+    if (!api_.cuvmm_attach_trace_tracker) {
+      TORCH_WARN_ONCE("cuvmm: this libcuvmm_torch.so cannot call allocator trace trackers: rebuild it");
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(trackers_mutex_);
+      auto more = std::make_shared<Trackers>(*trackers_);
+      more->push_back(std::move(tracker));
+      trackers_ = std::move(more);
+    }
+    tracking_.store(true);
+    for_each_used([&](DeviceIndex d) { track(d); });
   }
 
   // ---- CUDA graphs and MemPool: private pools ----
@@ -870,6 +881,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         own->raw_delete(segment);
         TORCH_CHECK(false, error);
       }
+      track_own_segment(CDA::TraceEntry::SEGMENT_ALLOC, device, pool, segment, grow, stream);
     }
     TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
   }
@@ -914,9 +926,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         if (found != own_allocators_.end()) own = found->second;
       }
       if (own) {
+        auto address = reinterpret_cast<void*>(seg.address);
+        track_own_segment(CDA::TraceEntry::SEGMENT_FREE, device, {seg.pool_a, seg.pool_b}, address, seg.size,
+                          nullptr);
         without_throwing("emptyCache: giving a segment back to its pool's allocator", [&] {
           c10::cuda::CUDAGuard guard(device);
-          own->raw_delete(reinterpret_cast<void*>(seg.address));
+          own->raw_delete(address);
         });
       }
     }
@@ -954,12 +969,55 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   }
 #endif
 
-  // The first use of a device turns on history recording there if it is on.
+  // The first use of a device turns on history recording there if it is on, and calls the trace trackers.
   void use(DeviceIndex device) {
     if (device < 0 || device >= 64) return;
     uint64_t bit = uint64_t{1} << device;
     if (used_.load(std::memory_order_relaxed) & bit) return;
-    if (!(used_.fetch_or(bit) & bit) && history_entries_ > 0) api_.cuvmm_record_history(device, history_entries_);
+    if (used_.fetch_or(bit) & bit) return;
+    if (history_entries_ > 0) api_.cuvmm_record_history(device, history_entries_);
+    if (tracking_.load()) track(device);
+  }
+  // Has cuvmm call the trace trackers with `device`'s events, once per device: the device's first use and the
+  // first tracker may race, and both come here.
+  void track(DeviceIndex device) {
+    uint64_t bit = uint64_t{1} << device;
+    if (tracked_.fetch_or(bit) & bit) return;
+    if (api_.cuvmm_attach_trace_tracker(device, &CuvmmAllocator::on_event, this) != 0) {
+      std::string error = last_error("attachAllocatorTraceTracker");
+      without_throwing("allocator trace trackers will not see a device", [&] {
+        TORCH_CHECK(false, "device ", static_cast<int>(device), ": ", error);
+      });
+    }
+  }
+  // cuvmm's tracker: an event of `device` (no exception may leave it).
+  static void on_event(void* self, int device, const cuvmm_trace_entry* entry) noexcept {
+    without_throwing("an allocator trace tracker", [&] {
+      auto d = static_cast<DeviceIndex>(device);
+      static_cast<CuvmmAllocator*>(self)->call_trackers(trace_entry(d, *entry));
+    });
+  }
+  // Calls each trace tracker with `entry`; one that throws is a warning, and the others are still called.
+  void call_trackers(const CDA::TraceEntry& entry) noexcept {
+    std::shared_ptr<const Trackers> trackers;
+    {
+      std::lock_guard<std::mutex> lock(trackers_mutex_);
+      trackers = trackers_;
+    }
+    for (const auto& tracker : *trackers) without_throwing("an allocator trace tracker", [&] { tracker(entry); });
+  }
+  // A segment of a pool with an allocator of its own was made or given back: PyTorch's allocator tells its
+  // trace trackers (NCCL registers such pools' segments so), which cuvmm's own events do not cover.
+  void track_own_segment(CDA::TraceEntry::Action action, DeviceIndex device, MempoolId_t pool, void* address,
+                         size_t size, cudaStream_t stream) {
+    if (!tracking_.load()) return;
+    call_trackers(CDA::TraceEntry(action, device, reinterpret_cast<size_t>(address), size, stream, pool,
+                                  c10::getApproximateTime()));
+  }
+  // PyTorch's entry for cuvmm's event `t` of `device`, at the approximate time PyTorch's own entries take.
+  static CDA::TraceEntry trace_entry(DeviceIndex device, const cuvmm_trace_entry& t) {
+    return CDA::TraceEntry(static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
+                           MempoolId_t{0, 0}, c10::getApproximateTime());
   }
   template <typename F>
   void for_each_used(F f) {
@@ -1021,6 +1079,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   int device_count_ = 0;
   std::atomic<uint64_t> used_{0};  // bit d: device d has been named
   std::atomic<size_t> history_entries_{0};
+  std::atomic<bool> tracking_{false};  // a trace tracker is attached
+  std::atomic<uint64_t> tracked_{0};   // bit d: cuvmm calls on_event with device d's events
+  // The trackers, replaced whole when one is attached, so that an event copies a pointer, not the list.
+  using Trackers = std::vector<CCA::AllocatorTraceTracker>;
+  std::mutex trackers_mutex_;  // guards trackers_; taken under cuvmm's lock, never held calling cuvmm
+  std::shared_ptr<const Trackers> trackers_ = std::make_shared<const Trackers>();
   std::mutex mutex_;  // guards what follows, to ipc_mutex_
   std::vector<CCA::OutOfMemoryObserver> oom_observers_;
   std::map<std::tuple<DeviceIndex, c10::CaptureId_t, c10::CaptureId_t>, std::unique_ptr<Filter>> filters_;

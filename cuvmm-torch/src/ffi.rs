@@ -21,7 +21,8 @@ use crate::error::{self, AbiError};
 use crate::ops;
 use crate::registry::global;
 use crate::sharing;
-use crate::structs::{CDeviceStats, COomInfo, CSnapshot, OwnedSnapshot};
+use crate::structs::{CDeviceStats, COomInfo, CSnapshot, CTraceEntry, OwnedSnapshot};
+use cuvmm::history::TraceEntry;
 use cuvmm::{GraphPool, StreamFilter, StreamId};
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::panic;
@@ -461,6 +462,38 @@ pub extern "C" fn cuvmm_memory_fraction(device: c_int) -> f64 {
 pub extern "C" fn cuvmm_record_history(device: c_int, max_entries: usize) -> c_int {
     shell("cuvmm_record_history", -1, || {
         ops::record_history(global()?, device, max_entries).map(|()| 0)
+    })
+}
+
+/// A trace tracker as C passes it: called with `context`, the device and each event as it happens.
+pub type TraceTrackerFn =
+    unsafe extern "C" fn(context: *mut c_void, device: c_int, entry: *const CTraceEntry);
+
+/// Calls `tracker` with each of `device`'s events from now on, recording or not (PyTorch's
+/// `attachAllocatorTraceTracker`); 0 or -1.
+///
+/// # Safety
+/// `tracker` is null (an error) or a function that may be called with `context` from any thread that uses
+/// the device, for the life of the process, while cuvmm holds the device's lock: it must not call cuvmm, and
+/// must not unwind.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_attach_trace_tracker(
+    device: c_int,
+    tracker: Option<TraceTrackerFn>,
+    context: *mut c_void,
+) -> c_int {
+    shell("cuvmm_attach_trace_tracker", -1, || {
+        let tracker = tracker.ok_or(AbiError::NullArgument { what: "tracker" })?;
+        // Kept as an address: the caller, not Rust, vouches that it may be used from any thread.
+        let context = context.expose_provenance();
+        let call = move |entry: &TraceEntry| {
+            let entry = CTraceEntry::from(entry);
+            // SAFETY: the caller promises `tracker` may be called with `context` from any thread for the
+            // life of the process; `entry` lives on this stack for the call, and is only read.
+            unsafe { tracker(ptr::with_exposed_provenance_mut(context), device, &entry) }
+        };
+        ops::attach_trace_tracker(global()?, device, call)?;
+        Ok(0)
     })
 }
 

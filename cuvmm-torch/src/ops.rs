@@ -5,6 +5,7 @@
 use crate::error::AbiError;
 use crate::registry::{Registry, TorchAllocator};
 use crate::structs::{CDeviceStats, COomInfo, OwnedSnapshot};
+use cuvmm::history::TraceEntry;
 use cuvmm::{GraphPool, Strategy as _, StreamFilter, StreamId};
 use std::cell::RefCell;
 use std::path::Path;
@@ -376,6 +377,18 @@ pub fn snapshot(registry: &Registry, device: i32) -> Result<OwnedSnapshot, AbiEr
         .extend(crate::foreign::snapshot(device, None));
     snapshot.segments.sort_by_key(|s| s.address);
     Ok(OwnedSnapshot::new(&snapshot))
+}
+
+/// Calls `tracker` with each of `device`'s events from now on (PyTorch's `attachAllocatorTraceTracker`).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn attach_trace_tracker(
+    registry: &Registry,
+    device: i32,
+    tracker: impl Fn(&TraceEntry) + Send + Sync + 'static,
+) -> Result<(), AbiError> {
+    Ok(registry.allocator(device)?.attach_trace_tracker(tracker)?)
 }
 
 /// Starts recording `device`'s events for snapshots, keeping the last `max_entries`, or stops and forgets

@@ -5,6 +5,7 @@
 //! Counts are `i64` as in PyTorch's `DeviceStats` (a count past `i64::MAX` saturates); addresses and
 //! sizes are `u64`; a stream is the caller's `cudaStream_t`, its cuvmm [`StreamId`] as a pointer.
 
+use cuvmm::history::TraceEntry;
 use cuvmm::oom::OutOfMemory;
 use cuvmm::snapshot::{BlockState, MemorySnapshot};
 use cuvmm::{Stat, Stats, StreamId};
@@ -252,6 +253,18 @@ pub struct CTraceEntry {
     pub time_us: i64,
 }
 
+impl From<&TraceEntry> for CTraceEntry {
+    fn from(e: &TraceEntry) -> Self {
+        Self {
+            action: trace_action(e.action),
+            addr: e.device_free.unwrap_or(e.addr),
+            size: e.size,
+            stream: stream_ptr(e.stream),
+            time_us: i64::try_from(e.time_us).unwrap_or(i64::MAX),
+        }
+    }
+}
+
 /// `cuvmm_snapshot`: what a caller reads. Points into the [`OwnedSnapshot`] that holds it.
 #[repr(C)]
 #[derive(Debug)]
@@ -318,13 +331,7 @@ impl OwnedSnapshot {
             .last()
             .into_iter()
             .flatten()
-            .map(|e| CTraceEntry {
-                action: trace_action(e.action),
-                addr: e.device_free.unwrap_or(e.addr),
-                size: e.size,
-                stream: stream_ptr(e.stream),
-                time_us: i64::try_from(e.time_us).unwrap_or(i64::MAX),
-            })
+            .map(CTraceEntry::from)
             .collect();
         let (segments, blocks) = (segments.into_boxed_slice(), blocks.into_boxed_slice());
         let view = CSnapshot {

@@ -28,7 +28,7 @@ use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 
 const GIB: u64 = 1 << 30;
-const DEVICES: usize = 27;
+const DEVICES: usize = 28;
 
 fn setup() {
     // Only the first test to run installs it; the others find it there.
@@ -198,6 +198,11 @@ fn devices_out_of_range_are_refused_by_every_function() {
         assert_eq!(cuvmm_memory_fraction(device), -1.0);
         assert_failed(&what, "out of range");
         assert_eq!(cuvmm_record_history(device, 10), -1);
+        assert_failed(&what, "out of range");
+        let track: Option<TraceTrackerFn> = Some(stats_and_snapshots::track);
+        // SAFETY: the tracker is a function that may be called from any thread (never, here).
+        let status = unsafe { cuvmm_attach_trace_tracker(device, track, ptr::null_mut()) };
+        assert_eq!(status, -1);
         assert_failed(&what, "out of range");
         assert!(cuvmm_snapshot_take(device).is_null());
         assert_failed(&what, "out of range");

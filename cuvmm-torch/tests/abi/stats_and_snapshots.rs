@@ -259,3 +259,55 @@ fn snapshots_list_segments_blocks_and_recorded_events() {
     cuvmm_free(stream(a as usize), 0, device, ptr::null_mut());
     check_invariants(device);
 }
+
+/// An event as a test's tracker saw it: (context, device, action, addr, size).
+type Tracked = (usize, i32, i32, u64, u64);
+
+static TRACKED: std::sync::Mutex<Vec<Tracked>> = std::sync::Mutex::new(Vec::new());
+
+/// A C trace tracker that notes each event it is called with.
+pub(super) unsafe extern "C" fn track(
+    context: *mut c_void,
+    device: i32,
+    entry: *const CTraceEntry,
+) {
+    // SAFETY: cuvmm passes an entry valid for the call.
+    let e = unsafe { &*entry };
+    let noted = (context.addr(), device, e.action, e.addr, e.size);
+    TRACKED.lock().unwrap().push(noted);
+}
+
+#[test]
+fn a_trace_tracker_is_called_with_each_event_of_its_device_without_recording() {
+    setup();
+    let device = 27;
+    // SAFETY: a null tracker is allowed (refused with -1).
+    let refused = unsafe { cuvmm_attach_trace_tracker(device, None, ptr::null_mut()) };
+    assert_eq!(refused, -1);
+    assert_failed("a null tracker", "null");
+    // SAFETY: `track` may be called from any thread for the life of the process, and calls no cuvmm.
+    let attached = unsafe { cuvmm_attach_trace_tracker(device, Some(track), stream(7)) };
+    assert_eq!(attached, 0, "{:?}", last_error());
+    let p = cuvmm_malloc(3 << 20, device, stream(5));
+    assert!(!p.is_null(), "{:?}", last_error());
+    cuvmm_free(p, 3 << 20, device, stream(5));
+    cuvmm_empty_cache(device);
+    check_invariants(device);
+    let mine: Vec<_> = (TRACKED.lock().unwrap().iter())
+        .filter(|e| e.1 == device)
+        .copied()
+        .collect();
+    assert!(
+        mine.iter().all(|e| e.0 == 7),
+        "the context as given: {mine:x?}"
+    );
+    let actions: Vec<i32> = mine.iter().map(|e| e.2).collect();
+    // PyTorch's TraceEntry::Action: segment_map, alloc, free_requested, free_completed, segment_unmap.
+    assert_eq!(actions, [5, 0, 1, 2, 6], "{mine:x?}");
+    assert_eq!((mine[1].3, mine[1].4), (p.addr() as u64, 3 << 20));
+    assert_eq!(
+        (mine[4].3, mine[4].4),
+        (mine[0].3, mine[0].4),
+        "the mapping given back"
+    );
+}
