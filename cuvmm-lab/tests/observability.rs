@@ -4,7 +4,7 @@
 use cuvmm::driver::StreamId;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::error::{Error, OutOfMemory, ReclaimStep, Suggestion};
-use cuvmm::history::{TraceAction, TraceEntry};
+use cuvmm::history::{TraceAction, TraceEntry, TraceTracker};
 use cuvmm::size::{GIB, MIB};
 use cuvmm::snapshot::{BlockState, MemorySnapshot};
 use cuvmm::strategy::{Snapshots, Strategy};
@@ -17,6 +17,7 @@ use cuvmm_lab::trace::pytorch::writer::{self, op};
 use cuvmm_lab::workload;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
 const S: StreamId = StreamId(0);
 
@@ -61,18 +62,28 @@ fn opcodes(bytes: &[u8], allowed: &[u8]) -> Result<Vec<u8>, String> {
     Err("no STOP".into())
 }
 
-fn replayed_with_history(name: &str, max_entries: usize) -> (Box<dyn Strategy>, MemorySnapshot) {
+/// Replays `moe` through `name`, keeping its last `max_entries` events (none with `None`) and calling
+/// `tracker` with each, if given.
+fn replayed(
+    name: &str,
+    max_entries: Option<usize>,
+    tracker: Option<TraceTracker>,
+) -> (Box<dyn Strategy>, MemorySnapshot) {
     let mut strategy = allocators::build(name, 80 * GIB, 2 * MIB).unwrap();
-    (strategy
-        .snapshots()
-        .expect("every built-in allocator has snapshots"))
-    .record_history(Some(max_entries))
-    .unwrap();
+    let snapshots = (strategy.snapshots()).expect("every built-in allocator has snapshots");
+    snapshots.record_history(max_entries).unwrap();
+    if let Some(tracker) = tracker {
+        snapshots.attach_trace_tracker(tracker).unwrap();
+    }
     let result = replay(strategy.as_mut(), &moe(), &ReplayOptions::default()).unwrap();
     assert_eq!(result.ooms, 0);
     strategy.check_invariants().unwrap();
     let snapshot = strategy.snapshots().unwrap().snapshot().unwrap();
     (strategy, snapshot)
+}
+
+fn replayed_with_history(name: &str, max_entries: usize) -> (Box<dyn Strategy>, MemorySnapshot) {
+    replayed(name, Some(max_entries), None)
 }
 
 #[test]
@@ -146,22 +157,12 @@ fn the_history_is_a_ring_buffer_and_off_by_default() {
 /// Replays `moe` through `name` with a trace tracker attached (and the history kept, with `keep`); the
 /// tracker's events and the snapshot.
 fn replayed_with_tracker(name: &str, keep: bool) -> (Vec<TraceEntry>, MemorySnapshot) {
-    let mut strategy = allocators::build(name, 80 * GIB, 2 * MIB).unwrap();
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let sink = std::sync::Arc::clone(&seen);
-    let snapshots = strategy.snapshots().unwrap();
-    let tracker = move |e: &TraceEntry| sink.lock().unwrap().push(*e);
-    snapshots
-        .attach_trace_tracker(std::sync::Arc::new(tracker))
-        .unwrap();
-    if keep {
-        snapshots.record_history(Some(usize::MAX)).unwrap();
-    }
-    replay(strategy.as_mut(), &moe(), &ReplayOptions::default()).unwrap();
-    strategy.check_invariants().unwrap();
-    let snap = strategy.snapshots().unwrap().snapshot().unwrap();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&seen);
+    let tracker = Arc::new(move |e: &TraceEntry| sink.lock().unwrap().push(*e));
+    let (_, snapshot) = replayed(name, keep.then_some(usize::MAX), Some(tracker));
     let seen = seen.lock().unwrap().clone();
-    (seen, snap)
+    (seen, snapshot)
 }
 
 #[test]

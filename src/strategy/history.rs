@@ -4,7 +4,7 @@
 //! Recording is off until [`Snapshots::record_history`](crate::strategy::Snapshots::record_history) turns it on, and
 //! then keeps the last `max_entries` events in a ring buffer, as PyTorch's `alloc_buffer` does, each with
 //! its time (microseconds since the Unix epoch, as PyTorch's `time_us`). Trackers are called whether or not
-//! it records, as PyTorch calls them. With neither, an event costs each operation one test of a flag.
+//! it records, as PyTorch calls them. With neither, an event costs each operation two tests.
 
 use crate::driver::StreamId;
 use serde::Serialize;
@@ -134,8 +134,6 @@ pub type TraceTracker = Arc<dyn Fn(&TraceEntry) + Send + Sync>;
 pub struct Events {
     kept: Option<History>,
     trackers: Vec<TraceTracker>,
-    /// Whether an event goes anywhere: the one test an operation pays when none does.
-    on: bool,
 }
 
 impl fmt::Debug for Events {
@@ -151,14 +149,18 @@ impl Events {
     /// Starts keeping the last `max_entries` events (`Some`), or stops and forgets them (`None`).
     pub fn keep(&mut self, max_entries: Option<usize>) {
         self.kept = max_entries.map(History::new);
-        self.on = self.kept.is_some() || !self.trackers.is_empty();
     }
 
     /// Calls `tracker` with every event from now on, after the trackers attached before it (PyTorch's
     /// trackers cannot be detached either).
     pub fn track(&mut self, tracker: TraceTracker) {
         self.trackers.push(tracker);
-        self.on = true;
+    }
+
+    /// Whether an event goes anywhere.
+    #[inline]
+    fn on(&self) -> bool {
+        self.kept.is_some() || !self.trackers.is_empty()
     }
 
     /// The events kept, oldest first (none while not recording).
@@ -166,10 +168,10 @@ impl Events {
         self.kept.as_ref().map(History::entries).unwrap_or_default()
     }
 
-    /// Records `action`. Inlined so that, with nowhere to go, an event costs one branch.
+    /// Records `action`. Inlined so that, with nowhere to go, an event costs two tests.
     #[inline]
     pub fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        if self.on {
+        if self.on() {
             self.push(TraceEntry {
                 action,
                 addr,
@@ -184,7 +186,7 @@ impl Events {
     /// Records an out-of-memory of a request of `size` bytes on `stream`, with the device's free bytes at
     /// that moment (PyTorch's `TraceEntry::OOM`).
     pub fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
-        if self.on {
+        if self.on() {
             self.push(TraceEntry {
                 action: TraceAction::Oom,
                 addr: 0,
