@@ -111,6 +111,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_set_memory_fraction",
                 "cuvmm_memory_fraction",
                 "cuvmm_record_history",
+                "cuvmm_attach_trace_tracker",
                 "cuvmm_last_oom",
                 "cuvmm_snapshot_take",
                 "cuvmm_snapshot_free",
