@@ -1,8 +1,8 @@
 //! The C interface is declared once, in Rust (`src/ffi.rs` and `src/ffi/`, the `#[repr(C)]` structs of
 //! `src/structs.rs`), and everything that restates it is checked against that here, so none can drift:
 //! - `cuvmm_torch.h`: every exported function is declared with the same parameters and result, and nothing
-//!   else; every struct has the same fields, of the same C types, in the same order; the stream filter's
-//!   function pointer type is the Rust one;
+//!   else; every struct has the same fields, of the same C types, in the same order; the function pointer
+//!   types (the stream filter, the trace tracker) are the Rust ones;
 //! - the C++ layer (`csrc/cuvmm_allocator.cpp`) calls through the header's declarations (`decltype`), so its
 //!   table only has to name functions the header declares;
 //! - the Python module's ctypes table (`python/cuvmm_torch/__init__.py`, `_declare`) names exported
@@ -16,6 +16,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use syn::{FnArg, Item, ReturnType, Type};
+
+/// The function pointer types a C caller passes: the Rust type's name, the header's typedef.
+const FN_POINTERS: [(&str, &str); 2] = [
+    ("StreamFilterFn", "cuvmm_stream_filter"),
+    ("TraceTrackerFn", "cuvmm_trace_tracker_fn"),
+];
 
 /// A function's parameters' C types and its result's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,7 +73,9 @@ fn c_type(ty: &Type) -> Option<String> {
                 "u64" => "uint64_t".to_string(),
                 "c_longlong" => "long long".to_string(),
                 "c_ulonglong" => "unsigned long long".to_string(),
-                "StreamFilterFn" => "cuvmm_stream_filter".to_string(),
+                _ if let Some((_, c)) = FN_POINTERS.iter().find(|(r, _)| *r == name) => {
+                    (*c).to_string()
+                }
                 "Option" => {
                     // Option<fn> is a nullable function pointer: the type inside it.
                     let syn::PathArguments::AngleBracketed(args) = &last.arguments else {
@@ -132,11 +140,11 @@ fn is_repr_c(attrs: &[syn::Attribute]) -> bool {
 }
 
 /// What the Rust sources declare: exported functions, `#[repr(C)]` structs (C name -> fields), and the
-/// stream filter's function pointer type.
+/// function pointer types of [`FN_POINTERS`] (C name -> signature).
 struct RustInterface {
     functions: BTreeMap<String, Signature>,
     structs: BTreeMap<String, Vec<(String, String)>>,
-    filter: Option<Signature>,
+    pointers: BTreeMap<String, Signature>,
 }
 
 fn bare_fn_signature(f: &syn::TypeBareFn) -> Signature {
@@ -160,7 +168,7 @@ fn rust_interface() -> RustInterface {
     rust_files(&crate_dir().join("src"), &mut files);
     let mut functions = BTreeMap::new();
     let mut structs = BTreeMap::new();
-    let mut filter = None;
+    let mut pointers = BTreeMap::new();
     for file in files {
         let text = std::fs::read_to_string(&file).expect("readable source");
         let parsed = syn::parse_file(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
@@ -201,9 +209,11 @@ fn rust_interface() -> RustInterface {
                         .collect();
                     structs.insert(name, fields);
                 }
-                Item::Type(t) if t.ident == "StreamFilterFn" => {
-                    if let Type::BareFn(f) = &*t.ty {
-                        filter = Some(bare_fn_signature(f));
+                Item::Type(t) => {
+                    if let (Type::BareFn(f), Some((_, c))) =
+                        (&*t.ty, FN_POINTERS.iter().find(|(r, _)| t.ident == r))
+                    {
+                        pointers.insert((*c).to_string(), bare_fn_signature(f));
                     }
                 }
                 _ => {}
@@ -213,7 +223,7 @@ fn rust_interface() -> RustInterface {
     RustInterface {
         functions,
         structs,
-        filter,
+        pointers,
     }
 }
 
@@ -458,15 +468,12 @@ fn the_headers_structs_are_the_rust_mirrors_field_for_field() {
             ));
         }
     }
-    let filter = rust.filter.expect("StreamFilterFn is read");
-    let declared = header
-        .pointers
-        .get("cuvmm_stream_filter")
-        .expect("the header's cuvmm_stream_filter");
-    if !same_signature(&filter, declared) {
-        report.push(format!(
-            "cuvmm_stream_filter: Rust {filter:?}, header {declared:?}"
-        ));
+    for (r, c) in FN_POINTERS {
+        let ours = (rust.pointers.get(c)).unwrap_or_else(|| panic!("{r} is read"));
+        let declared = (header.pointers.get(c)).unwrap_or_else(|| panic!("the header's {c}"));
+        if !same_signature(ours, declared) {
+            report.push(format!("{c}: Rust {ours:?}, header {declared:?}"));
+        }
     }
     assert!(
         report.is_empty(),
