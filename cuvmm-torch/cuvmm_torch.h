@@ -367,6 +367,7 @@ typedef struct {
     uint64_t addr, size;
     cudaStream_t stream;
     int64_t time_us; /* when it happened: microseconds since the Unix epoch (PyTorch's time_us) */
+    unsigned long long pool_a, pool_b; /* the private pool of the memory (PyTorch's mempool_), {0, 0} for none */
 } cuvmm_trace_entry;
 
 typedef struct {

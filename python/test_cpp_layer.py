@@ -365,6 +365,13 @@ for p in (small, large, small2, outside):
 out["own"]["frees_while_live"] = fake.fake_frees()
 del own
 out["own"]["frees_after_del"] = fake.fake_frees()
+# A pool of cuvmm's memory: its events name it, as PyTorch's do (NCCL's registration hook matches them).
+plain = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(plain, device=0):
+    inside = h.alloc(5 << 20)
+h.release(inside)
+out["own"]["plain"] = {"id": list(plain.id), "block": inside}
+del plain
 out["own"]["tracked"] = h.tracked()
 out["own"]["after"] = stats()
 
@@ -788,6 +795,12 @@ class MemPools(unittest.TestCase):
         self.assertIn([alloc, outside, 1000, 0, 0], tracked, "cuvmm's own events, through the C ABI")
         self.assertIn([free_requested, outside, 1000, 0, 0], tracked)
         self.assertLess(tracked.index([alloc, outside, 1000, 0, 0]), tracked.index([free_requested, outside, 1000, 0, 0]))
+        block, plain = own["plain"]["block"], own["plain"]["id"]
+        self.assertIn([alloc, block, 5 << 20] + plain, tracked, "an allocation in a MemPool names the pool")
+        segment_map = 5
+        mapped = [e for e in tracked if e[0] == segment_map and e[1] <= block < e[1] + e[2]]
+        self.assertTrue(mapped, tracked)
+        self.assertTrue(all(e[3:] == plain for e in mapped), f"its pages mapped for the pool: {mapped}")
 
     def test_a_checkpoint_puts_the_pool_back(self):
         cp = self.out["checkpoint"]

@@ -381,6 +381,72 @@ fn one_pools_cache_goes_back_once_it_is_released_and_nothing_else() {
     assert_eq!(a.stats().reserved_bytes.current, 0);
 }
 
+/// Every event of a pool's memory names the pool, as PyTorch's trace entries do (`mempool_`): NCCL's
+/// registration hook (`ProcessGroupNCCL::registerMemPool`) matches a segment event's pool against the
+/// pools registered. Memory of no pool names none, and an out-of-memory names the pool it asked of.
+#[test]
+fn every_event_of_a_pools_memory_names_the_pool() {
+    use cuvmm::history::{TraceAction, TraceEntry};
+    use std::sync::{Arc, Mutex};
+    let mut a = new_alloc();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&seen);
+    a.attach_trace_tracker(Arc::new(move |e: &TraceEntry| {
+        sink.lock().unwrap().push(*e)
+    }))
+    .unwrap();
+    let s = StreamId(1);
+    let pool = GraphPool(0, 5);
+    let common = a.alloc(2 * PAGE, s).unwrap();
+    a.incref_pool(pool).unwrap();
+    begin(&mut a, pool, s);
+    let p = a.alloc(3 * PAGE, s).unwrap();
+    assert!(matches!(
+        a.alloc(4 * PAGES * PAGE, s),
+        Err(Error::OutOfMemory(_) | Error::TooLarge { .. })
+    ));
+    a.free(p).unwrap();
+    end(&mut a, pool);
+    a.release_pool(pool).unwrap();
+    assert!(a.empty_pool_cache(pool).unwrap() > 0);
+    a.free(common).unwrap();
+    a.empty_cache().unwrap();
+    a.check_invariants().unwrap();
+
+    let seen = seen.lock().unwrap().clone();
+    let pool_of_event = |action: TraceAction, addr: u64| {
+        let found = seen
+            .iter()
+            .find(|e| e.action == action && e.addr <= addr && addr < e.addr + e.size);
+        found
+            .unwrap_or_else(|| panic!("no {action:?} of {addr:#x} in {seen:#x?}"))
+            .pool
+    };
+    use TraceAction::*;
+    for action in [
+        Alloc,
+        FreeRequested,
+        FreeCompleted,
+        SegmentMap,
+        SegmentUnmap,
+    ] {
+        assert_eq!(
+            pool_of_event(action, p),
+            pool,
+            "{action:?} of the pool's block"
+        );
+        assert_eq!(
+            pool_of_event(action, common),
+            GraphPool::NONE,
+            "{action:?} of a common block"
+        );
+    }
+    let ooms: Vec<GraphPool> = (seen.iter().filter(|e| e.action == Oom))
+        .map(|e| e.pool)
+        .collect();
+    assert_eq!(ooms, [pool], "the out-of-memory asked of the pool");
+}
+
 /// The same operations through the thread-safe facade.
 #[test]
 fn the_facade_reaches_every_pool_operation() {

@@ -50,7 +50,7 @@
 // The header's layout, as tests/abi.rs checks it on the Rust side.
 static_assert(sizeof(cuvmm_device_stats) == 984, "cuvmm_device_stats: header and Rust disagree");
 static_assert(sizeof(cuvmm_segment_info) == 88, "cuvmm_segment_info: header and Rust disagree");
-static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 40, "block/trace layout");
+static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 56, "block/trace layout");
 static_assert(sizeof(cuvmm_oom_info) == 56 && sizeof(cuvmm_snapshot) == 48, "oom/snapshot layout");
 
 namespace cuvmm_torch {
@@ -1017,7 +1017,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // PyTorch's entry for cuvmm's event `t` of `device`, at the approximate time PyTorch's own entries take.
   static CDA::TraceEntry trace_entry(DeviceIndex device, const cuvmm_trace_entry& t) {
     return CDA::TraceEntry(static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
-                           MempoolId_t{0, 0}, c10::getApproximateTime());
+                           MempoolId_t{t.pool_a, t.pool_b}, c10::getApproximateTime());
   }
   template <typename F>
   void for_each_used(F f) {

@@ -251,6 +251,11 @@ pub struct CTraceEntry {
     pub stream: *mut c_void,
     /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
     pub time_us: i64,
+    /// The private pool of the memory (PyTorch's `mempool_`; for `oom`, the pool asked of), `{0, 0}` for
+    /// none.
+    pub pool_a: u64,
+    /// The pool id's second half.
+    pub pool_b: u64,
 }
 
 impl From<&TraceEntry> for CTraceEntry {
@@ -261,6 +266,8 @@ impl From<&TraceEntry> for CTraceEntry {
             size: e.size,
             stream: stream_ptr(e.stream),
             time_us: i64::try_from(e.time_us).unwrap_or(i64::MAX),
+            pool_a: e.pool.0,
+            pool_b: e.pool.1,
         }
     }
 }

@@ -5,6 +5,7 @@
 
 use super::segment::Segment;
 use crate::driver::{DriverCounters, StreamId};
+use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::history::{Events, TraceAction, TraceEntry, TraceTracker};
 use crate::strategy::pool::Pool;
 use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
@@ -265,15 +266,30 @@ impl Books {
         (self.counters).count_block(pool, size, requested, live, oversize);
     }
 
-    /// Records an event for snapshots and trackers, if either wants it.
+    /// Records an event of memory of private pool `graph`, if any, for snapshots and trackers, if either
+    /// wants it.
     #[inline]
-    pub(super) fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        self.events.record(action, addr, size, stream);
+    pub(super) fn record(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        graph: Option<GraphPool>,
+    ) {
+        (self.events).record(action, addr, size, stream, graph.unwrap_or_default());
     }
 
-    /// Records an out-of-memory of a request of `size` bytes, if recording or tracked.
-    pub(super) fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
-        self.events.record_oom(size, stream, device_free);
+    /// Records an out-of-memory of a request of `size` bytes for private pool `graph`, if any, if recording
+    /// or tracked.
+    pub(super) fn record_oom(
+        &mut self,
+        size: u64,
+        stream: StreamId,
+        graph: Option<GraphPool>,
+        device_free: u64,
+    ) {
+        (self.events).record_oom(size, stream, graph.unwrap_or_default(), device_free);
     }
 
     /// Starts (`Some(max_entries)`) or stops recording history.

@@ -73,7 +73,7 @@ impl<D: Driver> Expandable<D> {
                     // Work on `stream` will use a block of another stream's segment: its free must wait.
                     self.waits.add_use(addr, stream);
                 }
-                self.books.record(TraceAction::Alloc, addr, size, stream);
+                (self.books).record(TraceAction::Alloc, addr, size, stream, graph);
                 Ok(addr)
             }
             Err(err) => {
@@ -141,7 +141,8 @@ impl<D: Driver> Expandable<D> {
             }
         }
         let before = SlotCounts::of(self.segments.at(slot));
-        let (pool, stream) = (self.segments.at(slot).pool, self.segments.at(slot).stream);
+        let seg = self.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         let clock = self.segments.tick_free_clock();
         let seg = self.segments.at_mut(slot);
         seg.free_live(at, addr, size);
@@ -149,9 +150,9 @@ impl<D: Driver> Expandable<D> {
         self.books.count_block(pool, size, requested, false);
         self.books.counters.count_inactive(pool, size);
         self.books
-            .record(TraceAction::FreeRequested, addr, requested, stream);
+            .record(TraceAction::FreeRequested, addr, requested, stream, graph);
         self.books
-            .record(TraceAction::FreeCompleted, addr, requested, stream);
+            .record(TraceAction::FreeCompleted, addr, requested, stream, graph);
         self.books.refresh(self.segments.at(slot), before);
         Ok(())
     }

@@ -98,8 +98,9 @@ impl<D: Driver> Expandable<D> {
             return Err(err);
         }
         self.books.count_block(class, size, requested, true);
+        let graph = self.segments.at(slot).graph;
         self.books
-            .record(TraceAction::Alloc, addr, requested, stream);
+            .record(TraceAction::Alloc, addr, requested, stream, graph);
         Ok(())
     }
 }

@@ -29,11 +29,11 @@ impl<D: Driver> Parts<'_, D> {
         else {
             unreachable!("park_block is called for a live block start");
         };
-        let pool = self.segments.at(slot).pool;
+        let seg = self.segments.at(slot);
+        let (pool, own, graph) = (seg.pool, seg.stream, seg.graph);
         self.books.count_block(pool, size, requested, false);
-        let own = self.segments.at(slot).stream;
         self.books
-            .record(TraceAction::FreeRequested, addr, requested, own);
+            .record(TraceAction::FreeRequested, addr, requested, own, graph);
         self.waits.park(addr, slot, left);
         Ok(())
     }

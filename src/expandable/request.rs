@@ -58,7 +58,7 @@ impl<D: Driver> Expandable<D> {
                 // recorded as PyTorch does.
                 self.books.counters.ooms += 1;
                 let device_free = self.driver.mem_info().map_or(0, |info| info.free);
-                self.books.record_oom(size, stream, device_free);
+                self.books.record_oom(size, stream, graph, device_free);
                 return Err(Error::TooLarge {
                     requested: size,
                     capacity: self.device_total,
@@ -175,6 +175,7 @@ impl<D: Driver> Expandable<D> {
             size,
             rounded,
             stream,
+            graph,
             ..
         } = request;
         if !self.graphs.capturing() {
@@ -189,7 +190,7 @@ impl<D: Driver> Expandable<D> {
         }
         self.books.counters.ooms += 1;
         let oom = self.out_of_memory(size, rounded, stream, marks);
-        self.books.record_oom(rounded, stream, oom.device_free);
+        (self.books).record_oom(rounded, stream, graph, oom.device_free);
         tracing::info!(
             requested = size,
             stream = stream.0,

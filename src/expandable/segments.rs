@@ -143,9 +143,9 @@ impl Segments {
         let before = SlotCounts::of(self.at(slot));
         let size = self.at_mut(slot).release_pending(addr);
         let seg = self.at(slot);
-        let (pool, stream) = (seg.pool, seg.stream);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         books.counters.count_inactive(pool, size);
-        books.record(TraceAction::FreeCompleted, addr, size, stream);
+        books.record(TraceAction::FreeCompleted, addr, size, stream, graph);
         books.refresh(self.at(slot), before);
         size
     }

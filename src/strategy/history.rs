@@ -7,6 +7,7 @@
 //! it records, as PyTorch calls them. With neither, an event costs each operation two tests.
 
 use crate::driver::StreamId;
+use crate::strategy::graph_pool::GraphPool;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::fmt;
@@ -80,10 +81,28 @@ pub struct TraceEntry {
     pub size: u64,
     /// The stream.
     pub stream: StreamId,
+    /// The private pool the memory is of (PyTorch's `mempool_`; for `oom`, the pool asked of);
+    /// [`GraphPool::NONE`] for none.
+    pub pool: GraphPool,
     /// For `oom`: the bytes the device reported free.
     pub device_free: Option<u64>,
     /// When it happened: microseconds since the Unix epoch (PyTorch's `time_us`).
     pub time_us: u64,
+}
+
+impl TraceEntry {
+    /// `action` happening now.
+    fn now(action: TraceAction, addr: u64, size: u64, stream: StreamId, pool: GraphPool) -> Self {
+        TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            pool,
+            device_free: None,
+            time_us: now_us(),
+        }
+    }
 }
 
 /// Now, in microseconds since the Unix epoch (0 for a clock set before it).
@@ -168,32 +187,30 @@ impl Events {
         self.kept.as_ref().map(History::entries).unwrap_or_default()
     }
 
-    /// Records `action`. Inlined so that, with nowhere to go, an event costs two tests.
+    /// Records `action` of memory of `pool` ([`GraphPool::NONE`] for none). Inlined so that, with nowhere to
+    /// go, an event costs two tests.
     #[inline]
-    pub fn record(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
+    pub fn record(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: GraphPool,
+    ) {
         if self.on() {
-            self.push(TraceEntry {
-                action,
-                addr,
-                size,
-                stream,
-                device_free: None,
-                time_us: now_us(),
-            });
+            self.push(TraceEntry::now(action, addr, size, stream, pool));
         }
     }
 
-    /// Records an out-of-memory of a request of `size` bytes on `stream`, with the device's free bytes at
-    /// that moment (PyTorch's `TraceEntry::OOM`).
-    pub fn record_oom(&mut self, size: u64, stream: StreamId, device_free: u64) {
+    /// Records an out-of-memory of a request of `size` bytes on `stream` for `pool`, with the device's free
+    /// bytes at that moment (PyTorch's `TraceEntry::OOM`).
+    pub fn record_oom(&mut self, size: u64, stream: StreamId, pool: GraphPool, device_free: u64) {
         if self.on() {
+            let entry = TraceEntry::now(TraceAction::Oom, 0, size, stream, pool);
             self.push(TraceEntry {
-                action: TraceAction::Oom,
-                addr: 0,
-                size,
-                stream,
                 device_free: Some(device_free),
-                time_us: now_us(),
+                ..entry
             });
         }
     }
@@ -224,6 +241,7 @@ mod tests {
             addr,
             size: 512,
             stream: StreamId(0),
+            pool: GraphPool::NONE,
             device_free: None,
             time_us: 0,
         }
@@ -244,9 +262,9 @@ mod tests {
         let mut on = Events::default();
         on.keep(Some(4));
         let before = now_us();
-        on.record(TraceAction::Alloc, 1, 512, StreamId(0));
+        on.record(TraceAction::Alloc, 1, 512, StreamId(0), GraphPool::NONE);
         std::thread::sleep(std::time::Duration::from_millis(20));
-        on.record_oom(1 << 30, StreamId(0), 0);
+        on.record_oom(1 << 30, StreamId(0), GraphPool::NONE, 0);
         let after = now_us();
         let times: Vec<u64> = on.entries().iter().map(|e| e.time_us).collect();
         assert!(before <= times[0] && times[1] <= after, "{times:?}");
@@ -256,11 +274,11 @@ mod tests {
     #[test]
     fn off_records_nothing_and_names_round_trip() {
         let mut off = Events::default();
-        off.record(TraceAction::Oom, 0, 1, StreamId(0));
+        off.record(TraceAction::Oom, 0, 1, StreamId(0), GraphPool::NONE);
         assert!(off.entries().is_empty());
         off.keep(Some(2));
         off.keep(None);
-        off.record(TraceAction::Alloc, 0, 1, StreamId(0));
+        off.record(TraceAction::Alloc, 0, 1, StreamId(0), GraphPool::NONE);
         assert!(off.entries().is_empty(), "stopped recording keeps nothing");
         for name in ["alloc", "free_completed", "segment_unmap", "oom"] {
             assert_eq!(TraceAction::from_name(name).unwrap().as_str(), name);
@@ -276,22 +294,29 @@ mod tests {
         events.track(Arc::new(|_: &TraceEntry| panic!("a tracker's bug")));
         let sink = Arc::clone(&seen);
         events.track(Arc::new(move |e: &TraceEntry| {
-            sink.lock().unwrap().push((e.action, e.addr))
+            sink.lock().unwrap().push((e.action, e.addr, e.pool))
         }));
-        events.record(TraceAction::SegmentMap, 1 << 21, 2 << 20, StreamId(0));
+        let (graph, none) = (GraphPool(0, 3), GraphPool::NONE);
+        events.record(
+            TraceAction::SegmentMap,
+            1 << 21,
+            2 << 20,
+            StreamId(0),
+            graph,
+        );
         events.keep(Some(1));
-        events.record(TraceAction::Alloc, 1 << 21, 512, StreamId(0));
+        events.record(TraceAction::Alloc, 1 << 21, 512, StreamId(0), none);
         events.keep(None);
-        events.record_oom(1 << 40, StreamId(0), 7);
+        events.record_oom(1 << 40, StreamId(0), graph, 7);
         let seen = seen.lock().unwrap().clone();
         assert_eq!(
             seen,
             [
-                (TraceAction::SegmentMap, 1 << 21),
-                (TraceAction::Alloc, 1 << 21),
-                (TraceAction::Oom, 0)
+                (TraceAction::SegmentMap, 1 << 21, graph),
+                (TraceAction::Alloc, 1 << 21, none),
+                (TraceAction::Oom, 0, graph)
             ],
-            "the tracker after the panicking one still sees each event"
+            "the tracker after the panicking one still sees each event, with its pool"
         );
         assert!(events.entries().is_empty(), "recording stopped");
     }

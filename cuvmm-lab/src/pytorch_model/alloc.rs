@@ -3,7 +3,7 @@
 
 use super::block::Block;
 use super::rules;
-use super::{SegmentAction, Split};
+use super::{NO_POOL, SegmentAction, Split};
 use cuvmm::driver::{Driver, StreamId};
 use cuvmm::strategy::Strategy;
 use cuvmm::strategy::error::{Error, OutOfMemory, ReclaimStep};
@@ -50,7 +50,7 @@ impl<D: Driver> Split<D> {
                     None => {
                         self.counters.ooms += 1;
                         let oom = self.out_of_memory(orig_size, &req, marks);
-                        (self.events).record_oom(req.size, oom.stream, oom.device_free);
+                        (self.events).record_oom(req.size, oom.stream, NO_POOL, oom.device_free);
                         tracing::info!(
                             allocator = self.name(),
                             requested = orig_size,
@@ -261,7 +261,7 @@ impl<D: Driver> Split<D> {
         self.counters.retries += 1;
         self.counters.ooms += 1;
         let device_free = self.driver.mem_info().map_or(0, |m| m.free);
-        self.events.record_oom(requested, stream, device_free);
+        (self.events).record_oom(requested, stream, NO_POOL, device_free);
         Ok(Error::TooLarge {
             requested,
             capacity: self.device_total,

@@ -37,6 +37,7 @@ use block::{BlockPool, Blocks};
 use cuvmm::driver::{Driver, DriverCounters, StreamId, VaRange};
 use cuvmm::strategy::config::{Config, ConfigError};
 use cuvmm::strategy::error::{Error, InvariantViolation};
+use cuvmm::strategy::graph_pool::GraphPool;
 use cuvmm::strategy::history::{Events, TraceAction, TraceTracker};
 use cuvmm::strategy::pool::Pool;
 use cuvmm::strategy::snapshot::MemorySnapshot;
@@ -45,6 +46,10 @@ use cuvmm::strategy::{DeviceBytes, Snapshots, Strategy};
 use expandable_segments::ExpandableSegment;
 use serde::Serialize;
 use std::collections::BTreeMap;
+
+/// The private pool of every event: the models serve no CUDA graph, so all their memory is in the device's
+/// pools.
+const NO_POOL: GraphPool = GraphPool::NONE;
 
 /// What the allocator did to the device: PyTorch's `segment_alloc` / `segment_free` (`cudaMalloc` /
 /// `cudaFree`) and `segment_map` / `segment_unmap` (expandable segments) trace entries.
@@ -304,7 +309,7 @@ impl<D: Driver> Split<D> {
             SegmentAction::SegmentMap => TraceAction::SegmentMap,
             SegmentAction::SegmentUnmap => TraceAction::SegmentUnmap,
         };
-        self.events.record(traced, addr, size, stream);
+        self.events.record(traced, addr, size, stream, NO_POOL);
         if let Some(log) = &mut self.log {
             log.push(SegmentEvent {
                 action,
@@ -318,7 +323,7 @@ impl<D: Driver> Split<D> {
     /// Records a block event for snapshots and trackers, if either wants it.
     #[inline]
     fn trace(&mut self, action: TraceAction, addr: u64, size: u64, stream: StreamId) {
-        self.events.record(action, addr, size, stream);
+        self.events.record(action, addr, size, stream, NO_POOL);
     }
 
     /// Adds `delta` (which may be negative) to a statistic of `pool`.

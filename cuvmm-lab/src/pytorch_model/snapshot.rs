@@ -24,7 +24,7 @@ impl<D: Driver> Split<D> {
                     stream: seg.stream,
                     pool: seg.pool,
                     is_expandable: seg.expandable.is_some(),
-                    graph_pool: cuvmm::strategy::graph_pool::GraphPool::NONE,
+                    graph_pool: super::NO_POOL,
                     tag: None,
                     asleep: false,
                     blocks: Vec::new(),

@@ -46,7 +46,8 @@ fn the_structs_have_the_headers_layout() {
     assert_eq!(size_of::<CSegmentInfo>(), 88);
     assert_eq!(offset_of!(CSegmentInfo, pool_a), 56);
     assert_eq!(size_of::<CBlockInfo>(), 32);
-    assert_eq!(size_of::<CTraceEntry>(), 40);
+    assert_eq!(size_of::<CTraceEntry>(), 56);
+    assert_eq!(offset_of!(CTraceEntry, pool_a), 40);
     assert_eq!(size_of::<CSnapshot>(), 48);
 }
 

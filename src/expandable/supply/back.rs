@@ -105,7 +105,8 @@ impl Supply {
         let reused = self.obtain(p, need, &mut queue, shortage)? as u64;
         // After `obtain`, which may take idle pages of this segment (and books them).
         let before = SlotCounts::of(p.segments.at(slot));
-        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        let seg = p.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         tracing::debug!(
             pages = need,
             reused,
@@ -139,7 +140,8 @@ impl Supply {
                 let bytes = done as u64 * self.page_size;
                 // A lent page's memory is counted at home.
                 (p.books.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
-                p.books.record(TraceAction::SegmentMap, va, bytes, stream);
+                p.books
+                    .record(TraceAction::SegmentMap, va, bytes, stream, graph);
             }
             if let Some(err) = failure {
                 // A driver without partial mappings refuses a lent page: with `Unsupported` (the
@@ -200,7 +202,8 @@ impl Supply {
         let k = self.physical.chunk_pages();
         let bytes = k as u64 * self.page_size;
         let before = SlotCounts::of(p.segments.at(slot));
-        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        let seg = p.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         let mut result = Ok(());
         'runs: loop {
             let mut group = run.start - run.start % k;
@@ -249,7 +252,8 @@ impl Supply {
                     .pages
                     .map_chunk(chunk.clone(), handle);
                 p.books.counters.mapped.add(pool, bytes);
-                p.books.record(TraceAction::SegmentMap, va, bytes, stream);
+                p.books
+                    .record(TraceAction::SegmentMap, va, bytes, stream, graph);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);
             }
             match unmapped_run(p.segments, run.end) {

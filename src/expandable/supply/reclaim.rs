@@ -98,7 +98,7 @@ impl Supply {
         run: Range<usize>,
         out: &mut Vec<PhysPage>,
     ) -> Result<usize, Error> {
-        let stream = p.segments.at(slot).stream;
+        let (stream, graph) = (p.segments.at(slot).stream, p.segments.at(slot).graph);
         let va = p.segments.at(slot).page_addr(run.start);
         unmap_settled(&mut *p.driver, va, run.len() as u64 * self.page_size)?;
         let before = SlotCounts::of(p.segments.at(slot));
@@ -109,6 +109,7 @@ impl Supply {
             va,
             pages * self.page_size,
             stream,
+            graph,
         );
         let mut handles = self.physical.take_scratch();
         let asleep = p.tags.sleeps(p.segments.at(slot).tag);

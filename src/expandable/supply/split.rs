@@ -173,7 +173,8 @@ impl Supply {
         let k = self.physical.chunk_pages();
         let page_size = self.page_size;
         let group = start..start + k;
-        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        let seg = p.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         let Some(handle) = p.segments.at(slot).pages.handle(start) else {
             return Ok(0);
         };
@@ -207,7 +208,8 @@ impl Supply {
             .unmap_run_in_use(group.clone(), &mut handles);
         self.physical.restore_scratch(handles);
         p.books.counters.mapped.sub(pool, bytes);
-        p.books.record(TraceAction::SegmentUnmap, va, bytes, stream);
+        p.books
+            .record(TraceAction::SegmentUnmap, va, bytes, stream, graph);
         let result = match self
             .physical
             .release_handle(&mut *p.driver, &mut *p.books, handle)
@@ -248,7 +250,8 @@ impl Supply {
         live: &[Range<usize>],
     ) -> Result<(), Error> {
         let page_size = self.page_size;
-        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        let seg = p.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         let count: usize = live.iter().map(Range::len).sum();
         let mut fresh = Vec::with_capacity(count);
         let created = repeated(|| {
@@ -294,8 +297,13 @@ impl Supply {
                 .map_run(run.start, fresh[taken..taken + done].iter().copied());
             p.books.counters.mapped.add(pool, done as u64 * page_size);
             if done > 0 {
-                p.books
-                    .record(TraceAction::SegmentMap, va, done as u64 * page_size, stream);
+                p.books.record(
+                    TraceAction::SegmentMap,
+                    va,
+                    done as u64 * page_size,
+                    stream,
+                    graph,
+                );
                 mapped.push(run.start..run.start + done);
             }
             taken += done;
@@ -340,7 +348,8 @@ impl Supply {
         group: Range<usize>,
     ) -> Result<(), Error> {
         let bytes = group.len() as u64 * self.page_size;
-        let (pool, stream) = (p.segments.at(slot).pool, p.segments.at(slot).stream);
+        let seg = p.segments.at(slot);
+        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         let handle = match self.physical.pop_pooled_chunk() {
             Some(handle) => handle,
             None => {
@@ -371,7 +380,8 @@ impl Supply {
             .pages
             .map_chunk(group.clone(), handle);
         p.books.counters.mapped.add(pool, bytes);
-        p.books.record(TraceAction::SegmentMap, va, bytes, stream);
+        p.books
+            .record(TraceAction::SegmentMap, va, bytes, stream, graph);
         repeated(|| p.driver.set_access(va, bytes))?;
         p.segments.at_mut(slot).pages.set_accessible(group);
         Ok(())
