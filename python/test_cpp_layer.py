@@ -795,6 +795,9 @@ class MemPools(unittest.TestCase):
         self.assertIn([alloc, outside, 1000, 0, 0], tracked, "cuvmm's own events, through the C ABI")
         self.assertIn([free_requested, outside, 1000, 0, 0], tracked)
         self.assertLess(tracked.index([alloc, outside, 1000, 0, 0]), tracked.index([free_requested, outside, 1000, 0, 0]))
+        for block, size in zip(own["blocks"][:3], (1000, 3 << 20, 2000)):
+            self.assertIn([alloc, block, size] + pool, tracked, "a block of the pool's allocator, with the pool")
+            self.assertIn([free_requested, block, size] + pool, tracked)
         block, plain = own["plain"]["block"], own["plain"]["id"]
         self.assertIn([alloc, block, 5 << 20] + plain, tracked, "an allocation in a MemPool names the pool")
         segment_map = 5

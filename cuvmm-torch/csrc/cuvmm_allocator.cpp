@@ -881,7 +881,6 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         own->raw_delete(segment);
         TORCH_CHECK(false, error);
       }
-      track_own_segment(CDA::TraceEntry::SEGMENT_ALLOC, device, pool, segment, grow, stream);
     }
     TORCH_CHECK(false, "cuvmm: a new segment of a pool's allocator did not hold its request");
   }
@@ -927,8 +926,6 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
       if (own) {
         auto address = reinterpret_cast<void*>(seg.address);
-        track_own_segment(CDA::TraceEntry::SEGMENT_FREE, device, {seg.pool_a, seg.pool_b}, address, seg.size,
-                          nullptr);
         without_throwing("emptyCache: giving a segment back to its pool's allocator", [&] {
           c10::cuda::CUDAGuard guard(device);
           own->raw_delete(address);
@@ -1005,14 +1002,6 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       trackers = trackers_;
     }
     for (const auto& tracker : *trackers) without_throwing("an allocator trace tracker", [&] { tracker(entry); });
-  }
-  // A segment of a pool with an allocator of its own was made or given back: PyTorch's allocator tells its
-  // trace trackers (NCCL registers such pools' segments so), which cuvmm's own events do not cover.
-  void track_own_segment(CDA::TraceEntry::Action action, DeviceIndex device, MempoolId_t pool, void* address,
-                         size_t size, cudaStream_t stream) {
-    if (!tracking_.load()) return;
-    call_trackers(CDA::TraceEntry(action, device, reinterpret_cast<size_t>(address), size, stream, pool,
-                                  c10::getApproximateTime()));
   }
   // PyTorch's entry for cuvmm's event `t` of `device`, at the approximate time PyTorch's own entries take.
   static CDA::TraceEntry trace_entry(DeviceIndex device, const cuvmm_trace_entry& t) {

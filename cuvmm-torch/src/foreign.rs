@@ -12,6 +12,11 @@
 //! its free have completed; the events go through the device's driver, and while a capture is underway the
 //! free waits until it ends (no event may be recorded or queried then), as cuvmm's own frees do.
 //!
+//! **Events.** Their segments and blocks are recorded with the device's events (the history of snapshots,
+//! the trace trackers), with their pool, as PyTorch's allocator records them: `segment_alloc` when a segment
+//! is added, `segment_free` when it is taken out to go back (before the C++ layer frees it), and each block's
+//! `alloc`, `free_requested` and `free_completed`.
+//!
 //! **Statistics.** The pools' memory counts in the device's statistics, as in PyTorch's: allocations,
 //! segments, allocated, reserved, active and requested bytes ([`merge_stats`]). Their peaks are those of
 //! the sum: seen at each event of these pools, and, between them, cuvmm's own peak plus the least these
@@ -19,12 +24,14 @@
 //! their memory stays as it is (weights loaded into one, then a model run: vLLM's pattern).
 
 use crate::error::AbiError;
-use crate::registry::Registry;
+use crate::registry::{Registry, TorchAllocator};
 use crate::structs::CForeignSegment;
 use cuvmm::driver::EventId;
+use cuvmm::history::TraceAction;
 use cuvmm::pool::Pool;
 use cuvmm::snapshot::{BlockState, SnapshotBlock, SnapshotSegment};
 use cuvmm::stats::PoolStats;
+use cuvmm::strategy::Snapshots as _;
 use cuvmm::{Driver as _, GraphPool, Stat, Stats, Strategy as _, StreamId};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -256,6 +263,7 @@ pub fn malloc(
     } else {
         Pool::Large
     };
+    let allocator = registry.allocator(device)?;
     let mut p = pools();
     poll(registry, &mut p, device)?;
     let best = (p.segments.iter())
@@ -296,6 +304,7 @@ pub fn malloc(
             },
         );
     }
+    record(allocator, seg, TraceAction::Alloc, addr, size);
     let core = core_stats(registry, device)?;
     let books = p.books.entry(device).or_default();
     books.count(class, Field::Allocation, 1, true);
@@ -325,6 +334,7 @@ pub fn add_segment(
             size: size as isize,
         });
     }
+    let allocator = registry.allocator(device)?;
     let mut p = pools();
     let overlaps = (p.segments.range(..ptr + size).next_back())
         .is_some_and(|(&start, s)| start + s.size > ptr);
@@ -344,17 +354,16 @@ pub fn add_segment(
             state: State::Free,
         },
     )]);
-    p.segments.insert(
-        ptr,
-        Segment {
-            device,
-            pool,
-            stream,
-            size,
-            class,
-            blocks,
-        },
-    );
+    let seg = Segment {
+        device,
+        pool,
+        stream,
+        size,
+        class,
+        blocks,
+    };
+    record(allocator, &seg, TraceAction::SegmentAlloc, ptr, size);
+    p.segments.insert(ptr, seg);
     ANY.store(true, Ordering::Release);
     let core = core_stats(registry, device)?;
     let books = p.books.entry(device).or_default();
@@ -371,6 +380,11 @@ fn segment_of(p: &mut Pools, ptr: u64) -> Option<&mut Segment> {
     (ptr < start + seg.size).then_some(seg)
 }
 
+/// Records `action` of the memory at `addr` of segment `seg` with its device's events.
+fn record(allocator: &TorchAllocator, seg: &Segment, action: TraceAction, addr: u64, size: u64) {
+    allocator.with_strategy(|s| s.record_event(action, addr, size, StreamId(seg.stream), seg.pool));
+}
+
 /// Frees `ptr` if it is a block of these pools; `None` if it is not theirs.
 pub fn free(registry: &Registry, ptr: u64) -> Option<Result<(), AbiError>> {
     if !ANY.load(Ordering::Acquire) {
@@ -383,6 +397,7 @@ pub fn free(registry: &Registry, ptr: u64) -> Option<Result<(), AbiError>> {
 }
 
 fn free_in(registry: &Registry, p: &mut Pools, device: i32, ptr: u64) -> Result<(), AbiError> {
+    let allocator = registry.allocator(device)?;
     let seg = segment_of(p, ptr).expect("the caller found it");
     let (class, own_stream) = (seg.class, seg.stream);
     let block = seg.blocks.get(&ptr).cloned();
@@ -410,11 +425,12 @@ fn free_in(registry: &Registry, p: &mut Pools, device: i32, ptr: u64) -> Result<
     books.count(class, Field::Allocation, 1, false);
     books.count(class, Field::AllocatedBytes, size, false);
     let seg = segment_of(p, ptr).expect("found above");
+    record(allocator, seg, TraceAction::FreeRequested, ptr, requested);
     match state {
         Some(state) => {
             seg.blocks.insert(ptr, Block { size, state });
         }
-        None => release_block(p, device, ptr),
+        None => release_block(allocator, p, device, ptr),
     }
     let core = core_stats(registry, device)?;
     p.books.entry(device).or_default().track(&core);
@@ -445,7 +461,7 @@ fn record_events(
 }
 
 /// Makes the freed block at `ptr` free, merging it with free neighbours, and counts it inactive.
-fn release_block(p: &mut Pools, device: i32, ptr: u64) {
+fn release_block(allocator: &TorchAllocator, p: &mut Pools, device: i32, ptr: u64) {
     let seg = segment_of(p, ptr).expect("the caller found it");
     let class = seg.class;
     let Some(block) = seg.blocks.get(&ptr).cloned() else {
@@ -457,6 +473,7 @@ fn release_block(p: &mut Pools, device: i32, ptr: u64) {
         | State::Pending { requested, .. } => requested,
         State::Free => return,
     };
+    record(allocator, seg, TraceAction::FreeCompleted, ptr, requested);
     let (mut start, mut size) = (ptr, block.size);
     if let Some((&next, b)) = seg.blocks.range(ptr + 1..).next()
         && matches!(b.state, State::Free)
@@ -528,7 +545,7 @@ fn poll(registry: &Registry, p: &mut Pools, device: i32) -> Result<(), AbiError>
                     Ok(true)
                 });
                 if done.map_err(cuvmm::Error::from)? {
-                    release_block(p, device, addr);
+                    release_block(allocator, p, device, addr);
                 }
             }
             State::Free | State::Live { .. } => {}
@@ -616,6 +633,9 @@ pub fn release(
     let mut out = Vec::with_capacity(free.len());
     for start in free {
         let seg = p.segments.remove(&start).expect("listed above");
+        // Before the C++ layer gives it back, as PyTorch records it before freeing it (a tracker that
+        // registered it deregisters it now).
+        record(allocator, &seg, TraceAction::SegmentFree, start, seg.size);
         let books = p.books.entry(device).or_default();
         books.count(seg.class, Field::Segment, 1, false);
         books.count(seg.class, Field::ReservedBytes, seg.size, false);

@@ -13,7 +13,7 @@ use crate::strategy::capabilities::{
 use crate::strategy::config::ConfigError;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
-use crate::strategy::history::TraceTracker;
+use crate::strategy::history::{TraceAction, TraceTracker};
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::stats::Stats;
@@ -235,6 +235,17 @@ impl<D: Driver> Snapshots for Expandable<D> {
     fn attach_trace_tracker(&mut self, tracker: TraceTracker) -> Result<(), Error> {
         self.books.attach_trace_tracker(tracker);
         Ok(())
+    }
+
+    fn record_event(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: GraphPool,
+    ) {
+        self.books.record(action, addr, size, stream, Some(pool));
     }
 }
 

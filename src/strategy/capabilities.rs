@@ -10,7 +10,7 @@
 use crate::driver::{HostMemory, StreamId};
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
-use crate::strategy::history::TraceTracker;
+use crate::strategy::history::{TraceAction, TraceTracker};
 use crate::strategy::sharing::{SharedMemory, SharedPart};
 use crate::strategy::snapshot::MemorySnapshot;
 use crate::strategy::tags::{Begun, TagCopy, TagInfo};
@@ -149,6 +149,19 @@ pub trait Snapshots {
     /// `attachAllocatorTraceTracker`): on the thread of the event, under the allocator's lock, so it must not
     /// call the allocator ([`TraceTracker`]).
     fn attach_trace_tracker(&mut self, tracker: TraceTracker) -> Result<(), Error>;
+
+    /// Records `action` of memory of `pool` that the allocator does not hold itself but reports as its own
+    /// (the segments and blocks of a pool with an allocator of its own, which PyTorch's allocator keeps and
+    /// records with its other events): in the history, if recording, and to the trackers, in order with the
+    /// allocator's own events.
+    fn record_event(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: GraphPool,
+    );
 }
 
 /// The bytes of allocated memory, through the driver (`--touch` replays and tests; not a fast path).

@@ -438,6 +438,17 @@ impl<D: Driver> Snapshots for Split<D> {
         self.events.track(tracker);
         Ok(())
     }
+
+    fn record_event(
+        &mut self,
+        action: TraceAction,
+        addr: u64,
+        size: u64,
+        stream: StreamId,
+        pool: GraphPool,
+    ) {
+        self.events.record(action, addr, size, stream, pool);
+    }
 }
 
 impl<D: Driver> DeviceBytes for Split<D> {

@@ -120,14 +120,33 @@ fn release(device: i32, pool: (u64, u64)) -> Vec<CForeignSegment> {
     segments
 }
 
+/// The recorded events of `pool` on `device`: (action, address, size).
+fn events_of(device: i32, pool: (u64, u64)) -> Vec<(i32, u64, u64)> {
+    let taken = cuvmm_snapshot_take(device);
+    assert!(!taken.is_null(), "{:?}", last_error());
+    // SAFETY: a non-null snapshot's arrays hold their lengths until freed.
+    let events = unsafe {
+        let snap = &*taken;
+        (std::slice::from_raw_parts(snap.traces, snap.num_traces).iter())
+            .filter(|t| (t.pool_a, t.pool_b) == pool)
+            .map(|t| (t.action, t.addr, t.size))
+            .collect()
+    };
+    // SAFETY: freed once.
+    unsafe { cuvmm_snapshot_free(taken) };
+    events
+}
+
 /// vLLM's and NCCL's pools: the C++ layer asks for a block, gets the size of a segment to get from the
 /// pool's own allocator (PyTorch's sizes), hands it over, and gets blocks carved in it; frees, statistics,
-/// the snapshot and `record_stream` see them; once the pool is released its free segments go back.
+/// the snapshot, its events and `record_stream` see them; once the pool is released its free segments go
+/// back.
 #[test]
 fn a_pool_with_its_own_allocator_carves_the_segments_it_is_given() {
     setup();
     let device = 20;
     let (pool, s) = ((0, 42), stream(0x72));
+    assert_eq!(cuvmm_record_history(device, 1000), 0);
     assert_eq!(cuvmm_incref_pool(device, pool.0, pool.1), 0);
     let base_allocated = stat(device, "allocated_bytes.all.current");
     assert_eq!(
@@ -226,6 +245,25 @@ fn a_pool_with_its_own_allocator_carves_the_segments_it_is_given() {
         (seg, 2 << 20, 42)
     );
     assert_eq!(stat(device, "segment.small_pool.current"), 0);
+    // As PyTorch records them: the segment made and given back; each block's alloc, free requested, and
+    // free completed (b's once the event of its other stream completed).
+    let (alloc, requested, completed, segment_alloc, segment_free) = (0, 1, 2, 3, 4);
+    assert_eq!(
+        events_of(device, pool),
+        [
+            (segment_alloc, seg, 2 << 20),
+            (alloc, a, 1000),
+            (alloc, b, 3000),
+            (requested, b, 3000),
+            (completed, b, 3000),
+            (alloc, c, 2000),
+            (requested, a, 1000),
+            (completed, a, 1000),
+            (requested, c, 2000),
+            (completed, c, 2000),
+            (segment_free, seg, 2 << 20),
+        ]
+    );
     check_invariants(device);
 }
 
