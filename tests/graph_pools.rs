@@ -4,10 +4,13 @@
 //!
 //! The scenarios are the failures seen with PyTorch on an H100 (issue 29), as the allocator sees them; the
 //! property test interleaves captures with allocations, frees, `record_stream`, kernels and memory pressure
-//! and checks after every step that no call was refused, no capture invalidated, and no memory of a live
-//! pool handed outside it.
+//! and checks after every step that no call was refused, no capture invalidated, no memory of a live pool
+//! handed outside it, and that the segment events a trace tracker sees name each page's pool
+//! (`harness/mapped_events.rs`).
 
 mod common;
+#[path = "harness/mapped_events.rs"]
+mod mapped_events;
 
 use common::{begin_capture, end_capture};
 #[path = "graph_pools/model.rs"]

@@ -4,6 +4,7 @@
 //! page is mapped a second time elsewhere).
 
 use super::*;
+use crate::mapped_events::MappedEvents;
 use common::memory::{Piece, handle_settings, physical, shares_memory};
 use cuvmm::strategy::{GraphPools, StreamUses};
 
@@ -257,9 +258,10 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
     }
 }
 
-fn check(a: &Alloc, m: &Model) {
+fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     a.check_invariants().unwrap();
     assert_capture_safe(a);
+    mapped.check(a).unwrap();
     // The memory a live pool's graphs baked in stays mapped where they use it.
     for (pool, (_, baked)) in &m.pools {
         for (range, _) in baked {
@@ -279,10 +281,11 @@ fn run(config: Config, handle: (u64, bool), actions: Vec<Action>) {
         ..config
     };
     let mut a = common::memory::chunked(PAGE, PAGES, config, handle);
+    let mapped = MappedEvents::attach(&mut a, PAGE);
     let mut m = Model::default();
     for action in actions {
         step(&mut a, &mut m, action);
-        check(&a, &m);
+        check(&a, &m, &mapped);
     }
     // The end: every capture ended, every pool released, every stream done, everything freed.
     for (s, pool) in std::mem::take(&mut m.capturing) {
@@ -302,6 +305,7 @@ fn run(config: Config, handle: (u64, bool), actions: Vec<Action>) {
     a.empty_cache().unwrap();
     a.check_invariants().unwrap();
     assert_capture_safe(&a);
+    mapped.check(&a).unwrap();
     let stats = a.stats();
     assert_eq!(stats.active_bytes.current, 0, "a block never came back");
     assert_eq!(

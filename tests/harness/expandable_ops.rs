@@ -382,7 +382,7 @@ impl Model for State {
         for (addr, l) in live {
             CONTENT.verify(&mut self.alloc, addr, l)?;
         }
-        self.mapped.check(self.alloc.driver())
+        self.mapped.check(&self.alloc)
     }
 
     /// Clears the faults, frees everything and checks that the device is left holding nothing.

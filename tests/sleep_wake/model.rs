@@ -240,7 +240,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
 
 fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     a.check_invariants().unwrap();
-    mapped.check(a.driver()).unwrap();
+    mapped.check(a).unwrap();
     assert_eq!(a.driver().capture_refusals(), 0);
     let mut asleep_pages = BTreeSet::new();
     for (&addr, l) in &m.live {
@@ -325,7 +325,7 @@ fn run(config: Config, actions: Vec<Action>) {
     }
     a.empty_cache().unwrap();
     assert_eq!(a.stats().reserved_bytes.current, 0);
-    mapped.check(a.driver()).unwrap();
+    mapped.check(&a).unwrap();
 }
 
 proptest! {
