@@ -11,7 +11,7 @@
 //! used on other streams; the book of raw allocations' sizes and streams (two shards, each a `Mutex`, and a
 //! relaxed flag); and a `Mutex` around the errors that `DeviceBuffer::drop` could not return. No path
 //! holds two of these locks at once, except `with_strategy`, whose closure may free buffers into a shard
-//! while the strategy's lock is held; nothing waits for the strategy's lock while holding another (draining
+//! while the strategy's lock is held, and `record_history`, which empties the shards under it; nothing waits for the strategy's lock while holding another (draining
 //! takes each shard's entries, releases it, then frees under the strategy's lock), so no cycle can form. What
 //! could go wrong is what these models check in every interleaving: a deadlock (loom reports one), a free
 //! lost or applied twice, a cached buffer handed out twice or lost by a drain, a deferred error lost, the
@@ -260,6 +260,28 @@ fn frees_on_two_streams_under_contention_are_kept_back_and_given_back_whole() {
         );
         assert_drained(&alloc);
         assert_eq!(alloc.stream_cached(), (0, 0));
+        assert!(alloc.take_deferred_errors().is_empty());
+    });
+    assert!(runs > 1, "loom explored only {runs} interleaving");
+}
+
+#[test]
+fn recording_that_starts_while_a_thread_frees_leaves_nothing_in_the_caches() {
+    let runs = explore("record_history vs frees", || {
+        let alloc = allocator();
+        let worker = {
+            let alloc = alloc.clone();
+            thread::spawn(move || {
+                for _ in 0..2 {
+                    drop(alloc.alloc_on(PAGE, StreamId(0)).expect("room"));
+                }
+            })
+        };
+        alloc.record_history(Some(8)).expect("recording");
+        worker.join().expect("worker");
+        // A free before the recording started was given back by it; one after went to the strategy.
+        assert_eq!(alloc.stream_cached(), (0, 0));
+        assert_drained(&alloc);
         assert!(alloc.take_deferred_errors().is_empty());
     });
     assert!(runs > 1, "loom explored only {runs} interleaving");

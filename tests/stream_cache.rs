@@ -174,6 +174,83 @@ fn statistics_snapshots_and_empty_cache_give_cached_buffers_back_first() {
 }
 
 #[test]
+fn while_the_history_records_every_alloc_and_free_reaches_it() {
+    use cuvmm::history::TraceAction::{self, FreeCompleted, FreeRequested};
+    const ALLOC: TraceAction = TraceAction::Alloc;
+    let alloc = eager(256);
+    let actions = |alloc: &Alloc| -> Vec<(TraceAction, u64)> {
+        let traces = alloc.snapshot().unwrap().device_traces.concat();
+        (traces.iter())
+            .filter(|t| matches!(t.action, ALLOC | FreeRequested | FreeCompleted))
+            .map(|t| (t.action, t.addr))
+            .collect()
+    };
+    // Held back before recording: given back then, and not recorded (it was freed before).
+    drop(alloc.alloc_on(8 * KIB, S0).unwrap());
+    let raw = alloc.alloc_raw(16 * KIB, S1).unwrap();
+    alloc.free_raw(raw).unwrap();
+    assert_eq!(alloc.stream_cached(), (2, 24 * KIB));
+    alloc.record_history(Some(100)).unwrap();
+    assert_eq!(alloc.stream_cached(), (0, 0));
+    assert_eq!(actions(&alloc), []);
+
+    // Recording: a free of either kind goes to the strategy, and the next request of its size with it.
+    let mut expected = Vec::new();
+    for _ in 0..3 {
+        let buffer = alloc.alloc_on(8 * KIB, S0).unwrap();
+        let ptr = buffer.ptr();
+        drop(buffer);
+        let raw = alloc.alloc_raw(16 * KIB, S1).unwrap();
+        alloc.free_raw(raw).unwrap();
+        assert_eq!(alloc.stream_cached(), (0, 0));
+        for addr in [ptr, raw] {
+            expected.extend([(ALLOC, addr), (FreeRequested, addr), (FreeCompleted, addr)]);
+        }
+    }
+    assert_eq!(actions(&alloc), expected);
+    alloc.check_invariants().unwrap();
+
+    // Stopped: frees are kept back again.
+    alloc.record_history(None).unwrap();
+    drop(alloc.alloc_on(8 * KIB, S0).unwrap());
+    assert_eq!(alloc.stream_cached(), (1, 8 * KIB));
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn recording_that_starts_while_threads_free_leaves_no_buffer_in_a_cache() {
+    let alloc = eager(1024);
+    // Recording starts once every thread's cache has been used, while they go on.
+    let started = std::sync::Barrier::new(5);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..4u64)
+            .map(|t| {
+                let (alloc, started) = (alloc.clone(), &started);
+                scope.spawn(move || {
+                    for round in 0..2000u64 {
+                        let buffer = alloc
+                            .alloc_on((1 + round % 3) * 4 * KIB, StreamId(t))
+                            .unwrap();
+                        drop(buffer);
+                        if round == 100 {
+                            started.wait();
+                        }
+                    }
+                })
+            })
+            .collect();
+        started.wait();
+        alloc.record_history(Some(10)).unwrap();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+    });
+    // Whatever a thread freed once recording had started went to the strategy.
+    assert_eq!(alloc.stream_cached(), (0, 0));
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
 fn a_buffer_used_on_another_stream_is_never_cached() {
     let alloc = allocator(256, "");
     drop_contended(&alloc, alloc.alloc_on(8 * KIB, S0).unwrap());

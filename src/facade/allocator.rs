@@ -71,6 +71,18 @@ struct Shared<S> {
     thread_handles: ThreadHandles<Allocator<S>>,
 }
 
+/// Frees every address in `ptrs` to `strategy` (buffers a stream cache held); the first error, if any, once
+/// all are freed.
+fn free_all<S: Strategy>(strategy: &mut S, ptrs: Vec<u64>) -> Result<(), Error> {
+    let mut first_error = None;
+    for ptr in ptrs {
+        if let Err(err) = strategy.free(ptr) {
+            first_error.get_or_insert(err);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
 /// A thread-safe allocator handle. Cloning it is cheap and shares the same allocator.
 pub struct Allocator<S> {
     shared: Arc<Shared<S>>,
@@ -347,14 +359,7 @@ impl<S: Strategy> Allocator<S> {
         if ptrs.is_empty() {
             return Ok(());
         }
-        let mut strategy = self.shared.strategy.lock();
-        let mut first_error = None;
-        for ptr in ptrs {
-            if let Err(err) = strategy.free(ptr) {
-                first_error.get_or_insert(err);
-            }
-        }
-        first_error.map_or(Ok(()), Err)
+        free_all(&mut *self.shared.strategy.lock(), ptrs)
     }
 
     /// [`drain_caches`](Self::drain_caches) where an error cannot be returned: it is deferred.
@@ -479,15 +484,32 @@ impl<S: Strategy + Snapshots> Allocator<S> {
 
     /// Starts recording events for [`snapshot`](Self::snapshot), keeping the last `max_entries`, or stops
     /// with `None` (PyTorch's `torch.cuda.memory._record_memory_history`).
+    ///
+    /// While it records, the stream caches keep nothing back, so that the history holds every alloc and
+    /// free, as PyTorch's does: what they held goes back to the strategy before recording starts (those
+    /// frees came before it), and they keep frees back again once it stops.
     pub fn record_history(&self, max_entries: Option<usize>) -> Result<(), Error> {
-        self.shared.strategy.lock().record_history(max_entries)
+        let caches = &self.shared.caches;
+        let mut strategy = self.shared.strategy.lock();
+        if max_entries.is_none() {
+            strategy.record_history(None)?;
+            caches.resume();
+            return Ok(());
+        }
+        let drained = free_all(&mut *strategy, caches.suspend());
+        let recording = strategy.record_history(max_entries);
+        if recording.is_err() {
+            caches.resume();
+        }
+        drained.and(recording)
     }
 
     /// Calls `tracker` with every event from now on, recording or not (PyTorch's
     /// `attachAllocatorTraceTracker`, which NCCL's memory-registration hooks use): on the thread of the
     /// event, under the allocator's lock, so it must not call this allocator. Segment events always reach
-    /// it; the alloc and free events of buffers a stream cache serves reach neither it nor the history
-    /// (with `stream_cache_eager`, the default, from a thread's first free; else once threads contend).
+    /// it; while the history is not recording ([`record_history`](Self::record_history)), the alloc and
+    /// free events of buffers a stream cache serves do not (with `stream_cache_eager`, the default, from a
+    /// thread's first free; else once threads contend).
     /// A panic in it is caught and logged.
     pub fn attach_trace_tracker(
         &self,

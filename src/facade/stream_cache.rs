@@ -9,7 +9,8 @@
 //! (stream order), whichever thread allocated the buffer. Entries go back to the strategy when the shard is
 //! full (the oldest), and all of them whenever the facade needs the strategy's own view to be exact:
 //! statistics, summaries, snapshots, `empty_cache`, `trim`, invariant checks, and before retrying an
-//! allocation (or a wake) that ran out of memory.
+//! allocation (or a wake) that ran out of memory. While a snapshot's history records, they keep nothing
+//! ([`StreamCaches::suspend`]), so that every alloc and free is recorded.
 //!
 //! The caches are *on* from the start when eager (`stream_cache_eager`, the Rust library's default).
 //! Otherwise they start *off*: every free goes straight to the strategy, so a program that never contends
@@ -86,6 +87,9 @@ pub(crate) struct StreamCaches {
     /// Whether frees are kept back now. Written only when the caches turn on; read with every request and
     /// free, so it shares no cache line with anything written often.
     on: AtomicBool,
+    /// Whether frees are refused, whatever `on` says, while the strategy records every event for a
+    /// snapshot's history ([`suspend`](Self::suspend)). Read by `put` under its shard's lock.
+    suspended: AtomicBool,
     /// A bug planted on purpose, for `tests/loom.rs` to show that its model catches it: `take` looks the
     /// entry up under one lock and removes it under another, so two requests can get the same buffer.
     #[cfg(loom)]
@@ -99,6 +103,7 @@ impl StreamCaches {
             shards: (0..SHARDS).map(|_| Shard::new()).collect(),
             capacity,
             on: AtomicBool::new(eager && capacity > 0),
+            suspended: AtomicBool::new(false),
             #[cfg(loom)]
             seeded_bug: std::sync::atomic::AtomicBool::new(false),
         }
@@ -175,6 +180,9 @@ impl StreamCaches {
         }
         let shard = self.own_shard();
         let mut held = shard.held.lock();
+        if self.suspended.load(Ordering::Relaxed) {
+            return Put::Refused;
+        }
         let mut evicted = None;
         if held.entries.len() == MAX_ENTRIES || held.bytes + size > self.capacity {
             // One out, one in: a full shard stays full, and the caller frees one buffer, as it would have.
@@ -224,18 +232,37 @@ impl StreamCaches {
     /// on: threads that contended once will likely again, and caches turned off would send their next frees
     /// to a lock that a slow operation may hold.
     pub(crate) fn drain(&self) -> Vec<u64> {
+        // A put racing this drain comes after it, as if the free had come after the drain.
+        self.empty_shards(|shard| shard.len.load(Ordering::Relaxed) != 0)
+    }
+
+    /// Empties the shards that `locks` picks, each under its lock; returns the addresses they held.
+    fn empty_shards(&self, locks: impl Fn(&Shard) -> bool) -> Vec<u64> {
         let mut ptrs = Vec::new();
-        for shard in self.shards.iter() {
-            // A put racing this drain comes after it, as if the free had come after the drain.
-            if shard.len.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
+        for shard in self.shards.iter().filter(|shard| locks(shard)) {
             let mut held = shard.held.lock();
             ptrs.extend(held.entries.drain(..).map(|e| e.ptr));
             held.bytes = 0;
             shard.len.store(0, Ordering::Relaxed);
         }
         ptrs
+    }
+
+    /// Refuses every free from now on, until [`resume`](Self::resume), and empties every shard; returns the
+    /// addresses, for the caller to free to the strategy. While a snapshot's history records, each alloc and
+    /// free must reach the strategy, which records it, as PyTorch's allocator records every one.
+    ///
+    /// Every shard is locked, even one that looks empty: a `put` that took its shard's lock before this
+    /// did is drained here, and one that takes it after sees `suspended` (the lock orders them), so no
+    /// buffer is left behind.
+    pub(crate) fn suspend(&self) -> Vec<u64> {
+        self.suspended.store(true, Ordering::Relaxed);
+        self.empty_shards(|_| true)
+    }
+
+    /// Keeps frees back again, as before [`suspend`](Self::suspend).
+    pub(crate) fn resume(&self) {
+        self.suspended.store(false, Ordering::Relaxed);
     }
 
     /// Buffers and bytes held now, over all shards.
