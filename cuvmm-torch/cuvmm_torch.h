@@ -99,10 +99,11 @@ int cuvmm_dump_snapshot(int device, const char *path);
  * Between begin and end, every allocation on a stream the filter accepts comes from the pool's own
  * segments; memory freed in the pool is reused only by the pool; nothing of a live pool is unmapped, lent,
  * compacted or handed to another stream or pool, even under memory pressure. While any pool is being
- * allocated to (a capture is underway), cuvmm makes no call CUDA refuses during capture: no event query,
- * no synchronization, no unmap; frees of blocks recorded on other streams wait until no capture is
- * underway. A pool lives until cuvmm_release_pool has been called as many times as begin (PyTorch calls
- * it when the graph is destroyed); its memory then goes back once its last block is freed.
+ * allocated to (a capture is underway; once captures are marked, cuvmm_mark_captures, while a marked
+ * capture runs), cuvmm makes no call CUDA refuses during capture: no event query, no synchronization, no
+ * unmap; frees of blocks recorded on other streams wait until no capture is underway. A pool lives until
+ * cuvmm_release_pool has been called as many times as begin (PyTorch calls it when the graph is
+ * destroyed); its memory then goes back once its last block is freed.
  *
  * The functions return 0 on success and -1 on failure (see cuvmm_last_error). */
 
@@ -124,6 +125,20 @@ int cuvmm_begin_allocate_to_pool_capture(int device, unsigned long long pool_a, 
 /* Allocations stop going to the pool (its memory stays the pool's). Deferred frees run at the next
  * allocation once no capture is underway. */
 int cuvmm_end_allocate_to_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
+
+/* From now on the caller marks every capture of the device with cuvmm_mark_capture (PyTorch 2.13 on calls
+ * markCaptureBegin/End around every capture it makes). A pool begun with no capture marked (use_mem_pool,
+ * cudagraph trees' warm-up) is then no capture: its allocations wait for events, release the cache and
+ * compact when memory runs short, and cuvmm_empty_cache gives memory back. A pool begun with
+ * cuvmm_begin_allocate_to_pool_capture stays a capture. A sleep or a wake is refused while any pool is being
+ * allocated to, marked or not. Until this is called, every pool begun counts as a capture. */
+int cuvmm_mark_captures(int device);
+
+/* A capture of the device begins (begun nonzero: after its pool was begun and cudaStreamBeginCapture) or
+ * ends (begun 0: after cudaStreamEndCapture, before cuvmm_end_allocate_to_pool). Marks captures from now on.
+ * The mark of a capture abandoned before its end goes once its pool ends; an end with none marked is
+ * ignored. */
+int cuvmm_mark_capture(int device, int begun);
 
 /* The graph that used the pool is gone (one call per begin): once no graph uses it, its memory goes back
  * to the device's common segments as its blocks are freed. */

@@ -99,6 +99,8 @@ class Symbols(unittest.TestCase):
                 "cuvmm_begin_allocate_to_pool",
                 "cuvmm_begin_allocate_to_pool_capture",
                 "cuvmm_end_allocate_to_pool",
+                "cuvmm_mark_captures",
+                "cuvmm_mark_capture",
                 "cuvmm_incref_pool",
                 "cuvmm_release_pool",
                 "cuvmm_incref_pool",

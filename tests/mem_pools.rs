@@ -1,7 +1,8 @@
 //! What PyTorch's `MemPool` and cudagraph trees ask of a private pool beyond a capture, on the simulated
 //! device: use counts, nested pools (the inner one wins), checkpoints and putting a pool back to one, a
 //! pool's free memory serving an allocation that ran out (`use_on_oom`), a pool that splits no page
-//! (`no_split`), and one pool's cache given back (`emptyCache(pool)`). Every test walks the invariants.
+//! (`no_split`), one pool's cache given back (`emptyCache(pool)`), and a pool begun with no capture once
+//! captures are marked (PyTorch 2.13's `markCaptureBegin`/`End`). Every test walks the invariants.
 
 mod common;
 
@@ -104,6 +105,112 @@ fn nested_pools_allocate_to_the_inner_one() {
         [pool_of(&a, x), pool_of(&a, y), pool_of(&a, z)],
         [outer, inner, outer]
     );
+    a.check_invariants().unwrap();
+}
+
+/// `use_mem_pool` with no capture, once captures are marked (PyTorch 2.13 on): a request in the pool that
+/// runs out releases the cache and is served, and `empty_cache` gives memory back, as outside a pool. Before
+/// captures are marked, a pool begun may be a capture: the request fails rather than unmap, and
+/// `empty_cache` is refused. A marked capture has every rule of a capture until its end is marked.
+#[test]
+fn once_captures_are_marked_a_pool_begun_alone_is_no_capture() {
+    for marked in [false, true] {
+        let mut a = new_alloc();
+        if marked {
+            a.mark_captures();
+        }
+        let s = StreamId(1);
+        let cached = a.alloc(24 * PAGE, s).unwrap();
+        a.free(cached).unwrap();
+        let pool = GraphPool(0, 1);
+        begin(&mut a, pool, s);
+        let request = a.alloc(16 * PAGE, s);
+        let emptied = a.empty_cache();
+        if marked {
+            let x = request.unwrap();
+            assert_eq!(pool_of(&a, x), pool);
+            emptied.unwrap();
+            a.mark_capture(true);
+            assert!(matches!(
+                a.empty_cache(),
+                Err(Error::CaptureUnderway { .. })
+            ));
+            let y = a.alloc(PAGE, s).unwrap();
+            a.free(y).unwrap();
+            a.mark_capture(false);
+            a.empty_cache().unwrap();
+            a.free(x).unwrap();
+        } else {
+            assert!(request.unwrap_err().is_out_of_memory(), "marked: {marked}");
+            assert!(matches!(emptied, Err(Error::CaptureUnderway { .. })));
+        }
+        a.check_invariants().unwrap();
+        end(&mut a, pool);
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().reserved_bytes.current, 0, "marked: {marked}");
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A capture abandoned before its end (PyTorch's `CUDAGraph::reset` ends its pool without
+/// `markCaptureEnd`) leaves no mark once its pool ends: a `use_mem_pool` after it is no capture, and a late
+/// end is ignored.
+#[test]
+fn the_mark_of_an_abandoned_capture_goes_with_its_pool() {
+    let mut a = new_alloc();
+    a.mark_captures();
+    let graph = GraphPool(2, 0);
+    begin(&mut a, graph, StreamId(3));
+    a.mark_capture(true);
+    assert!(matches!(
+        a.empty_cache(),
+        Err(Error::CaptureUnderway { .. })
+    ));
+    a.end_allocate_to_pool(graph).unwrap();
+    a.empty_cache().unwrap();
+    let pool = GraphPool(0, 7);
+    begin(&mut a, pool, StreamId(1));
+    a.empty_cache().unwrap();
+    a.mark_capture(false);
+    a.empty_cache().unwrap();
+    a.mark_capture(true);
+    assert!(matches!(
+        a.empty_cache(),
+        Err(Error::CaptureUnderway { .. })
+    ));
+    a.mark_capture(false);
+    end(&mut a, pool);
+    a.release_pool(graph).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// Marked or not: a pool begun for a capture's id is a capture; and a sleep or a wake, whose copies run
+/// without the allocator's lock, waits until no pool is being allocated to, since a capture may begin while
+/// they copy.
+#[test]
+fn a_captures_pool_and_a_sleep_keep_their_rules_when_captures_are_marked() {
+    let mut a = new_alloc();
+    a.mark_captures();
+    let graph = GraphPool(2, 0);
+    a.begin_allocate_to_pool(graph, StreamFilter::Capture(9))
+        .unwrap();
+    assert!(matches!(
+        a.empty_cache(),
+        Err(Error::CaptureUnderway { .. })
+    ));
+    end(&mut a, graph);
+    let weights = a.alloc_tagged(2 * PAGE, StreamId(1), "weights").unwrap();
+    let pool = GraphPool(0, 1);
+    begin(&mut a, pool, StreamId(1));
+    a.empty_cache().unwrap();
+    assert!(matches!(
+        a.sleep("weights", true),
+        Err(Error::CaptureUnderway { .. })
+    ));
+    end(&mut a, pool);
+    assert_eq!(a.sleep("weights", true).unwrap(), 2 * PAGE);
+    a.wake("weights").unwrap();
+    a.free(weights).unwrap();
     a.check_invariants().unwrap();
 }
 
@@ -467,6 +574,13 @@ fn the_facade_reaches_every_pool_operation() {
     a.release_pool(pool).unwrap();
     a.set_pool_use_on_oom(pool, true);
     a.set_pool_no_split(pool);
+    a.mark_captures();
+    a.mark_capture_begin();
+    assert!(matches!(
+        a.empty_cache(),
+        Err(Error::CaptureUnderway { .. })
+    ));
+    a.mark_capture_end();
     a.free_raw(x).unwrap();
     a.release_pool(pool).unwrap();
     assert!(a.empty_pool_cache(pool).unwrap() > 0);

@@ -71,7 +71,7 @@ using c10::MempoolId_t;
   X(cuvmm_pool_restore) X(cuvmm_empty_pool_cache) X(cuvmm_malloc_at) X(cuvmm_foreign_malloc)         \
   X(cuvmm_foreign_add_segment) X(cuvmm_foreign_release) X(cuvmm_foreign_segments_free)               \
   X(cuvmm_set_torch_version) X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool)          \
-  X(cuvmm_release_pool) X(cuvmm_incref_pool)
+  X(cuvmm_release_pool) X(cuvmm_incref_pool) X(cuvmm_mark_captures) X(cuvmm_mark_capture)
 #define CUVMM_OPTIONAL(X)                                                                        \
   X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)        \
   X(cuvmm_recovered_oom) X(cuvmm_attach_trace_tracker)
@@ -427,9 +427,20 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   std::string getUserMetadata() override { return user_metadata(); }
 #endif
 #if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
-  // cuvmm learns of captures from beginAllocateToPool and its own capture query.
-  void markCaptureBegin(DeviceIndex /*device*/) override {}
-  void markCaptureEnd(DeviceIndex /*device*/) override {}
+  // This PyTorch marks every capture it makes (`use` has cuvmm expect the marks): after beginAllocateToPool
+  // and cudaStreamBeginCapture, and after cudaStreamEndCapture. A pool begun with no capture marked
+  // (use_mem_pool, cudagraph trees' warm-up) is then no capture to cuvmm, as to PyTorch's own allocator.
+  // A capture left unmarked would be broken by what cuvmm then does: a failed mark throws.
+  void markCaptureBegin(DeviceIndex device) override {
+    use(device);
+    check(api_.cuvmm_mark_capture(device, 1) == 0, "markCaptureBegin");
+  }
+  // Called on the way out of a failed capture too: it never throws.
+  void markCaptureEnd(DeviceIndex device) override {
+    if (api_.cuvmm_mark_capture(device, 0) != 0) {
+      without_throwing("markCaptureEnd", [&] { TORCH_WARN(last_error("markCaptureEnd")); });
+    }
+  }
   // A block at `addr`, which must lie in free memory of one of cuvmm's segments on the current device.
   c10::DataPtr allocateWithAddress(size_t size, void* addr) override {
     DeviceIndex device = c10::cuda::current_device();
@@ -972,6 +983,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     uint64_t bit = uint64_t{1} << device;
     if (used_.load(std::memory_order_relaxed) & bit) return;
     if (used_.fetch_or(bit) & bit) return;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+    api_.cuvmm_mark_captures(device);  // this PyTorch marks its captures (markCaptureBegin/End)
+#endif
     if (history_entries_ > 0) api_.cuvmm_record_history(device, history_entries_);
     if (tracking_.load()) track(device);
   }

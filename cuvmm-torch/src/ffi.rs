@@ -190,6 +190,24 @@ pub extern "C" fn cuvmm_end_allocate_to_pool(device: c_int, pool_a: u64, pool_b:
     })
 }
 
+/// From now on the caller marks every capture of `device` with [`cuvmm_mark_capture`]; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_mark_captures(device: c_int) -> c_int {
+    shell("cuvmm_mark_captures", -1, || {
+        ops::mark_captures(global()?, device)?;
+        Ok(0)
+    })
+}
+
+/// A capture of `device` begins (`begun` nonzero) or ends; 0 or -1.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_mark_capture(device: c_int, begun: c_int) -> c_int {
+    shell("cuvmm_mark_capture", -1, || {
+        ops::mark_capture(global()?, device, begun != 0)?;
+        Ok(0)
+    })
+}
+
 /// A graph that used pool `{pool_a, pool_b}` of `device` is gone; 0 or -1.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_release_pool(device: c_int, pool_a: u64, pool_b: u64) -> c_int {

@@ -242,6 +242,30 @@ pub fn end_allocate_to_pool(
     Ok(registry.allocator(device)?.end_allocate_to_pool(pool)?)
 }
 
+/// From now on the caller marks every capture of `device` ([`mark_capture`]): a pool begun with no capture
+/// is then no capture (PyTorch 2.13's `use_mem_pool`).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn mark_captures(registry: &Registry, device: i32) -> Result<(), AbiError> {
+    registry.allocator(device)?.mark_captures();
+    Ok(())
+}
+
+/// A capture of `device` begins (`begun`) or ends (PyTorch's `markCaptureBegin` / `markCaptureEnd`).
+///
+/// # Errors
+/// As [`mark_captures`].
+pub fn mark_capture(registry: &Registry, device: i32, begun: bool) -> Result<(), AbiError> {
+    let allocator = registry.allocator(device)?;
+    if begun {
+        allocator.mark_capture_begin();
+    } else {
+        allocator.mark_capture_end();
+    }
+    Ok(())
+}
+
 /// A graph that used `pool` of `device` is gone (PyTorch's `releasePool`).
 ///
 /// # Errors

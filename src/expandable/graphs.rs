@@ -1,6 +1,6 @@
 //! CUDA graphs: private pools and the captures that allocate to them (see [`crate::strategy::graph_pool`]).
 //!
-//! While a pool is begun (a capture is *underway*), the allocator makes no driver call that CUDA refuses
+//! While a pool is begun (a capture is *underway*; but see marked captures below), the allocator makes no driver call that CUDA refuses
 //! during a capture or that would invalidate it: no event query, no synchronization, no unmap or release.
 //! So an allocation then takes only free blocks, pooled handles and new handles (no compaction, no borrowing
 //! from other streams, no release-and-retry on out-of-memory), and a free of a block used on other streams
@@ -16,6 +16,14 @@
 //! A capture the allocator was not told of is found, when capture detection is on (the facade turns it on
 //! for programs), by a capture query of the allocating stream: its allocations go to an *implicit* pool,
 //! never released, since the allocator cannot know when the graph dies.
+//!
+//! A pool is also begun without a capture: PyTorch's `use_mem_pool` routes a thread's allocations to a
+//! `MemPool`, and cudagraph trees' warm-up runs to a graph's pool. A caller that *marks* its captures
+//! ([`Graphs::mark_captures`]; PyTorch 2.13 on calls `markCaptureBegin`/`End` around every capture it
+//! makes) has the rules above only while a marked capture is underway, or a pool whose filter is a capture
+//! (an implicit one, or one begun with [`StreamFilter::Capture`]): a pool begun alone then allocates as any
+//! request does, releasing the cache and compacting when memory runs short. Until a caller marks them,
+//! every pool being allocated to counts as a capture, since one may begin any moment.
 
 use super::segments::Segments;
 use super::streams::StreamWaits;
@@ -52,13 +60,62 @@ pub(super) struct Graphs {
     /// Pools whose allocations take whole pages, so that no two of them share a page (PyTorch's
     /// `MemPool(no_split=True)`).
     no_split: Vec<GraphPool>,
+    /// Once the caller marks its captures: how many marked captures are underway. `None` before: every
+    /// pool being allocated to counts as a capture.
+    marked: Option<usize>,
+}
+
+impl Underway {
+    /// Whether the pool's filter takes only capturing streams: a capture is underway while it is begun.
+    fn is_capture(&self) -> bool {
+        matches!(self.filter, StreamFilter::Capture(_))
+    }
 }
 
 impl Graphs {
-    /// Whether any capture is underway (some pool is being allocated to).
+    /// Whether a capture may be underway: some pool is being allocated to, and, once captures are marked
+    /// ([`mark_captures`](Self::mark_captures)), a marked capture or a capture's pool is among them. While
+    /// it is, no driver call may refuse or break a capture (the module's comment).
     #[inline]
     pub(super) fn capturing(&self) -> bool {
+        match self.marked {
+            None => !self.underway.is_empty(),
+            Some(marked) => marked > 0 || self.underway.iter().any(Underway::is_capture),
+        }
+    }
+
+    /// Whether any pool is being allocated to (a capture underway, or a pool begun without one): requests
+    /// are routed to pools, and nothing may begin that a capture beginning now would break (the copies of
+    /// a sleep or a wake, which run without the caller's lock).
+    #[inline]
+    pub(super) fn routing(&self) -> bool {
         !self.underway.is_empty()
+    }
+
+    /// From now on, the caller marks every capture it makes ([`mark_capture`](Self::mark_capture)) after
+    /// beginning its pool: a pool begun without a mark is not a capture. Idempotent.
+    pub(super) fn mark_captures(&mut self) {
+        self.marked.get_or_insert(0);
+    }
+
+    /// A capture begins (`begun`, after its pool was begun and `cuStreamBeginCapture`) or ends (after
+    /// `cuStreamEndCapture`, before its pool ends). Marks captures from now on. An end with no capture
+    /// marked is ignored: a capture abandoned before its end leaves a mark that goes with its pool.
+    pub(super) fn mark_capture(&mut self, begun: bool) {
+        let marked = self.marked.get_or_insert(0);
+        *marked = if begun {
+            marked.saturating_add(1)
+        } else {
+            marked.saturating_sub(1)
+        };
+    }
+
+    /// No more captures are marked than pools are being allocated to: each marked capture allocates to a
+    /// pool of its own, so the mark of a capture abandoned without its end goes once its pool ends.
+    fn bound_marks(&mut self) {
+        if let Some(marked) = &mut self.marked {
+            *marked = (*marked).min(self.underway.len());
+        }
     }
 
     /// How many pools are being allocated to.
@@ -191,6 +248,7 @@ impl Graphs {
             problem: "the pool is not being allocated to",
         })?;
         self.underway.remove(at);
+        self.bound_marks();
         tracing::debug!(%pool, "cuvmm: stopped allocating to a graph pool");
         Ok(())
     }
@@ -241,7 +299,7 @@ impl Graphs {
         driver: &mut D,
         stream: StreamId,
     ) -> Result<Option<GraphPool>, Error> {
-        if !self.detect && !self.capturing() {
+        if !self.detect && !self.routing() {
             return Ok(None);
         }
         // The stream's capture status, asked once, when a filter or the detection needs it.
@@ -297,6 +355,7 @@ impl Graphs {
                     CaptureStatus::Active { id: active, .. } if active == id);
                 if !still {
                     self.underway.remove(i);
+                    self.bound_marks();
                     continue;
                 }
             }

@@ -96,7 +96,7 @@ impl<D: Driver> Expandable<D> {
     /// keeps bytes the copies to run ([`TagCopy::run`], without the lock) and hand to
     /// [`finish_sleep`](Self::finish_sleep); else the whole sleep.
     pub fn begin_sleep(&mut self, tag: &str, keep: bool) -> Result<Begun<u64>, Error> {
-        if self.graphs.capturing() {
+        if self.graphs.routing() {
             return Err(Error::CaptureUnderway { operation: "sleep" });
         }
         let id = self.tags.id(tag);
@@ -163,7 +163,7 @@ impl<D: Driver> Expandable<D> {
         if self.tags.is_copying(id) {
             return Err(self.tags.busy_error("wake", id));
         }
-        if self.graphs.capturing() {
+        if self.graphs.routing() {
             return Err(Error::CaptureUnderway { operation: "wake" });
         }
         self.tags.start_waking(id);
@@ -205,7 +205,7 @@ impl<D: Driver> Expandable<D> {
     /// ([`Error::CaptureUnderway`]): freeing page-locked memory is an implicit synchronization, which
     /// CUDA forbids while a graph is captured (it would invalidate the capture).
     pub fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error> {
-        if self.graphs.capturing() {
+        if self.graphs.routing() {
             return Err(Error::CaptureUnderway {
                 operation: "release_host_buffers",
             });

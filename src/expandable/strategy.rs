@@ -147,6 +147,14 @@ impl<D: Driver> GraphPools for Expandable<D> {
         self.graphs.end_pool(pool)
     }
 
+    fn mark_captures(&mut self) {
+        self.graphs.mark_captures();
+    }
+
+    fn mark_capture(&mut self, begun: bool) {
+        self.graphs.mark_capture(begun);
+    }
+
     fn release_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
         self.graphs.drop_pool_use(pool, &self.segments)
     }

@@ -46,6 +46,17 @@ pub trait GraphPools {
     /// Allocations stop going to `pool` (after the capture ended); its memory stays the pool's.
     fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error>;
 
+    /// From now on the caller marks every capture ([`mark_capture`](GraphPools::mark_capture)), so a pool
+    /// begun without a mark is not a capture: its allocations may wait for events, release the cache and
+    /// compact (PyTorch's `use_mem_pool`, and cudagraph trees' warm-up runs). Until then every pool being
+    /// allocated to counts as a capture. Idempotent.
+    fn mark_captures(&mut self);
+
+    /// A capture begins (`begun`: after its pool was begun and the capture began) or ends (after the
+    /// capture ended, before its pool ends): PyTorch's `markCaptureBegin` / `markCaptureEnd`. Marks
+    /// captures from now on ([`mark_captures`](GraphPools::mark_captures)).
+    fn mark_capture(&mut self, begun: bool);
+
     /// A graph that used `pool` is gone (PyTorch's `releasePool`, once per begin): once none is left, the
     /// pool's memory goes back to common use as its blocks are freed.
     fn release_pool(&mut self, pool: GraphPool) -> Result<(), Error>;

@@ -67,9 +67,12 @@ pub enum Error {
     },
     /// An operation that must wait for streams or unmap memory (`empty_cache`, `trim`) was asked for while
     /// a CUDA graph is being captured into a private pool: CUDA refuses those calls during a capture, and
-    /// making them would invalidate it. Retry once the capture has ended.
+    /// making them would invalidate it. Retry once the capture has ended. A sleep or a wake, whose copies
+    /// run without the allocator's lock, is refused while any pool is being allocated to, captured or not
+    /// (a capture may begin while they copy).
     #[error(
-        "{operation} is not possible while a CUDA graph is being captured (end the capture first)"
+        "{operation} is not possible while a CUDA graph is being captured or a pool is being allocated to \
+         (end the capture, or leave the pool, first)"
     )]
     CaptureUnderway {
         /// The operation refused.

@@ -1,7 +1,10 @@
 //! The property test: captures interleaved with allocations, frees, `record_stream`, kernels and memory
 //! pressure, against a model of what each pool and stream holds, with large-pool handles of one page, four or
 //! the default size, their idle pages lent or not. Memory is checked by address and by what backs it (a lent
-//! page is mapped a second time elsewhere).
+//! page is mapped a second time elsewhere). Streams 1 and 2 allocate to pools of their own now and then,
+//! with no capture (PyTorch's `use_mem_pool`). Captures are made as PyTorch 2.11 makes them (a pool for the
+//! capture's id, not marked) or, with `marked`, as PyTorch 2.13 does (a pool for the capturing stream, the
+//! capture marked), when `empty_cache` must give back memory while a pool is routed to outside captures.
 
 use super::*;
 use crate::mapped_events::MappedEvents;
@@ -41,6 +44,10 @@ enum Action {
     ReleasePool {
         pick: usize,
     },
+    /// `stream` (1 or 2) starts allocating to a new pool of its own, with no capture, or stops.
+    UseMemPool {
+        stream: u64,
+    },
     EmptyCache,
 }
 
@@ -58,6 +65,7 @@ fn action() -> impl Strategy<Value = Action> {
             .prop_map(|(stream, mode, share)| Action::BeginCapture { stream, mode, share }),
         2 => (3u64..5).prop_map(|stream| Action::EndCapture { stream }),
         1 => any::<usize>().prop_map(|pick| Action::ReleasePool { pick }),
+        1 => (1u64..3).prop_map(|stream| Action::UseMemPool { stream }),
         1 => Just(Action::EmptyCache),
     ]
 }
@@ -85,8 +93,12 @@ struct Model {
     live: BTreeMap<u64, Live>,
     freed: Vec<Freed>,
     launched: BTreeMap<StreamId, u64>,
+    /// Whether captures are marked (PyTorch 2.13's `markCaptureBegin`/`End`).
+    marked: bool,
     /// Captures underway: stream -> pool.
     capturing: BTreeMap<StreamId, GraphPool>,
+    /// Pools allocated to with no capture: stream -> pool.
+    routed: BTreeMap<StreamId, GraphPool>,
     /// Live pools (begun, not yet released as often) with their begin count, and every range allocated to
     /// each while it was being captured, with its memory: the addresses its graphs baked in.
     pools: BTreeMap<GraphPool, (usize, Vec<Baked>)>,
@@ -110,7 +122,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
     match action {
         Action::Alloc { size, stream } => {
             let s = StreamId(stream);
-            let pool = m.capturing.get(&s).copied();
+            let pool = (m.capturing.get(&s).or(m.routed.get(&s))).copied();
             match a.alloc(size, s) {
                 Ok(addr) => {
                     let range = VaRange::new(addr, size.next_multiple_of(ROUND));
@@ -215,7 +227,15 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
                     GraphPool(m.next_pool, 0)
                 }
             };
-            begin_capture(a, s, pool, mode(md));
+            if m.marked {
+                // As PyTorch 2.13: the pool begun for the stream, the capture begun, then marked.
+                a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![s]))
+                    .unwrap();
+                a.driver_mut().begin_capture(s, mode(md)).unwrap();
+                a.mark_capture(true);
+            } else {
+                begin_capture(a, s, pool, mode(md));
+            }
             m.pools.entry(pool).or_default().0 += 1;
             m.capturing.insert(s, pool);
             m.last_pool = Some(pool);
@@ -225,14 +245,31 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
             let Some(pool) = m.capturing.remove(&s) else {
                 return;
             };
-            a.driver_mut()
-                .end_capture(s)
-                .expect("the capture was invalidated");
-            a.end_allocate_to_pool(pool).unwrap();
+            end_capture_of(a, m.marked, s, pool);
+        }
+        Action::UseMemPool { stream } => {
+            let s = StreamId(stream);
+            if let Some(pool) = m.routed.remove(&s) {
+                a.end_allocate_to_pool(pool).unwrap();
+                a.release_pool(pool).unwrap();
+                m.pools.remove(&pool);
+                return;
+            }
+            m.next_pool += 1;
+            let pool = GraphPool(0, m.next_pool);
+            a.begin_allocate_to_pool(pool, StreamFilter::Streams(vec![s]))
+                .unwrap();
+            m.pools.entry(pool).or_default().0 += 1;
+            m.routed.insert(s, pool);
         }
         Action::ReleasePool { pick } => {
             let ended: Vec<GraphPool> = (m.pools.keys().copied())
-                .filter(|p| !m.capturing.values().any(|q| q == p))
+                .filter(|p| {
+                    !m.capturing
+                        .values()
+                        .chain(m.routed.values())
+                        .any(|q| q == p)
+                })
                 .collect();
             let Some(&pool) = ended.get(pick % ended.len().max(1)) else {
                 return;
@@ -246,7 +283,8 @@ fn step(a: &mut Alloc, m: &mut Model, action: Action) {
         }
         Action::EmptyCache => {
             let result = a.empty_cache();
-            if m.capturing.is_empty() {
+            // Once captures are marked, a pool routed to outside a capture is no capture.
+            if m.capturing.is_empty() && (m.marked || m.routed.is_empty()) {
                 result.unwrap();
             } else {
                 assert!(
@@ -274,22 +312,46 @@ fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     }
 }
 
-/// Runs `actions` with `config` and large-pool handles of `handle.0` bytes, partial mappings as `handle.1`.
-fn run(config: Config, handle: (u64, bool), actions: Vec<Action>) {
+/// Ends the capture of `s` (it must not have been invalidated) and stops allocating to `pool`, marking the
+/// end if captures are `marked`.
+fn end_capture_of(a: &mut Alloc, marked: bool, s: StreamId, pool: GraphPool) {
+    if marked {
+        a.driver_mut()
+            .end_capture(s)
+            .expect("the capture was invalidated");
+        a.mark_capture(false);
+        a.end_allocate_to_pool(pool).unwrap();
+    } else {
+        end_capture(a, s, pool);
+    }
+}
+
+/// Runs `actions` with `config` and large-pool handles of `handle.0` bytes, partial mappings as `handle.1`,
+/// captures marked or not.
+fn run(config: Config, handle: (u64, bool), marked: bool, actions: Vec<Action>) {
     let config = Config {
         small_size: 1024,
         ..config
     };
     let mut a = common::memory::chunked(PAGE, PAGES, config, handle);
+    if marked {
+        a.mark_captures();
+    }
     let mapped = MappedEvents::attach(&mut a, PAGE);
-    let mut m = Model::default();
+    let mut m = Model {
+        marked,
+        ..Model::default()
+    };
     for action in actions {
         step(&mut a, &mut m, action);
         check(&a, &m, &mapped);
     }
     // The end: every capture ended, every pool released, every stream done, everything freed.
     for (s, pool) in std::mem::take(&mut m.capturing) {
-        end_capture(&mut a, s, pool);
+        end_capture_of(&mut a, marked, s, pool);
+    }
+    for pool in std::mem::take(&mut m.routed).into_values() {
+        a.end_allocate_to_pool(pool).unwrap();
     }
     for (pool, (uses, _)) in std::mem::take(&mut m.pools) {
         for _ in 0..uses {
@@ -329,11 +391,12 @@ proptest! {
         eager in any::<bool>(),
         cross_stream_reuse in any::<bool>(),
         handle in prop::sample::select(handle_settings(PAGE).to_vec()),
+        marked in any::<bool>(),
     ) {
         let compaction = if eager { Compaction::Eager } else { Compaction::Pressure };
         let config = Config::default()
             .with_compaction(compaction)
             .with_cross_stream_reuse(cross_stream_reuse);
-        run(config, handle, actions);
+        run(config, handle, marked, actions);
     }
 }

@@ -60,6 +60,38 @@ fn a_graph_pool_keeps_its_memory_from_other_allocations_until_released() {
     check_invariants(device);
 }
 
+/// PyTorch 2.13's `use_mem_pool` and `markCaptureBegin`/`End`, as the C++ layer makes them: before
+/// captures are marked, a pool begun refuses `empty_cache`; once marked, only a marked capture does.
+#[test]
+fn once_captures_are_marked_only_a_marked_capture_refuses_empty_cache() {
+    setup();
+    let device = 28;
+    let s = stream(0x71);
+    // SAFETY: `only_stream` may be called from any thread with this context (it only compares pointers).
+    let begun = unsafe { cuvmm_begin_allocate_to_pool(device, 0, 4, Some(only_stream), s) };
+    assert_eq!(begun, 0, "{:?}", last_error());
+    cuvmm_empty_cache(device);
+    assert_failed(
+        "empty_cache in a pool, captures not marked",
+        "being captured",
+    );
+    assert_eq!(cuvmm_mark_captures(device), 0, "{:?}", last_error());
+    cuvmm_empty_cache(device);
+    assert_eq!(last_error(), None, "empty_cache in a pool begun alone");
+    assert_eq!(cuvmm_mark_capture(device, 1), 0, "{:?}", last_error());
+    cuvmm_empty_cache(device);
+    assert_failed("empty_cache during a marked capture", "being captured");
+    assert_eq!(cuvmm_mark_capture(device, 0), 0, "{:?}", last_error());
+    cuvmm_empty_cache(device);
+    assert_eq!(last_error(), None, "empty_cache once the capture ended");
+    assert_eq!(cuvmm_end_allocate_to_pool(device, 0, 4), 0);
+    assert_eq!(cuvmm_release_pool(device, 0, 4), 0);
+    assert_eq!(cuvmm_mark_captures(DEVICES as i32), -1);
+    assert_failed("a device out of range", "device");
+    assert_eq!(cuvmm_mark_capture(-1, 1), -1);
+    check_invariants(device);
+}
+
 #[test]
 fn pool_and_peer_misuse_returns_minus_one_with_an_error() {
     setup();
