@@ -319,8 +319,14 @@ h.release(b)
 C._cuda_emptyCache()
 out["deleted"] = [reserved, stats()["reserved_bytes"]]
 out["release_unknown"] = h.try_call(lambda: C._cuda_releasePool(0, (0, 12345)))
+cached = h.alloc(4 << 20)
+h.release(cached)
 C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88))
+reserved = stats()["reserved_bytes"]
 out["empty_during_capture"] = h.try_call(C._cuda_emptyCache)
+# From PyTorch 2.13, which marks its captures, a pool begun with no capture is none: the cache goes back.
+out["empty_in_pool"] = [reserved, stats()["reserved_bytes"]]
+out["marks_captures"] = [int(v) for v in torch.__version__.split(".")[:2]] >= [2, 13]
 out["begun_twice"] = h.try_call(lambda: C._cuda_beginAllocateCurrentThreadToPool(0, (0, 88)))
 C._cuda_endAllocateToPool(0, (0, 88))
 C._cuda_releasePool(0, (0, 88))
@@ -758,6 +764,12 @@ class MemPools(unittest.TestCase):
         self.assertEqual(self.out["release_unknown"], "returned")
         self.assertEqual(self.out["empty_during_capture"], "returned")
         self.assertIn("already being allocated to", self.out["begun_twice"], "refused, the first begin intact")
+
+    def test_empty_cache_in_a_pool_begun_with_no_capture_gives_back_once_pytorch_marks_captures(self):
+        reserved, after = self.out["empty_in_pool"]
+        self.assertGreaterEqual(reserved, 4 << 20, "the block freed before the pool began, cached")
+        # PyTorch 2.11 and 2.12 do not mark captures: any pool begun may be one, and the cache stays.
+        self.assertEqual(after, 0 if self.out["marks_captures"] else reserved)
 
     def test_a_use_on_oom_pool_serves_a_request_that_ran_out(self):
         self.assertTrue(self.out["without_use_on_oom"].startswith("OutOfMemoryError"), self.out)

@@ -1,7 +1,8 @@
 //! CUDA graphs: private pools and the captures that allocate to them (see [`crate::strategy::graph_pool`]).
 //!
-//! While a pool is begun (a capture is *underway*; but see marked captures below), the allocator makes no driver call that CUDA refuses
-//! during a capture or that would invalidate it: no event query, no synchronization, no unmap or release.
+//! While a pool is begun (a capture is *underway*; but see marked captures below), the allocator makes no
+//! driver call that CUDA refuses during a capture or that would invalidate it: no event query, no
+//! synchronization, no unmap or release.
 //! So an allocation then takes only free blocks, pooled handles and new handles (no compaction, no borrowing
 //! from other streams, no release-and-retry on out-of-memory), and a free of a block used on other streams
 //! is *deferred*: the block stays live, with its streams, until no capture is underway, when its events are
@@ -73,9 +74,10 @@ impl Underway {
 }
 
 impl Graphs {
-    /// Whether a capture may be underway: some pool is being allocated to, and, once captures are marked
-    /// ([`mark_captures`](Self::mark_captures)), a marked capture or a capture's pool is among them. While
-    /// it is, no driver call may refuse or break a capture (the module's comment).
+    /// Whether a capture may be underway: some pool is being allocated to; once captures are marked
+    /// ([`mark_captures`](Self::mark_captures)), a marked capture has begun and not ended, or a pool whose
+    /// filter is a capture's is begun. While it is, no driver call may refuse or break a capture (the
+    /// module's comment).
     #[inline]
     pub(super) fn capturing(&self) -> bool {
         match self.marked {

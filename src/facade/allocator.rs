@@ -524,8 +524,9 @@ impl<S: Strategy + GraphPools> Allocator<S> {
     /// memory stays where it is and is reused by nothing else while a graph uses it (PyTorch's
     /// `beginAllocateToPool`; call it before beginning a capture, with [`StreamFilter::Capture`] or the
     /// capturing streams). Until [`end_allocate_to_pool`](Self::end_allocate_to_pool), the allocator makes
-    /// no call CUDA refuses during a capture (once captures are marked, [`mark_captures`](Self::mark_captures),
-    /// only while a marked capture runs). See [`crate::strategy::graph_pool`].
+    /// no call CUDA refuses during a capture (once captures are marked,
+    /// [`mark_captures`](Self::mark_captures), only while a marked capture runs). See
+    /// [`crate::strategy::graph_pool`].
     ///
     /// While another thread's sleep or wake copies a tag's bytes (without the lock), this waits for the
     /// copies to end ([`GraphPools::ready_to_begin_pool`]): they pin host memory, which a global-mode
@@ -559,12 +560,13 @@ impl<S: Strategy + GraphPools> Allocator<S> {
         result
     }
 
-    /// From now on the program marks every capture it makes with [`mark_capture_begin`](Self::mark_capture_begin)
-    /// and [`mark_capture_end`](Self::mark_capture_end) (PyTorch 2.13 on does): a pool begun without a
-    /// capture (PyTorch's `use_mem_pool`) then allocates as any request does, waiting for events, releasing
-    /// the cache and compacting when memory runs short. Until then, every pool begun counts as a capture.
-    /// A capture not marked is still safe if its pool was begun with [`StreamFilter::Capture`], or, with
-    /// capture detection on, if no pool was begun for its streams. Idempotent.
+    /// From now on the program marks every capture it makes with
+    /// [`mark_capture_begin`](Self::mark_capture_begin) and [`mark_capture_end`](Self::mark_capture_end)
+    /// (PyTorch 2.13 on does): a pool begun without a capture (PyTorch's `use_mem_pool`) then allocates as
+    /// any request does, waiting for events, releasing the cache and compacting when memory runs short.
+    /// Until then, every pool begun counts as a capture. A capture not marked is still safe if its pool was
+    /// begun with [`StreamFilter::Capture`], or, with capture detection on, if no pool was begun for its
+    /// streams. Sleeps and wakes still wait until no pool is begun. Idempotent.
     pub fn mark_captures(&self) {
         self.shared.strategy.lock().mark_captures();
     }
