@@ -108,7 +108,9 @@ FAKE_CUDART = r"""
 static int current;
 int cudaGetDevice(int *device) { *device = current; return 0; }
 int cudaSetDevice(int device) { current = device; return 0; }
-int cudaGetDeviceCount(int *count) { *count = 1; return 0; }
+/* Two devices: the cross-device test records a use on device 1's stream, and from PyTorch 2.15 a guard
+ * refuses a device past the count. cuvmm's simulated device is 0 alone. */
+int cudaGetDeviceCount(int *count) { *count = 2; return 0; }
 int cudaDeviceSynchronize(void) { return 0; }
 int cudaGetLastError(void) { return 0; }
 int cudaDeviceGetStreamPriorityRange(int *least, int *greatest) { *least = 0; *greatest = -5; return 0; }
