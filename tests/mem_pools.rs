@@ -63,6 +63,15 @@ fn live_in(a: &Alloc, pool: GraphPool) -> Vec<u64> {
     live
 }
 
+/// Asserts that an operation was refused as a capture would refuse it.
+#[track_caller]
+fn assert_refused<T: std::fmt::Debug>(result: Result<T, Error>) {
+    assert!(
+        matches!(result, Err(Error::CaptureUnderway { .. })),
+        "{result:?}"
+    );
+}
+
 fn pool_of(a: &Alloc, addr: u64) -> GraphPool {
     let snapshot = a.snapshot().unwrap();
     let seg = (snapshot.segments.iter())
@@ -131,10 +140,7 @@ fn once_captures_are_marked_a_pool_begun_alone_is_no_capture() {
             assert_eq!(pool_of(&a, x), pool);
             emptied.unwrap();
             a.mark_capture(true);
-            assert!(matches!(
-                a.empty_cache(),
-                Err(Error::CaptureUnderway { .. })
-            ));
+            assert_refused(a.empty_cache());
             let y = a.alloc(PAGE, s).unwrap();
             a.free(y).unwrap();
             a.mark_capture(false);
@@ -142,7 +148,7 @@ fn once_captures_are_marked_a_pool_begun_alone_is_no_capture() {
             a.free(x).unwrap();
         } else {
             assert!(request.unwrap_err().is_out_of_memory(), "marked: {marked}");
-            assert!(matches!(emptied, Err(Error::CaptureUnderway { .. })));
+            assert_refused(emptied);
         }
         a.check_invariants().unwrap();
         end(&mut a, pool);
@@ -162,10 +168,7 @@ fn the_mark_of_an_abandoned_capture_goes_with_its_pool() {
     let graph = GraphPool(2, 0);
     begin(&mut a, graph, StreamId(3));
     a.mark_capture(true);
-    assert!(matches!(
-        a.empty_cache(),
-        Err(Error::CaptureUnderway { .. })
-    ));
+    assert_refused(a.empty_cache());
     a.end_allocate_to_pool(graph).unwrap();
     a.empty_cache().unwrap();
     let pool = GraphPool(0, 7);
@@ -174,10 +177,7 @@ fn the_mark_of_an_abandoned_capture_goes_with_its_pool() {
     a.mark_capture(false);
     a.empty_cache().unwrap();
     a.mark_capture(true);
-    assert!(matches!(
-        a.empty_cache(),
-        Err(Error::CaptureUnderway { .. })
-    ));
+    assert_refused(a.empty_cache());
     a.mark_capture(false);
     end(&mut a, pool);
     a.release_pool(graph).unwrap();
@@ -194,19 +194,13 @@ fn a_captures_pool_and_a_sleep_keep_their_rules_when_captures_are_marked() {
     let graph = GraphPool(2, 0);
     a.begin_allocate_to_pool(graph, StreamFilter::Capture(9))
         .unwrap();
-    assert!(matches!(
-        a.empty_cache(),
-        Err(Error::CaptureUnderway { .. })
-    ));
+    assert_refused(a.empty_cache());
     end(&mut a, graph);
     let weights = a.alloc_tagged(2 * PAGE, StreamId(1), "weights").unwrap();
     let pool = GraphPool(0, 1);
     begin(&mut a, pool, StreamId(1));
     a.empty_cache().unwrap();
-    assert!(matches!(
-        a.sleep("weights", true),
-        Err(Error::CaptureUnderway { .. })
-    ));
+    assert_refused(a.sleep("weights", true));
     end(&mut a, pool);
     assert_eq!(a.sleep("weights", true).unwrap(), 2 * PAGE);
     a.wake("weights").unwrap();
@@ -576,10 +570,7 @@ fn the_facade_reaches_every_pool_operation() {
     a.set_pool_no_split(pool);
     a.mark_captures();
     a.mark_capture_begin();
-    assert!(matches!(
-        a.empty_cache(),
-        Err(Error::CaptureUnderway { .. })
-    ));
+    assert_refused(a.empty_cache());
     a.mark_capture_end();
     a.free_raw(x).unwrap();
     a.release_pool(pool).unwrap();
