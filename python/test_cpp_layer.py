@@ -526,6 +526,23 @@ def missing_for_build():
     return None
 
 
+def stand_ins(*more):
+    """A temporary directory holding the CUDA stand-ins (FAKE_CUDART, FAKE_LIBCUDA) and `more` ((source,
+    library, flags) each), compiled; skips the test where there is no C compiler."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise unittest.SkipTest("no C compiler for the CUDA stand-ins")
+    scratch = tempfile.TemporaryDirectory()
+    directory = scratch.name
+    for source, target, flags in [(FAKE_CUDART, "libfakecudart.so", []),
+                                  (FAKE_LIBCUDA, "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"]), *more]:
+        with open(os.path.join(directory, target + ".c"), "w") as file:
+            file.write(source)
+        subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(directory, target),
+                        os.path.join(directory, target + ".c")], check=True)
+    return scratch
+
+
 def run_probe(code, **env):
     """Runs `code` on the simulated device in a fresh interpreter; returns its JSON output."""
     return json.loads(run_python(["-c", code], **env).strip().splitlines()[-1])
@@ -625,17 +642,8 @@ class ThroughPyTorchsInterface(unittest.TestCase):
     def setUpClass(cls):
         import torch  # noqa: PLC0415
 
-        compiler = shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise unittest.SkipTest("no C compiler for the CUDA stand-ins")
-        cls.scratch = tempfile.TemporaryDirectory()
+        cls.scratch = stand_ins()
         fakes = cls.scratch.name
-        for source, target, flags in [(FAKE_CUDART, "libfakecudart.so", []),
-                                      (FAKE_LIBCUDA, "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"])]:
-            with open(os.path.join(fakes, target + ".c"), "w") as file:
-                file.write(source)
-            subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
-                            os.path.join(fakes, target + ".c")], check=True)
         build = os.path.join(BUILD_ROOT, f"harness-{torch.__version__}")
         os.makedirs(build, exist_ok=True)
         code = SHIM_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
@@ -726,18 +734,8 @@ class MemPools(unittest.TestCase):
     def setUpClass(cls):
         import torch  # noqa: PLC0415
 
-        compiler = shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise unittest.SkipTest("no C compiler for the CUDA stand-ins")
-        cls.scratch = tempfile.TemporaryDirectory()
+        cls.scratch = stand_ins((FAKE_ALLOC, "libfakealloc.so", []))
         fakes = cls.scratch.name
-        for source, target, flags in [(FAKE_CUDART, "libfakecudart.so", []),
-                                      (FAKE_LIBCUDA, "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"]),
-                                      (FAKE_ALLOC, "libfakealloc.so", [])]:
-            with open(os.path.join(fakes, target + ".c"), "w") as file:
-                file.write(source)
-            subprocess.run([compiler, "-shared", "-fPIC", *flags, "-o", os.path.join(fakes, target),
-                            os.path.join(fakes, target + ".c")], check=True)
         build = os.path.join(BUILD_ROOT, f"harness-{torch.__version__}")
         os.makedirs(build, exist_ok=True)
         code = MEMPOOL_PROBE.replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
@@ -825,6 +823,218 @@ class MemPools(unittest.TestCase):
         self.assertEqual(cp["freed"], sorted([y, z]), "every block live when called")
         self.assertEqual(cp["allocd"], [x], "the checkpoint's, live again at its address")
         self.assertTrue(cp["live"])
+
+
+# Calls a program can make into PyTorch's allocator, with good arguments and bad, each as (name, what it must
+# do, code): "returned", or the name of the exception it must raise (a Python exception, never an abort). Run
+# one after another in one process by SWEEP_PROBE; `alloc(n)` / `free(p)` are PyTorch's raw_alloc and
+# raw_delete, FAKES the directory of the stand-ins.
+CALLS = [
+    ("statistics, summary and snapshot", "returned", """
+p = alloc(1000)
+m.memory_stats(0); m.memory_stats_as_nested_dict(0); m.memory_summary(0); m.memory_snapshot()
+m.memory_snapshot((0, 5)); m._snapshot(0); m._dump_snapshot(os.path.join(FAKES, "snapshot.pickle"))
+m.reset_peak_memory_stats(0); m.reset_accumulated_memory_stats(0)
+m.host_memory_stats(); m.reset_peak_host_memory_stats(); m.reset_accumulated_host_memory_stats()
+free(p)
+"""),
+    ("history recorded, allocated under it, stopped", "returned", """
+m._record_memory_history(max_entries=4)
+ps = [alloc(1000 * (i + 1)) for i in range(10)]
+for p in ps: free(p)
+m._snapshot(0); C._cuda_isHistoryEnabled()
+m._record_memory_history(enabled=None)
+"""),
+    ("statistics of a device that does not exist", "RuntimeError", "C._cuda_memoryStats(9)"),
+    ("peak reset of a device that does not exist", "RuntimeError", "C._cuda_resetPeakMemoryStats(9)"),
+    ("accumulated reset of a device that does not exist", "RuntimeError", "C._cuda_resetAccumulatedMemoryStats(9)"),
+    ("memory fraction of a device that does not exist", "RuntimeError", "C._cuda_setMemoryFraction(0.5, 9)"),
+    ("a negative memory fraction", "RuntimeError", "C._cuda_setMemoryFraction(-1.0, 0)"),
+    ("a memory fraction of 0, then an allocation", "OutOfMemoryError", """
+m.set_per_process_memory_fraction(0.0, 0)
+m.empty_cache()  # nothing cached that could serve it
+try:
+    alloc(1000)
+finally:
+    m.set_per_process_memory_fraction(1.0, 0)
+"""),
+    ("a request larger than the device", "OutOfMemoryError", "alloc(1 << 50)"),
+    ("zero bytes, a null pointer freed", "returned", "free(alloc(0)); free(0)"),
+    ("a pointer the allocator never gave, freed", "returned", "free(0x1234500)"),
+    ("a pointer freed twice", "returned", "p = alloc(1000); free(p); free(p)"),
+    ("caching off and on again", "returned", """
+m.caching_allocator_enable(False)
+p = alloc(1000)
+m.caching_allocator_enable(True)
+free(p)
+"""),
+    ("an out-of-memory observer that asks the allocator", "OutOfMemoryError", """
+def observer(*args):
+    m.memory_summary(0); m.memory_snapshot(); m.empty_cache(); free(alloc(1 << 20))
+C._cuda_attach_out_of_memory_observer(observer)
+alloc(1 << 40)
+"""),  # observers stay: this one is called again below
+    ("an out-of-memory observer that raises", "ZeroDivisionError", """
+C._cuda_attach_out_of_memory_observer(lambda *args: 1 / 0)
+alloc(1 << 40)
+"""),
+    ("an allocation after an observer raised", "returned", "free(alloc(1 << 20))"),
+    ("a MemPool used, an exception inside, deleted with a tensor alive", "returned", """
+pool = m.MemPool()
+try:
+    with m.use_mem_pool(pool, device=0):
+        p = alloc(1000)
+        raise KeyError
+except KeyError:
+    pass
+del pool
+free(p)
+"""),
+    ("MemPools nested", "returned", """
+outer, inner = m.MemPool(), m.MemPool()
+with m.use_mem_pool(outer, device=0):
+    with m.use_mem_pool(inner, device=0):
+        p = alloc(1000)
+    q = alloc(1000)
+free(p); free(q)
+del outer, inner
+"""),
+    ("a MemPool used inside itself", "RuntimeError", """
+pool = m.MemPool()
+with m.use_mem_pool(pool, device=0):
+    with m.use_mem_pool(pool, device=0):
+        pass
+"""),
+    ("a MemPool deleted while allocations go to it", "returned", """
+pool = m.MemPool()
+pid = pool.id
+C._cuda_beginAllocateCurrentThreadToPool(0, pid)  # as use_mem_pool does: the pool's use ends at its release
+del pool
+p = alloc(1000)
+C._cuda_endAllocateToPool(0, pid)
+C._cuda_releasePool(0, pid)
+free(p)
+"""),
+    ("a pool released while allocations go to it", "returned", """
+C._cuda_beginAllocateCurrentThreadToPool(0, (0, 91))
+C._cuda_releasePool(0, (0, 91))
+p = alloc(1000)
+C._cuda_endAllocateToPool(0, (0, 91))
+free(p)
+"""),
+    ("a pool ended that was never begun", "RuntimeError", "C._cuda_endAllocateToPool(0, (3, 4))"),
+    ("a pool released that was never begun", "returned", "C._cuda_releasePool(0, (3, 4))"),
+    ("a pool's liveness, never begun", "returned", "C._cuda_checkPoolLiveAllocations(0, (7, 7), set())"),
+    ("a checkpoint put back after its pool went", "RuntimeError", """
+C._cuda_beginAllocateCurrentThreadToPool(0, (0, 92))
+state = C._cuda_getCheckpointState(0, (0, 92))
+C._cuda_endAllocateToPool(0, (0, 92))
+C._cuda_releasePool(0, (0, 92))
+C._cuda_setCheckpointPoolState(0, state, [], [])
+"""),
+    ("a MemPool with an allocator of its own, deleted with a tensor alive", "returned", """
+plug = m.CUDAPluggableAllocator(os.path.join(FAKES, "libfakealloc.so"), "fake_malloc", "fake_free")
+pool = m.MemPool(plug.allocator())
+with m.use_mem_pool(pool, device=0):
+    p = alloc(1000)
+del pool
+free(p)
+"""),
+    ("user metadata and annotations", "returned", """
+if hasattr(C, "_cuda_setMemoryMetadata"):
+    C._cuda_setMemoryMetadata("step 3"); C._cuda_getMemoryMetadata()
+if hasattr(C, "_cuda_annotateMemory"):
+    p = alloc(1000); C._cuda_annotateMemory(p, "weights"); free(p)
+if hasattr(C, "_cuda_allocationTraceback"):
+    p = alloc(1000); C._cuda_allocationTraceback(p); free(p)
+"""),
+    ("PyTorch's own settings", "returned", """
+m._set_allocator_settings("max_split_size_mb:100")
+m._set_allocator_settings("expandable_segments:True")
+m._set_allocator_settings("expandable_segments:False")
+"""),
+    ("IPC collection and cuBLAS workspaces", "returned", "C._cuda_ipc_collect(); C._cuda_clearCublasWorkspaces()"),
+    ("four threads allocating, freeing, emptying and reading", "returned", """
+errors = []
+def work(seed):
+    try:
+        for i in range(200):
+            p = alloc(((seed * 7919 + i * 104729) % (8 << 20)) + 1)
+            if i % 17 == 0: m.empty_cache()
+            if i % 23 == 0: m.memory_stats(0); m.memory_snapshot()
+            free(p)
+    except BaseException as error:
+        errors.append(error)
+threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+if errors: raise errors[0]
+"""),
+    ("everything given back at the end", "returned", """
+m.empty_cache()
+s = C._cuda_memoryStats(0)
+assert s["allocated_bytes"]["all"]["current"] == 0 and s["reserved_bytes"]["all"]["current"] == 0, s
+"""),
+]
+
+# Runs CALLS (argv[1], as JSON), printing a line as each starts and one with what it did, so that a process
+# that dies names its call.
+SWEEP_PROBE = r"""
+import json, os, sys, threading, torch, cuvmm_torch
+C, m = torch._C, torch.cuda.memory
+cuvmm_torch.install(cpp=True)
+torch.cuda._initialized = True  # the stand-ins cannot answer PyTorch's lazy initialization
+scope = {"C": C, "m": m, "os": os, "threading": threading, "FAKES": os.environ["LD_LIBRARY_PATH"],
+         "alloc": lambda n: C._cuda_cudaCachingAllocator_raw_alloc(n, 0),
+         "free": C._cuda_cudaCachingAllocator_raw_delete}
+for name, _, code in json.loads(sys.argv[1]):
+    print(json.dumps({"started": name}), flush=True)
+    try:
+        exec(code, dict(scope))
+        did, message = "returned", ""
+    except Exception as error:
+        did, message = type(error).__name__, str(error)
+    print(json.dumps({"call": name, "did": did, "message": message[:500]}), flush=True)
+"""
+
+
+@unittest.skipIf(missing_for_build(), missing_for_build())
+class NoCallAborts(unittest.TestCase):
+    """Each call in CALLS, through PyTorch's own entry points with the C++ layer installed, does what its entry
+    says: returns, or raises that Python exception (PyTorch's, where a program's mistake has PyTorch's allocator
+    raise one; on the paths a destructor reaches, a free of a pointer never given or a release of a pool never
+    begun, cuvmm warns instead, since a throw there ends the process). None kills the process or hangs it."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.scratch = stand_ins((FAKE_ALLOC, "libfakealloc.so", []))
+        fakes = cls.scratch.name
+        env = probe_environment(LD_PRELOAD=os.path.join(fakes, "libfakecudart.so"), LD_LIBRARY_PATH=fakes)
+        try:
+            done = subprocess.run([sys.executable, "-c", SWEEP_PROBE, json.dumps(CALLS)], env=env,
+                                  capture_output=True, text=True, timeout=600, check=False)
+            cls.returncode, stdout, cls.stderr = done.returncode, done.stdout, done.stderr
+        except subprocess.TimeoutExpired as expired:
+            cls.returncode, stdout, cls.stderr = "a hang (killed after 600 s)", expired.stdout or "", ""
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+        lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+        cls.started = [line["started"] for line in lines if "started" in line]
+        cls.did = {line["call"]: line for line in lines if "call" in line}
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.scratch.cleanup()
+
+    def test_the_process_lives_through_every_call(self):
+        last = self.started[-1] if self.started else "(none started)"
+        self.assertEqual(self.returncode, 0, f"the process ended in {last!r}:\n{self.stderr[-4000:]}")
+        self.assertEqual(list(self.did), [name for name, _, _ in CALLS])
+
+    def test_each_call_returns_or_raises_as_pytorch_does(self):
+        for name, expected, _ in CALLS:
+            with self.subTest(name):
+                self.assertIn(name, self.did, "never finished")
+                self.assertEqual(self.did[name]["did"], expected, self.did[name]["message"])
 
 
 @unittest.skipIf(missing_for_install(), missing_for_install())

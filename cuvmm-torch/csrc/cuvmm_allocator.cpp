@@ -71,7 +71,8 @@ using c10::MempoolId_t;
   X(cuvmm_pool_restore) X(cuvmm_empty_pool_cache) X(cuvmm_malloc_at) X(cuvmm_foreign_malloc)         \
   X(cuvmm_foreign_add_segment) X(cuvmm_foreign_release) X(cuvmm_foreign_segments_free)               \
   X(cuvmm_set_torch_version) X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool)          \
-  X(cuvmm_release_pool) X(cuvmm_incref_pool) X(cuvmm_mark_captures) X(cuvmm_mark_capture)
+  X(cuvmm_release_pool) X(cuvmm_incref_pool) X(cuvmm_mark_captures) X(cuvmm_mark_capture)          \
+  X(cuvmm_device_count)
 #define CUVMM_OPTIONAL(X)                                                                        \
   X(cuvmm_add_peer) X(cuvmm_ipc_share) X(cuvmm_bytes_free) X(cuvmm_ipc_open) X(cuvmm_ipc_close)        \
   X(cuvmm_recovered_oom) X(cuvmm_attach_trace_tracker)
@@ -978,16 +979,28 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
 #endif
 
   // The first use of a device turns on history recording there if it is on, and calls the trace trackers.
+  // A device cuvmm does not serve is never used (the call naming it fails): snapshots and history, which
+  // cover every device used, would fail with it.
   void use(DeviceIndex device) {
     if (device < 0 || device >= 64) return;
     uint64_t bit = uint64_t{1} << device;
     if (used_.load(std::memory_order_relaxed) & bit) return;
+    if (device >= served_devices()) return;
     if (used_.fetch_or(bit) & bit) return;
 #if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
     api_.cuvmm_mark_captures(device);  // this PyTorch marks its captures (markCaptureBegin/End)
 #endif
     if (history_entries_ > 0) api_.cuvmm_record_history(device, history_entries_);
     if (tracking_.load()) track(device);
+  }
+  // The number of devices cuvmm serves, asked once it answers (0 while it cannot: no driver).
+  int served_devices() {
+    int count = served_devices_.load(std::memory_order_relaxed);
+    if (count >= 0) return count;
+    count = api_.cuvmm_device_count();
+    if (count < 0) return 0;
+    served_devices_.store(count, std::memory_order_relaxed);
+    return count;
   }
   // Has cuvmm call the trace trackers with `device`'s events, once per device: the device's first use and the
   // first tracker may race, and both come here.
@@ -1081,6 +1094,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   std::atomic<bool> initialized_{false};
   int device_count_ = 0;
   std::atomic<uint64_t> used_{0};  // bit d: device d has been named
+  std::atomic<int> served_devices_{-1};  // the devices cuvmm serves; -1 until it answers
   std::atomic<size_t> history_entries_{0};
   std::atomic<bool> tracking_{false};  // a trace tracker is attached
   std::atomic<uint64_t> tracked_{0};   // bit d: cuvmm calls on_event with device d's events
