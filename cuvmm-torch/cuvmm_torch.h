@@ -263,8 +263,9 @@ int cuvmm_set_tag(const char *tag);
  * synchronization only of a stream still busy), copies its bytes to host memory if `keep` is nonzero, then
  * unmaps its pages and gives their physical memory back. Its addresses stay reserved: pointers and captured
  * CUDA graphs that use them (graphs captured inside the tag's region included) work again after
- * cuvmm_wake. Until then its memory must not be used (nor a graph using it replayed); freeing it, or
- * allocating under the tag, fails. The bytes are copied asynchronously on a stream of cuvmm's own into
+ * cuvmm_wake. Until then its memory must not be used (nor a graph using it replayed), and allocating under
+ * the tag fails; freeing it succeeds and takes effect at the wake (a tensor dropped meanwhile is not lost,
+ * and counts as allocated until then). The bytes are copied asynchronously on a stream of cuvmm's own into
  * page-locked host memory the tag keeps for its next sleep (CUVMM_ALLOC_CONF keep_host_buffers:False frees
  * it at the wake; sleep_copy_mb sets the size of each copy), without the allocator's lock: other threads
  * allocate meanwhile. Returns the bytes given back (0 if already asleep), or -1 (a capture underway, a NULL

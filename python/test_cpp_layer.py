@@ -970,6 +970,17 @@ for t in threads: t.start()
 for t in threads: t.join()
 if errors: raise errors[0]
 """),
+    ("a tagged tensor dropped while its tag sleeps, freed at the wake", "returned", """
+import cuvmm_torch
+with cuvmm_torch.region("dropped"):
+    p = alloc(3 << 20)
+cuvmm_torch.sleep("dropped", device=0)
+free(p)
+allocated = lambda: C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
+assert allocated() > 0, "live until the wake"
+cuvmm_torch.wake("dropped", device=0)
+assert allocated() == 0, allocated()
+"""),
     ("everything given back at the end", "returned", """
 m.empty_cache()
 s = C._cuda_memoryStats(0)

@@ -166,6 +166,7 @@ out["devices"] = {repr(d): cuvmm_torch._device_index(d) for d in (None, "cuda", 
 out["refusals"] = refused([
     ("region_bytes", lambda: cuvmm_torch.region(b"kv").__enter__()),
     ("sleep_none", lambda: cuvmm_torch.sleep(None)),
+    ("tag_with_nul", lambda: cuvmm_torch.sleep("kv\0cache")),
     ("tms_region_none", lambda: tms.region(tag=None).__enter__()),
     ("device_cpu", lambda: cuvmm_torch.memory_stats("cpu")),
     ("device_float", lambda: cuvmm_torch.memory_stats(1.5)),
@@ -248,7 +249,8 @@ class EveryDevice(unittest.TestCase):
         self.assertEqual([out["env_before"], out["env_inside"], out["env_after"]], [None, "1", None])
         self.assertEqual(out["devices"], {"None": 0, "'cuda'": 0, "'cuda:2'": 2, "1": 1})
         self.assertEqual(out["refusals"], {
-            "region_bytes": "TypeError", "sleep_none": "TypeError", "tms_region_none": "TypeError",
+            "region_bytes": "TypeError", "sleep_none": "TypeError", "tag_with_nul": "ValueError",
+            "tms_region_none": "TypeError",
             "device_cpu": "ValueError", "device_float": "TypeError", "history_negative": "ValueError"})
 
 

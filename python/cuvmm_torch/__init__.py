@@ -400,9 +400,12 @@ def _device_index(device):
 
 
 def _tag_bytes(tag, what):
-    """A tag's name as the library takes it; a name that is not a string is refused here, in words."""
+    """A tag's name as the library takes it; a name that is not a string, or holds a NUL (which would end it
+    early: two names would be one tag), is refused here, in words."""
     if not isinstance(tag, str):
         raise TypeError(f"{what}: the tag must be a string, not {tag!r}")
+    if "\0" in tag:
+        raise ValueError(f"{what}: the tag must not contain a NUL character: {tag!r}")
     return tag.encode("utf-8")
 
 
@@ -582,8 +585,8 @@ def region(tag):
 def sleep(tag, keep=True, device=None):
     """Puts the memory of ``tag`` to sleep: waits for the streams that used it, copies its bytes to host
     memory if ``keep`` (weights; a KV cache can pass ``keep=False``), then gives its physical memory back
-    while its addresses stay reserved. Its tensors must not be used, nor freed, nor graphs captured in it
-    replayed, until :func:`wake`. The bytes go to page-locked memory the tag keeps for its next sleep (see
+    while its addresses stay reserved. Its tensors must not be used, nor graphs captured in it replayed,
+    until :func:`wake`; a tensor dropped meanwhile is freed at the wake. The bytes go to page-locked memory the tag keeps for its next sleep (see
     :func:`release_host_buffers`), copied on a stream of cuvmm's own while other threads go on allocating.
     Returns the bytes given back (0 if already asleep)."""
     given = load().cuvmm_sleep(_device_index(device), _tag_bytes(tag, "sleep"), int(bool(keep)))

@@ -104,17 +104,13 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Frees the live block at `addr`: at once if only its segment's stream used it, else parked until
-    /// events on the other streams complete.
+    /// events on the other streams complete. A block of a tag that is not awake is freed at its wake
+    /// (`sleep.rs`): until then it stays live, as the layout of the tag's kept bytes needs.
     pub(super) fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self
             .segments
             .slot_of(addr)
             .ok_or(Error::UnknownAddress { addr })?;
-        if let Some(tag) = self.segments.at(slot).tag
-            && !self.tags.is_awake(tag)
-        {
-            return Err(self.tags.asleep_error("free", tag));
-        }
         let (size, requested, at) = match self.segments.at(slot).check_free(addr) {
             FreeOutcome::Freed {
                 size,
@@ -124,9 +120,18 @@ impl<D: Driver> Expandable<D> {
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        // A block whose free was deferred is freed, though still live until its events are recorded.
-        if self.graphs.is_deferred(addr) {
+        // A block whose free was deferred is freed, though still live until its events are recorded or its
+        // tag wakes.
+        let tag = self.segments.at(slot).tag;
+        if self.graphs.is_deferred(addr) || tag.is_some_and(|id| self.tags.freed_at_wake(id, addr))
+        {
             return Err(Error::DoubleFree { addr });
+        }
+        if let Some(id) = tag
+            && !self.tags.is_awake(id)
+        {
+            self.tags.free_at_wake(id, addr);
+            return Ok(());
         }
         if self.waits.any_uses() {
             if self.graphs.capturing() {

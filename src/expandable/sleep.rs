@@ -14,9 +14,11 @@
 //!    release fails is pooled for others).
 //!
 //! While a tag sleeps, or its bytes are being copied, its segments are *pinned* (no compaction, no
-//! lending, no release of their idle pages), no allocation is placed in them (an allocation under it is
-//! [`Error::TagAsleep`]), and a free of one of its blocks is refused the same way; a sleep or wake of a tag
-//! being copied is [`Error::TagBusy`]. `wake(tag)` maps pages under the same live blocks, and the pages of
+//! lending, no release of their idle pages), and no allocation is placed in them (an allocation under it is
+//! [`Error::TagAsleep`]). A free of one of its blocks succeeds, and the block stays live until the tag is
+//! awake again (the wake puts back the bytes of the blocks the tag fell asleep with, laid out by them), then
+//! is freed; a program's tensor dropped while its tag sleeps is not lost. A sleep or wake of a tag being
+//! copied is [`Error::TagBusy`]. `wake(tag)` maps pages under the same live blocks, and the pages of
 //! its segments of live CUDA graph pools that were mapped when it fell asleep (a graph captured in the tag
 //! replays there: the rule that memory a live graph uses is never unmapped has this one exception, an
 //! explicit sleep of its tag, and the program must not replay the graph while the tag sleeps), puts back
@@ -143,6 +145,7 @@ impl<D: Driver> Expandable<D> {
         if let Err(err) = result {
             self.tags.sleep_failed(id, pieces);
             tracing::warn!(tag = self.tags.name(id), %err, "cuvmm: a sleep's copies failed; the tag stays awake");
+            self.free_blocks_freed_asleep(id);
             return Err(err.into());
         }
         self.tags.kept(id, pieces);
@@ -178,6 +181,7 @@ impl<D: Driver> Expandable<D> {
         }
         self.tags.woke(id, None, self.config.keep_host_buffers);
         tracing::info!(tag, "cuvmm: tag awake");
+        self.free_blocks_freed_asleep(id);
         Ok(Begun::Done(()))
     }
 
@@ -195,7 +199,20 @@ impl<D: Driver> Expandable<D> {
         self.tags
             .woke(id, Some(pieces), self.config.keep_host_buffers);
         tracing::info!(tag = self.tags.name(id), "cuvmm: tag awake");
+        self.free_blocks_freed_asleep(id);
         Ok(())
+    }
+
+    /// Frees the blocks of tag `id`, awake again, that the program freed while it was not. A free that fails
+    /// (an event the driver refuses) is logged and made again at the tag's next wake: the wake or the failed
+    /// sleep that brought the tag back stands.
+    fn free_blocks_freed_asleep(&mut self, id: TagId) {
+        for addr in self.tags.take_freed_blocks(id) {
+            if let Err(err) = self.free_block(addr) {
+                tracing::warn!(%err, addr, "cuvmm: a block freed while its tag slept could not be freed at the wake; tried again at the next");
+                self.tags.free_at_wake(id, addr);
+            }
+        }
     }
 
     /// Lets go of the host memory kept for the next sleep of `tag` (of every tag with `None`): never bytes

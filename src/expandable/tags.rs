@@ -5,7 +5,7 @@
 
 use super::blocks::BlockState;
 use super::kept::Kept;
-use super::segment::TagId;
+use super::segment::{FreeOutcome, TagId};
 use super::segments::Segments;
 use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
@@ -41,6 +41,9 @@ struct Tag {
     wake: Vec<(u64, u64)>,
     /// Its host memory: the bytes a sleep kept, or buffers kept for the next sleep.
     kept: Kept,
+    /// Blocks freed while it was not awake, by address: still live (a wake puts back the bytes of the
+    /// blocks it fell asleep with, laid out by them), freed once it is awake again (`sleep.rs`).
+    freed: Vec<u64>,
 }
 
 /// Every tag named so far (a program names a handful).
@@ -65,6 +68,7 @@ impl Tags {
             blocks: Vec::new(),
             wake: Vec::new(),
             kept: Kept::default(),
+            freed: Vec::new(),
         });
         TagId((self.tags.len() - 1) as u32)
     }
@@ -119,7 +123,8 @@ impl Tags {
         }
     }
 
-    /// Whether `tag` (a segment's) names a tag that is not awake: its segment is pinned and refuses frees.
+    /// Whether `tag` (a segment's) names a tag that is not awake: its segment is pinned, and a free of one
+    /// of its blocks waits for the wake.
     #[inline]
     pub(super) fn sleeps(&self, tag: Option<TagId>) -> bool {
         tag.is_some_and(|id| !self.is_awake(id))
@@ -205,6 +210,22 @@ impl Tags {
         if !keep_buffers {
             self.release_host(id);
         }
+    }
+
+    /// Notes that the live block at `addr` of tag `id`, which is not awake, was freed: it is freed when
+    /// the tag is awake again ([`take_freed_blocks`](Self::take_freed_blocks)).
+    pub(super) fn free_at_wake(&mut self, id: TagId, addr: u64) {
+        self.get_mut(id).freed.push(addr);
+    }
+
+    /// Whether the block at `addr` of tag `id` was freed and waits for the tag's wake.
+    pub(super) fn freed_at_wake(&self, id: TagId, addr: u64) -> bool {
+        self.get(id).freed.contains(&addr)
+    }
+
+    /// The blocks of tag `id` freed while it was not awake, to free now.
+    pub(super) fn take_freed_blocks(&mut self, id: TagId) -> Vec<u64> {
+        std::mem::take(&mut self.get_mut(id).freed)
     }
 
     /// The live blocks tag `id` fell asleep with.
@@ -321,7 +342,8 @@ impl Tags {
         }
     }
 
-    /// The sleep part of `check_invariants()`: every segment's tag is known; a sleeping tag's live blocks
+    /// The sleep part of `check_invariants()`: every segment's tag is known; a block freed before its tag's
+    /// wake is one of its live blocks, named once; a sleeping tag's live blocks
     /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages in
     /// segments of the tag still reserved, and the host memory holding its bytes is long enough for them;
     /// an asleep tag has no page mapped; an
@@ -334,6 +356,16 @@ impl Tags {
         }
         for id in self.ids() {
             let tag = self.get(id);
+            // A block freed before the wake is a live block of the tag, named once.
+            for (i, &addr) in tag.freed.iter().enumerate() {
+                let live = (segments.slot_of(addr)).is_some_and(|slot| {
+                    let seg = segments.at(slot);
+                    seg.tag == Some(id) && matches!(seg.check_free(addr), FreeOutcome::Freed { .. })
+                });
+                if !live || tag.freed[..i].contains(&addr) {
+                    return Err(InvariantViolation::Asleep { addr });
+                }
+            }
             if tag.state == State::Awake {
                 let idle = tag.blocks.is_empty() && tag.wake.is_empty();
                 if !idle || tag.kept.holds_contents() || tag.kept.lent() {

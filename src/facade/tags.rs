@@ -4,9 +4,9 @@
 //! A sleep or wake runs in phases: the strategy's lock is held to wait for the tag's streams and mark it,
 //! let go while its bytes are copied ([`TagCopy::run`](crate::strategy::tags::TagCopy::run)), and taken
 //! again to unmap (a sleep) or to mark it awake (a wake). Meanwhile other threads allocate and free as
-//! usual; what concerns the tag is refused (an allocation under it or a free of its memory,
-//! [`Error::TagAsleep`]; a sleep or wake of it, [`Error::TagBusy`]), and its pages are neither unmapped
-//! nor taken by compaction, so the copies always find them.
+//! usual; what concerns the tag is refused (an allocation under it, [`Error::TagAsleep`]; a sleep or wake
+//! of it, [`Error::TagBusy`]) or waits (a free of its memory takes effect once it is awake), and its pages
+//! are neither unmapped nor taken by compaction, so the copies always find them.
 
 use crate::driver::StreamId;
 use crate::facade::allocator::Allocator;

@@ -78,11 +78,12 @@ pub enum Error {
         /// The operation refused.
         operation: &'static str,
     },
-    /// An allocation under a tag that is asleep, or a free of memory of a sleeping tag: its memory has no
-    /// pages until [`wake`](crate::Allocator::wake). Retry after waking the tag.
+    /// An allocation under a tag that is asleep: its memory has no pages until
+    /// [`wake`](crate::Allocator::wake). Retry after waking the tag. (A free of a sleeping tag's memory
+    /// succeeds, and takes effect at the wake.)
     #[error("{operation}: tag {tag:?} is asleep (wake it first)")]
     TagAsleep {
-        /// The operation refused (`alloc`, `free`).
+        /// The operation refused (`alloc`).
         operation: &'static str,
         /// The tag.
         tag: String,

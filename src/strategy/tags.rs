@@ -39,8 +39,8 @@ pub enum Begun<T> {
 /// A sleep's or a wake's copies, run without the allocator's lock: made by `begin_sleep` / `begin_wake`
 /// under it, [`run`](Self::run) by the caller, and handed back to `finish_sleep` / `finish_wake` under it.
 /// Until then the tag is *busy*: a sleep or wake of it is [`Error::TagBusy`](crate::Error::TagBusy), an
-/// allocation under it or a free of its memory [`Error::TagAsleep`](crate::Error::TagAsleep), and its pages
-/// are neither unmapped nor taken by compaction.
+/// allocation under it [`Error::TagAsleep`](crate::Error::TagAsleep), a free of its memory takes effect once
+/// it is awake, and its pages are neither unmapped nor taken by compaction.
 #[derive(Debug)]
 pub struct TagCopy {
     /// The strategy's own number for the tag.

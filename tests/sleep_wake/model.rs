@@ -65,6 +65,8 @@ struct Live {
     id: u64,
     tag: Option<u8>,
     streams: Vec<StreamId>,
+    /// Freed while its tag slept: live until the wake, which frees it.
+    freed: bool,
 }
 
 #[derive(Default)]
@@ -116,6 +118,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                             id: m.next_id,
                             tag,
                             streams,
+                            freed: false,
                         },
                     );
                 }
@@ -128,14 +131,15 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
         Action::Free { pick: p } => {
             let Some(addr) = pick(m, p) else { return };
             let result = a.free(addr);
-            if m.asleep(&m.live[&addr]) {
-                assert!(matches!(
-                    result,
-                    Err(Error::TagAsleep {
-                        operation: "free",
-                        ..
-                    })
-                ));
+            let live = m.live.get_mut(&addr).unwrap();
+            if live.freed {
+                assert!(
+                    matches!(result, Err(Error::DoubleFree { .. })),
+                    "{result:?}"
+                );
+            } else if live.tag.is_some_and(|t| m.asleep.contains_key(&t)) {
+                result.unwrap();
+                live.freed = true;
             } else {
                 result.unwrap();
                 m.live.remove(&addr);
@@ -143,6 +147,9 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
         }
         Action::RecordStream { pick: p, stream } => {
             let Some(addr) = pick(m, p) else { return };
+            if m.live[&addr].freed {
+                return;
+            }
             a.record_stream(addr, StreamId(stream)).unwrap();
             m.live
                 .get_mut(&addr)
@@ -153,7 +160,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
         Action::Launch { pick: p } => {
             let Some(addr) = pick(m, p) else { return };
             let live = &m.live[&addr];
-            if m.asleep(live) {
+            if m.asleep(live) || live.freed {
                 return;
             }
             let stream = *live.streams.last().unwrap();
@@ -185,6 +192,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                 (Some(keep), Ok(())) => {
                     m.asleep.remove(&tag);
                     m.half.remove(&tag);
+                    m.live.retain(|_, l| !(l.freed && l.tag == Some(tag)));
                     for (&addr, l) in &m.live {
                         if l.tag == Some(tag) {
                             if keep {
@@ -303,6 +311,7 @@ fn run(config: Config, actions: Vec<Action>) {
     // live with everything else freed now, so each wake alone must find memory.
     for (tag, name) in TAGS.iter().enumerate() {
         a.wake(name).unwrap_or_else(|e| panic!("final wake: {e}"));
+        m.live.retain(|_, l| !(l.freed && l.tag == Some(tag as u8))); // the wake freed them
         if let Some(true) = m.asleep.remove(&(tag as u8)) {
             for (&addr, l) in &m.live {
                 assert!(l.tag != Some(tag as u8) || holds_pattern(&a, addr, l.id, l.size));
