@@ -31,8 +31,8 @@
 #                 without their contents: GB/s of the first cycle and of the later ones, host memory kept,
 #                 bytes given back and intact (tools/sleep_wake_bench.py; SLEEP_WAKE_ARGS replaces the sizes)
 #   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
-#                 cuvmm_torch.cumem), and a CUDA graph captured in a tag replayed after five sleeps and wakes
-#                 (tools/gpu/sleep_frameworks.py)
+#                 cuvmm_torch.cumem), a CUDA graph captured in a tag replayed after five sleeps and wakes, and
+#                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py)
 #   two-process   an inference and a training process taking turns on the GPU, each sleeping what the other
 #                 needs: time per cycle (tools/two_process_bench.py; TWO_PROCESS_ARGS adds options)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU

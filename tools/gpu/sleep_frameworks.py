@@ -20,6 +20,8 @@ Cases:
 - ``graph_region``: cuvmm's own API: a graph captured inside ``cuvmm_torch.region``, its memory slept with
   its bytes and woken five times, with another job writing over the memory each time: every replay gives the
   first replay's result.
+- ``dropped_asleep``: a tensor of a tag dropped while the tag sleeps (its deleter runs then): still counted
+  until the wake, freed by it; the tag's other tensor has its bytes back.
 
 Needs PyTorch, a GPU and cuvmm's library (``CUVMM_TORCH_LIB``). Prints a JSON line per case; exit status 1 if
 any failed.
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 SCHEMA = "cuvmm-sleep-frameworks/1"
 GIB = 1 << 30
-# Seconds a case's process may take: run.sh gives the three cases 300 s together.
+# Seconds a case's process may take: run.sh gives the four cases 300 s together.
 CASE_TIMEOUT_S = 90
 
 
@@ -202,7 +204,25 @@ def case_graph_region(torch, cuvmm):
     return out
 
 
-CASES = {"memory_saver": case_memory_saver, "cumem": case_cumem, "graph_region": case_graph_region}
+def case_dropped_asleep(torch, cuvmm):
+    with cuvmm.region("dropped"):
+        a = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
+        b = torch.arange(16 << 20, dtype=torch.float32, device="cuda")
+    expected = b.sum().item()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cuvmm.sleep("dropped", keep=True)
+    del a  # its deleter runs while the tag sleeps
+    asleep = torch.cuda.memory_allocated()
+    cuvmm.wake("dropped")
+    woken = torch.cuda.memory_allocated()
+    out = {"allocated": [before, asleep, woken], "sum": b.sum().item(), "expected": expected}
+    out["ok"] = asleep == before and before - woken == 64 << 20 and out["sum"] == expected
+    return out
+
+
+CASES = {"memory_saver": case_memory_saver, "cumem": case_cumem, "graph_region": case_graph_region,
+         "dropped_asleep": case_dropped_asleep}
 
 
 def run_case(name):
