@@ -10,7 +10,7 @@ use super::segments::Segments;
 use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::tags::TagInfo;
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 
 /// Where a tag is between sleep and wake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +43,7 @@ struct Tag {
     kept: Kept,
     /// Blocks freed while it was not awake, by address: still live (a wake puts back the bytes of the
     /// blocks it fell asleep with, laid out by them), freed once it is awake again (`sleep.rs`).
-    freed: Vec<u64>,
+    freed: BTreeSet<u64>,
 }
 
 /// Every tag named so far (a program names a handful).
@@ -68,7 +68,7 @@ impl Tags {
             blocks: Vec::new(),
             wake: Vec::new(),
             kept: Kept::default(),
-            freed: Vec::new(),
+            freed: BTreeSet::new(),
         });
         TagId((self.tags.len() - 1) as u32)
     }
@@ -215,7 +215,7 @@ impl Tags {
     /// Notes that the live block at `addr` of tag `id`, which is not awake, was freed: it is freed when
     /// the tag is awake again ([`take_freed_blocks`](Self::take_freed_blocks)).
     pub(super) fn free_at_wake(&mut self, id: TagId, addr: u64) {
-        self.get_mut(id).freed.push(addr);
+        self.get_mut(id).freed.insert(addr);
     }
 
     /// Whether the block at `addr` of tag `id` was freed and waits for the tag's wake.
@@ -224,7 +224,7 @@ impl Tags {
     }
 
     /// The blocks of tag `id` freed while it was not awake, to free now.
-    pub(super) fn take_freed_blocks(&mut self, id: TagId) -> Vec<u64> {
+    pub(super) fn take_freed_blocks(&mut self, id: TagId) -> BTreeSet<u64> {
         std::mem::take(&mut self.get_mut(id).freed)
     }
 
@@ -343,7 +343,7 @@ impl Tags {
     }
 
     /// The sleep part of `check_invariants()`: every segment's tag is known; a block freed before its tag's
-    /// wake is one of its live blocks, named once; a sleeping tag's live blocks
+    /// wake is one of its live blocks; a sleeping tag's live blocks
     /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages in
     /// segments of the tag still reserved, and the host memory holding its bytes is long enough for them;
     /// an asleep tag has no page mapped; an
@@ -356,13 +356,13 @@ impl Tags {
         }
         for id in self.ids() {
             let tag = self.get(id);
-            // A block freed before the wake is a live block of the tag, named once.
-            for (i, &addr) in tag.freed.iter().enumerate() {
+            // A block freed before the wake is a live block of the tag.
+            for &addr in &tag.freed {
                 let live = (segments.slot_of(addr)).is_some_and(|slot| {
                     let seg = segments.at(slot);
                     seg.tag == Some(id) && matches!(seg.check_free(addr), FreeOutcome::Freed { .. })
                 });
-                if !live || tag.freed[..i].contains(&addr) {
+                if !live {
                     return Err(InvariantViolation::Asleep { addr });
                 }
             }
