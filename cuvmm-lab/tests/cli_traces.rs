@@ -123,6 +123,17 @@ fn unreadable_and_corrupt_files_exit_2_naming_the_file() {
         &file("kineto.json", b"{\"traceEvents\": []}"),
         "no CUDA memory events",
     );
+    // fidelity needs what only a snapshot records, and says so of another kind of trace.
+    let kineto = file("kineto_for_fidelity.json", b"{\"traceEvents\": []}");
+    let p = kineto.to_str().unwrap();
+    refused(
+        &["fidelity", "--trace", p],
+        &[p, "a PyTorch profiler trace, not a PyTorch memory snapshot"],
+    );
+    refused(
+        &["fidelity", "--trace", "/no/such/trace.pickle"],
+        &["/no/such/trace.pickle", "cannot read"],
+    );
     trace_refused(
         &file(
             "truncated.json",

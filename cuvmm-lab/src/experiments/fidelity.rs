@@ -7,6 +7,7 @@
 //! value consistent with every recorded `cudaMalloc` succeeding and the failed one failing.
 
 use crate::pytorch_model::{SeedError, SegmentAction, SegmentEvent, Split};
+use crate::trace::load::{self, LoadError, TraceFormat};
 use crate::trace::pytorch::{self, PytorchTrace, SnapshotError, TraceOp};
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::size::{GIB, MIB};
@@ -14,7 +15,7 @@ use cuvmm::strategy::Strategy;
 use cuvmm::strategy::error::Error;
 use serde::Serialize;
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One side of the comparison.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -66,6 +67,19 @@ pub struct FidelityDetails {
 /// Why a fidelity run failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FidelityError {
+    /// The file cannot be read, or is in no format a trace has.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The file is a trace of another kind: only a snapshot records PyTorch's own decisions.
+    #[error(
+        "{path}: {format}, not a PyTorch memory snapshot: fidelity compares with PyTorch's own decisions, which only a snapshot records (torch.cuda.memory._dump_snapshot)"
+    )]
+    NotASnapshot {
+        /// The file.
+        path: PathBuf,
+        /// What it is.
+        format: TraceFormat,
+    },
     /// The snapshot cannot be used.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -93,12 +107,24 @@ pub enum FidelityError {
 impl FidelityError {
     /// Whether the input is at fault (a file that is not a usable snapshot) rather than the model.
     pub fn is_bad_input(&self) -> bool {
-        matches!(self, FidelityError::Snapshot(_))
+        matches!(
+            self,
+            FidelityError::Load(_)
+                | FidelityError::NotASnapshot { .. }
+                | FidelityError::Snapshot(_)
+        )
     }
 }
 
 /// Reads the snapshot at `path` and measures the model against `device` (the busiest when `None`).
 pub fn fidelity(path: &Path, device: Option<usize>) -> Result<FidelityReport, FidelityError> {
+    let format = load::detect(path)?;
+    if format != TraceFormat::PytorchSnapshot {
+        return Err(FidelityError::NotASnapshot {
+            path: path.to_path_buf(),
+            format,
+        });
+    }
     let trace = pytorch::load(path, device)?;
     run(&trace, &path.display().to_string())
 }
