@@ -6,6 +6,7 @@ mod common;
 
 use common::snapshot::{block, dict, entry};
 use cuvmm_lab::experiments::fidelity::{FidelityError, fidelity};
+use cuvmm_lab::trace::load::{LoadError, TraceFormat};
 use cuvmm_lab::trace::pytorch::{self, SnapshotError, TraceOp};
 use serde_pickle::Value as V;
 use std::path::{Path, PathBuf};
@@ -187,7 +188,17 @@ fn malformed_files_are_typed_errors_that_name_the_file() {
     ));
     assert!(matches!(
         fidelity(Path::new("/no/such/file.pickle"), None),
-        Err(FidelityError::Snapshot(SnapshotError::Io { .. }))
+        Err(FidelityError::Load(LoadError::Io { .. }))
+    ));
+    // A trace of another kind records nothing of PyTorch's own decisions.
+    let path = write("profiler.json", &V::None);
+    std::fs::write(&path, b"{\"traceEvents\": []}").unwrap();
+    assert!(matches!(
+        fidelity(&path, None),
+        Err(FidelityError::NotASnapshot {
+            format: TraceFormat::Kineto,
+            ..
+        })
     ));
     let path = write("warm2.pickle", &warm_snapshot());
     assert!(matches!(
