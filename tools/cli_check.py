@@ -80,6 +80,8 @@ def check_trace(binary, trace, rows, scratch):
     name = os.path.basename(trace)
     capacity = {}
     for line in run(binary, "capacity", "--trace", trace).splitlines()[1:]:
+        if not line.strip():
+            break  # the table of stranded pages follows
         t = line.split()
         capacity[t[1]] = f"{t[4]} {t[5]} ({t[6]})"
     compared = {}

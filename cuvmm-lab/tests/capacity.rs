@@ -7,6 +7,7 @@ mod common;
 
 use cuvmm::StreamId;
 use cuvmm::size::MIB;
+use cuvmm::strategy::oom::StrandedRemedy;
 use cuvmm_lab::experiments::capacity::{self, CapacityOptions, CapacityResult};
 use cuvmm_lab::replay::ReplayOptions;
 use cuvmm_lab::replay::allocators::{self, ALLOCATORS};
@@ -234,4 +235,39 @@ fn a_trace_no_program_could_make_is_a_usage_error_naming_the_event() {
         message.contains("event 1") && message.contains("99"),
         "{message}"
     );
+}
+
+/// Where one page below cuvmm's min capacity ran out for want of pages stranded in 20 MiB handles, the
+/// result names them and the setting that gives them back, with the min capacity a search under that
+/// setting finds (checked against a search with the setting in the configuration); where nothing is
+/// stranded, or for PyTorch's models, whose diagnosis names no such setting, nothing is said.
+#[test]
+fn stranded_pages_one_page_below_are_named_with_the_setting_and_its_capacity() {
+    let trace = workload::generate("moe", workload::DEFAULT_SEED).unwrap();
+    let default = CapacityOptions::default();
+    let result = capacity::search(&trace, "cuvmm", &default, &mut NoObserver).unwrap();
+    let found = check_found(&trace, &result, &default);
+    let below = (result.stranded_below.as_ref())
+        .unwrap_or_else(|| panic!("moe: nothing stranded one page below {found}"));
+    assert_eq!(below.setting, StrandedRemedy::Split);
+    assert!(below.stranded_bytes >= 20 * MIB, "{below:?}");
+    let split = CapacityOptions {
+        alloc_conf: "compaction:split".into(),
+        ..CapacityOptions::default()
+    };
+    let with_split = capacity::search(&trace, "cuvmm", &split, &mut NoObserver).unwrap();
+    assert_eq!(below.min_capacity_bytes, with_split.min_capacity_bytes);
+    assert_eq!(below.capacity_ratio, with_split.capacity_ratio);
+    assert!(below.min_capacity_bytes.unwrap() < found, "{below:?}");
+    assert!(with_split.stranded_below.is_none(), "{with_split:?}");
+    let json = serde_json::to_value(&result).unwrap();
+    assert_eq!(json["stranded_below"]["setting"], "compaction:split");
+    assert!(
+        serde_json::to_value(&with_split)
+            .unwrap()
+            .get("stranded_below")
+            .is_none()
+    );
+    let expandable = capacity::search(&trace, "pytorch-expandable", &default, &mut NoObserver);
+    assert_eq!(expandable.unwrap().stranded_below, None);
 }

@@ -233,3 +233,51 @@ fn alloc_conf_configures_the_allocators_and_a_bad_one_exits_2() {
         "borrowing cached blocks should move fewer pages: {on} / {off}"
     );
 }
+
+#[test]
+fn capacity_names_stranded_pages_and_the_setting_in_a_second_table() {
+    let table = |conf: &str| {
+        let mut args = vec![
+            "capacity",
+            "--workload",
+            "moe",
+            "--allocator",
+            "cuvmm",
+            "--quiet",
+        ];
+        if !conf.is_empty() {
+            args.extend(["--alloc-conf", conf]);
+        }
+        let out = cuvmm(&args);
+        assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let default = table("");
+    let (first, second) = default
+        .split_once("\n\n")
+        .unwrap_or_else(|| panic!("one table only:\n{default}"));
+    assert_eq!(first.lines().count(), 2, "{default}");
+    let row = (second.lines())
+        .find(|l| l.starts_with("moe"))
+        .unwrap_or_else(|| panic!("no row for moe:\n{default}"));
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(
+        (cells[1], cells[4]),
+        ("cuvmm", "compaction:split"),
+        "{default}"
+    );
+    // Its min capacity is the one the setting finds, below the default's.
+    let with_split = table("compaction:split");
+    assert!(!with_split.contains("\n\n"), "{with_split}");
+    let split_row: Vec<&str> = with_split
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    assert_eq!(cells[5..7], split_row[4..6], "{default}\n{with_split}");
+    assert_ne!(
+        first.lines().nth(1).unwrap(),
+        with_split.lines().nth(1).unwrap()
+    );
+}

@@ -9,6 +9,7 @@
 
 use crate::base::size::{GIB, KIB, MIB};
 use crate::driver::StreamId;
+use crate::strategy::config::{Compaction, Config};
 use std::fmt;
 
 /// Something the allocator did to find memory for the failed request before giving up.
@@ -57,6 +58,16 @@ pub enum StrandedRemedy {
         /// The page size in bytes.
         page_size: u64,
     },
+}
+
+impl StrandedRemedy {
+    /// Puts the setting into `config`.
+    pub fn apply_to(self, config: &mut Config) {
+        match self {
+            StrandedRemedy::Split => config.compaction = Compaction::Split,
+            StrandedRemedy::SinglePages { page_size } => config.large_handle = page_size,
+        }
+    }
 }
 
 impl fmt::Display for StrandedRemedy {

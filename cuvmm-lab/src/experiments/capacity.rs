@@ -32,6 +32,7 @@ use cuvmm::driver::device::{DeviceError, DeviceSpec};
 use cuvmm::size::{MIB, format_size, round_up};
 use cuvmm::strategy::config::{Config, ConfigError};
 use cuvmm::strategy::error::Error;
+use cuvmm::strategy::oom::{StrandedRemedy, Suggestion};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -97,6 +98,34 @@ pub struct CapacityResult {
     /// allocator really had (the ballast is a whole number of 2 MiB pages). Absent on the simulator.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_free_bytes: Option<u64>,
+    /// Where one page less than `min_capacity_bytes` ran out of memory for want of idle pages stranded in
+    /// multi-page handles that live blocks touched (cuvmm's 20 MiB chunks): those bytes, the setting that
+    /// gives them back, and the min capacity with it. Absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stranded_below: Option<StrandedBelow>,
+}
+
+/// One page below its min capacity, the allocator ran out of memory with idle pages stranded in handles
+/// that live blocks touched, and giving those back would have served the request ([`Suggestion::Stranded`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StrandedBelow {
+    /// The stranded bytes at that out-of-memory.
+    pub stranded_bytes: u64,
+    /// The setting that gives them back, in `CUVMM_ALLOC_CONF` syntax (`compaction:split`, or single pages
+    /// where that is set already).
+    #[serde(serialize_with = "as_text")]
+    pub setting: StrandedRemedy,
+    /// The min capacity with `setting` added to the configuration: searched on the simulator, absent on a
+    /// CUDA device (whose time a second search would double; `--alloc-conf` runs it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_capacity_bytes: Option<u64>,
+    /// That min capacity over the lower bound.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub capacity_ratio: Option<f64>,
+}
+
+fn as_text<S: serde::Serializer>(value: &StrandedRemedy, out: S) -> Result<S::Ok, S::Error> {
+    out.collect_str(value)
 }
 
 /// Why a search stopped.
@@ -348,7 +377,19 @@ pub fn search<O: CapacityObserver + ?Sized>(
     observer: &mut O,
 ) -> Result<CapacityResult, CapacityError> {
     let mut device = device::for_options(options)?;
-    search_on(trace, allocator, options, &mut device, observer)
+    let mut result = search_on(trace, allocator, options, &mut device, observer)?;
+    if let (Some(below), DeviceSpec::Sim) = (&mut result.stranded_below, options.backend) {
+        let mut config = config(options)?;
+        below.setting.apply_to(&mut config);
+        let mut remedied = device::SimSized {
+            page_size: options.page_size,
+            config,
+        };
+        let with = search_on(trace, allocator, options, &mut remedied, observer)?;
+        below.min_capacity_bytes = with.min_capacity_bytes;
+        below.capacity_ratio = with.capacity_ratio;
+    }
+    Ok(result)
 }
 
 /// As [`search`], replaying on `device` (whose configuration it carries; `options` gives the page size,
@@ -378,11 +419,18 @@ pub fn search_on<D: device::CapacityDevice + ?Sized, O: CapacityObserver + ?Size
         limit = limit.min(free);
     }
     let mut free_seen = Vec::new();
+    let mut stranded_seen = Vec::new();
     let bisection = bisect(lower, page, limit, |capacity, bracket| {
         observer.probe(capacity, bracket);
         match device.replay(trace, allocator, capacity, observer) {
             Ok(replayed) => {
                 free_seen.push((capacity, replayed.free_seen));
+                let first_oom = replayed.result.first_oom.as_deref();
+                if let Some(Suggestion::Stranded { stranded, setting }) =
+                    first_oom.map(|oom| oom.suggestion())
+                {
+                    stranded_seen.push((capacity, stranded, setting));
+                }
                 Ok(Probe {
                     fits: replayed.result.ooms == 0,
                     peak_reserved_bytes: replayed.result.peak_reserved_bytes,
@@ -413,6 +461,14 @@ pub fn search_on<D: device::CapacityDevice + ?Sized, O: CapacityObserver + ?Size
             .find(|&&(at, _)| at == c)
             .and_then(|&(_, seen)| seen)
     });
+    let stranded_below = found
+        .and_then(|(c, _)| stranded_seen.iter().find(|&&(at, ..)| at + page == c))
+        .map(|&(_, stranded_bytes, setting)| StrandedBelow {
+            stranded_bytes,
+            setting,
+            min_capacity_bytes: None,
+            capacity_ratio: None,
+        });
     Ok(CapacityResult {
         trace: trace.name.clone(),
         allocator: allocator.to_string(),
@@ -428,6 +484,7 @@ pub fn search_on<D: device::CapacityDevice + ?Sized, O: CapacityObserver + ?Size
         search_seconds: start.elapsed().as_secs_f64(),
         backend: options.backend.to_string(),
         device_free_bytes,
+        stranded_below,
     })
 }
 

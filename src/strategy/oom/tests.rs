@@ -122,3 +122,20 @@ fn a_memory_fraction_is_reported_as_pytorch_does() {
         }
     );
 }
+
+#[test]
+fn a_stranded_remedy_sets_what_its_name_says() {
+    for (remedy, conf) in [
+        (StrandedRemedy::Split, "compaction:split"),
+        (
+            StrandedRemedy::SinglePages { page_size: 2 * MIB },
+            "large_handle_mb:2",
+        ),
+    ] {
+        assert_eq!(remedy.to_string(), conf);
+        let mut applied = Config::default();
+        remedy.apply_to(&mut applied);
+        assert_ne!(applied, Config::default(), "{conf} changed nothing");
+        assert_eq!(applied, Config::from_alloc_conf(conf).unwrap(), "{conf}");
+    }
+}

@@ -226,5 +226,52 @@ fn render_table(results: &[CapacityResult]) -> String {
             ]
         })
         .collect();
-    cuvmm_lab::reports::table::aligned(HEADERS, &rows)
+    let mut text = cuvmm_lab::reports::table::aligned(HEADERS, &rows);
+    text.push_str(&render_stranded(results));
+    text
+}
+
+const STRANDED_HEADERS: [&str; 6] = [
+    "trace",
+    "allocator",
+    "stranded",
+    "setting",
+    "min capacity",
+    "x lower bound",
+];
+
+/// For the searches whose replay one page below the min capacity ran out of memory for want of pages
+/// stranded in multi-page handles: a second table with the setting that gives them back and the min
+/// capacity with it, and when that setting is safe. Empty when there are none.
+fn render_stranded(results: &[CapacityResult]) -> String {
+    let rows: Vec<[String; 6]> = (results.iter())
+        .filter_map(|r| {
+            let below = r.stranded_below.as_ref()?;
+            let (capacity, ratio) = match (below.min_capacity_bytes, below.capacity_ratio) {
+                (Some(c), Some(ratio)) => (format_size(c), format!("{ratio:.3}")),
+                // Not searched (a CUDA device) or nothing fit.
+                _ => ("-".into(), "-".into()),
+            };
+            Some([
+                r.trace.clone(),
+                r.allocator.clone(),
+                format_size(below.stranded_bytes),
+                below.setting.to_string(),
+                capacity,
+                ratio,
+            ])
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nOne page below its min capacity, the replay ran out of memory with idle pages stranded in \
+         handles that live\nblocks touched (a handle is unmapped only whole), and the setting below gives \
+         them back (min capacity\nwith it searched on the simulator only; --alloc-conf SETTING searches it \
+         anywhere):\n{}compaction:split moves live blocks' pages when memory runs out: for programs where no \
+         other thread launches\nwork while an allocation is served; others call release_stranded() at a \
+         quiet moment (README, \"Configuration\").\n",
+        cuvmm_lab::reports::table::aligned(STRANDED_HEADERS, &rows)
+    )
 }
