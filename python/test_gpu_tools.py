@@ -189,11 +189,14 @@ class CliCheckReadme(unittest.TestCase):
         self.assertIn("capacity --workload moe", examples)
         self.assertTrue(any(args.startswith("frontier --workload moe") for args in examples), examples)
         self.assertTrue(examples["capacity --workload moe"][0].startswith("trace  allocator"))
-        self.assertEqual(len(examples["capacity --workload moe"]), 4, "the header and one line per allocator")
+        lines = examples["capacity --workload moe"]
+        self.assertEqual(lines.index(""), 4, "the header and one line per allocator, then the stranded pages'")
+        self.assertTrue(any(line.startswith("moe    cuvmm") and "compaction:split" in line for line in lines[5:]),
+                        lines)
 
     def test_a_traces_rows_of_the_results_table(self):
         rows = cli_check.readme_table_rows(self.text, "bert_large_inference.pickle")
-        self.assertEqual(sorted(rows), ["classic", "cuvmm", "pytorch-expandable"])
+        self.assertEqual(sorted(rows), ["classic", "cuvmm", "cuvmm, compaction:split", "pytorch-expandable"])
         min_capacity, reserved, calls = rows["cuvmm"]
         self.assertRegex(min_capacity, r"^\d+\.\d\d GiB \(\d\.\d{3}\)$")
         self.assertRegex(reserved, r"^\d+\.\d\d GiB$")
