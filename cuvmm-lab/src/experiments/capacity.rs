@@ -365,7 +365,9 @@ pub fn config(options: &CapacityOptions) -> Result<Config, CapacityError> {
 }
 
 /// The smallest capacity at which `allocator` replays `trace` with no OOM (see the module docs), on
-/// `options.backend`.
+/// `options.backend`. On the simulator, where one page less ran out for want of stranded pages
+/// ([`CapacityResult::stranded_below`]), a second search under the setting that gives them back finds the
+/// min capacity with it.
 ///
 /// # Errors
 /// [`CapacityError`]: a bad configuration, an unknown allocator, a device that cannot be opened or has
