@@ -94,7 +94,8 @@ def check_trace(binary, trace, rows, scratch):
     for key in [key for key in capacity if ", " in key]:
         allocator, setting = key.split(", ", 1)
         t = run(binary, "compare", "--trace", trace, "--allocator", allocator, "--alloc-conf", setting).splitlines()[1]
-        compared[key] = (f"{t.split()[4]} {t.split()[5]}", t.split()[8])
+        t = t.split()
+        compared[key] = (f"{t[4]} {t[5]}", t[8])
     if rows:
         for allocator, (min_capacity, reserved, calls) in rows.items():
             got = (capacity.get(allocator), *compared.get(allocator, (None, None)))
