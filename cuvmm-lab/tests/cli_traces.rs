@@ -143,7 +143,7 @@ fn unreadable_and_corrupt_files_exit_2_naming_the_file() {
     );
     trace_refused(
         &file("corrupt.json.gz", [0x1f, 0x8b, 8, 0, 1, 2, 3]),
-        "cannot read",
+        "cannot decompress",
     );
     trace_refused(
         &file(
@@ -152,6 +152,51 @@ fn unreadable_and_corrupt_files_exit_2_naming_the_file() {
         ),
         "`Bytes` is missing, 0 or beyond any device",
     );
+}
+
+/// A gzipped trace replays as the plain file does, whatever its format; `fidelity` reads a gzipped snapshot.
+#[test]
+fn gzipped_traces_replay_as_the_plain_ones() {
+    use std::io::Write;
+    let gzip = |bytes: &[u8]| {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(bytes).unwrap();
+        encoder.finish().unwrap()
+    };
+    let own = text::to_string(&workload::generate("moe", 3).unwrap());
+    let files = [
+        ("gz_two.pickle", pickle(&snapshot(&[4096, 3 << 20]))),
+        ("gz_moe.trace", own.into_bytes()),
+    ];
+    for (name, bytes) in files {
+        let plain = file(name, &bytes);
+        let zipped = file(&format!("{name}.gz"), gzip(&bytes));
+        let results = |path: &Path| -> Vec<serde_json::Value> {
+            json(&[
+                "compare",
+                "--trace",
+                path.to_str().unwrap(),
+                "--format",
+                "json",
+            ])
+            .into_iter()
+            .map(|mut r| {
+                let object = r.as_object_mut().unwrap();
+                object.remove("replay_seconds");
+                let workload = object.remove("workload").unwrap();
+                let workload = workload.as_str().unwrap().replace(".gz", "");
+                object.insert("workload".into(), workload.into());
+                r
+            })
+            .collect()
+        };
+        let expected = results(&plain);
+        assert!(!expected.is_empty(), "{name}");
+        assert_eq!(results(&zipped), expected, "{name}");
+    }
+    let zipped = scratch().join("gz_two.pickle.gz");
+    let out = cuvmm(&["fidelity", "--trace", zipped.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
 #[test]
@@ -199,8 +244,12 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
             dict(vec![("device_traces", s("none"))]),
             "invalid type",
         ),
-        // Not a dictionary at all.
-        ("list.pickle", V::List(vec![V::I64(1)]), "invalid type"),
+        // A list, as torch.cuda.memory_snapshot() returns: told apart, with how to record a snapshot.
+        (
+            "list.pickle",
+            V::List(vec![V::I64(1)]),
+            "_record_memory_history()",
+        ),
     ];
     for (name, value, problem) in cases {
         trace_refused(&file(name, pickle(&value)), problem);

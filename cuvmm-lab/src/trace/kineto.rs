@@ -12,7 +12,6 @@ use super::event::{Event, Trace};
 use cuvmm::driver::StreamId;
 use serde::Deserialize;
 use std::collections::{BTreeSet, HashMap};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// Kineto's `Device Type` of a CUDA device.
@@ -112,19 +111,11 @@ pub fn parse(
     device: Option<usize>,
     name: &str,
 ) -> Result<Vec<Trace>, KinetoError> {
-    let mut unzipped = Vec::new();
-    let json = if bytes.starts_with(&[0x1f, 0x8b]) {
-        flate2::read::MultiGzDecoder::new(bytes)
-            .read_to_end(&mut unzipped)
-            .map_err(|source| KinetoError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
-        unzipped.as_slice()
-    } else {
-        bytes
-    };
-    let file: File = serde_json::from_slice(json).map_err(|source| KinetoError::Json {
+    let json = super::gzip::decompressed(bytes).map_err(|source| KinetoError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let file: File = serde_json::from_slice(&json).map_err(|source| KinetoError::Json {
         path: path.to_path_buf(),
         source,
     })?;

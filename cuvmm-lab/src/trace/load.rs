@@ -3,9 +3,10 @@
 //! The format is recognised from the file's first bytes: a pickle (PyTorch memory snapshot), an RMM
 //! `logging_resource_adaptor` CSV log (header `Thread,Time,Action,Pointer,Size,Stream`), or cuvmm's own
 //! line-oriented trace format (docs/trace-format.md), or a PyTorch profiler (Kineto) trace with memory
-//! events (JSON, gzipped or not).
+//! events (JSON). Each may be gzipped: the format is then that of the decompressed bytes.
 
 use super::event::Trace;
+use super::gzip;
 use super::kineto::{self, KinetoError};
 use super::pytorch::{self, SnapshotError};
 use super::rmm::{self, RmmError};
@@ -22,7 +23,7 @@ pub enum TraceFormat {
     RmmCsv,
     /// cuvmm's own text format.
     Cuvmm,
-    /// PyTorch profiler (Kineto) Chrome-trace JSON, gzipped or not.
+    /// PyTorch profiler (Kineto) Chrome-trace JSON.
     Kineto,
 }
 
@@ -43,6 +44,14 @@ pub enum LoadError {
     /// The file cannot be read.
     #[error("{path}: cannot read: {source}")]
     Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A gzipped file that cannot be decompressed.
+    #[error("{path}: cannot decompress: {source}")]
+    Gzip {
         /// The file.
         path: PathBuf,
         /// Why.
@@ -86,30 +95,42 @@ pub enum LoadError {
     },
 }
 
-/// The format of the file at `path`, from its first bytes.
+/// The format of the file at `path`, from its first bytes (decompressed, if it is gzipped).
 ///
 /// # Errors
-/// [`LoadError::Io`], [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
+/// [`LoadError::Io`], [`LoadError::Gzip`], [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
 pub fn detect(path: &Path) -> Result<TraceFormat, LoadError> {
-    use std::io::Read;
-    let io = |source| LoadError::Io {
+    let file = std::fs::File::open(path).map_err(|source| LoadError::Io {
         path: path.to_path_buf(),
         source,
-    };
-    let mut head = Vec::with_capacity(64);
-    std::fs::File::open(path)
-        .map_err(io)?
-        .take(64)
-        .read_to_end(&mut head)
-        .map_err(io)?;
-    detect_bytes(path, &head)
+    })?;
+    let head = gzip::head(file, HEAD).map_err(|source| LoadError::Gzip {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    detect_plain(path, &head)
 }
 
-/// The format of a file that starts with `head`; `path` names it in errors.
+/// How many bytes tell a file's format.
+const HEAD: usize = 64;
+
+/// The format of a file that starts with `head` (decompressed first, if gzipped); `path` names it in errors.
 ///
 /// # Errors
-/// [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
+/// [`LoadError::Gzip`], [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
 pub fn detect_bytes(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
+    if !gzip::is_gzip(head) {
+        return detect_plain(path, head);
+    }
+    let plain = gzip::head(head, HEAD).map_err(|source| LoadError::Gzip {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    detect_plain(path, &plain)
+}
+
+/// As [`detect_bytes`], of bytes that are not gzipped.
+fn detect_plain(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
     if head.is_empty() {
         return Err(LoadError::Empty {
             path: path.to_path_buf(),
@@ -118,10 +139,7 @@ pub fn detect_bytes(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> 
     if head.first() == Some(&0x80) {
         return Ok(TraceFormat::PytorchSnapshot);
     }
-    if head.starts_with(&[0x1f, 0x8b]) {
-        return Ok(TraceFormat::Kineto);
-    }
-    let text = String::from_utf8_lossy(&head[..head.len().min(64)]);
+    let text = String::from_utf8_lossy(&head[..head.len().min(HEAD)]);
     let first = text.trim_start_matches('\u{feff}').trim_start();
     if first.starts_with(rmm::HEADER) {
         Ok(TraceFormat::RmmCsv)
@@ -151,7 +169,7 @@ pub fn load(path: &Path, device: Option<usize>) -> Result<Vec<Trace>, LoadError>
     load_bytes(path, &bytes, device)
 }
 
-/// As [`load`], from the file's bytes; `path` names the traces and the errors.
+/// As [`load`], from the file's bytes (gzipped or not); `path` names the traces and the errors.
 ///
 /// # Errors
 /// As [`load`].
@@ -164,6 +182,10 @@ pub fn load_bytes(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| path.display().to_string());
+    let bytes = &*gzip::decompressed(bytes).map_err(|source| LoadError::Gzip {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let format = detect_bytes(path, bytes)?;
     let multi_device = matches!(format, TraceFormat::PytorchSnapshot | TraceFormat::Kineto);
     if !multi_device && device.is_some_and(|d| d != 0) {
@@ -216,8 +238,33 @@ mod tests {
         assert_eq!(detect(&own).unwrap(), TraceFormat::Cuvmm);
         let kineto = scratch("a.json", b"{\"traceEvents\": []}");
         assert_eq!(detect(&kineto).unwrap(), TraceFormat::Kineto);
-        let gz = scratch("a.json.gz", &[0x1f, 0x8b, 8, 0]);
-        assert_eq!(detect(&gz).unwrap(), TraceFormat::Kineto);
+        // Gzipped, each format is that of the decompressed bytes.
+        for (name, plain, format) in [
+            (
+                "a.json.gz",
+                &b"{\"traceEvents\": []}"[..],
+                TraceFormat::Kineto,
+            ),
+            (
+                "a.pickle.gz",
+                &[0x80, 4, 0x95][..],
+                TraceFormat::PytorchSnapshot,
+            ),
+            (
+                "a.csv.gz",
+                &b"Thread,Time,Action,Pointer,Size,Stream\n"[..],
+                TraceFormat::RmmCsv,
+            ),
+        ] {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            std::io::Write::write_all(&mut encoder, plain).unwrap();
+            let gz = scratch(name, &encoder.finish().unwrap());
+            assert_eq!(detect(&gz).unwrap(), format, "{name}");
+        }
+        let broken = scratch("broken.gz", &[0x1f, 0x8b, 8, 0]);
+        assert!(matches!(detect(&broken), Err(LoadError::Gzip { .. })));
+        assert!(matches!(load(&broken, None), Err(LoadError::Gzip { .. })));
         let other = scratch("a.txt", b"hello");
         let err = load(&other, None).unwrap_err();
         assert!(matches!(err, LoadError::UnknownFormat { .. }));

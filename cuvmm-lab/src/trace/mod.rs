@@ -2,10 +2,12 @@
 //!
 //! A [`Trace`] is a sequence of allocations and frees ([`event`]), written by naming allocations as they
 //! are made ([`builder`]); [`load`] reads trace files whatever their format: [`pytorch`] memory snapshots,
-//! [`rmm`] logs, cuvmm's own [`text`] format, [`kineto`] profiler traces.
+//! [`rmm`] logs, cuvmm's own [`text`] format, [`kineto`] profiler traces,
+//! each plain or [`gzip`]ped.
 
 pub mod builder;
 pub mod event;
+pub mod gzip;
 pub mod kineto;
 pub mod load;
 pub mod pytorch;

@@ -129,7 +129,7 @@ fn snapshot_pickles_that_would_exhaust_the_decoder_are_refused() {
         );
     }
     // What is left: a shallow pickle that shares values a few times decodes (and is not a snapshot).
-    let ok = b"\x80\x02](Neq\x01](h\x01h\x01e.";
+    let ok = b"\x80\x02}(X\x08\x00\x00\x00segments](Neq\x01X\x01\x00\x00\x00b](h\x01h\x01eu.";
     let err = pytorch::parse_devices(Path::new("ok.pickle"), ok, None).unwrap_err();
     assert!(matches!(err, SnapshotError::Decode { .. }), "{err}");
 }

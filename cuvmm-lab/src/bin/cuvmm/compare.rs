@@ -20,7 +20,8 @@ pub struct CompareArgs {
     /// A built-in workload to replay (repeat for several; default: all, unless --trace is given).
     #[arg(long = "workload", value_name = "NAME", value_parser = parse_workload)]
     pub workloads: Vec<String>,
-    /// A trace file to replay: a PyTorch memory snapshot, an RMM log or a cuvmm trace (repeat for several).
+    /// A trace file to replay: a PyTorch memory snapshot, an RMM log, a cuvmm trace or a PyTorch profiler
+    /// trace, plain or gzipped (repeat for several).
     #[arg(long = "trace", value_name = "FILE")]
     pub traces: Vec<std::path::PathBuf>,
     /// The device of a multi-device snapshot to replay (default: each device that has events).

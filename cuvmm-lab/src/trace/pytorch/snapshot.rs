@@ -212,6 +212,15 @@ pub enum SnapshotError {
         /// What it would do.
         what: &'static str,
     },
+    /// A pickled list of segments, as `torch.cuda.memory_snapshot()` returns: the memory held at one
+    /// moment, with no allocation history to replay.
+    #[error(
+        "{path}: a list, not a memory snapshot's dictionary (torch.cuda.memory_snapshot() gives a list of the segments held at one moment, with no allocation history to replay): record with torch.cuda.memory._record_memory_history() and save with torch.cuda.memory._dump_snapshot(FILE)"
+    )]
+    SegmentsOnly {
+        /// The file.
+        path: PathBuf,
+    },
     /// The snapshot has no device with that ordinal.
     #[error("{path}: no device {device} in the snapshot (it has {devices})")]
     NoSuchDevice {
@@ -258,13 +267,14 @@ pub enum SnapshotError {
     },
 }
 
-/// Reads a pickled snapshot from the file at `path`.
+/// Reads a pickled snapshot, gzipped or not, from the file at `path`.
 pub fn read(path: &Path) -> Result<RawSnapshot, SnapshotError> {
-    let bytes = std::fs::read(path).map_err(|source| SnapshotError::Io {
+    let io = |source| SnapshotError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    parse(path, &bytes)
+    };
+    let bytes = std::fs::read(path).map_err(io)?;
+    parse(path, &crate::trace::gzip::decompressed(&bytes).map_err(io)?)
 }
 
 /// Reads a pickled snapshot from `bytes`; `path` names it in errors. A pickle that would make the decoder
@@ -277,9 +287,27 @@ pub fn parse(path: &Path, bytes: &[u8]) -> Result<RawSnapshot, SnapshotError> {
         offset: refusal.offset,
         what: refusal.what,
     })?;
+    if top_level_is_list(bytes) {
+        return Err(SnapshotError::SegmentsOnly {
+            path: path.to_path_buf(),
+        });
+    }
     let options = serde_pickle::DeOptions::new().replace_recursive_structures();
     serde_pickle::from_slice(bytes, options).map_err(|source| SnapshotError::Decode {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Whether the pickle in `bytes` (protocol 2 or later, its guard passed) holds a list at the top: its first
+/// opcode after `PROTO` and an optional `FRAME` is `EMPTY_LIST`, where a snapshot's is `EMPTY_DICT`.
+fn top_level_is_list(bytes: &[u8]) -> bool {
+    const PROTO: u8 = 0x80;
+    const FRAME: u8 = 0x95;
+    const EMPTY_LIST: u8 = b']';
+    let mut at = if bytes.first() == Some(&PROTO) { 2 } else { 0 };
+    if bytes.get(at) == Some(&FRAME) {
+        at += 9;
+    }
+    bytes.get(at) == Some(&EMPTY_LIST)
 }
