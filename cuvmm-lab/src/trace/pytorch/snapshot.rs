@@ -74,9 +74,10 @@ pub struct RawEntry {
     /// Stream.
     #[serde(default)]
     pub stream: Option<Value>,
-    /// The Python and C++ stack when the entry was recorded.
+    /// What the Python and C++ stack recorded with the entry says of `empty_cache` (the frames themselves
+    /// are not kept: shared between entries in the pickle, they would be copied into each).
     #[serde(default)]
-    pub frames: Option<Value>,
+    pub frames: Option<StackMark>,
 }
 
 /// One trace entry with its fields checked.
@@ -140,14 +141,93 @@ impl RawEntry {
     /// `segment_free` made by `torch.cuda.empty_cache()` rather than by an out-of-memory retry.
     /// `None` when the entry has no frames.
     pub fn from_empty_cache(&self) -> Option<bool> {
-        let frames = self.frames.as_ref()?;
-        let mut found = false;
-        let mut any = false;
-        visit_strings(frames, &mut |s| {
-            any = true;
-            found |= s.contains("emptyCache") || s.contains("empty_cache");
-        });
-        any.then_some(found)
+        let mark = self.frames?;
+        mark.any_text.then_some(mark.empty_cache)
+    }
+}
+
+/// A recorded stack read for what cuvmm needs of it, as it is decoded: whether any of its text (the values,
+/// at any depth, of its lists, tuples and dictionaries) names `empty_cache` (PyTorch's `emptyCache`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackMark {
+    /// Whether the stack holds any text at all.
+    pub any_text: bool,
+    /// Whether some of it names `empty_cache`.
+    pub empty_cache: bool,
+}
+
+impl StackMark {
+    fn text(s: &str) -> Self {
+        StackMark {
+            any_text: true,
+            empty_cache: s.contains("emptyCache") || s.contains("empty_cache"),
+        }
+    }
+
+    fn merge(self, other: Self) -> Self {
+        StackMark {
+            any_text: self.any_text || other.any_text,
+            empty_cache: self.empty_cache || other.empty_cache,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for StackMark {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = StackMark;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a recorded stack")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<StackMark, E> {
+                Ok(StackMark::text(s))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_bytes<E>(self, _: &[u8]) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_unit<E>(self) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_none<E>(self) -> Result<StackMark, E> {
+                Ok(StackMark::default())
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut items: A,
+            ) -> Result<StackMark, A::Error> {
+                let mut mark = StackMark::default();
+                while let Some(item) = items.next_element::<StackMark>()? {
+                    mark = mark.merge(item);
+                }
+                Ok(mark)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut entries: A,
+            ) -> Result<StackMark, A::Error> {
+                let mut mark = StackMark::default();
+                while let Some((_, value)) =
+                    entries.next_entry::<serde::de::IgnoredAny, StackMark>()?
+                {
+                    mark = mark.merge(value);
+                }
+                Ok(mark)
+            }
+        }
+        deserializer.deserialize_any(Visit)
     }
 }
 
@@ -170,15 +250,6 @@ fn unsigned(v: &Value) -> Option<u64> {
         Value::I64(n) => u64::try_from(*n).ok(),
         Value::Int(n) => n.to_string().parse().ok(),
         _ => None,
-    }
-}
-
-fn visit_strings(v: &Value, f: &mut dyn FnMut(&str)) {
-    match v {
-        Value::String(s) => f(s),
-        Value::List(items) | Value::Tuple(items) => items.iter().for_each(|i| visit_strings(i, f)),
-        Value::Dict(map) => map.values().for_each(|i| visit_strings(i, f)),
-        _ => {}
     }
 }
 
@@ -310,4 +381,60 @@ fn top_level_is_list(bytes: &[u8]) -> bool {
         at += 9;
     }
     bytes.get(at) == Some(&EMPTY_LIST)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_pickle::{HashableValue as K, SerOptions};
+
+    fn frame(name: &str) -> Value {
+        Value::Dict(BTreeMap::from([
+            (K::String("filename".into()), Value::String("a.py".into())),
+            (K::String("line".into()), Value::I64(3)),
+            (K::String("name".into()), Value::String(name.into())),
+        ]))
+    }
+
+    fn entry(frames: Option<Value>) -> RawEntry {
+        let mut fields = BTreeMap::from([(
+            K::String("action".into()),
+            Value::String("segment_free".into()),
+        )]);
+        if let Some(frames) = frames {
+            fields.insert(K::String("frames".into()), frames);
+        }
+        let bytes = serde_pickle::value_to_vec(&Value::Dict(fields), SerOptions::new()).unwrap();
+        serde_pickle::from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap()
+    }
+
+    #[test]
+    fn a_stack_is_read_for_whether_it_passes_through_empty_cache() {
+        let stack = |names: &[&str]| Some(Value::List(names.iter().map(|n| frame(n)).collect()));
+        assert_eq!(entry(None).from_empty_cache(), None);
+        assert_eq!(entry(stack(&[])).from_empty_cache(), None);
+        assert_eq!(
+            entry(stack(&["forward", "malloc"])).from_empty_cache(),
+            Some(false)
+        );
+        assert_eq!(
+            entry(stack(&[
+                "forward",
+                "c10::cuda::CUDACachingAllocator::emptyCache()"
+            ]))
+            .from_empty_cache(),
+            Some(true)
+        );
+        // At any depth, in tuples too; keys are not read.
+        let nested = Value::Tuple(vec![
+            Value::I64(1),
+            Value::List(vec![stack(&["torch.cuda.empty_cache"]).unwrap()]),
+        ]);
+        assert_eq!(entry(Some(nested)).from_empty_cache(), Some(true));
+        let key_only = Value::Dict(BTreeMap::from([(
+            K::String("empty_cache".into()),
+            Value::String("x".into()),
+        )]));
+        assert_eq!(entry(Some(key_only)).from_empty_cache(), Some(false));
+    }
 }
