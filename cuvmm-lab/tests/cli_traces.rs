@@ -250,6 +250,15 @@ fn snapshots_with_missing_or_mistyped_fields_exit_2() {
             V::List(vec![V::I64(1)]),
             "_record_memory_history()",
         ),
+        // No trace entries: _dump_snapshot without _record_memory_history.
+        (
+            "no_history.pickle",
+            dict(vec![
+                ("segments", V::List(vec![])),
+                ("device_traces", V::List(vec![V::List(vec![])])),
+            ]),
+            "device 0 has no allocation history",
+        ),
     ];
     for (name, value, problem) in cases {
         trace_refused(&file(name, pickle(&value)), problem);

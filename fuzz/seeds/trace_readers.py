@@ -120,7 +120,10 @@ def snapshots():
     write("pytorch_snapshot", "seed_oom_release", pickle.dumps(oom_release(), protocol=4))
     write("pytorch_snapshot", "seed_protocol2", pickle.dumps(two_devices(), protocol=2))
     # The largest device number serde-pickle reads (2^63 - 1): a snapshot of that many devices.
-    far = {"segments": [segment(BASE, 2 * MIB, [], device=2**63 - 1)], "device_traces": [[]]}
+    far = {
+        "segments": [segment(BASE, 2 * MIB, [], device=2**63 - 1)],
+        "device_traces": [[entry("alloc", BASE + 64 * MIB, 4096), entry("free_completed", BASE + 64 * MIB, 4096)]],
+    }
     write("pytorch_snapshot", "seed_far_device", pickle.dumps(far, protocol=4))
     write("pytorch_snapshot", "bad_truncated", warm[: len(warm) // 2])
     bad = {
@@ -131,6 +134,8 @@ def snapshots():
         "bad_absurd_size": {"device_traces": [[entry("alloc", BASE, 2**60)]]},
         "bad_device_max": {"segments": [segment(BASE, 2 * MIB, [], device=2**64 - 1)]},
         "bad_not_a_dict": [1, 2, 3],
+        # Segments and no trace entries: _dump_snapshot without _record_memory_history.
+        "bad_no_history": {"segments": [segment(BASE, 2 * MIB, [])], "device_traces": [[]]},
         "bad_inconsistent": {"segments": [], "device_traces": [[entry("segment_alloc", BASE, 20 * MIB)]]},
     }
     for name, value in bad.items():

@@ -90,6 +90,12 @@ pub fn build(
     config: Config,
 ) -> Result<PytorchTrace, SnapshotError> {
     let entries = &checked_entries(path, raw, device)?[..];
+    if entries.is_empty() {
+        return Err(SnapshotError::NoHistory {
+            path: path.to_path_buf(),
+            device,
+        });
+    }
     let inconsistent = |what, addr| SnapshotError::Inconsistent {
         path: path.to_path_buf(),
         what,

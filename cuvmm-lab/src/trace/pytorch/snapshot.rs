@@ -292,6 +292,16 @@ pub enum SnapshotError {
         /// The file.
         path: PathBuf,
     },
+    /// The device has no trace entries: the snapshot holds the memory of one moment, no history to replay.
+    #[error(
+        "{path}: device {device} has no allocation history (no trace entries): call torch.cuda.memory._record_memory_history() before the code to measure, then torch.cuda.memory._dump_snapshot(FILE)"
+    )]
+    NoHistory {
+        /// The file.
+        path: PathBuf,
+        /// The device.
+        device: usize,
+    },
     /// The snapshot has no device with that ordinal.
     #[error("{path}: no device {device} in the snapshot (it has {devices})")]
     NoSuchDevice {
