@@ -119,9 +119,6 @@ const HEAD: usize = 64;
 /// # Errors
 /// [`LoadError::Gzip`], [`LoadError::Empty`] or [`LoadError::UnknownFormat`].
 pub fn detect_bytes(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
-    if !gzip::is_gzip(head) {
-        return detect_plain(path, head);
-    }
     let plain = gzip::head(head, HEAD).map_err(|source| LoadError::Gzip {
         path: path.to_path_buf(),
         source,
@@ -129,7 +126,7 @@ pub fn detect_bytes(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> 
     detect_plain(path, &plain)
 }
 
-/// As [`detect_bytes`], of bytes that are not gzipped.
+/// The format of a file whose (decompressed) bytes start with `head`.
 fn detect_plain(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
     if head.is_empty() {
         return Err(LoadError::Empty {
@@ -139,7 +136,7 @@ fn detect_plain(path: &Path, head: &[u8]) -> Result<TraceFormat, LoadError> {
     if head.first() == Some(&0x80) {
         return Ok(TraceFormat::PytorchSnapshot);
     }
-    let text = String::from_utf8_lossy(&head[..head.len().min(HEAD)]);
+    let text = String::from_utf8_lossy(head);
     let first = text.trim_start_matches('\u{feff}').trim_start();
     if first.starts_with(rmm::HEADER) {
         Ok(TraceFormat::RmmCsv)
