@@ -199,6 +199,20 @@ fn gzipped_traces_replay_as_the_plain_ones() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
 }
 
+/// A 0-byte allocation, which PyTorch never records, is read as one byte by every command.
+#[test]
+fn a_zero_byte_allocation_is_read_as_one_byte() {
+    let path = file("zero.pickle", pickle(&snapshot(&[0])));
+    let p = path.to_str().unwrap();
+    let results = json(&["compare", "--trace", p, "--format", "json"]);
+    assert!(!results.is_empty());
+    for r in &results {
+        assert_eq!(r["peak_live_bytes"], 1, "{r}");
+    }
+    let out = cuvmm(&["fidelity", "--trace", p]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+}
+
 #[test]
 fn snapshots_with_missing_or_mistyped_fields_exit_2() {
     let cases = [

@@ -85,9 +85,11 @@ pub fn requests(entries: &[Entry], cx: Context<'_>) -> (Vec<TraceOp>, bool) {
         match e.action.as_str() {
             "alloc" => {
                 live.insert(e.addr);
+                // PyTorch records no 0-byte allocation (it hands out null without one); a file that has one
+                // is read as asking for a byte, as every replay of it can serve.
                 ops.push(TraceOp::Alloc {
                     addr: e.addr,
-                    size: e.size,
+                    size: e.size.max(1),
                     stream: StreamId(e.stream),
                 });
             }
