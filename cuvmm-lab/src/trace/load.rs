@@ -183,7 +183,7 @@ pub fn load_bytes(
         path: path.to_path_buf(),
         source,
     })?;
-    let format = detect_bytes(path, bytes)?;
+    let format = detect_plain(path, &bytes[..bytes.len().min(HEAD)])?;
     let multi_device = matches!(format, TraceFormat::PytorchSnapshot | TraceFormat::Kineto);
     if !multi_device && device.is_some_and(|d| d != 0) {
         return Err(LoadError::NoSuchDevice {
