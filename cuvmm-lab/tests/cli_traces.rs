@@ -150,7 +150,7 @@ fn unreadable_and_corrupt_files_exit_2_naming_the_file() {
             "zero.json",
             b"{\"traceEvents\": [{\"name\": \"[memory]\", \"ts\": 1, \"args\": {\"Device Type\": 1, \"Device Id\": 0, \"Bytes\": 0}}]}",
         ),
-        "`Bytes` is missing, 0 or beyond any device",
+        "`Bytes` is missing, not an integer, 0 or beyond any device",
     );
 }
 
