@@ -6,7 +6,7 @@
 //! harness inputs from a seeded generator, so stable CI explores a little beyond the corpus.
 //!
 //! The library's targets are here (`expandable_ops`, `config_parse`, `page_map`); the laboratory's
-//! (`split_ops`, `pytorch_snapshot`, `rmm_csv`) are in `cuvmm-lab/tests/fuzz_corpus.rs`.
+//! (`split_ops`, `pytorch_snapshot`, `rmm_csv`, `kineto_json`) are in `cuvmm-lab/tests/fuzz_corpus.rs`.
 //!
 //! Part of the `expandable_ops` corpus is written from the scenarios in [`scenarios`], each aimed at one
 //! path; `CUVMM_WRITE_SEEDS=1 cargo test --test fuzz_corpus` rewrites those files after a change to the

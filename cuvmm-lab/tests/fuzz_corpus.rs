@@ -1,5 +1,5 @@
 //! Replays the committed fuzz corpora of the laboratory's targets (`fuzz/corpus/<target>/`: `split_ops`,
-//! `pytorch_snapshot`, `rmm_csv`) through the same harness code the fuzz targets run
+//! `pytorch_snapshot`, `rmm_csv`, `kineto_json`) through the same harness code the fuzz targets run
 //! (`cuvmm-lab/tests/harness/`, with the generic parts of `tests/harness/`), so every `cargo test` checks
 //! them on stable Rust, without cargo-fuzz. The library's targets are in `tests/fuzz_corpus.rs`.
 //!
@@ -9,13 +9,15 @@
 //!
 //! Part of the `split_ops` corpus is written from the scenarios in [`split_scenarios`], each aimed at one
 //! path; `CUVMM_WRITE_SEEDS=1 cargo test -p cuvmm-lab --test fuzz_corpus` rewrites those files after a change
-//! to the input layout. The `pytorch_snapshot` and `rmm_csv` seeds are written by
+//! to the input layout. The `pytorch_snapshot`, `rmm_csv` and `kineto_json` seeds are written by
 //! `fuzz/seeds/trace_readers.py` (seed_* files must be read, bad_* refused).
 
 #[path = "../../tests/harness/corpus.rs"]
 mod corpus;
 #[path = "../../tests/harness/input.rs"]
 mod input;
+#[path = "harness/kineto_json.rs"]
+mod kineto_json;
 #[path = "../../tests/harness/ops_common.rs"]
 mod ops_common;
 #[path = "harness/pytorch_snapshot.rs"]
@@ -109,6 +111,31 @@ fn rmm_csv_corpus() {
 }
 
 #[test]
+fn kineto_json_corpus() {
+    let outcomes = replay_named("kineto_json", kineto_json::run);
+    for (name, outcome) in &outcomes {
+        let read = matches!(outcome, kineto_json::Outcome::Read { .. });
+        if name.starts_with("seed_") || name.starts_with("bad_") {
+            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
+        }
+    }
+    let outcome = |name: &str| outcomes.iter().find(|(n, _)| n == name).map(|(_, o)| *o);
+    // Six events, one free of a block allocated before and the memory never freed seeded first, and one
+    // free not recorded put in: nine.
+    assert_eq!(
+        outcome("seed_today"),
+        Some(kineto_json::Outcome::Read {
+            traces: 1,
+            events: 9
+        })
+    );
+    assert!(matches!(
+        outcome("seed_two_devices"),
+        Some(kineto_json::Outcome::Read { traces: 2, .. })
+    ));
+}
+
+#[test]
 fn seeded_random_inputs() {
     for data in random_inputs(4, 48, 360) {
         if let Err(failure) = strategy_ops::run::<Split<SimDriver>>(&data) {
@@ -131,6 +158,15 @@ fn seeded_random_inputs() {
             .map(|b| CHARS[*b as usize % CHARS.len()])
             .collect();
         rmm_csv::run(&text).unwrap_or_else(|e| panic!("rmm_csv on {text:?}: {e}"));
+    }
+    for data in random_inputs(6, 64, 300) {
+        // As given (the programs they describe), and again as JSON text.
+        kineto_json::run(&data).unwrap_or_else(|e| panic!("kineto_json on {data:?}: {e}"));
+        let mut text = data.clone();
+        if let Some(first) = text.first_mut() {
+            *first = b'{';
+        }
+        kineto_json::run(&text).unwrap_or_else(|e| panic!("kineto_json on {text:?}: {e}"));
     }
 }
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Writes the seed inputs of the pytorch_snapshot and rmm_csv fuzz targets into fuzz/corpus/.
+"""Writes the seed inputs of the pytorch_snapshot, rmm_csv and kineto_json fuzz targets into fuzz/corpus/.
 
 The snapshots are pickled by Python's own pickle, as PyTorch's _dump_snapshot does (protocol 4, frames
 shared through the memo), with made-up addresses and sizes: small, and no copy of a real trace. Seeds
 named bad_* must be refused by the readers, the others read. Run from anywhere:
     python3 fuzz/seeds/trace_readers.py
 """
+import gzip
+import json
 import os
 import pickle
 
@@ -191,5 +193,46 @@ def rmm_logs():
         write("rmm_csv", name, data)
 
 
+def memory(ts, nbytes, addr=None, total=None, device=0, device_type=1):
+    args = {"Device Type": device_type, "Device Id": device, "Bytes": nbytes}
+    if addr is not None:
+        args["Addr"] = addr
+    if total is not None:
+        args["Total Allocated"] = total
+        args["Total Reserved"] = 2 * MIB
+    return {"ph": "i", "s": "t", "name": "[memory]", "pid": 1, "tid": 1, "ts": ts, "args": args}
+
+
+def profiler(events):
+    kernel = {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 5,
+              "args": {"device": 0, "stream": 7, "Device Id": "gpu0"}}
+    return json.dumps({"schemaVersion": 1, "traceEvents": [kernel] + events}).encode()
+
+
+def profiler_traces():
+    a, b = BASE, BASE + MIB
+    seeds = {
+        # Today's profiler: addresses and the device's allocated bytes (4 MiB allocated before, never freed,
+        # and one 512-byte block freed); a free not recorded before its address is taken again.
+        "seed_today": profiler([memory(10, 512, a, 4 * MIB + 1024), memory(11, 512, b, 4 * MIB + 1536),
+                                memory(12, -512, a, 4 * MIB + 1024), memory(13, -512, BASE - MIB, 4 * MIB + 512),
+                                memory(14, 512, b, 4 * MIB + 512), memory(15, -512, b, 4 * MIB)]),
+        # An early profiler: no addresses, frees paired by size; CPU events ignored.
+        "seed_early": profiler([memory(1, 4096), memory(2, 4096), memory(3, -4096), memory(4, -8192),
+                                memory(5, 64, device_type=0, device=-1)]),
+        "seed_two_devices": profiler([memory(1, 512, a, 512), memory(2, 1024, b, 1024, device=1),
+                                      memory(3, -512, a, 0)]),
+        "seed_gzipped": gzip.compress(profiler([memory(1, 512, a, 512), memory(2, -512, a, 0)]), mtime=0),
+        "bad_bytes_text": profiler([memory(1, "512", a, 512)]),
+        "bad_bytes_zero": profiler([memory(1, 0, a, 0)]),
+        "bad_absurd_size": profiler([memory(1, 1 << 50, a, 1 << 50)]),
+        "bad_no_memory_events": profiler([memory(1, 64, device_type=0)]),
+        "bad_not_a_trace": b'{"traceEvents": {"name": "[memory]"}}',
+    }
+    for name, data in seeds.items():
+        write("kineto_json", name, data)
+
+
 snapshots()
 rmm_logs()
+profiler_traces()

@@ -2,9 +2,9 @@
 //! as written by `export_chrome_trace` (`*.pt.trace.json`, often gzipped).
 //!
 //! Each `[memory]` instant event carries `Bytes` (positive: an allocation, negative: a free of that many
-//! bytes), `Device Type` (1 = CUDA) and `Device Id`; later profilers (every PyTorch 2 release) also write the
-//! block's address (`Addr`), the device's allocated bytes after the event (`Total Allocated`) and its reserved
-//! bytes (`Total Reserved`, not read).
+//! bytes), `Device Type` (1 = CUDA) and `Device Id`; later profilers (every PyTorch 2 release) also write
+//! the block's address (`Addr`), the device's allocated bytes after the event (`Total Allocated`) and its
+//! reserved bytes (`Total Reserved`, not read).
 //! - Where every memory event of a device has an address, a free releases the live allocation at its
 //!   address, exactly as the program did. An allocation at an address that is still live means the free
 //!   before it was not recorded (the profiler records only the threads it follows): the earlier allocation

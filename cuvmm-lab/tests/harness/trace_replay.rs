@@ -1,5 +1,5 @@
-//! Replaying a small trace that a reader produced, for the reader harnesses (`pytorch_snapshot`,
-//! `rmm_csv`): what a reader hands over must replay without any error but running out of memory.
+//! Replaying a small trace that a reader produced, for the reader harnesses (`pytorch_snapshot`, `rmm_csv`,
+//! `kineto_json`): what a reader hands over must replay without any error but running out of memory.
 
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
