@@ -13,26 +13,13 @@
 //!   even where one was not recorded, and the memory never freed while profiling is seen.
 
 use crate::trace_replay;
+pub use crate::trace_replay::Outcome;
 use cuvmm_lab::trace::Trace;
 use cuvmm_lab::trace::kineto;
 use std::path::Path;
 
 /// The name the trace goes by in traces and errors.
 pub const FILE: &str = "fuzz.json";
-
-/// What one input did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The trace was read: its devices' traces and their events in all.
-    Read {
-        /// Traces (devices).
-        traces: usize,
-        /// Events of all of them.
-        events: usize,
-    },
-    /// The bytes were refused with a typed error.
-    Refused,
-}
 
 /// Reads `data` as a profiler trace, or as the program it describes, and checks the properties listed in
 /// the module docs.
@@ -70,10 +57,7 @@ fn read(bytes: &[u8]) -> Result<Outcome, String> {
             })
         }
         Err(e) => {
-            let message = e.to_string();
-            if !message.starts_with(FILE) || message.contains('\n') {
-                return Err(format!("error not one line naming the file: {message:?}"));
-            }
+            trace_replay::check_refusal(&e.to_string(), FILE)?;
             Ok(Outcome::Refused)
         }
     }

@@ -10,25 +10,12 @@
 //! - each device's trace is valid and replays (`trace_replay::check`).
 
 use crate::trace_replay;
+pub use crate::trace_replay::Outcome;
 use cuvmm_lab::trace::pytorch::{self, PytorchTrace};
 use std::path::Path;
 
 /// The name the snapshot goes by in traces and errors.
 pub const FILE: &str = "fuzz.pickle";
-
-/// What one input did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The snapshot was read: its devices' traces and their events in all.
-    Read {
-        /// Traces (devices).
-        traces: usize,
-        /// Events of all of them.
-        events: usize,
-    },
-    /// The bytes were refused with a typed error.
-    Refused,
-}
 
 /// Reads `data` as a snapshot, every device and then device 1 alone, and checks the properties listed in
 /// the module docs.
@@ -52,10 +39,7 @@ pub fn run(data: &[u8]) -> Result<Outcome, String> {
                 }
             }
             Err(e) => {
-                let message = e.to_string();
-                if !message.starts_with(FILE) || message.contains('\n') {
-                    return Err(format!("error not one line naming the file: {message:?}"));
-                }
+                trace_replay::check_refusal(&e.to_string(), FILE)?;
             }
         }
     }

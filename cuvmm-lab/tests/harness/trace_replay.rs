@@ -1,5 +1,6 @@
 //! Replaying a small trace that a reader produced, for the reader harnesses (`pytorch_snapshot`, `rmm_csv`,
-//! `kineto_json`): what a reader hands over must replay without any error but running out of memory.
+//! `kineto_json`): what a reader hands over must replay without any error but running out of memory, and
+//! what it refuses must be said in one line naming the file.
 
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
@@ -50,4 +51,26 @@ pub fn check(trace: &Trace) -> Result<(), String> {
         }) => Ok(()),
         Err(e) => Err(format!("{}: replay failed: {e}", trace.name)),
     }
+}
+
+/// What one input did to a reader that returns a trace per device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The file was read: its devices' traces and their events in all.
+    Read {
+        /// Traces (devices).
+        traces: usize,
+        /// Events of all of them.
+        events: usize,
+    },
+    /// The bytes were refused with a typed error.
+    Refused,
+}
+
+/// Checks a reader's error: one line that starts with the file's name.
+pub fn check_refusal(message: &str, file: &str) -> Result<(), String> {
+    if !message.starts_with(file) || message.contains('\n') {
+        return Err(format!("error not one line naming the file: {message:?}"));
+    }
+    Ok(())
 }
