@@ -61,16 +61,25 @@ fn split_ops_corpus() {
     );
 }
 
-#[test]
-fn pytorch_snapshot_corpus() {
-    // The seeds written by fuzz/seeds/trace_readers.py: seed_* are read, bad_* refused.
-    let outcomes = replay_named("pytorch_snapshot", pytorch_snapshot::run);
-    for (name, outcome) in &outcomes {
-        let read = matches!(outcome, pytorch_snapshot::Outcome::Read { .. });
+/// The seeds written by `fuzz/seeds/trace_readers.py`: each `seed_*` file is read, each `bad_*` refused.
+fn check_seeds<O: std::fmt::Debug>(outcomes: &[(String, O)], read: impl Fn(&O) -> bool) {
+    for (name, outcome) in outcomes {
         if name.starts_with("seed_") || name.starts_with("bad_") {
-            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
+            assert_eq!(
+                read(outcome),
+                name.starts_with("seed_"),
+                "{name}: {outcome:?}"
+            );
         }
     }
+}
+
+#[test]
+fn pytorch_snapshot_corpus() {
+    let outcomes = replay_named("pytorch_snapshot", pytorch_snapshot::run);
+    check_seeds(&outcomes, |o| {
+        matches!(o, pytorch_snapshot::Outcome::Read { .. })
+    });
     let devices = |name: &str| outcomes.iter().find(|(n, _)| n == name).map(|(_, o)| *o);
     assert!(
         matches!(
@@ -88,12 +97,7 @@ fn pytorch_snapshot_corpus() {
 #[test]
 fn rmm_csv_corpus() {
     let outcomes = replay_named("rmm_csv", rmm_csv::run);
-    for (name, outcome) in &outcomes {
-        let read = matches!(outcome, rmm_csv::Outcome::Read { .. });
-        if name.starts_with("seed_") || name.starts_with("bad_") {
-            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
-        }
-    }
+    check_seeds(&outcomes, |o| matches!(o, rmm_csv::Outcome::Read { .. }));
     let read =
         |f: fn(&rmm_csv::Outcome) -> usize| outcomes.iter().map(|(_, o)| f(o)).sum::<usize>();
     assert!(
@@ -113,12 +117,9 @@ fn rmm_csv_corpus() {
 #[test]
 fn kineto_json_corpus() {
     let outcomes = replay_named("kineto_json", kineto_json::run);
-    for (name, outcome) in &outcomes {
-        let read = matches!(outcome, kineto_json::Outcome::Read { .. });
-        if name.starts_with("seed_") || name.starts_with("bad_") {
-            assert_eq!(read, name.starts_with("seed_"), "{name}: {outcome:?}");
-        }
-    }
+    check_seeds(&outcomes, |o| {
+        matches!(o, kineto_json::Outcome::Read { .. })
+    });
     let outcome = |name: &str| outcomes.iter().find(|(n, _)| n == name).map(|(_, o)| *o);
     // Six events, one free of a block allocated before and the memory never freed seeded first, and one
     // free not recorded put in: nine.
