@@ -274,6 +274,22 @@ class SleepAndWake(unittest.TestCase):
             self.assertIsNone(cuvmm_torch.last_error())
         self.assertEqual(cuvmm_torch.memory_stats(device)["allocation.all.current"], 0)
 
+    def test_the_frameworks_pause_every_tag_though_one_is_refused_then_raise_the_first_error(self):
+        made = []
+
+        def call(name, error=None):
+            made.append(name)
+            if error is not None:
+                raise error
+
+        first, second = cuvmm_torch.CuvmmError("capture underway"), ValueError("second")
+        with self.assertRaises(cuvmm_torch.CuvmmError) as raised:
+            cuvmm_torch._each(lambda n=n, e=e: call(n, e)
+                              for n, e in [("a", None), ("b", first), ("c", None), ("d", second)])
+        self.assertIs(raised.exception, first)
+        self.assertEqual(made, ["a", "b", "c", "d"])
+        cuvmm_torch._each(lambda: call("e") for _ in range(1))
+        self.assertEqual(made[-1], "e")
 
     def test_no_device_named_is_device_0_where_torch_has_no_cuda(self):
         # The frameworks' APIs (memory_saver, cumem) name no device; with a PyTorch that sees no GPU (the

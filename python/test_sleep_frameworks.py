@@ -49,6 +49,7 @@ def refused(calls):
 """
 
 MEMORY_SAVER = PRELUDE + r"""
+import os
 from cuvmm_torch.memory_saver import torch_memory_saver as tms, configure_subprocess
 tms.hook_mode = "preload"
 out["enabled"] = tms.enabled
@@ -79,9 +80,27 @@ out["resume_all"] = tags()
 out["host_kept"] = stat("cuvmm.host_kept_bytes")
 out["retain_default"] = tms.retain_cpu_backup
 tms.retain_cpu_backup = False
-out["host_kept_released"] = stat("cuvmm.host_kept_bytes")
+out["host_kept_after_setting"] = stat("cuvmm.host_kept_bytes")
 tms.pause("weights"); tms.resume("weights")
 out["host_kept_not_retained"] = stat("cuvmm.host_kept_bytes")
+# Every instance drives the same tags and policy, as torch_memory_saver's process-wide library does.
+import cuvmm_torch.memory_saver as torch_memory_saver
+other = torch_memory_saver.TorchMemorySaver()
+other.pause("kv_cache")
+out["other_instance_pause"] = tags()["tms:kv_cache"]
+out["other_instance_retain"] = other.retain_cpu_backup
+other.resume()
+out["module_names"] = [torch_memory_saver.torch_memory_saver is tms,
+                       torch_memory_saver.configure_subprocess is configure_subprocess]
+tms._ensure_initialized()
+out["impl"] = tms._impl
+env = os.environ
+out["retain_env"] = {}
+for value in (None, "1", "0", "false", "NO"):
+    env.pop("TMS_RETAIN_CPU_BACKUP", None)
+    if value is not None:
+        env["TMS_RETAIN_CPU_BACKUP"] = value
+    out["retain_env"][repr(value)] = torch_memory_saver._retain_default()
 out["refusals"] = refused([
     ("disk", lambda: tms.region(enable_disk_backup=True).__enter__()),
     ("backend_without_backup", lambda: tms.region(cpu_backup_backend="pinned").__enter__()),
@@ -121,7 +140,34 @@ allocator.sleep()
 out["default_offloaded"] = tags()
 allocator.wake_up(["kv_cache", "default", "weights"])
 out["usage_after"] = allocator.get_current_usage()
-for block in (weights, kv, default):
+# discard: without the bytes; a tag already asleep stays as it sleeps.
+allocator.sleep(offload_tags=("weights",))
+allocator.wake_up(tags=["kv_cache"])
+allocator.discard(("kv_cache", "weights"))
+out["discarded"] = tags()
+allocator.wake_up()
+# The graph pool: PyTorch's graph_pool_handle (a stand-in here: no PyTorch, no GPU), the same at each use,
+# its memory under the tag "cudagraph", which a wake_up naming other tags wakes too.
+import sys, types
+handles = []
+torch = types.ModuleType("torch")
+torch.cuda = types.SimpleNamespace(is_available=lambda: False,
+                                   graph_pool_handle=lambda: handles.append(len(handles)) or (0, len(handles)))
+sys.modules["torch"] = torch
+with allocator.cudagraph_pool() as first:
+    out["graph_tag"] = allocator.current_tag
+    graph = malloc(4 << 20)
+with allocator.cudagraph_pool() as second:
+    pass
+out["graph_pools"] = [first, second, len(handles)]
+allocator.sleep(offload_tags=("weights",))
+out["graph_asleep"] = tags()["vllm:cudagraph"]
+allocator.wake_up(tags=["weights"])
+out["graph_woken_with_weights"] = tags()
+allocator.wake_up()
+allocator.release_pools()
+allocator.close()
+for block in (weights, kv, default, graph):
     free(block)
 print(json.dumps(out))
 """
@@ -206,8 +252,15 @@ class MemorySaver(unittest.TestCase):
         # Only the backed-up tag copied bytes: its page-locked memory stays for the next pause.
         self.assertEqual(out["host_kept"], 16 * MIB)
         self.assertTrue(out["retain_default"])
-        self.assertEqual(out["host_kept_released"], 0)
+        # Setting it False frees at the next resume, not at once, as torch_memory_saver's.
+        self.assertEqual(out["host_kept_after_setting"], 16 * MIB)
         self.assertEqual(out["host_kept_not_retained"], 0)
+        self.assertEqual(out["other_instance_pause"], ["asleep", False])
+        self.assertFalse(out["other_instance_retain"])
+        self.assertEqual(out["module_names"], [True, True])
+        self.assertIsNone(out["impl"])
+        self.assertEqual(out["retain_env"], {"None": True, "'1'": True, "'0'": False, "'false'": False,
+                                             "'NO'": False})
         self.assertEqual(out["refusals"], {
             "disk": "NotImplementedError", "backend_without_backup": "ValueError",
             "get_cpu_backup": "NotImplementedError", "disk_dir": "NotImplementedError",
@@ -225,12 +278,21 @@ class CuMem(unittest.TestCase):
         self.assertEqual(out["asleep"], {"vllm:weights": ["asleep", True], "vllm:kv_cache": ["asleep", False],
                                          "vllm:default": ["asleep", False]})
         self.assertGreaterEqual(out["given_back"], 50 * MIB)  # whole 20 MiB chunks
-        self.assertEqual(out["weights_up"]["vllm:weights"], ["awake", False])
-        self.assertEqual(out["weights_up"]["vllm:kv_cache"], ["asleep", False])
+        # Naming weights wakes every tag but the other deferrable one, kv_cache, as vLLM's.
+        self.assertEqual(out["weights_up"], {"vllm:weights": ["awake", False], "vllm:kv_cache": ["asleep", False],
+                                             "vllm:default": ["awake", False]})
         self.assertTrue(all(state == "awake" for state, _ in out["all_up"].values()))
         self.assertEqual(out["default_offloaded"]["vllm:default"], ["asleep", True])
         self.assertEqual(out["default_offloaded"]["vllm:weights"], ["asleep", False])
         self.assertEqual(out["usage_after"], 50 * MIB)
+        self.assertEqual(out["discarded"]["vllm:kv_cache"], ["asleep", False])
+        self.assertEqual(out["discarded"]["vllm:weights"], ["asleep", True])
+        self.assertEqual(out["discarded"]["vllm:default"], ["awake", False])  # woken with kv_cache, not discarded
+        self.assertEqual(out["graph_tag"], "cudagraph")
+        self.assertEqual(out["graph_pools"], [[0, 1], [0, 1], 1])
+        self.assertEqual(out["graph_asleep"], ["asleep", False])
+        self.assertEqual(out["graph_woken_with_weights"]["vllm:cudagraph"], ["awake", False])
+        self.assertEqual(out["graph_woken_with_weights"]["vllm:kv_cache"], ["asleep", False])
 
 
 class EveryDevice(unittest.TestCase):

@@ -621,6 +621,20 @@ def _tag_devices(name):
     return [device for device in range(count) if any(t["name"] == name for t in tags(device))]
 
 
+def _each(calls):
+    """Makes every call of ``calls`` (each a function of no arguments), then raises the first exception one
+    raised: the frameworks' pause of every tag gives back what it can though one tag is refused (a capture
+    underway, say), as theirs do."""
+    first = None
+    for call in calls:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 (re-raised below, after the other calls)
+            first = first or error
+    if first is not None:
+        raise first
+
+
 def _ensure_installed(api):
     """For the frameworks' APIs (:mod:`cuvmm_torch.memory_saver`, :mod:`cuvmm_torch.cumem`): in a program that
     has imported torch and has a GPU, cuvmm is installed as its CUDA allocator now if it is not yet, as those

@@ -1,5 +1,7 @@
 """torch_memory_saver's API over cuvmm's tags: code that imports ``torch_memory_saver`` (SGLang, verl,
-slime) switches by changing its import::
+slime) switches by changing its import, ``import cuvmm_torch.memory_saver as torch_memory_saver`` for
+``import torch_memory_saver`` (the module, with ``torch_memory_saver.torch_memory_saver`` and
+``configure_subprocess`` in it, as torch_memory_saver's)::
 
     from cuvmm_torch.memory_saver import torch_memory_saver
 
@@ -18,14 +20,17 @@ tags: a region is ``cuvmm_torch.region``, ``pause`` is ``cuvmm_torch.sleep``, ``
 ``cuvmm_torch.wake``, on every device where the tag has memory. A torch_memory_saver tag made with
 ``enable_cpu_backup=True`` and without are two cuvmm tags (``tms-backup:TAG`` and ``tms:TAG``), so that
 ``pause(TAG)`` keeps the bytes of the first and drops the second's, as torch_memory_saver does per
-allocation.
+allocation. Every ``TorchMemorySaver()`` drives the same tags, as each of torch_memory_saver's drives its one
+process-wide state. A pause or resume goes on through every tag when one is refused (a CUDA graph capture
+underway, say), then raises the first error; torch_memory_saver ends the process there.
 
 What differs, or cannot apply:
 
 - ``hook_mode`` ("preload" or "torch") is accepted and changes nothing: cuvmm is the allocator already.
 - ``cpu_backup_backend``: cuvmm keeps bytes in page-locked memory; ``"mmap"`` is served by it too.
-- ``retain_cpu_backup`` is True unless set False (torch_memory_saver's default is False): cuvmm keeps a tag's
-  page-locked memory across cycles, so a second pause pins nothing. Set False, each resume frees it.
+- ``retain_cpu_backup`` is True unless set False, or ``TMS_RETAIN_CPU_BACKUP`` says false at import
+  (torch_memory_saver's default is False): cuvmm keeps a tag's page-locked memory across cycles, so a second
+  pause pins nothing. Set False, each later resume frees it (as torch_memory_saver's, not at once).
 - ``enable_disk_backup``, ``set_disk_backup_dir`` and ``get_cpu_backup`` are not offered
   (``NotImplementedError``): cuvmm keeps no bytes on disk, and its host memory is in pieces, not one
   buffer per tensor.
@@ -40,6 +45,7 @@ What differs, or cannot apply:
 """
 
 import contextlib
+import functools
 import os
 import threading
 import warnings
@@ -54,16 +60,29 @@ _PREFIX = "tms:"
 _PREFIX_BACKUP = "tms-backup:"
 
 
+def _retain_default():
+    """``TMS_RETAIN_CPU_BACKUP`` as torch_memory_saver reads it, True (cuvmm's default) unless it says false."""
+    return os.environ.get("TMS_RETAIN_CPU_BACKUP") not in ("0", "false", "FALSE", "no", "NO")
+
+
 class TorchMemorySaver:
     """torch_memory_saver's ``TorchMemorySaver`` over cuvmm's tags (use the module's
-    :data:`torch_memory_saver`)."""
+    :data:`torch_memory_saver`). The tags and the retention policy are the class's, shared by every
+    instance, as torch_memory_saver's are its process-wide library's."""
+
+    _lock = threading.Lock()
+    # cuvmm tag -> whether its bytes are kept at a pause
+    _tags = {}
+    _retain = _retain_default()
+    # torch_memory_saver's own implementation object, made at its first use; code that looks at it (slime
+    # does) finds none, and _ensure_initialized has nothing to make.
+    _impl = None
 
     def __init__(self):
-        self._lock = threading.Lock()
-        # cuvmm tag -> whether its bytes are kept at a pause
-        self._tags = {}
-        self._retain = True
         self._hook_mode = "preload"
+
+    def _ensure_initialized(self):
+        """torch_memory_saver loads its library here; cuvmm's is loaded by its first call."""
 
     @staticmethod
     def _name(tag, backup):
@@ -121,18 +140,19 @@ class TorchMemorySaver:
     def pause(self, tag=None):
         """Gives back the memory of ``tag`` (of every tag for None), keeping the bytes of what was allocated
         with ``enable_cpu_backup=True``."""
-        for name, backup, devices in self._named(tag):
-            for device in devices:
-                _cuvmm.sleep(name, keep=backup, device=device)
+        _cuvmm._each(functools.partial(_cuvmm.sleep, name, keep=backup, device=device)
+                     for name, backup, devices in self._named(tag) for device in devices)
 
     def resume(self, tag=None):
         """Maps the memory of ``tag`` (of every tag for None) again at the same addresses, with the bytes
         kept."""
-        for name, _, devices in self._named(tag):
-            for device in devices:
-                _cuvmm.wake(name, device=device)
-                if not self._retain:
-                    _cuvmm.release_host_buffers(name, device=device)
+        def wake(name, device):
+            _cuvmm.wake(name, device=device)
+            if not TorchMemorySaver._retain:
+                _cuvmm.release_host_buffers(name, device=device)
+
+        _cuvmm._each(functools.partial(wake, name, device)
+                     for name, _, devices in self._named(tag) for device in devices)
 
     @property
     def enabled(self):
@@ -163,11 +183,8 @@ class TorchMemorySaver:
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value):
-        self._retain = bool(value)
-        if not self._retain:
-            for name, _, devices in self._named(None):
-                for device in devices:
-                    _cuvmm.release_host_buffers(name, device=device)
+        # As torch_memory_saver's: the policy is read at each resume; nothing is freed now.
+        TorchMemorySaver._retain = bool(value)
 
     def get_cpu_backup(self, x, zero_copy=False):
         raise NotImplementedError("cuvmm keeps a paused tag's bytes in page-locked pieces, not one buffer per "

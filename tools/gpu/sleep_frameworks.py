@@ -13,10 +13,10 @@ Cases:
   stream still runs), another job uses it and empties the cache, ``resume`` brings
   it back at the same addresses: the weights' bytes are back, the graph replays with the right result.
 - ``cumem``: vLLM's ``CuMemAllocator`` (``cuvmm_torch.cumem``): weights in ``use_memory_pool(tag="weights")``,
-  a KV cache in ``use_memory_pool(tag="kv_cache")``, a decode graph captured inside
-  ``use_memory_pool(tag="graphs")``; ``sleep(offload_tags=("weights",))`` (vLLM's level 1), other work,
-  ``wake_up(tags=["weights"])`` then ``wake_up(tags=["kv_cache", "graphs"])``: greedy outputs and the graph's
-  output are the same as before.
+  a KV cache in ``use_memory_pool(tag="kv_cache")``, a decode graph captured into ``cudagraph_pool()`` (as
+  vLLM does with ``sleep_mode_offload_cudagraph``); ``sleep(offload_tags=("weights",))`` (vLLM's level 1),
+  other work, ``wake_up(tags=["weights"])`` (which wakes the graph's tag too, not the KV cache) then
+  ``wake_up(tags=["kv_cache"])``: greedy outputs and the graph's output are the same as before.
 - ``graph_region``: cuvmm's own API: a graph captured inside ``cuvmm_torch.region``, its memory slept with
   its bytes and woken five times, with another job writing over the memory each time: every replay gives the
   first replay's result.
@@ -148,8 +148,8 @@ def case_cumem(torch, cuvmm):
         decode(static_tokens, steps=1)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with allocator.use_memory_pool(tag="graphs"):
-        with torch.cuda.graph(graph):
+    with allocator.cudagraph_pool() as pool:
+        with torch.cuda.graph(graph, pool=pool):
             graph_out = decode(static_tokens, steps=1)
     graph.replay()
     graph_before = graph_out.clone()
@@ -163,13 +163,16 @@ def case_cumem(torch, cuvmm):
     other_job(torch, int(out["given_back"] * 0.9))
     began = time.monotonic()
     allocator.wake_up(tags=["weights"])
-    allocator.wake_up(tags=["kv_cache", "graphs"])
+    out["states_after_weights"] = {t["name"]: t["state"] for t in cuvmm.tags()}
+    allocator.wake_up(tags=["kv_cache"])
     out["wake_s"] = round(time.monotonic() - began, 4)
     kv.zero_()
     out["greedy_same"] = bool(torch.equal(decode(prompt), greedy))
     graph.replay()
     out["graph_same"] = bool(torch.equal(graph_out, graph_before))
-    out["ok"] = out["greedy_same"] and out["graph_same"] and out["given_back"] >= 0.9 * out["usage"]
+    woken = out["states_after_weights"]
+    out["ok"] = (out["greedy_same"] and out["graph_same"] and out["given_back"] >= 0.9 * out["usage"]
+                 and woken.get("vllm:cudagraph") == "awake" and woken.get("vllm:kv_cache") == "asleep")
     return out
 
 
