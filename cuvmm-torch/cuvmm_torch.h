@@ -186,7 +186,7 @@ int cuvmm_pool_restore(int device, unsigned long long pool_a, unsigned long long
  * bytes given back, or -1 (a capture underway, a driver failure). */
 long long cuvmm_empty_pool_cache(int device, unsigned long long pool_a, unsigned long long pool_b);
 
-/* allocateWithAddress (PyTorch 2.15): `size` bytes at `ptr`, which must be 512-byte aligned and lie in the
+/* allocateWithAddress (PyTorch 2.13 on): `size` bytes at `ptr`, which must be 512-byte aligned and lie in the
  * free memory of one of `device`'s segments (its stream and pool are the segment's). `ptr`, or NULL. */
 void *cuvmm_malloc_at(int device, void *ptr, ssize_t size);
 

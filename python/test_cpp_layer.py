@@ -845,6 +845,15 @@ for p in ps: free(p)
 m._snapshot(0); C._cuda_isHistoryEnabled()
 m._record_memory_history(enabled=None)
 """),
+    ("history recorded without the actions skipped", "returned", """
+m._record_memory_history(max_entries=100, skip_actions=["free_requested", "free_completed"])
+free(alloc(1000))
+actions = {t["action"] for t in m._snapshot(0)["device_traces"][0]}
+m._record_memory_history(enabled=None)
+assert "alloc" in actions and not actions & {"free_requested", "free_completed"}, actions
+"""),
+    ("a skipped action of no name PyTorch knows", "RuntimeError",
+     'm._record_memory_history(max_entries=100, skip_actions=["frees"])'),
     ("statistics of a device that does not exist", "RuntimeError", "C._cuda_memoryStats(9)"),
     ("peak reset of a device that does not exist", "RuntimeError", "C._cuda_resetPeakMemoryStats(9)"),
     ("accumulated reset of a device that does not exist", "RuntimeError", "C._cuda_resetAccumulatedMemoryStats(9)"),

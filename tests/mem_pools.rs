@@ -482,6 +482,31 @@ fn one_pools_cache_goes_back_once_it_is_released_and_nothing_else() {
     assert_eq!(a.stats().reserved_bytes.current, 0);
 }
 
+/// While a pool is being allocated to, `emptyCache(pool)` is refused only where there is memory of that pool
+/// to give back: `~MemPool` calls it on every device, and a pool deleted while another device (or another
+/// pool) captures must not warn where it holds nothing.
+#[test]
+fn a_pool_with_nothing_here_is_emptied_during_a_capture_and_one_with_memory_refused() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let (released, capturing, never) = (GraphPool(0, 3), GraphPool(0, 4), GraphPool(0, 5));
+    a.incref_pool(released).unwrap();
+    begin(&mut a, released, s);
+    let x = a.alloc(2 * PAGE, s).unwrap();
+    end(&mut a, released);
+    a.free(x).unwrap();
+    a.release_pool(released).unwrap();
+    a.incref_pool(capturing).unwrap();
+    begin(&mut a, capturing, s);
+    assert_eq!(a.empty_pool_cache(never).unwrap(), 0, "nothing of it here");
+    assert_eq!(a.empty_pool_cache(capturing).unwrap(), 0, "the pool is live");
+    assert_refused(a.empty_pool_cache(released));
+    a.check_invariants().unwrap();
+    end(&mut a, capturing);
+    assert_eq!(a.empty_pool_cache(released).unwrap(), 2 * PAGE);
+    a.check_invariants().unwrap();
+}
+
 /// Every event of a pool's memory names the pool, as PyTorch's trace entries do (`mempool_`): NCCL's
 /// registration hook (`ProcessGroupNCCL::registerMemPool`) matches a segment event's pool against the
 /// pools registered. Memory of no pool names none, and an out-of-memory names the pool it asked of.

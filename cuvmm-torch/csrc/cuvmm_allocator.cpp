@@ -28,6 +28,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -376,9 +377,11 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     const char* conf = std::getenv("CUVMM_ALLOC_CONF");
     info.config_metadata.last_allocator_settings = conf ? conf : "";
     info.device_traces.resize(std::max(device_count_, 1));
+    std::vector<int> skipped;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       info.external_annotations.assign(annotations_.begin(), annotations_.end());
+      skipped = skipped_actions_;
     }
     for_each_used([&](DeviceIndex device) {
       Snapshot s = take(device);
@@ -389,6 +392,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
       if (include_traces && device < static_cast<DeviceIndex>(info.device_traces.size())) {
         for (size_t i = 0; i < s->num_traces; ++i) {
+          if (std::find(skipped.begin(), skipped.end(), s->traces[i].action) != skipped.end()) continue;
           auto& entry = info.device_traces[device].emplace_back(trace_entry(device, s->traces[i]));
           entry.time_.t_ = s->traces[i].time_us;  // what PyTorch's snapshot reports: microseconds since the epoch
         }
@@ -461,12 +465,17 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   }
 #endif
   void recordHistory(bool enabled, CCA::CreateContextFn /*stack traces: not kept*/, size_t max_entries,
-                     CCA::RecordContext /*when*/, bool clear, const std::vector<std::string>& /*skip*/) override {
+                     CCA::RecordContext /*when*/, bool clear, const std::vector<std::string>& skip) override {
+    // _record_memory_history(skip_actions=[...]): the actions snapshots leave out of the history (trackers
+    // see every event, as PyTorch's); an unknown name raises, as PyTorch's.
+    std::vector<int> skipped;
+    for (const std::string& name : skip) skipped.push_back(trace_action(name));
     size_t entries = enabled ? std::max<size_t>(max_entries, 1) : 0;
     history_entries_ = entries;
     {
       // As PyTorch's annotation buffer: emptied when recording stops or is cleared, cut to the new size.
       std::lock_guard<std::mutex> lock(mutex_);
+      skipped_actions_ = std::move(skipped);
       if (entries == 0 || clear) annotations_.clear();
       while (annotations_.size() > entries) annotations_.pop_front();
     }
@@ -1030,6 +1039,27 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     }
     for (const auto& tracker : *trackers) without_throwing("an allocator trace tracker", [&] { tracker(entry); });
   }
+  // The action named `name` in _record_memory_history's skip_actions (PyTorch's names); raises for another.
+  static int trace_action(const std::string& name) {
+    using A = CDA::TraceEntry::Action;
+    static const std::pair<const char*, A> kActions[] = {
+        {"alloc", A::ALLOC},
+        {"free_requested", A::FREE_REQUESTED},
+        {"free_completed", A::FREE_COMPLETED},
+        {"segment_alloc", A::SEGMENT_ALLOC},
+        {"segment_free", A::SEGMENT_FREE},
+        {"segment_map", A::SEGMENT_MAP},
+        {"segment_unmap", A::SEGMENT_UNMAP},
+        {"snapshot", A::SNAPSHOT},
+        {"oom", A::OOM},
+    };
+    int found = -1;
+    for (const auto& [known, action] : kActions) {
+      if (name == known) found = static_cast<int>(action);
+    }
+    TORCH_CHECK(found >= 0, "Unknown TraceEntry action: ", name);
+    return found;
+  }
   // PyTorch's entry for cuvmm's event `t` of `device`, at the approximate time PyTorch's own entries take.
   static CDA::TraceEntry trace_entry(DeviceIndex device, const cuvmm_trace_entry& t) {
     return CDA::TraceEntry(static_cast<CDA::TraceEntry::Action>(t.action), device, t.addr, t.size, t.stream,
@@ -1096,6 +1126,8 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   std::atomic<uint64_t> used_{0};  // bit d: device d has been named
   std::atomic<int> served_devices_{-1};  // the devices cuvmm serves; -1 until it answers
   std::atomic<size_t> history_entries_{0};
+  // The actions snapshots leave out of the history (recordHistory's skip_actions); guarded by mutex_.
+  std::vector<int> skipped_actions_;
   std::atomic<bool> tracking_{false};  // a trace tracker is attached
   std::atomic<uint64_t> tracked_{0};   // bit d: cuvmm calls on_event with device d's events
   // The trackers, replaced whole when one is attached, so that an event copies a pointer, not the list.

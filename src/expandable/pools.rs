@@ -178,15 +178,17 @@ impl<D: Driver> Expandable<D> {
     /// released to the driver.
     ///
     /// # Errors
-    /// [`Error::CaptureUnderway`] while a pool is being allocated to; a driver failure.
+    /// [`Error::CaptureUnderway`] while a pool is being allocated to and this device holds memory of `pool`
+    /// to give back (a `MemPool` deleted on one device while another captures is no error); a driver
+    /// failure.
     pub fn empty_pool_cache(&mut self, pool: GraphPool) -> Result<u64, Error> {
+        if self.graphs.pool_is_live(pool) || !self.segments.any_of_graph(pool) {
+            return Ok(0);
+        }
         if self.graphs.capturing() {
             return Err(Error::CaptureUnderway {
                 operation: "empty_cache",
             });
-        }
-        if self.graphs.pool_is_live(pool) || !self.segments.any_of_graph(pool) {
-            return Ok(0);
         }
         self.poll_events()?;
         let slots: Vec<usize> = (self.segments.slotted())
