@@ -331,6 +331,19 @@ int cuvmm_reset_peak_stats(int device);
  * OOMs, device allocations and frees, synchronizations) becomes 0. 0 or -1. */
 int cuvmm_reset_accumulated_stats(int device);
 
+/* One private pool's reserved bytes: an entry of PyTorch's DeviceStats::reserved_bytes_by_private_pools (2.13
+ * on), by pool id. */
+typedef struct {
+    unsigned long long pool_a, pool_b;
+    cuvmm_stat_array reserved_bytes;
+} cuvmm_private_pool_stat;
+
+/* Writes up to `cap` of `device`'s private pools' reserved bytes to `out` (out may be NULL when cap is 0):
+ * each pool that ever had memory, cuvmm's own and those with an allocator of their own, its current bytes 0
+ * once its memory is gone, listed until both statistics resets have cleared it. Returns how many pools there
+ * are (call again with more room if that is above cap), or -1. */
+long long cuvmm_private_pool_stats(int device, cuvmm_private_pool_stat *out, size_t cap);
+
 /* The last out-of-memory on `device` was recovered from: the caller freed memory of its own (PyTorch's
  * free-memory callbacks) and the request then succeeded. The statistics count it as a retry (num_alloc_retries),
  * not an out-of-memory, as PyTorch's would. 0 or -1. */

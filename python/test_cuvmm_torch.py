@@ -109,6 +109,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_get_device_stats",
                 "cuvmm_reset_peak_stats",
                 "cuvmm_reset_accumulated_stats",
+                "cuvmm_private_pool_stats",
                 "cuvmm_recovered_oom",
                 "cuvmm_set_memory_fraction",
                 "cuvmm_memory_fraction",

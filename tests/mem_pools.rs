@@ -9,7 +9,7 @@ mod common;
 use cuvmm::driver::VaRange;
 use cuvmm::driver::sim::SimDriver;
 use cuvmm::expandable::Expandable;
-use cuvmm::strategy::{GraphPools, Snapshots, StreamUses};
+use cuvmm::strategy::{Controls, GraphPools, Snapshots, StreamUses};
 use cuvmm::{
     Allocator, Config, Error, GraphPool, PoolBlock, Strategy as _, StreamFilter, StreamId,
 };
@@ -499,12 +499,80 @@ fn a_pool_with_nothing_here_is_emptied_during_a_capture_and_one_with_memory_refu
     a.incref_pool(capturing).unwrap();
     begin(&mut a, capturing, s);
     assert_eq!(a.empty_pool_cache(never).unwrap(), 0, "nothing of it here");
-    assert_eq!(a.empty_pool_cache(capturing).unwrap(), 0, "the pool is live");
+    assert_eq!(
+        a.empty_pool_cache(capturing).unwrap(),
+        0,
+        "the pool is live"
+    );
     assert_refused(a.empty_pool_cache(released));
     a.check_invariants().unwrap();
     end(&mut a, capturing);
     assert_eq!(a.empty_pool_cache(released).unwrap(), 2 * PAGE);
     a.check_invariants().unwrap();
+}
+
+/// PyTorch's `reserved_bytes_by_private_pools`: each pool's mapped pages, separate from the common memory;
+/// at 0 once the pool's memory is given back, its peak and totals kept, and no longer listed once both
+/// resets have cleared them.
+#[test]
+fn each_private_pools_reserved_bytes_are_counted_apart_until_both_resets_forget_it() {
+    let mut a = new_alloc();
+    let s = StreamId(1);
+    let (one, two) = (GraphPool(0, 1), GraphPool(0, 2));
+    let common = a.alloc(3 * PAGE, s).unwrap();
+    let mut pool_blocks = Vec::new();
+    for (pool, pages) in [(one, 6), (two, 2)] {
+        a.incref_pool(pool).unwrap();
+        begin(&mut a, pool, s);
+        pool_blocks.push(a.alloc(pages * PAGE, s).unwrap());
+        end(&mut a, pool);
+        a.check_invariants().unwrap();
+    }
+    let reserved = |a: &Alloc, pool: GraphPool| {
+        let found = a
+            .reserved_by_private_pool()
+            .into_iter()
+            .find(|(p, _)| *p == pool);
+        found.map(|(_, array)| array.all)
+    };
+    let (six, two_pages) = (reserved(&a, one).unwrap(), reserved(&a, two).unwrap());
+    assert_eq!(
+        (six.current, six.peak, six.allocated),
+        (6 * PAGE, 6 * PAGE, 6 * PAGE)
+    );
+    assert_eq!(two_pages.current, 2 * PAGE);
+    assert_eq!(
+        a.reserved_by_private_pool().len(),
+        2,
+        "the common memory is no pool's"
+    );
+    assert_eq!(a.stats().reserved_bytes.current, 11 * PAGE);
+
+    a.free(pool_blocks[0]).unwrap();
+    a.release_pool(one).unwrap();
+    a.empty_pool_cache(one).unwrap();
+    a.check_invariants().unwrap();
+    let gone = reserved(&a, one).unwrap();
+    assert_eq!(
+        (gone.current, gone.peak, gone.freed),
+        (0, 6 * PAGE, 6 * PAGE)
+    );
+    a.reset_peak_stats().unwrap();
+    assert_eq!(
+        reserved(&a, one).unwrap().peak,
+        0,
+        "listed until its totals are reset too"
+    );
+    a.reset_accumulated_stats().unwrap();
+    assert_eq!(reserved(&a, one), None);
+    let kept = reserved(&a, two).unwrap();
+    assert_eq!(
+        (kept.current, kept.peak, kept.allocated),
+        (2 * PAGE, 2 * PAGE, 0)
+    );
+    a.check_invariants().unwrap();
+    a.free(pool_blocks[1]).unwrap();
+    a.free(common).unwrap();
 }
 
 /// Every event of a pool's memory names the pool, as PyTorch's trace entries do (`mempool_`): NCCL's

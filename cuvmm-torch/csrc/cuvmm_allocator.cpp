@@ -53,6 +53,7 @@ static_assert(sizeof(cuvmm_device_stats) == 984, "cuvmm_device_stats: header and
 static_assert(sizeof(cuvmm_segment_info) == 88, "cuvmm_segment_info: header and Rust disagree");
 static_assert(sizeof(cuvmm_block_info) == 32 && sizeof(cuvmm_trace_entry) == 56, "block/trace layout");
 static_assert(sizeof(cuvmm_oom_info) == 56 && sizeof(cuvmm_snapshot) == 48, "oom/snapshot layout");
+static_assert(sizeof(cuvmm_private_pool_stat) == 112, "cuvmm_private_pool_stat layout");
 
 namespace cuvmm_torch {
 
@@ -65,7 +66,8 @@ using c10::MempoolId_t;
 // them fail with a clear error there).
 #define CUVMM_REQUIRED(X)                                                                        \
   X(cuvmm_malloc) X(cuvmm_free_any) X(cuvmm_record_stream) X(cuvmm_empty_cache)                 \
-  X(cuvmm_get_device_stats) X(cuvmm_reset_peak_stats) X(cuvmm_reset_accumulated_stats)              \
+  X(cuvmm_get_device_stats) X(cuvmm_private_pool_stats) X(cuvmm_reset_peak_stats)                  \
+  X(cuvmm_reset_accumulated_stats)                                                               \
   X(cuvmm_set_memory_fraction) X(cuvmm_memory_fraction) X(cuvmm_record_history)                 \
   X(cuvmm_snapshot_take) X(cuvmm_snapshot_free) X(cuvmm_last_oom) X(cuvmm_last_error)             \
   X(cuvmm_pool_use_count) X(cuvmm_set_use_on_oom) X(cuvmm_set_no_split) X(cuvmm_pool_blocks)         \
@@ -360,6 +362,20 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     out.num_device_alloc = s.num_device_alloc;
     out.num_device_free = s.num_device_free;
     out.max_split_size = s.max_split_size;
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 13
+    // memory_stats()["reserved_bytes_by_private_pools"]: each graph pool's and MemPool's reserved bytes.
+    std::vector<cuvmm_private_pool_stat> pools(8);
+    long long n = api_.cuvmm_private_pool_stats(device, pools.data(), pools.size());
+    if (n > static_cast<long long>(pools.size())) {
+      pools.resize(n);
+      n = api_.cuvmm_private_pool_stats(device, pools.data(), pools.size());
+    }
+    check(n >= 0, "getDeviceStats");
+    for (long long i = 0; i < std::min<long long>(n, pools.size()); ++i) {
+      const cuvmm_private_pool_stat& pool = pools[i];
+      out.reserved_bytes_by_private_pools[MempoolId_t{pool.pool_a, pool.pool_b}] = to_array(pool.reserved_bytes);
+    }
+#endif
     return out;
   }
   void resetAccumulatedStats(DeviceIndex device) override {

@@ -30,7 +30,7 @@ use cuvmm::driver::EventId;
 use cuvmm::history::TraceAction;
 use cuvmm::pool::Pool;
 use cuvmm::snapshot::{BlockState, SnapshotBlock, SnapshotSegment};
-use cuvmm::stats::PoolStats;
+use cuvmm::stats::{PoolStats, StatArray};
 use cuvmm::strategy::Snapshots as _;
 use cuvmm::{Driver as _, GraphPool, Stat, Stats, Strategy as _, StreamId};
 use std::collections::{BTreeMap, HashMap};
@@ -111,6 +111,9 @@ struct Books {
     tracked: Stats,
     /// The least these pools held (`current`) since the peaks were reset.
     floor: Stats,
+    /// Each pool's reserved bytes (PyTorch's `reserved_bytes_by_private_pools`), listed until both resets
+    /// have cleared a pool whose memory is gone.
+    by_pool: BTreeMap<GraphPool, StatArray>,
 }
 
 #[derive(Debug, Default)]
@@ -212,6 +215,15 @@ impl Books {
         }
         let stat = total(&mut self.own, field);
         if up { stat.add(n) } else { stat.sub(n) }
+    }
+
+    /// Applies a reset to each pool's reserved bytes, then forgets the pools it left all zero.
+    fn reset_by_pool(&mut self, reset: impl Fn(&mut Stat)) {
+        for array in self.by_pool.values_mut() {
+            reset(&mut array.all);
+            array.pool.iter_mut().for_each(&reset);
+        }
+        (self.by_pool).retain(|_, array| array.all != Stat::default());
     }
 
     /// Notes the sum with cuvmm's own statistics `core` now: its peaks, and the least these pools held.
@@ -369,6 +381,7 @@ pub fn add_segment(
     let books = p.books.entry(device).or_default();
     books.count(class, Field::Segment, 1, true);
     books.count(class, Field::ReservedBytes, size, true);
+    books.by_pool.entry(pool).or_default().add(class, size);
     books.own.num_device_alloc += 1;
     books.track(&core);
     Ok(())
@@ -639,6 +652,7 @@ pub fn release(
         let books = p.books.entry(device).or_default();
         books.count(seg.class, Field::Segment, 1, false);
         books.count(seg.class, Field::ReservedBytes, seg.size, false);
+        (books.by_pool.entry(seg.pool).or_default()).sub(seg.class, seg.size);
         books.own.num_device_free += 1;
         out.push(Released {
             pool: seg.pool,
@@ -695,6 +709,7 @@ pub fn reset_peaks(device: i32, core: &Stats) {
         books.tracked = Stats::default();
         books.floor = books.own;
         books.track(core);
+        books.reset_by_pool(Stat::reset_peak);
     }
 }
 
@@ -708,7 +723,23 @@ pub fn reset_accumulated(device: i32) {
         });
         books.own.num_device_alloc = 0;
         books.own.num_device_free = 0;
+        books.reset_by_pool(|s| (s.allocated, s.freed) = (0, 0));
     }
+}
+
+/// The reserved bytes of each of these pools on `device` (PyTorch's `reserved_bytes_by_private_pools`).
+pub fn reserved_by_private_pool(device: i32) -> Vec<(GraphPool, StatArray)> {
+    if !ANY.load(Ordering::Acquire) {
+        return Vec::new();
+    }
+    let p = pools();
+    (p.books.get(&device)).map_or_else(Vec::new, |books| {
+        books
+            .by_pool
+            .iter()
+            .map(|(&pool, &array)| (pool, array))
+            .collect()
+    })
 }
 
 /// The segments of these pools on `device` (of `pool` only, when given), as a snapshot lists them.

@@ -171,7 +171,13 @@ pub fn record_stream(
 pub fn memory_stats_json(registry: &Registry, device: i32) -> Result<String, AbiError> {
     let mut stats = registry.allocator(device)?.stats();
     crate::foreign::merge_stats(device, &mut stats);
-    Ok(serde_json::to_string(&stats.to_pytorch_keys())?)
+    let mut keys = stats.to_pytorch_keys();
+    // As PyTorch's memory_stats() flattens the pool ids: `reserved_bytes_by_private_pools.0_1.all.current`.
+    for (pool, reserved) in crate::pools::reserved_by_private_pool(registry, device)? {
+        let name = format!("reserved_bytes_by_private_pools.{}_{}", pool.0, pool.1);
+        reserved.insert_pytorch_keys(&name, &mut keys);
+    }
+    Ok(serde_json::to_string(&keys)?)
 }
 
 /// PyTorch's `memory_summary()` table for `device`, with cuvmm's rows.

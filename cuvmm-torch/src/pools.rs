@@ -6,6 +6,7 @@
 use crate::error::AbiError;
 use crate::foreign::{self, Fit, Released};
 use crate::registry::Registry;
+use cuvmm::stats::StatArray;
 use cuvmm::{GraphPool, PoolBlock};
 
 /// How many users `pool` of `device` has (begins and increfs not yet released; 0 for none).
@@ -14,6 +15,23 @@ use cuvmm::{GraphPool, PoolBlock};
 /// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
 pub fn use_count(registry: &Registry, device: i32, pool: GraphPool) -> Result<usize, AbiError> {
     Ok(registry.allocator(device)?.pool_use_count(pool))
+}
+
+/// The reserved bytes of each private pool of `device`, cuvmm's own and those with an allocator of their own
+/// (PyTorch's `reserved_bytes_by_private_pools`), by pool. A device never named has none, and asking does
+/// not build its allocator.
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`].
+pub fn reserved_by_private_pool(
+    registry: &Registry,
+    device: i32,
+) -> Result<Vec<(GraphPool, StatArray)>, AbiError> {
+    let mut pools =
+        (registry.existing(device)?).map_or_else(Vec::new, |a| a.reserved_by_private_pool());
+    pools.extend(foreign::reserved_by_private_pool(device));
+    pools.sort_by_key(|&(pool, _)| pool);
+    Ok(pools)
 }
 
 /// Says whether `pool`'s free memory may serve an allocation of `device` that would otherwise run out.

@@ -7,7 +7,9 @@
 
 use cuvmm::history::TraceEntry;
 use cuvmm::oom::OutOfMemory;
+use cuvmm::pool::Pool;
 use cuvmm::snapshot::{BlockState, MemorySnapshot};
+use cuvmm::stats::StatArray;
 use cuvmm::{Stat, Stats, StreamId};
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -65,6 +67,29 @@ impl CStatArray {
             large_pool: large_pool.into(),
         }
     }
+}
+
+impl From<StatArray> for CStatArray {
+    fn from(array: StatArray) -> Self {
+        Self::new(
+            array.all,
+            array.pool[Pool::Small.index()],
+            array.pool[Pool::Large.index()],
+        )
+    }
+}
+
+/// `cuvmm_private_pool_stat`: one private pool's reserved bytes (an entry of PyTorch's
+/// `reserved_bytes_by_private_pools`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CPrivatePoolStat {
+    /// The pool's id, first half.
+    pub pool_a: u64,
+    /// The pool's id, second half.
+    pub pool_b: u64,
+    /// Its reserved bytes.
+    pub reserved_bytes: CStatArray,
 }
 
 /// `cuvmm_device_stats`: PyTorch's `DeviceStats`, field for field, then cuvmm's largest free block.

@@ -9,6 +9,7 @@ use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::history::{Events, TraceAction, TraceEntry, TraceTracker};
 use crate::strategy::pool::Pool;
 use crate::strategy::stats::{PoolArrays, Stat, StatArray, Stats};
+use std::collections::BTreeMap;
 
 /// Counters kept up to date by every operation; [`Counters::stats`] adds what is derived on demand.
 /// Per-pool statistics are [`StatArray`]s, as PyTorch's.
@@ -25,6 +26,9 @@ pub(super) struct Counters {
     pub(super) reserved: Stat,
     /// Mapped bytes per pool (pooled handles belong to no pool).
     pub(super) mapped: StatArray,
+    /// Mapped bytes of each private pool's segments (PyTorch's `reserved_bytes_by_private_pools`), kept at
+    /// 0 once the pool's memory is gone, with its peak and totals, until a reset.
+    pub(super) mapped_by_graph: BTreeMap<GraphPool, StatArray>,
     pub(super) segment: StatArray,
     /// Bytes of touched pages that no active block uses.
     pub(super) inactive_split: StatArray,
@@ -54,6 +58,7 @@ impl Counters {
         }
         c.reserved.reset_peak();
         c.oversize_allocations.reset_peak();
+        c.forget_gone_private_pools();
     }
 
     /// PyTorch's `reset_accumulated_memory_stats`: the allocated and freed totals, retries, OOMs and
@@ -69,10 +74,17 @@ impl Counters {
         forget(&mut c.oversize_allocations);
         (c.retries, c.ooms, c.synchronizations) = (0, 0, 0);
         c.device_counts_base = (c.created, c.released);
+        c.forget_gone_private_pools();
+    }
+
+    /// A private pool whose memory is gone, and whose peak and totals both resets have cleared, is no
+    /// longer listed.
+    fn forget_gone_private_pools(&mut self) {
+        (self.mapped_by_graph).retain(|_, array| array.all != Stat::default());
     }
 
     /// Every statistic kept per pool, for the resets.
-    fn stat_arrays_mut(&mut self) -> [&mut StatArray; 9] {
+    fn stat_arrays_mut(&mut self) -> impl Iterator<Item = &mut StatArray> {
         [
             &mut self.allocated,
             &mut self.active,
@@ -84,6 +96,20 @@ impl Counters {
             &mut self.inactive_split,
             &mut self.inactive_split_count,
         ]
+        .into_iter()
+        .chain(self.mapped_by_graph.values_mut())
+    }
+
+    /// `bytes` of `seg` were mapped (`up`) or unmapped: its pool's reserved bytes, and its private pool's.
+    pub(super) fn count_mapped(&mut self, seg: &Segment, bytes: u64, up: bool) {
+        let by_graph = (seg.graph).map(|graph| self.mapped_by_graph.entry(graph).or_default());
+        for array in [Some(&mut self.mapped), by_graph].into_iter().flatten() {
+            if up {
+                array.add(seg.pool, bytes);
+            } else {
+                array.sub(seg.pool, bytes);
+            }
+        }
     }
 
     /// Counts a block of `size` bytes in `pool` as live (`live`: allocated and active) or as no longer

@@ -20,6 +20,7 @@ use super::segment::Kind;
 use super::{Expandable, ROUND};
 use crate::driver::Driver;
 use crate::strategy::error::InvariantViolation as V;
+use crate::strategy::graph_pool::GraphPool;
 use crate::strategy::pool::Pool;
 use std::collections::{HashMap, HashSet};
 
@@ -47,10 +48,16 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
     // Lent blocks found, per chunk: (segment start, page).
     let mut lent_blocks: HashMap<u64, Vec<(usize, usize)>> = HashMap::new();
     let mut lent_per_pool = [0usize; 2];
+    // Pages mapped in each private pool's segments, per pool, lent pages left out as in `mapped`.
+    let mut graph_mapped: HashMap<GraphPool, [u64; 2]> = HashMap::new();
     for (slot, seg) in a.segments.slotted() {
         let t = &mut totals[seg.pool.index()];
         t.segments += 1;
         t.mapped += seg.pages.mapped_count() as u64;
+        if let Some(graph) = seg.graph {
+            graph_mapped.entry(graph).or_default()[seg.pool.index()] +=
+                seg.pages.mapped_count() as u64;
+        }
         let mut expected = seg.va.start;
         let mut prev_free: Option<u64> = None;
         let mut users = vec![0u32; seg.pages.len()];
@@ -170,6 +177,9 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                     (piece, handle, seg.page_addr(page)),
                 )?;
                 t.mapped -= 1;
+                if let Some(graph) = seg.graph {
+                    graph_mapped.entry(graph).or_default()[seg.pool.index()] -= 1;
+                }
                 continue;
             }
             held_pages += 1;
@@ -252,6 +262,32 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             reserved: c.reserved.current,
             limit,
         });
+    }
+    for (graph, array) in &c.mapped_by_graph {
+        let pages = graph_mapped.remove(graph).unwrap_or_default();
+        V::check_stats(&[
+            (
+                "reserved_bytes_by_private_pools (small)",
+                array.pool[0].current,
+                pages[0] * a.page_size,
+            ),
+            (
+                "reserved_bytes_by_private_pools (large)",
+                array.pool[1].current,
+                pages[1] * a.page_size,
+            ),
+        ])?;
+    }
+    // A private pool whose mapped pages were never counted.
+    if let Some(pages) = graph_mapped
+        .values()
+        .find(|pages| pages.iter().any(|&n| n > 0))
+    {
+        V::check_stats(&[(
+            "reserved_bytes_by_private_pools (uncounted)",
+            0,
+            (pages[0] + pages[1]) * a.page_size,
+        )])?;
     }
     V::check_stats(&[
         (

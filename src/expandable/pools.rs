@@ -14,12 +14,23 @@ use crate::base::size::round_up;
 use crate::driver::Driver;
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, PoolBlock};
+use crate::strategy::stats::StatArray;
 
 impl<D: Driver> Expandable<D> {
     /// How many users `pool` has: begins and increfs not yet released; 0 for a pool that is not live
     /// (PyTorch's `MemPool.use_count()`).
     pub fn pool_use_count(&self, pool: GraphPool) -> usize {
         self.graphs.use_count(pool)
+    }
+
+    /// The reserved bytes of each private pool that ever had memory mapped (PyTorch's
+    /// `reserved_bytes_by_private_pools`): its segments' mapped pages, with their peak and totals, per
+    /// small and large pool. A pool whose memory is gone stays listed, at 0, until both
+    /// `reset_peak_stats` and `reset_accumulated_stats` have cleared its peak and totals.
+    pub fn reserved_by_private_pool(&self) -> Vec<(GraphPool, StatArray)> {
+        (self.books.counters.mapped_by_graph.iter())
+            .map(|(&pool, &array)| (pool, array))
+            .collect()
     }
 
     /// Says whether `pool`'s free memory may serve an allocation outside every pool that would otherwise

@@ -7,11 +7,18 @@ use crate::expandable::Expandable;
 use crate::facade::allocator::Allocator;
 use crate::strategy::error::Error;
 use crate::strategy::graph_pool::{GraphPool, PoolBlock};
+use crate::strategy::stats::StatArray;
 
 impl<D: Driver> Allocator<Expandable<D>> {
     /// How many users `pool` has (begins and increfs not yet released); 0 if it is not live.
     pub fn pool_use_count(&self, pool: GraphPool) -> usize {
         self.with_strategy(|strategy| strategy.pool_use_count(pool))
+    }
+
+    /// The reserved bytes of each private pool (PyTorch's `reserved_bytes_by_private_pools`,
+    /// [`Expandable::reserved_by_private_pool`]).
+    pub fn reserved_by_private_pool(&self) -> Vec<(GraphPool, StatArray)> {
+        self.with_strategy(|strategy| strategy.reserved_by_private_pool())
     }
 
     /// Says whether `pool`'s free memory may serve an allocation outside every pool that would otherwise

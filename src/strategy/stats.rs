@@ -19,6 +19,16 @@ pub struct Stat {
 }
 
 impl Stat {
+    /// Its four values under PyTorch's names.
+    pub fn views(&self) -> [(&'static str, u64); 4] {
+        [
+            ("current", self.current),
+            ("peak", self.peak),
+            ("allocated", self.allocated),
+            ("freed", self.freed),
+        ]
+    }
+
     /// Adds `n` to the current value.
     #[inline]
     pub fn add(&mut self, n: u64) {
@@ -96,6 +106,24 @@ pub struct StatArray {
 }
 
 impl StatArray {
+    /// Inserts this array into `out` under PyTorch's `memory_stats()` key names below `name`
+    /// (`{name}.{all,large_pool,small_pool}.{current,peak,allocated,freed}`).
+    pub fn insert_pytorch_keys(&self, name: &str, out: &mut BTreeMap<String, u64>) {
+        let (small, large) = (
+            self.pool[Pool::Small.index()],
+            self.pool[Pool::Large.index()],
+        );
+        for (pool, stat) in [
+            ("all", self.all),
+            ("large_pool", large),
+            ("small_pool", small),
+        ] {
+            for (view, value) in stat.views() {
+                out.insert(format!("{name}.{pool}.{view}"), value);
+            }
+        }
+    }
+
     /// Adds `n` to `pool` (and to the total).
     #[inline]
     pub fn add(&mut self, pool: Pool, n: u64) {
@@ -270,26 +298,16 @@ impl Stats {
     /// plus cuvmm's own under `cuvmm.`.
     pub fn to_pytorch_keys(&self) -> BTreeMap<String, u64> {
         let mut out = BTreeMap::new();
-        let views = |stat: &Stat| {
-            [
-                ("current", stat.current),
-                ("peak", stat.peak),
-                ("allocated", stat.allocated),
-                ("freed", stat.freed),
-            ]
-        };
         for (name, all, large, small) in self.pool_rows() {
-            for (pool, stat) in [("all", all), ("large_pool", large), ("small_pool", small)] {
-                for (view, value) in views(&stat) {
-                    out.insert(format!("{name}.{pool}.{view}"), value);
-                }
-            }
+            let mut pool = [Stat::default(); 2];
+            (pool[Pool::Small.index()], pool[Pool::Large.index()]) = (small, large);
+            StatArray { all, pool }.insert_pytorch_keys(name, &mut out);
         }
         for (name, stat) in [
             ("oversize_allocations", &self.oversize_allocations),
             ("oversize_segments", &self.oversize_segments),
         ] {
-            for (view, value) in views(stat) {
+            for (view, value) in stat.views() {
                 out.insert(format!("{name}.{view}"), value);
             }
         }

@@ -8,7 +8,7 @@ use crate::error::AbiError;
 use crate::foreign::Fit;
 use crate::pools;
 use crate::registry::global;
-use crate::structs::{CForeignSegment, CPoolBlock};
+use crate::structs::{CForeignSegment, CPoolBlock, CPrivatePoolStat};
 use cuvmm::GraphPool;
 use std::ffi::{c_int, c_void};
 use std::ptr;
@@ -98,6 +98,37 @@ pub unsafe extern "C" fn cuvmm_pool_restore(
         };
         pools::restore(global()?, device, GraphPool(pool_a, pool_b), &checkpoint)?;
         Ok(0)
+    })
+}
+
+/// Writes up to `cap` of `device`'s private pools' reserved bytes to `out` (PyTorch's
+/// `reserved_bytes_by_private_pools`), by pool; returns how many pools there are (call again with more room
+/// if that is above `cap`), or -1.
+///
+/// # Safety
+/// `out` is null (only with `cap` 0) or valid for `cap` writes of `cuvmm_private_pool_stat`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_private_pool_stats(
+    device: c_int,
+    out: *mut CPrivatePoolStat,
+    cap: usize,
+) -> i64 {
+    shell("cuvmm_private_pool_stats", -1, || {
+        if out.is_null() && cap > 0 {
+            return Err(AbiError::NullArgument { what: "out" });
+        }
+        let pools = pools::reserved_by_private_pool(global()?, device)?;
+        for (i, &(pool, reserved)) in pools.iter().take(cap).enumerate() {
+            let entry = CPrivatePoolStat {
+                pool_a: pool.0,
+                pool_b: pool.1,
+                reserved_bytes: reserved.into(),
+            };
+            // SAFETY: `out` is not null (cap > 0 here) and the caller promises `cap` writable elements;
+            // `i < cap`.
+            unsafe { out.add(i).write(entry) };
+        }
+        Ok(i64::try_from(pools.len()).unwrap_or(i64::MAX))
     })
 }
 

@@ -3,7 +3,7 @@
 //! caller got from that allocator, carved and counted as PyTorch's caching allocator does).
 
 use super::*;
-use cuvmm_torch::structs::{CForeignSegment, CPoolBlock};
+use cuvmm_torch::structs::{CForeignSegment, CPoolBlock, CPrivatePoolStat};
 
 unsafe extern "C" fn only_stream(context: *mut c_void, stream: *mut c_void) -> std::ffi::c_int {
     (context == stream) as std::ffi::c_int
@@ -303,5 +303,89 @@ fn a_pools_memory_counts_in_the_peaks_of_the_sum() {
     );
     assert_eq!(cuvmm_reset_accumulated_stats(device), 0);
     assert_eq!(stat(device, "allocated_bytes.all.allocated"), 0);
+    check_invariants(device);
+}
+
+/// `cuvmm_private_pool_stats(device, NULL, 0)` counts, then the entries.
+fn private_pool_stats(device: i32) -> Vec<CPrivatePoolStat> {
+    // SAFETY: a null `out` with `cap` 0 only counts.
+    let n = unsafe { cuvmm_private_pool_stats(device, ptr::null_mut(), 0) };
+    assert!(n >= 0, "{:?}", last_error());
+    let mut out = vec![CPrivatePoolStat::default(); n as usize];
+    // SAFETY: `out` has room for `n` entries.
+    let again = unsafe { cuvmm_private_pool_stats(device, out.as_mut_ptr(), out.len()) };
+    assert_eq!(again, n);
+    out
+}
+
+/// PyTorch's `reserved_bytes_by_private_pools`, through the C function and the statistics' JSON: a graph
+/// pool's mapped bytes and the segments of a pool with an allocator of its own, each under its id, the
+/// common memory under neither; at 0 once given back, with their peaks.
+#[test]
+fn each_private_pools_reserved_bytes_under_its_id() {
+    setup();
+    let device = 29;
+    let (graph, own, s) = ((0, 51), (0, 52), stream(0x79));
+    let common = cuvmm_malloc(1 << 20, device, s);
+    assert_eq!(cuvmm_incref_pool(device, graph.0, graph.1), 0);
+    begin(device, graph, s);
+    let x = cuvmm_malloc(30 << 20, device, s);
+    assert_eq!(cuvmm_end_allocate_to_pool(device, graph.0, graph.1), 0);
+    assert_eq!(cuvmm_incref_pool(device, own.0, own.1), 0);
+    assert_eq!(foreign_malloc(device, own, 12 << 20, s), Err(12 << 20));
+    let seg = ptr::with_exposed_provenance_mut(0x7c00_0000_0000);
+    let added = cuvmm_foreign_add_segment(device, own.0, own.1, s, seg, 12 << 20);
+    assert_eq!(added, 0, "{:?}", last_error());
+    let y = foreign_malloc(device, own, 12 << 20, s).unwrap();
+
+    let pools = private_pool_stats(device);
+    let ids: Vec<_> = pools.iter().map(|p| (p.pool_a, p.pool_b)).collect();
+    assert_eq!(ids, [graph, own]);
+    let (in_graph, in_own) = (pools[0].reserved_bytes, pools[1].reserved_bytes);
+    assert!(in_graph.all.current >= 30 << 20, "{in_graph:?}");
+    assert_eq!(in_graph.large_pool, in_graph.all);
+    assert_eq!(in_own.all.current, 12 << 20);
+    let json = |pool: (u64, u64), key: &str| {
+        stat(
+            device,
+            &format!(
+                "reserved_bytes_by_private_pools.{}_{}.{key}",
+                pool.0, pool.1
+            ),
+        )
+    };
+    assert_eq!(json(graph, "all.current"), in_graph.all.current as u64);
+    assert_eq!(json(own, "large_pool.peak"), 12 << 20);
+    assert!(
+        stat(device, "reserved_bytes.all.current")
+            > (in_graph.all.current + in_own.all.current) as u64,
+        "the common memory too"
+    );
+    // SAFETY: a null `out` with `cap` > 0 is refused before it is written.
+    let refused = unsafe { cuvmm_private_pool_stats(device, ptr::null_mut(), 1) };
+    assert_eq!(refused, -1);
+    assert_failed("null out", "null");
+
+    cuvmm_free(x, 0, device, s);
+    cuvmm_free(ptr::with_exposed_provenance_mut(y as usize), 0, device, s);
+    // The graph pool's begin and incref, the other pool's incref.
+    for pool in [graph, graph, own] {
+        assert_eq!(cuvmm_release_pool(device, pool.0, pool.1), 0);
+    }
+    assert!(cuvmm_empty_pool_cache(device, graph.0, graph.1) > 0);
+    assert_eq!(release(device, own).len(), 1);
+    let gone = private_pool_stats(device);
+    assert!(
+        gone.iter().all(|p| p.reserved_bytes.all.current == 0),
+        "{gone:?}"
+    );
+    assert_eq!(gone[0].reserved_bytes.all.peak, in_graph.all.current);
+    assert_eq!(cuvmm_reset_peak_stats(device), 0);
+    assert_eq!(cuvmm_reset_accumulated_stats(device), 0);
+    assert!(
+        private_pool_stats(device).is_empty(),
+        "forgotten once both resets cleared them"
+    );
+    cuvmm_free(common, 0, device, s);
     check_invariants(device);
 }

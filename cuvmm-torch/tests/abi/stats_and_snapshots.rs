@@ -49,6 +49,10 @@ fn the_structs_have_the_headers_layout() {
     assert_eq!(size_of::<CTraceEntry>(), 56);
     assert_eq!(offset_of!(CTraceEntry, pool_a), 40);
     assert_eq!(size_of::<CSnapshot>(), 48);
+    assert_eq!(
+        size_of::<cuvmm_torch::structs::CPrivatePoolStat>(),
+        2 * 8 + 3 * 32
+    );
 }
 
 fn device_stats(device: i32) -> CDeviceStats {

@@ -106,7 +106,7 @@ impl Supply {
         // After `obtain`, which may take idle pages of this segment (and books them).
         let before = SlotCounts::of(p.segments.at(slot));
         let seg = p.segments.at(slot);
-        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
+        let (stream, graph) = (seg.stream, seg.graph);
         tracing::debug!(
             pages = need,
             reused,
@@ -139,7 +139,8 @@ impl Supply {
             if done > 0 {
                 let bytes = done as u64 * self.page_size;
                 // A lent page's memory is counted at home.
-                (p.books.counters.mapped).add(pool, bytes - lent as u64 * self.page_size);
+                let mapped = bytes - lent as u64 * self.page_size;
+                (p.books.counters).count_mapped(p.segments.at(slot), mapped, true);
                 p.books
                     .record(TraceAction::SegmentMap, va, bytes, stream, graph);
             }
@@ -203,7 +204,7 @@ impl Supply {
         let bytes = k as u64 * self.page_size;
         let before = SlotCounts::of(p.segments.at(slot));
         let seg = p.segments.at(slot);
-        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
+        let (stream, graph) = (seg.stream, seg.graph);
         let mut result = Ok(());
         'runs: loop {
             let mut group = run.start - run.start % k;
@@ -251,7 +252,9 @@ impl Supply {
                     .at_mut(slot)
                     .pages
                     .map_chunk(chunk.clone(), handle);
-                p.books.counters.mapped.add(pool, bytes);
+                p.books
+                    .counters
+                    .count_mapped(p.segments.at(slot), bytes, true);
                 p.books
                     .record(TraceAction::SegmentMap, va, bytes, stream, graph);
                 widened = widened.start.min(chunk.start)..widened.end.max(chunk.end);

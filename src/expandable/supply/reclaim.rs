@@ -118,7 +118,6 @@ impl Supply {
             false => seg.pages.unmap_run(run.clone(), &mut handles),
             true => seg.pages.unmap_run_in_use(run.clone(), &mut handles),
         }
-        let pool = seg.pool;
         let mut chunks: Vec<PhysHandle> = Vec::new();
         let lent = (self.lending).note_unmapped(
             self.physical.chunks(),
@@ -129,10 +128,8 @@ impl Supply {
         ) as u64;
         self.physical.restore_scratch(handles);
         // A lent page's memory is counted at home.
-        p.books
-            .counters
-            .mapped
-            .sub(pool, (pages - lent) * self.page_size);
+        let unmapped = (pages - lent) * self.page_size;
+        (p.books.counters).count_mapped(p.segments.at(slot), unmapped, false);
         p.books.refresh(p.segments.at(slot), before);
         self.physical
             .release_chunks(&mut *p.driver, &mut *p.books, chunks)?;

@@ -174,7 +174,7 @@ impl Supply {
         let page_size = self.page_size;
         let group = start..start + k;
         let seg = p.segments.at(slot);
-        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
+        let (stream, graph) = (seg.stream, seg.graph);
         let Some(handle) = p.segments.at(slot).pages.handle(start) else {
             return Ok(0);
         };
@@ -207,7 +207,9 @@ impl Supply {
             .pages
             .unmap_run_in_use(group.clone(), &mut handles);
         self.physical.restore_scratch(handles);
-        p.books.counters.mapped.sub(pool, bytes);
+        p.books
+            .counters
+            .count_mapped(p.segments.at(slot), bytes, false);
         p.books
             .record(TraceAction::SegmentUnmap, va, bytes, stream, graph);
         let result = match self
@@ -251,7 +253,7 @@ impl Supply {
     ) -> Result<(), Error> {
         let page_size = self.page_size;
         let seg = p.segments.at(slot);
-        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
+        let (stream, graph) = (seg.stream, seg.graph);
         let count: usize = live.iter().map(Range::len).sum();
         let mut fresh = Vec::with_capacity(count);
         let created = repeated(|| {
@@ -295,7 +297,7 @@ impl Supply {
             });
             (p.segments.at_mut(slot).pages)
                 .map_run(run.start, fresh[taken..taken + done].iter().copied());
-            p.books.counters.mapped.add(pool, done as u64 * page_size);
+            (p.books.counters).count_mapped(p.segments.at(slot), done as u64 * page_size, true);
             if done > 0 {
                 p.books.record(
                     TraceAction::SegmentMap,
@@ -329,10 +331,8 @@ impl Supply {
             unmap_settled(&mut *p.driver, va, run.len() as u64 * page_size)?;
             let mut handles = Vec::new();
             (p.segments.at_mut(slot).pages).unmap_run_in_use(run.clone(), &mut handles);
-            p.books
-                .counters
-                .mapped
-                .sub(pool, run.len() as u64 * page_size);
+            let bytes = run.len() as u64 * page_size;
+            (p.books.counters).count_mapped(p.segments.at(slot), bytes, false);
             back.extend(handles);
         }
         self.physical.pool_pages(back);
@@ -349,7 +349,7 @@ impl Supply {
     ) -> Result<(), Error> {
         let bytes = group.len() as u64 * self.page_size;
         let seg = p.segments.at(slot);
-        let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
+        let (stream, graph) = (seg.stream, seg.graph);
         let handle = match self.physical.pop_pooled_chunk() {
             Some(handle) => handle,
             None => {
@@ -379,7 +379,9 @@ impl Supply {
             .at_mut(slot)
             .pages
             .map_chunk(group.clone(), handle);
-        p.books.counters.mapped.add(pool, bytes);
+        p.books
+            .counters
+            .count_mapped(p.segments.at(slot), bytes, true);
         p.books
             .record(TraceAction::SegmentMap, va, bytes, stream, graph);
         repeated(|| p.driver.set_access(va, bytes))?;

@@ -208,7 +208,7 @@ def _pool_blocks(torch, pool):
 
 
 @case("mempool", "torch.cuda.MemPool made, used (use_mem_pool), counted (use_count 1, 2 inside, 1 after), its "
-      "tensors correct and in its snapshot; deleted while one of its tensors lives (no abort; the tensor stays "
+      "tensors correct, in its snapshot and in memory_stats()'s reserved_bytes_by_private_pools; deleted while one of its tensors lives (no abort; the tensor stays "
       "correct) and its memory given back once that is freed; no_split: each allocation a whole segment (2 MiB "
       "or more); use_on_oom: under a memory fraction, a request that fails without it is served by the pool",
       timeout=120, fresh=True)
@@ -225,6 +225,8 @@ def mempool(ctx):
         kept = torch.arange(MIB, dtype=torch.float32, device=dev)
         other = torch.full((3 * MIB,), 2.0, device=dev)
     counts.append(pool.use_count())
+    # memory_stats()'s reserved_bytes_by_private_pools (PyTorch 2.13 on), flattened under the pool's id.
+    pool_reserved = torch.cuda.memory_stats(0).get("reserved_bytes_by_private_pools.%d_%d.all.current" % pool.id)
     blocks = _pool_blocks(torch, pool)
     in_snapshot = {kept.data_ptr(), other.data_ptr()} <= {b[0] for b in blocks}
     del other
@@ -235,8 +237,11 @@ def mempool(ctx):
     torch.cuda.empty_cache()
     reserved_after = torch.cuda.memory_reserved(0)
     ctx.figures.update(use_counts=counts, pool_blocks=len(blocks), kept_diff=kept_diff,
-                       reserved=[base_reserved, reserved_after])
+                       reserved=[base_reserved, reserved_after], pool_reserved=pool_reserved)
     check(counts == [1, 2, 1], f"use_count {counts}, PyTorch's is [1, 2, 1]")
+    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):
+        check(pool_reserved is not None and pool_reserved >= 16 * MIB,
+              f"memory_stats() gives the pool's reserved bytes as {pool_reserved}, not its 16 MiB or more")
     check(in_snapshot, "the pool's snapshot does not list its tensors")
     check(kept_diff == 0, f"a tensor of a deleted pool changed (max diff {kept_diff})")
     check(reserved_after <= base_reserved, f"reserved {reserved_after} after the pool was deleted and emptied, "
