@@ -268,13 +268,13 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         V::check_stats(&[
             (
                 "reserved_bytes_by_private_pools (small)",
-                array.pool[0].current,
-                pages[0] * a.page_size,
+                array.pool[Pool::Small.index()].current,
+                pages[Pool::Small.index()] * a.page_size,
             ),
             (
                 "reserved_bytes_by_private_pools (large)",
-                array.pool[1].current,
-                pages[1] * a.page_size,
+                array.pool[Pool::Large.index()].current,
+                pages[Pool::Large.index()] * a.page_size,
             ),
         ])?;
     }

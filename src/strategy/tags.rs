@@ -2,7 +2,7 @@
 //! ([`TagInfo`]), and a sleep or wake begun under the caller's lock ([`Begun`]) whose copies
 //! ([`TagCopy`]) run without it, so that other threads allocate while a tag's bytes cross the link
 //! (docs/allocator.md, "Sleep and wake"). The copies themselves are the driver's
-//! ([`CopyJob`](crate::driver::CopyJob)); the strategy plans them and takes their outcome back.
+//! ([`CopyJob`]); the strategy plans them and takes their outcome back.
 
 #![deny(unsafe_code)]
 
