@@ -217,15 +217,6 @@ impl Books {
         if up { stat.add(n) } else { stat.sub(n) }
     }
 
-    /// Applies a reset to each pool's reserved bytes, then forgets the pools it left all zero.
-    fn reset_by_pool(&mut self, reset: impl Fn(&mut Stat)) {
-        for array in self.by_pool.values_mut() {
-            reset(&mut array.all);
-            array.pool.iter_mut().for_each(&reset);
-        }
-        (self.by_pool).retain(|_, array| array.all != Stat::default());
-    }
-
     /// Notes the sum with cuvmm's own statistics `core` now: its peaks, and the least these pools held.
     fn track(&mut self, core: &Stats) {
         let (mut sums, mut own) = (*core, self.own);
@@ -709,7 +700,7 @@ pub fn reset_peaks(device: i32, core: &Stats) {
         books.tracked = Stats::default();
         books.floor = books.own;
         books.track(core);
-        books.reset_by_pool(Stat::reset_peak);
+        StatArray::reset_by_pool(&mut books.by_pool, Stat::reset_peak);
     }
 }
 
@@ -717,13 +708,10 @@ pub fn reset_peaks(device: i32, core: &Stats) {
 pub fn reset_accumulated(device: i32) {
     let mut p = pools();
     if let Some(books) = p.books.get_mut(&device) {
-        each(&mut books.own, |s| {
-            s.allocated = 0;
-            s.freed = 0;
-        });
+        each(&mut books.own, Stat::reset_accumulated);
         books.own.num_device_alloc = 0;
         books.own.num_device_free = 0;
-        books.reset_by_pool(|s| (s.allocated, s.freed) = (0, 0));
+        StatArray::reset_by_pool(&mut books.by_pool, Stat::reset_accumulated);
     }
 }
 

@@ -51,36 +51,26 @@ pub(super) struct Counters {
 impl Counters {
     /// PyTorch's `reset_peak_memory_stats`: every peak becomes the current value.
     pub(super) fn reset_peaks(&mut self) {
-        let c = self;
-        for array in c.stat_arrays_mut() {
-            array.all.reset_peak();
-            array.pool.iter_mut().for_each(Stat::reset_peak);
-        }
-        c.reserved.reset_peak();
-        c.oversize_allocations.reset_peak();
-        c.forget_gone_private_pools();
+        self.reset_each(Stat::reset_peak);
     }
 
     /// PyTorch's `reset_accumulated_memory_stats`: the allocated and freed totals, retries, OOMs and
     /// synchronizations start again from zero; handles created and released are counted from here.
     pub(super) fn reset_accumulated(&mut self) {
-        let forget = |stat: &mut Stat| (stat.allocated, stat.freed) = (0, 0);
-        let c = self;
-        for array in c.stat_arrays_mut() {
-            forget(&mut array.all);
-            array.pool.iter_mut().for_each(forget);
-        }
-        forget(&mut c.reserved);
-        forget(&mut c.oversize_allocations);
-        (c.retries, c.ooms, c.synchronizations) = (0, 0, 0);
-        c.device_counts_base = (c.created, c.released);
-        c.forget_gone_private_pools();
+        self.reset_each(Stat::reset_accumulated);
+        (self.retries, self.ooms, self.synchronizations) = (0, 0, 0);
+        self.device_counts_base = (self.created, self.released);
     }
 
-    /// A private pool whose memory is gone, and whose peak and totals both resets have cleared, is no
-    /// longer listed.
-    fn forget_gone_private_pools(&mut self) {
-        (self.mapped_by_graph).retain(|_, array| array.all != Stat::default());
+    /// Applies a reset to every statistic; a private pool whose memory is gone, and whose peak and
+    /// totals both resets have cleared, is no longer listed.
+    fn reset_each(&mut self, reset: impl Fn(&mut Stat)) {
+        for array in self.stat_arrays_mut() {
+            array.reset(&reset);
+        }
+        reset(&mut self.reserved);
+        reset(&mut self.oversize_allocations);
+        StatArray::reset_by_pool(&mut self.mapped_by_graph, reset);
     }
 
     /// Every statistic kept per pool, for the resets.
@@ -97,7 +87,6 @@ impl Counters {
             &mut self.inactive_split_count,
         ]
         .into_iter()
-        .chain(self.mapped_by_graph.values_mut())
     }
 
     /// `bytes` of `seg` were mapped (`up`) or unmapped: its pool's reserved bytes, and its private pool's.

@@ -53,9 +53,14 @@ impl Stat {
         self.freed += n;
     }
 
-    /// Sets the peak to the current value.
+    /// Sets the peak to the current value (PyTorch's `reset_peak_memory_stats`).
     pub fn reset_peak(&mut self) {
         self.peak = self.current;
+    }
+
+    /// Zeroes the cumulative increases and decreases (PyTorch's `reset_accumulated_memory_stats`).
+    pub fn reset_accumulated(&mut self) {
+        (self.allocated, self.freed) = (0, 0);
     }
 
     /// Moves the current value to `value`, counting the change as an increase or a decrease.
@@ -122,6 +127,22 @@ impl StatArray {
                 out.insert(format!("{name}.{pool}.{view}"), value);
             }
         }
+    }
+
+    /// Applies a reset (such as [`Stat::reset_peak`]) to the total and to each pool.
+    pub fn reset(&mut self, reset: impl Fn(&mut Stat)) {
+        reset(&mut self.all);
+        self.pool.iter_mut().for_each(reset);
+    }
+
+    /// Applies a reset to each private pool's array in `by_pool`, then forgets the pools it left all zero:
+    /// a pool whose memory is gone, and whose peak and totals both resets have cleared, is no longer
+    /// listed (as PyTorch's `reserved_bytes_by_private_pools`).
+    pub fn reset_by_pool<K: Ord>(by_pool: &mut BTreeMap<K, StatArray>, reset: impl Fn(&mut Stat)) {
+        for array in by_pool.values_mut() {
+            array.reset(&reset);
+        }
+        by_pool.retain(|_, array| array.all != Stat::default());
     }
 
     /// Adds `n` to `pool` (and to the total).
@@ -413,6 +434,32 @@ mod tests {
         );
         s.reset_peak();
         assert_eq!(s.peak, 4);
+        s.reset_accumulated();
+        assert_eq!((s.current, s.peak, s.allocated, s.freed), (4, 4, 0, 0));
+    }
+
+    #[test]
+    fn a_private_pool_is_forgotten_once_both_resets_cleared_it() {
+        let mut by_pool = BTreeMap::new();
+        let (mut kept, mut gone) = (StatArray::default(), StatArray::default());
+        kept.add(Pool::Large, 8);
+        gone.add(Pool::Small, 4);
+        gone.sub(Pool::Small, 4);
+        by_pool.extend([(1, kept), (2, gone)]);
+        StatArray::reset_by_pool(&mut by_pool, Stat::reset_peak);
+        assert_eq!(by_pool[&2].pool[Pool::Small.index()].peak, 0);
+        assert_eq!(by_pool.len(), 2, "its totals still show");
+        StatArray::reset_by_pool(&mut by_pool, Stat::reset_accumulated);
+        assert_eq!(by_pool.keys().collect::<Vec<_>>(), [&1]);
+        assert_eq!(
+            by_pool[&1].all,
+            Stat {
+                current: 8,
+                peak: 8,
+                allocated: 0,
+                freed: 0
+            }
+        );
     }
 
     #[test]
