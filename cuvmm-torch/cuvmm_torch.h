@@ -220,6 +220,9 @@ typedef struct {
 cuvmm_foreign_segment *cuvmm_foreign_release(int device, unsigned long long pool_a, unsigned long long pool_b,
                                              int all, size_t *len);
 void cuvmm_foreign_segments_free(cuvmm_foreign_segment *segments, size_t len);
+/* How many segments the pool holds from its allocator, free or not; -1 on failure. Once the pool is
+ * released and holds none, its allocator is asked for nothing more. */
+ssize_t cuvmm_foreign_segment_count(int device, unsigned long long pool_a, unsigned long long pool_b);
 
 /* ---- Peers ---- */
 

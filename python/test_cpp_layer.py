@@ -489,6 +489,35 @@ h.record_history(0)
 print(json.dumps(out))
 """
 
+# PYTORCH_NO_CUDA_MEMORY_CACHING=1 in the environment: cudaMalloc and cudaFree for every allocation, whatever
+# caching_allocator_enable says, as PyTorch's own allocator; the install warns.
+NO_CACHING_PROBE = r"""
+import ctypes, json, warnings, torch, cuvmm_torch
+from torch.utils import cpp_extension
+C, size = torch._C, int(SIZE)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = {"layer": cuvmm_torch.install(cpp=True)}
+out["warnings"] = [str(w.message) for w in caught]
+h = cpp_extension.load_inline(
+    "cuvmm_test_harness", cpp_sources=[HARNESS], build_directory=BUILD, functions=HARNESS_FUNCTIONS,
+    extra_include_paths=cuvmm_torch.cuda_runtime()[0], extra_ldflags=["-lc10_cuda"])
+fake = ctypes.CDLL(FAKECUDART)
+def cuda_calls():
+    return [fake.fake_cuda_mallocs(), fake.fake_cuda_frees()]
+first = h.alloc(size)
+out["first"] = {"ptr": first, "calls": cuda_calls(),
+                "allocated": C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]}
+C._cuda_cudaCachingAllocator_enable(True)
+second = h.alloc(size)
+out["enabled"] = {"ptr": second, "calls": cuda_calls()}
+h.release(first)
+h.release(second)
+out["freed"] = cuda_calls()
+out["huge"] = h.try_alloc(2 << 30)
+print(json.dumps(out))
+"""
+
 FALLBACK_PROBE = r"""
 import json, warnings, torch, cuvmm_torch
 with warnings.catch_warnings(record=True) as caught:
@@ -723,6 +752,35 @@ class ThroughPyTorchsInterface(unittest.TestCase):
         self.assertEqual(self.out["pytorch_layout_alone"], "opened", "taken with pidfd_getfd")
         self.assertEqual(self.out["after_free_held"], "opened", "the chunk's descriptor, kept while it is held")
         self.assertIn("no such export", self.out["after_free"], "its chunk released: gone")
+
+
+@unittest.skipIf(missing_for_build(), missing_for_build())
+class NoCachingFromTheEnvironment(unittest.TestCase):
+    """PYTORCH_NO_CUDA_MEMORY_CACHING=1, the debugging setting PyTorch reads at its first allocation, is read
+    by the C++ layer too: every allocation goes to (the stand-in) cudaMalloc."""
+
+    def test_every_allocation_goes_to_cuda_malloc_whatever_caching_allocator_enable_says(self):
+        import torch  # noqa: PLC0415
+
+        with stand_ins() as fakes:
+            build = os.path.join(BUILD_ROOT, f"harness-{torch.__version__}")
+            os.makedirs(build, exist_ok=True)
+            fake_cudart = os.path.join(fakes, "libfakecudart.so")
+            code = NO_CACHING_PROBE.replace("SIZE", str(SIZE)).replace("HARNESS_FUNCTIONS", repr(HARNESS_FUNCTIONS))
+            code = code.replace("HARNESS", repr(HARNESS)).replace("BUILD", repr(build))
+            code = code.replace("FAKECUDART", repr(fake_cudart))
+            out = run_probe(code, LD_PRELOAD=fake_cudart, LD_LIBRARY_PATH=fakes, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        stand_in = range(0x200000000000, 0x200000000000 + (1 << 40))  # the stand-in cudaMalloc's addresses
+        self.assertEqual(out["layer"], "cpp")
+        self.assertTrue(any("PYTORCH_NO_CUDA_MEMORY_CACHING" in w for w in out["warnings"]), out["warnings"])
+        self.assertIn(out["first"]["ptr"], stand_in)
+        self.assertEqual(out["first"]["calls"], [1, 0])
+        self.assertEqual(out["first"]["allocated"], 0, "in no statistic of cuvmm's")
+        self.assertIn(out["enabled"]["ptr"], stand_in, "caching_allocator_enable(True) does not override it")
+        self.assertEqual(out["enabled"]["calls"], [2, 0])
+        self.assertEqual(out["freed"], [2, 2])
+        self.assertTrue(out["huge"].startswith("OutOfMemoryError: CUDA out of memory"), out["huge"])
+        self.assertIn("PYTORCH_NO_CUDA_MEMORY_CACHING", out["huge"])
 
 
 @unittest.skipIf(missing_for_build(), missing_for_build())

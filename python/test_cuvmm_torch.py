@@ -141,6 +141,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_foreign_add_segment",
                 "cuvmm_foreign_release",
                 "cuvmm_foreign_segments_free",
+                "cuvmm_foreign_segment_count",
             },
         )
         for name in declared:

@@ -21,6 +21,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/ApproximateClock.h>
 #include <c10/util/Exception.h>
+#include <c10/util/env.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/extension.h>
 #include <torch/version.h>
@@ -73,6 +74,7 @@ using c10::MempoolId_t;
   X(cuvmm_pool_use_count) X(cuvmm_set_use_on_oom) X(cuvmm_set_no_split) X(cuvmm_pool_blocks)         \
   X(cuvmm_pool_restore) X(cuvmm_empty_pool_cache) X(cuvmm_malloc_at) X(cuvmm_foreign_malloc)         \
   X(cuvmm_foreign_add_segment) X(cuvmm_foreign_release) X(cuvmm_foreign_segments_free)               \
+  X(cuvmm_foreign_segment_count)                                                                 \
   X(cuvmm_set_torch_version) X(cuvmm_begin_allocate_to_pool) X(cuvmm_end_allocate_to_pool)          \
   X(cuvmm_release_pool) X(cuvmm_incref_pool) X(cuvmm_mark_captures) X(cuvmm_mark_capture)          \
   X(cuvmm_device_count)
@@ -186,7 +188,12 @@ c10::CachingAllocator::StatArray to_array(const cuvmm_stat_array& a) {
 
 class CuvmmAllocator final : public CCA::CUDAAllocator {
  public:
-  explicit CuvmmAllocator(Api api) : api_(api) {}
+  explicit CuvmmAllocator(Api api) : api_(api) {
+    if (force_uncached_) {
+      TORCH_WARN("cuvmm: PYTORCH_NO_CUDA_MEMORY_CACHING=1: every CUDA allocation goes to cudaMalloc and cudaFree, "
+                 "as under PyTorch's own allocator; cuvmm holds none of it");
+    }
+  }
 
   static CuvmmAllocator* instance;  // for the raw deleter, which gets only the pointer
 
@@ -196,7 +203,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // ---- allocation ----
   c10::DataPtr allocate(size_t n) override {
     DeviceIndex device = c10::cuda::current_device();
-    if (!isEnabled()) {
+    if (uncached()) {
       void* p = uncached_allocate(n);
       return {p, p, &uncached_delete_fn, c10::Device(c10::DeviceType::CUDA, device)};
     }
@@ -206,12 +213,12 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }  // any of ours, cached or not
   bool is_simple_data_ptr(const c10::DataPtr& ptr) const override { return ptr.get() == ptr.get_context(); }
   void* raw_alloc(size_t n) override {
-    if (!isEnabled()) return uncached_allocate(n);
+    if (uncached()) return uncached_allocate(n);
     DeviceIndex device = c10::cuda::current_device();
     return n == 0 ? nullptr : malloc_on(n, device, c10::cuda::getCurrentCUDAStream(device));
   }
   void* raw_alloc_with_stream(size_t n, cudaStream_t stream) override {
-    if (!isEnabled()) return uncached_allocate(n);
+    if (uncached()) return uncached_allocate(n);
     return n == 0 ? nullptr : malloc_on(n, c10::cuda::current_device(), stream);
   }
   // A deleter: it must not throw. Memory allocated while caching was off goes back to cudaFree, whenever
@@ -244,6 +251,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
   // back on), in no statistic and no snapshot; memory allocated before stays cuvmm's.
   void enable(bool value) override { enabled_.store(value, std::memory_order_release); }
   bool isEnabled() const override { return enabled_.load(std::memory_order_acquire); }
+  // Whether an allocation now bypasses cuvmm: caching turned off, or PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  // (which, as in PyTorch, no caching_allocator_enable(True) overrides).
+  bool uncached() const { return force_uncached_ || !isEnabled(); }
   double getMemoryFraction(DeviceIndex device) override {
     double fraction = api_.cuvmm_memory_fraction(device);
     check(fraction >= 0, "getMemoryFraction");
@@ -555,6 +565,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     if (api_.cuvmm_release_pool(device, pool.first, pool.second) != 0) {
       without_throwing("releasePool", [&] { TORCH_WARN(last_error("releasePool")); });
     }
+    forget_spent_pools(device);
   }
   int getPoolUseCount(DeviceIndex device, MempoolId_t pool) override {
     int count = api_.cuvmm_pool_use_count(device, pool.first, pool.second);
@@ -791,7 +802,8 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     if (status == cudaErrorMemoryAllocation) {
       (void)cudaGetLastError();
       TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", n,
-                       " bytes with caching off (torch.cuda.caching_allocator_enable(False)): cudaMalloc refused");
+                       " bytes with caching off (torch.cuda.caching_allocator_enable(False) or "
+                       "PYTORCH_NO_CUDA_MEMORY_CACHING=1): cudaMalloc refused");
     }
     C10_CUDA_CHECK(status);
     std::lock_guard<std::mutex> lock(uncached_mutex_);
@@ -970,7 +982,37 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       }
     }
     api_.cuvmm_foreign_segments_free(segments, len);
+    forget_spent_pools(device);
     return len;
+  }
+  // Lets go of the allocators and no_split marks of `device`'s released pools that hold none of their
+  // allocator's segments any more, as PyTorch frees a private pool then: a program making a MemPool per
+  // step keeps none of them. A pool whose count cannot be read is kept.
+  void forget_spent_pools(DeviceIndex device) noexcept {
+    without_throwing("releasing a pool's allocator", [&] {
+      std::vector<MempoolId_t> pools;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        for (const auto& entry : own_allocators_) {
+          if (entry.first.first == device) pools.push_back(entry.first.second);
+        }
+        for (const auto& key : no_split_) {
+          if (key.first == device) pools.push_back(key.second);
+        }
+      }
+      for (const auto& pool : pools) {
+        if (api_.cuvmm_pool_use_count(device, pool.first, pool.second) != 0) continue;
+        if (api_.cuvmm_foreign_segment_count(device, pool.first, pool.second) != 0) continue;
+        std::shared_ptr<CCA::CUDAAllocator> spent;  // let go of with no lock held
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto found = own_allocators_.find({device, pool});
+        if (found != own_allocators_.end()) {
+          spent = std::move(found->second);
+          own_allocators_.erase(found);
+        }
+        no_split_.erase({device, pool});
+      }
+    });
   }
   void forget_underway(DeviceIndex device, MempoolId_t pool) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -1137,6 +1179,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     return out;
   }
   Api api_;
+  // PYTORCH_NO_CUDA_MEMORY_CACHING, read once as PyTorch's allocator reads it ("1" sets it; a value other
+  // than 0 or 1 is warned about and ignored): a debugging setting, for compute-sanitizer and the like.
+  const bool force_uncached_ = c10::utils::check_env("PYTORCH_NO_CUDA_MEMORY_CACHING") == true;
   std::atomic<bool> initialized_{false};
   int device_count_ = 0;
   std::atomic<uint64_t> used_{0};  // bit d: device d has been named

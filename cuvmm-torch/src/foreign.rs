@@ -730,6 +730,17 @@ pub fn reserved_by_private_pool(device: i32) -> Vec<(GraphPool, StatArray)> {
     })
 }
 
+/// How many segments `pool` of `device` holds from its allocator, free or not: once the pool is released
+/// and holds none, nothing will ask that allocator again.
+pub fn segment_count(device: i32, pool: GraphPool) -> usize {
+    if !ANY.load(Ordering::Acquire) {
+        return 0;
+    }
+    (pools().segments.values())
+        .filter(|s| s.device == device && s.pool == pool)
+        .count()
+}
+
 /// The segments of these pools on `device` (of `pool` only, when given), as a snapshot lists them.
 pub fn snapshot(device: i32, pool: Option<GraphPool>) -> Vec<SnapshotSegment> {
     if !ANY.load(Ordering::Acquire) {

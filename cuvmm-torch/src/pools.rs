@@ -149,6 +149,19 @@ pub fn foreign_release(
     foreign::release(registry, device, pool)
 }
 
+/// How many segments `pool` of `device` holds from its allocator of its own ([`foreign::segment_count`]).
+///
+/// # Errors
+/// As [`use_count`].
+pub fn foreign_segment_count(
+    registry: &Registry,
+    device: i32,
+    pool: GraphPool,
+) -> Result<usize, AbiError> {
+    registry.allocator(device)?;
+    Ok(foreign::segment_count(device, pool))
+}
+
 /// Allocates `size` bytes at `ptr` of `device`, in the free memory of one of its segments (PyTorch's
 /// `allocateWithAddress`).
 ///

@@ -251,6 +251,16 @@ pub unsafe extern "C" fn cuvmm_foreign_release(
     })
 }
 
+/// How many segments pool `{pool_a, pool_b}` of `device` holds from its allocator of its own, free or not;
+/// -1 on failure. Once the pool is released and holds none, the caller may let go of that allocator.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_foreign_segment_count(device: c_int, pool_a: u64, pool_b: u64) -> isize {
+    shell("cuvmm_foreign_segment_count", -1, || {
+        let count = pools::foreign_segment_count(global()?, device, GraphPool(pool_a, pool_b))?;
+        Ok(isize::try_from(count).unwrap_or(isize::MAX))
+    })
+}
+
 /// Frees what cuvmm_foreign_release returned (`len` of them). Null is ignored.
 ///
 /// # Safety

@@ -237,9 +237,17 @@ fn a_pool_with_its_own_allocator_carves_the_segments_it_is_given() {
     }
     assert_eq!(stat(device, "allocated_bytes.all.current"), base_allocated);
     assert!(release(device, pool).is_empty(), "the MemPool still lives");
+    assert_eq!(cuvmm_foreign_segment_count(device, pool.0, pool.1), 1);
     assert_eq!(cuvmm_release_pool(device, pool.0, pool.1), 0);
     let released = release(device, pool);
     assert_eq!(released.len(), 1);
+    assert_eq!(
+        cuvmm_foreign_segment_count(device, pool.0, pool.1),
+        0,
+        "its allocator is no longer needed"
+    );
+    assert_eq!(cuvmm_foreign_segment_count(-1, pool.0, pool.1), -1);
+    assert_failed("a device out of range", "device");
     assert_eq!(
         (released[0].address, released[0].size, released[0].pool_b),
         (seg, 2 << 20, 42)
