@@ -141,7 +141,8 @@ int cuvmm_mark_captures(int device);
 int cuvmm_mark_capture(int device, int begun);
 
 /* The graph that used the pool is gone (one call per begin): once no graph uses it, its memory goes back
- * to the device's common segments as its blocks are freed. */
+ * to the device's common segments as its blocks are freed. A pool released while still being allocated to
+ * goes at its cuvmm_end_allocate_to_pool. */
 int cuvmm_release_pool(int device, unsigned long long pool_a, unsigned long long pool_b);
 
 /* One more user of the pool without allocating to it (PyTorch's createOrIncrefPool, which a MemPool calls

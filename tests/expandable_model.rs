@@ -168,7 +168,13 @@ fn run(
             .sum();
         let requested: u64 = model.values().map(|&(s, _)| s).sum();
         assert_eq!(stats.allocated_bytes.current, rounded);
-        assert_eq!(stats.requested_bytes.current, requested);
+        // A block freed on a stream other than its segment's waits for events (pending): its requested
+        // bytes count until then, as PyTorch's.
+        if stats.active_bytes.current == stats.allocated_bytes.current {
+            assert_eq!(stats.requested_bytes.current, requested);
+        } else {
+            assert!(stats.requested_bytes.current > requested);
+        }
         assert_eq!(stats.allocation.current, model.len() as u64);
         assert!(stats.reserved_bytes.current <= capacity);
     }

@@ -96,6 +96,39 @@ fn a_pools_use_count_follows_increfs_begins_and_releases() {
     a.check_invariants().unwrap();
 }
 
+/// A pool released as often as it was begun while it is still being allocated to (a MemPool deleted inside
+/// its own `use_mem_pool`, a graph dropped during its capture) keeps serving its stream until its end, then
+/// goes as any released pool; one release more is refused.
+#[test]
+fn a_pool_released_while_allocated_to_goes_at_its_end() {
+    let mut a = new_alloc();
+    let (pool, stream) = (GraphPool(0, 1), StreamId(1));
+    begin(&mut a, pool, stream);
+    let x = a.alloc(2 * PAGE, stream).unwrap();
+    a.release_pool(pool).unwrap();
+    assert_eq!(a.pool_use_count(pool), 0);
+    a.check_invariants().unwrap();
+    let y = a.alloc(PAGE, stream).unwrap();
+    assert_eq!(
+        (pool_of(&a, x), pool_of(&a, y)),
+        (pool, pool),
+        "still the pool's"
+    );
+    assert!(matches!(a.release_pool(pool), Err(Error::GraphPool { .. })));
+    a.end_allocate_to_pool(pool).unwrap();
+    a.check_invariants().unwrap();
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    let z = a.alloc(PAGE, stream).unwrap();
+    assert_eq!(
+        pool_of(&a, z),
+        GraphPool::NONE,
+        "released at its end: common memory"
+    );
+    a.free(z).unwrap();
+    a.check_invariants().unwrap();
+}
+
 /// `use_mem_pool(p2)` inside `use_mem_pool(p1)` on one thread: both accept the stream, and the pool begun
 /// last gets the allocation, as in PyTorch; once it ends, the outer one does again.
 #[test]

@@ -7,6 +7,7 @@ mod common;
 
 use common::expandable_with;
 use cuvmm::config::Budget;
+use cuvmm::strategy::Controls as _;
 use cuvmm::{Config, Error, Strategy, StreamId};
 
 const PAGE: u64 = 2 << 20;
@@ -98,4 +99,29 @@ fn without_a_limit_the_same_requests_fit() {
     assert!(a.stats().reserved_bytes.current > 16 * PAGE);
     a.free(first).unwrap();
     a.free(second).unwrap();
+}
+
+/// `set_per_process_memory_fraction` lowered under what is reserved (as PyTorch allows): the memory held
+/// stays, nothing grows until reserved memory is back under the limit, and a limit raised again lets it
+/// grow. The invariants hold throughout (they once took the memory held for a broken limit).
+#[test]
+fn a_limit_lowered_under_what_is_reserved_keeps_it_and_stops_growth() {
+    let mut a = limited("large_handle_mb:2");
+    let x = a.alloc(12 * PAGE, S0).unwrap();
+    a.set_memory_fraction(0.125).unwrap(); // 8 pages
+    a.check_invariants().unwrap();
+    assert_eq!(a.stats().reserved_bytes.current, 12 * PAGE, "kept");
+    assert!(matches!(a.alloc(2 * PAGE, S1), Err(Error::OutOfMemory(_))));
+    a.check_invariants().unwrap();
+    a.free(x).unwrap();
+    let y = a.alloc(4 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    assert!(a.stats().reserved_bytes.current <= 12 * PAGE);
+    a.free(y).unwrap();
+    a.empty_cache().unwrap();
+    assert!(a.alloc(10 * PAGE, S0).is_err(), "over the limit, now met");
+    a.set_memory_fraction(1.0).unwrap();
+    let z = a.alloc(20 * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    a.free(z).unwrap();
 }

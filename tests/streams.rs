@@ -8,7 +8,8 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{Op, VaRange};
 use cuvmm::expandable::Expandable;
-use cuvmm::strategy::StreamUses;
+use cuvmm::strategy::snapshot::BlockState;
+use cuvmm::strategy::{Snapshots as _, StreamUses};
 use cuvmm::{Allocator, Config, Error, Strategy, StreamId};
 
 const PAGE: u64 = 1 << 16;
@@ -83,6 +84,17 @@ fn a_block_used_on_another_stream_is_reused_only_after_its_event() {
         stats.active_bytes.current,
         4 * PAGE,
         "pending bytes stay active"
+    );
+    assert_eq!(
+        stats.requested_bytes.current,
+        4 * PAGE,
+        "and requested, as PyTorch's (its free_block)"
+    );
+    let snapshot = alloc.snapshot().unwrap();
+    let pending = (snapshot.segments.iter().flat_map(|s| &s.blocks)).find(|b| b.address == a);
+    assert_eq!(
+        pending.map(|b| (b.state, b.requested_size)),
+        Some((BlockState::ActivePendingFree, 4 * PAGE))
     );
     assert_eq!(alloc.driver().pending_events(S1), 1);
     alloc.check_invariants().unwrap();

@@ -69,6 +69,14 @@ pub enum AbiError {
         /// The argument.
         what: &'static str,
     },
+    /// A segment from a pool's own allocator that overlaps one cuvmm already holds.
+    #[error("the segment of {size} bytes at {ptr:#x} overlaps a segment already given to cuvmm")]
+    SegmentOverlap {
+        /// Its start.
+        ptr: u64,
+        /// Its size.
+        size: u64,
+    },
     /// A path that is not UTF-8.
     #[error("the path is not valid UTF-8")]
     PathNotUtf8,

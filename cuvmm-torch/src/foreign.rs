@@ -322,8 +322,8 @@ pub fn malloc(
 /// A segment of `size` bytes at `ptr`, from the allocator of `pool` of `device`, for `stream`'s requests.
 ///
 /// # Errors
-/// [`AbiError::BadSize`] for an empty segment; [`AbiError::Allocator`] for one that overlaps a segment
-/// already known.
+/// [`AbiError::BadSize`] for an empty segment; [`AbiError::SegmentOverlap`] for one that overlaps a
+/// segment already known.
 pub fn add_segment(
     registry: &Registry,
     device: i32,
@@ -342,7 +342,7 @@ pub fn add_segment(
     let overlaps = (p.segments.range(..ptr + size).next_back())
         .is_some_and(|(&start, s)| start + s.size > ptr);
     if overlaps {
-        return Err(cuvmm::Error::UnknownAddress { addr: ptr }.into());
+        return Err(AbiError::SegmentOverlap { ptr, size });
     }
     // Only requests of the small pool get 2 MiB segments (`segment_size`).
     let class = if size == SMALL_BUFFER {
@@ -617,6 +617,8 @@ pub fn release(
             && pool.is_none_or(|pool| s.pool == pool)
             && allocator.pool_use_count(s.pool) == 0
     };
+    // Frees deferred during a capture get their events first, so that the wait below covers them too.
+    poll(registry, &mut p, device)?;
     let pending = (p.segments.values())
         .filter(|s| chosen(s))
         .flat_map(|s| s.blocks.values())
@@ -625,8 +627,8 @@ pub fn release(
         allocator
             .with_strategy(|s| s.driver_mut().synchronize_device())
             .map_err(cuvmm::Error::from)?;
+        poll(registry, &mut p, device)?;
     }
-    poll(registry, &mut p, device)?;
     let free: Vec<u64> = (p.segments.iter())
         .filter(|(_, s)| chosen(s))
         .filter(|(_, s)| {

@@ -103,7 +103,7 @@ impl Counters {
 
     /// Counts a block of `size` bytes in `pool` as live (`live`: allocated and active) or as no longer
     /// allocated; it stays active until [`count_inactive`](Self::count_inactive), since a pending block
-    /// leaves `allocated` at its free and `active` once its events complete. `oversize`: at least
+    /// leaves `allocated` at its free, and `active` and `requested` once its events complete. `oversize`: at least
     /// `max_split_size`.
     pub(super) fn count_block(
         &mut self,
@@ -124,7 +124,6 @@ impl Counters {
             }
         } else {
             self.allocated.sub(pool, size);
-            self.requested.sub(pool, requested);
             self.allocation.sub(pool, 1);
             if oversize {
                 self.oversize_allocations.sub(1);
@@ -132,10 +131,12 @@ impl Counters {
         }
     }
 
-    /// A block of `size` bytes in `pool` stops being active (freed, or its pending free completed).
-    pub(super) fn count_inactive(&mut self, pool: Pool, size: u64) {
+    /// A block of `size` bytes in `pool`, for `requested` bytes, stops being active (freed, or its pending
+    /// free completed): its requested bytes go with it, as PyTorch's `requested_bytes` in `free_block`.
+    pub(super) fn count_inactive(&mut self, pool: Pool, size: u64, requested: u64) {
         self.active.sub(pool, size);
         self.active_count.sub(pool, 1);
+        self.requested.sub(pool, requested);
     }
 
     /// The statistics: these counters, with what the allocator derives on demand.

@@ -153,7 +153,7 @@ impl<D: Driver> Expandable<D> {
         seg.free_live(at, addr, size);
         seg.last_free = clock;
         self.books.count_block(pool, size, requested, false);
-        self.books.counters.count_inactive(pool, size);
+        self.books.counters.count_inactive(pool, size, requested);
         self.books
             .record(TraceAction::FreeRequested, addr, requested, stream, graph);
         self.books

@@ -48,8 +48,9 @@ pub(crate) enum BlockState {
     Free,
     /// Handed out, for a request of `requested` bytes.
     Live { requested: u64 },
-    /// Freed by the program, waiting for events on other streams before it becomes free.
-    Pending,
+    /// Freed by the program, waiting for events on other streams before it becomes free; its requested
+    /// bytes count until then, as PyTorch's `requested_bytes`.
+    Pending { requested: u64 },
     /// One idle page of a chunk, lent: its memory is mapped a second time elsewhere (`lending.rs`), so its
     /// addresses here are not allocatable until it comes back.
     Lent,

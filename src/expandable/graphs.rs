@@ -47,7 +47,8 @@ struct Underway {
 pub(super) struct Graphs {
     /// Pools being allocated to, in the order they were begun.
     underway: Vec<Underway>,
-    /// Live pools and how many graphs use each (begins not yet released).
+    /// Live pools and how many users each has (begins and increfs not yet released); 0 for a pool released
+    /// while still being allocated to, live until its end.
     live: FxHashMap<GraphPool, usize>,
     /// Released pools whose segments still exist: forgotten once the last is freed.
     released: Vec<GraphPool>,
@@ -242,8 +243,8 @@ impl Graphs {
         Ok(())
     }
 
-    /// Stops allocating to `pool`.
-    pub(super) fn end_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
+    /// Stops allocating to `pool`; a pool whose last user was released meanwhile goes now.
+    pub(super) fn end_pool(&mut self, pool: GraphPool, segments: &Segments) -> Result<(), Error> {
         let at = (self.underway.iter().position(|u| u.pool == pool)).ok_or(Error::GraphPool {
             operation: "end_allocate_to_pool",
             pool,
@@ -252,6 +253,9 @@ impl Graphs {
         self.underway.remove(at);
         self.bound_marks();
         tracing::debug!(%pool, "cuvmm: stopped allocating to a graph pool");
+        if self.live.get(&pool) == Some(&0) {
+            self.forget_live(pool, segments);
+        }
         Ok(())
     }
 
@@ -281,15 +285,30 @@ impl Graphs {
             pool,
             problem: "the pool is not live (never begun, or released as often as begun)",
         })?;
-        *uses -= 1;
         if *uses == 0 {
-            self.live.remove(&pool);
-            if segments.any_of_graph(pool) {
-                self.released.push(pool);
-            }
-            tracing::debug!(%pool, "cuvmm: graph pool released");
+            return Err(Error::GraphPool {
+                operation: "release_pool",
+                pool,
+                problem: "the pool has no user left (released as often as begun, while still being allocated to)",
+            });
+        }
+        *uses -= 1;
+        // A pool released while still being allocated to (a MemPool deleted inside its own `use_mem_pool`,
+        // a graph dropped during its capture) stays live, with no user, until its end, as PyTorch's
+        // allocator keeps serving a capture underway whatever its pool's count.
+        if *uses == 0 && !self.underway.iter().any(|u| u.pool == pool) {
+            self.forget_live(pool, segments);
         }
         Ok(())
+    }
+
+    /// `pool` has no user left and is not being allocated to: its segments are unpinned.
+    fn forget_live(&mut self, pool: GraphPool, segments: &Segments) {
+        self.live.remove(&pool);
+        if segments.any_of_graph(pool) {
+            self.released.push(pool);
+        }
+        tracing::debug!(%pool, "cuvmm: graph pool released");
     }
 
     /// The pool an allocation on `stream` goes to, if any: the pool begun last whose filter accepts the

@@ -80,13 +80,14 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             }
             expected = addr + block.size;
             match block.state {
-                BlockState::Live { .. } | BlockState::Pending => {
+                BlockState::Live { .. } | BlockState::Pending { .. } => {
                     prev_free = None;
                     if let BlockState::Live { requested: req } = block.state {
                         t.allocated += block.size;
                         t.requested += req;
                         t.live += 1;
-                    } else {
+                    } else if let BlockState::Pending { requested: req } = block.state {
+                        t.requested += req;
                         t.pending += block.size;
                         t.pending_blocks += 1;
                         if !a.waits.is_parked(addr) {
@@ -257,7 +258,10 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
             released: c.released,
         });
     }
-    if let Some(limit) = physical.limit().filter(|&limit| c.reserved.current > limit) {
+    if let Some(limit) = physical
+        .reserved_allowed()
+        .filter(|&limit| c.reserved.current > limit)
+    {
         return Err(V::OverLimit {
             reserved: c.reserved.current,
             limit,

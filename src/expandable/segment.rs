@@ -471,27 +471,30 @@ impl Segment {
     /// user of its pages.
     pub fn park(&mut self, addr: u64) -> FreeOutcome {
         let outcome = self.check_free(addr);
-        if let (FreeOutcome::Freed { .. }, Some(block)) = (&outcome, self.blocks.get_mut(addr)) {
-            block.state = BlockState::Pending;
+        if let (&FreeOutcome::Freed { requested, .. }, Some(block)) =
+            (&outcome, self.blocks.get_mut(addr))
+        {
+            block.state = BlockState::Pending { requested };
         }
         outcome
     }
 
-    /// Frees the pending block that starts at `addr`, merging it with free neighbours. Returns its size.
+    /// Frees the pending block that starts at `addr`, merging it with free neighbours. Returns its size and
+    /// requested size.
     ///
     /// # Panics
     /// If there is no pending block at `addr`: the allocator's pending list lost track of it.
-    pub fn release_pending(&mut self, addr: u64) -> u64 {
+    pub fn release_pending(&mut self, addr: u64) -> (u64, u64) {
         let block = self.blocks.get(addr);
-        let size = match block {
+        let (size, requested) = match block {
             Some(Block {
                 size,
-                state: BlockState::Pending,
-            }) => size,
+                state: BlockState::Pending { requested },
+            }) => (size, requested),
             _ => panic!("release_pending: no pending block at {addr:#x}"),
         };
         self.release(None, addr, size);
-        size
+        (size, requested)
     }
 
     /// Drops the occupied block at `addr` (kept at `at`, if known) as a user of its pages and makes it free.

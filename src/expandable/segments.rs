@@ -141,10 +141,10 @@ impl Segments {
     /// Frees the parked block at `addr` of segment `slot`, whose events all completed. Returns its size.
     pub(super) fn release_parked(&mut self, books: &mut Books, slot: usize, addr: u64) -> u64 {
         let before = SlotCounts::of(self.at(slot));
-        let size = self.at_mut(slot).release_pending(addr);
+        let (size, requested) = self.at_mut(slot).release_pending(addr);
         let seg = self.at(slot);
         let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
-        books.counters.count_inactive(pool, size);
+        books.counters.count_inactive(pool, size, requested);
         books.record(TraceAction::FreeCompleted, addr, size, stream, graph);
         books.refresh(self.at(slot), before);
         size

@@ -30,7 +30,7 @@ impl<D: Driver> Expandable<D> {
                     let hi = (addr + block.size).min(end);
                     let (state, requested_size) = match block.state {
                         State::Live { requested } => (BlockState::ActiveAllocated, requested),
-                        State::Pending => (BlockState::ActivePendingFree, block.size),
+                        State::Pending { requested } => (BlockState::ActivePendingFree, requested),
                         State::Free => (BlockState::Inactive, 0),
                         State::Lent => {
                             if lo > from {

@@ -144,7 +144,7 @@ impl<D: Driver> GraphPools for Expandable<D> {
     }
 
     fn end_allocate_to_pool(&mut self, pool: GraphPool) -> Result<(), Error> {
-        self.graphs.end_pool(pool)
+        self.graphs.end_pool(pool, &self.segments)
     }
 
     fn mark_captures(&mut self) {
@@ -289,7 +289,8 @@ impl<D: Driver> Controls for Expandable<D> {
             .into());
         }
         let limit = (fraction * self.device_total as f64) as u64;
-        self.supply.set_limit(limit);
+        self.supply
+            .set_limit(limit, self.books.counters.reserved.current);
         Ok(())
     }
 

@@ -58,7 +58,8 @@ pub trait GraphPools {
     fn mark_capture(&mut self, begun: bool);
 
     /// A graph that used `pool` is gone (PyTorch's `releasePool`, once per begin): once none is left, the
-    /// pool's memory goes back to common use as its blocks are freed.
+    /// pool's memory goes back to common use as its blocks are freed. A pool released while still being
+    /// allocated to goes at its end.
     fn release_pool(&mut self, pool: GraphPool) -> Result<(), Error>;
 
     /// One more user of `pool` without allocating to it (PyTorch's `createOrIncrefPool`): it stays live

@@ -45,6 +45,8 @@ use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::Controls as _;
 use cuvmm::strategy::Sharing as _;
+use cuvmm::strategy::Snapshots as _;
+use cuvmm::strategy::snapshot::BlockState;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use std::sync::Arc;
 
@@ -359,7 +361,16 @@ impl Model for State {
             .iter()
             .map(|(_, l)| l.size.next_multiple_of(ROUND))
             .sum();
-        let requested: u64 = self.live.iter().map(|(_, l)| l.size).sum();
+        let mut requested: u64 = self.live.iter().map(|(_, l)| l.size).sum();
+        if stats.active_bytes.current != stats.allocated_bytes.current {
+            // Blocks freed and waiting for other streams' events: their requested bytes count until then,
+            // as PyTorch's.
+            let snapshot = (self.alloc.snapshot()).map_err(|e| format!("snapshot: {e}"))?;
+            requested += (snapshot.segments.iter().flat_map(|s| &s.blocks))
+                .filter(|b| b.state == BlockState::ActivePendingFree)
+                .map(|b| b.requested_size)
+                .sum::<u64>();
+        }
         let counts = (
             stats.allocated_bytes.current,
             stats.requested_bytes.current,

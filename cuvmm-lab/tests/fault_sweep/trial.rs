@@ -2,6 +2,7 @@
 //! bytes checked after each step, and the cleanup that must leave the device holding nothing.
 
 use super::*;
+use cuvmm::strategy::snapshot::BlockState;
 
 /// A live allocation: its size and id.
 type Live = BTreeMap<u64, (u64, u64)>;
@@ -244,7 +245,18 @@ fn check(subject: &mut Subject, live: &Live, tagged: &Tagged, kind: Kind) -> Res
         .check_invariants()
         .map_err(|v| format!("invariant broken: {v}"))?;
     let stats = strategy.stats();
-    let requested: u64 = live.values().map(|&(size, _)| size).sum();
+    let mut requested: u64 = live.values().map(|&(size, _)| size).sum();
+    if stats.active_bytes.current != stats.allocated_bytes.current {
+        // Blocks freed and waiting for other streams' events: their requested bytes count until then, as
+        // PyTorch's.
+        let snapshots =
+            (strategy.snapshots()).ok_or("no snapshot to find the pending blocks in")?;
+        let snapshot = (snapshots.snapshot()).map_err(|e| format!("snapshot: {e}"))?;
+        requested += (snapshot.segments.iter().flat_map(|s| &s.blocks))
+            .filter(|b| b.state == BlockState::ActivePendingFree)
+            .map(|b| b.requested_size)
+            .sum::<u64>();
+    }
     if (stats.requested_bytes.current, stats.allocation.current) != (requested, live.len() as u64) {
         return Err(format!(
             "stats say {} B in {} allocations, the model {requested} B in {}",

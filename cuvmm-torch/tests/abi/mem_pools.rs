@@ -275,6 +275,43 @@ fn a_pool_with_its_own_allocator_carves_the_segments_it_is_given() {
     check_invariants(device);
 }
 
+/// A block of a pool with an allocator of its own, used on another stream and freed while another pool is
+/// being allocated to (a capture underway: no event may be recorded), is waited for once the capture ends:
+/// the pool released, one `emptyCache` gives its segment back (before, the block was still pending then,
+/// and the segment stayed until the next).
+#[test]
+fn a_free_deferred_during_a_capture_does_not_keep_its_segment() {
+    setup();
+    let device = 30;
+    let (pool, capture, s) = ((0, 61), (0, 62), stream(0x81));
+    assert_eq!(cuvmm_incref_pool(device, pool.0, pool.1), 0);
+    let seg: u64 = 0x7d00_0000_0000;
+    let segment = ptr::with_exposed_provenance_mut(seg as usize);
+    assert_eq!(
+        cuvmm_foreign_add_segment(device, pool.0, pool.1, s, segment, 2 << 20),
+        0
+    );
+    let a = foreign_malloc(device, pool, 1000, s).unwrap();
+    cuvmm_record_stream(
+        ptr::with_exposed_provenance_mut(a as usize),
+        device,
+        stream(0x82),
+    );
+    begin(device, capture, stream(0x83));
+    cuvmm_free_any(ptr::with_exposed_provenance_mut(a as usize));
+    assert!(last_error().is_none(), "{:?}", last_error());
+    assert_eq!(cuvmm_end_allocate_to_pool(device, capture.0, capture.1), 0);
+    assert_eq!(cuvmm_release_pool(device, capture.0, capture.1), 0);
+    assert_eq!(cuvmm_release_pool(device, pool.0, pool.1), 0);
+    let released = release(device, pool);
+    assert_eq!(
+        released.iter().map(|r| r.address).collect::<Vec<_>>(),
+        [seg]
+    );
+    assert_eq!(cuvmm_foreign_segment_count(device, pool.0, pool.1), 0);
+    check_invariants(device);
+}
+
 /// The pools' memory counts in the peaks of the sum: vLLM loads weights into its pool, resets the peaks,
 /// then runs the model in cuvmm's memory; the peak is the run's plus the weights.
 #[test]

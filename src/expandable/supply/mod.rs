@@ -130,8 +130,8 @@ impl Supply {
     }
 
     /// Sets the memory limit, and lowers the budget to it when it is below.
-    pub(super) fn set_limit(&mut self, limit: u64) {
-        self.physical.set_limit(limit);
+    pub(super) fn set_limit(&mut self, limit: u64, reserved: u64) {
+        self.physical.set_limit(limit, reserved);
     }
 
     /// Reserved memory against the budget for a growth of `extra` bytes, with `reserved` reserved now.

@@ -40,6 +40,9 @@ pub(crate) struct Physical {
     /// The most bytes that may be reserved ([`Config::memory_limit`](crate::Config::memory_limit)); `None`:
     /// the device's memory.
     limit: Option<u64>,
+    /// The bytes reserved when the limit was set below them (`set_per_process_memory_fraction` lowered under
+    /// what is held): they stay, as under PyTorch's allocator, and nothing grows until the limit is met.
+    held_over_limit: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
     handle_queue: Vec<PhysPage>,
@@ -89,6 +92,7 @@ impl Physical {
             page_size: s.page_size,
             budget: s.budget,
             limit: s.limit,
+            held_over_limit: 0,
             handle_queue: Vec::new(),
             unmapped_scratch: Vec::new(),
             exports: Exports::default(),
@@ -105,17 +109,26 @@ impl Physical {
         self.limit
     }
 
-    /// Sets the memory limit, and lowers the budget to it when it is below.
-    pub(crate) fn set_limit(&mut self, limit: u64) {
+    /// The most bytes that may be reserved now: the limit, or what was held when it was set below that.
+    pub(crate) fn reserved_allowed(&self) -> Option<u64> {
+        self.limit.map(|limit| limit.max(self.held_over_limit))
+    }
+
+    /// Sets the memory limit, with `reserved` bytes reserved now (kept, if above it). The budget is the
+    /// configured one, lowered to the limit while there is one ([`growth`](Self::growth)), so a limit
+    /// raised again gives the budget back.
+    pub(crate) fn set_limit(&mut self, limit: u64, reserved: u64) {
         self.limit = Some(limit);
-        self.budget = self.budget.min(limit);
+        self.held_over_limit = if reserved > limit { reserved } else { 0 };
     }
 
     /// Where reserving `extra` more bytes, with `reserved` reserved now, stands against the budget.
     pub(crate) fn growth(&self, reserved: u64, extra: u64) -> Growth {
         Growth {
             reserved,
-            budget: self.budget,
+            budget: self
+                .limit
+                .map_or(self.budget, |limit| self.budget.min(limit)),
             extra,
         }
     }
