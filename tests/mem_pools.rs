@@ -476,6 +476,17 @@ fn a_no_split_pools_allocations_share_no_page() {
         a.free(addr).unwrap();
     }
     a.check_invariants().unwrap();
+    // Deleted (its last user released), the pool's setting goes with it: a pool of that id made again
+    // splits pages (a process making a MemPool per step keeps no setting per pool).
+    a.release_pool(pool).unwrap();
+    a.incref_pool(pool).unwrap();
+    begin(&mut a, pool, s);
+    let (x, y) = (a.alloc(700, s).unwrap(), a.alloc(700, s).unwrap());
+    assert_eq!(x / PAGE, y / PAGE);
+    a.free(x).unwrap();
+    a.free(y).unwrap();
+    end(&mut a, pool);
+    a.check_invariants().unwrap();
 }
 
 /// `emptyCache(pool)` (what `del pool` does after releasing it): a live pool keeps its memory; a released

@@ -302,9 +302,13 @@ impl Graphs {
         Ok(())
     }
 
-    /// `pool` has no user left and is not being allocated to: its segments are unpinned.
+    /// `pool` has no user left and is not being allocated to: its segments are unpinned, and its settings
+    /// forgotten (a `MemPool`'s id is never used again once it is deleted), so a program making a pool per
+    /// step keeps none of them.
     fn forget_live(&mut self, pool: GraphPool, segments: &Segments) {
         self.live.remove(&pool);
+        self.use_on_oom.retain(|&p| p != pool);
+        self.no_split.retain(|&p| p != pool);
         if segments.any_of_graph(pool) {
             self.released.push(pool);
         }
