@@ -557,6 +557,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     int status = api_.cuvmm_end_allocate_to_pool(device, pool.first, pool.second);
     std::string error = status == 0 ? "" : last_error("endAllocateToPool");
     forget_underway(device, pool);  // the filter is no longer called once end returned
+    forget_spent_pools(device);     // a pool released during its use goes now
     TORCH_CHECK(status == 0, error);
   }
   // Called from ~CUDAGraph and ~MemPool: it must not throw. A pool cuvmm does not know as live (released
@@ -985,6 +986,11 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     forget_spent_pools(device);
     return len;
   }
+  bool is_underway(DeviceIndex device, MempoolId_t pool) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return std::any_of(underway_.begin(), underway_.end(),
+                       [&](const Underway& u) { return u.device == device && u.pool == pool; });
+  }
   // Lets go of the allocators and no_split marks of `device`'s released pools that hold none of their
   // allocator's segments any more, as PyTorch frees a private pool then: a program making a MemPool per
   // step keeps none of them. A pool whose count cannot be read is kept.
@@ -1001,6 +1007,8 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
         }
       }
       for (const auto& pool : pools) {
+        // A pool released while still being allocated to (deleted inside its own use_mem_pool) stays.
+        if (is_underway(device, pool)) continue;
         if (api_.cuvmm_pool_use_count(device, pool.first, pool.second) != 0) continue;
         if (api_.cuvmm_foreign_segment_count(device, pool.first, pool.second) != 0) continue;
         std::shared_ptr<CCA::CUDAAllocator> spent;  // let go of with no lock held
