@@ -1,5 +1,5 @@
 //! Random sequences of the exported C functions, as a program reaches them through PyTorch: allocations and
-//! frees on several streams (bad and second frees among them), `record_stream`, graph pools begun, ended,
+//! frees on several streams (bad and second frees among them), `allocateWithAddress`, `record_stream`, graph pools begun, ended,
 //! checkpointed and put back, pools with an allocator of their own, tags put to sleep and woken, resets,
 //! memory fractions and `empty_cache`. After every call no panic was caught at the boundary, the allocator's
 //! invariants hold, and its statistics and snapshot agree with a model of what the program holds.
@@ -60,6 +60,12 @@ enum Op {
         pick: Index,
         any: bool,
     },
+    /// `allocateWithAddress` at an address freed before (PyTorch 2.13's checkpoints): served where that
+    /// memory is free, on its segment's stream and tag.
+    MallocAt {
+        pick: Index,
+        size: isize,
+    },
     /// A pointer inside a live block, or one already freed: an error, nothing freed.
     BadFree {
         pick: Index,
@@ -118,6 +124,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         12 => (size(), 0x10..0x14usize).prop_map(|(size, stream)| Op::Malloc { size, stream }),
         10 => (any::<Index>(), any::<bool>()).prop_map(|(pick, any)| Op::Free { pick, any }),
+        2 => (any::<Index>(), 1..=(MIB / 8)).prop_map(|(pick, size)| Op::MallocAt { pick, size }),
         1 => (any::<Index>(), any::<bool>()).prop_map(|(pick, interior)| Op::BadFree { pick, interior }),
         2 => (any::<Index>(), 0x10..0x16usize).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
         1 => Just(Op::EmptyCache),
@@ -161,8 +168,8 @@ type Checkpoint = Vec<(CPoolBlock, Option<usize>)>;
 struct Model {
     device: i32,
     live: BTreeMap<u64, Held>,
-    /// Addresses freed and not handed out again.
-    freed: Vec<u64>,
+    /// Addresses freed and not handed out again, with the tag of the block freed there.
+    freed: Vec<(u64, Option<usize>)>,
     /// Blocks freed while their tag slept: allocated until the wake.
     deferred: [u64; TAGS.len()],
     /// Blocks freed during a capture, which stay allocated until the first allocation once no capture is
@@ -269,7 +276,7 @@ impl Model {
     fn took(&mut self, p: *mut c_void, held: Held) {
         let addr = p.addr() as u64;
         assert!(!self.live.contains_key(&addr), "{addr:#x} handed out twice");
-        self.freed.retain(|&f| f != addr);
+        self.freed.retain(|&(f, _)| f != addr);
         self.capture_deferred.remove(&addr);
         self.live.insert(addr, held);
     }
@@ -283,7 +290,7 @@ impl Model {
             // pressure): its free waits until no capture is underway.
             self.capture_deferred.insert(addr);
         }
-        self.freed.push(addr);
+        self.freed.push((addr, held.tag));
     }
 
     /// The tags' states as cuvmm reports them; a wake gives back what was freed while asleep.
@@ -340,12 +347,35 @@ impl Model {
                 assert!(no_panic("free").is_none(), "{:?}", last_error());
                 self.free(addr);
             }
+            Op::MallocAt { ref pick, size } => {
+                let Some(&(addr, tag)) = self.freed.get(pick.index(self.freed.len().max(1))) else {
+                    return;
+                };
+                let p = cuvmm_malloc_at(d, ptr::with_exposed_provenance_mut(addr as usize), size);
+                no_panic("malloc_at");
+                if !p.is_null() {
+                    assert_eq!(p.addr() as u64, addr);
+                    assert!(
+                        tag.is_none_or(|t| !self.asleep[t]),
+                        "allocated in a sleeping tag"
+                    );
+                    self.took(
+                        p,
+                        Held {
+                            requested: size as u64,
+                            tag,
+                            foreign: false,
+                        },
+                    );
+                }
+            }
             Op::BadFree { ref pick, interior } => {
                 let addr = if interior {
                     let Some(addr) = self.pick(pick) else { return };
                     addr + 512
                 } else {
-                    let Some(&addr) = self.freed.get(pick.index(self.freed.len().max(1))) else {
+                    let Some(&(addr, _)) = self.freed.get(pick.index(self.freed.len().max(1)))
+                    else {
                         return;
                     };
                     addr
