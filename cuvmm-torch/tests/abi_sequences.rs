@@ -1,8 +1,9 @@
 //! Random sequences of the exported C functions, as a program reaches them through PyTorch: allocations and
-//! frees on several streams (bad and second frees among them), `allocateWithAddress`, `record_stream`, graph pools begun, ended,
-//! checkpointed and put back, pools with an allocator of their own, tags put to sleep and woken, resets,
-//! memory fractions and `empty_cache`. After every call no panic was caught at the boundary, the allocator's
-//! invariants hold, and its statistics and snapshot agree with a model of what the program holds.
+//! frees on several streams (bad and second frees among them), `allocateWithAddress`, `record_stream`, graph
+//! pools begun, ended, checkpointed and put back, pools with an allocator of their own, tags put to sleep and
+//! woken, resets, memory fractions and `empty_cache`. After every call no panic was caught at the boundary,
+//! the allocator's invariants hold, and its statistics and snapshot agree with a model of what the program
+//! holds.
 //!
 //! Each case runs on a simulated device of its own (the registry is the process's), and ends by giving
 //! everything back, which the statistics must then show.
