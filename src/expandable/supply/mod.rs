@@ -129,7 +129,7 @@ impl Supply {
         &self.lending
     }
 
-    /// Sets the memory limit, and lowers the budget to it when it is below.
+    /// Sets the memory limit, with `reserved` bytes reserved now, which stay if above it.
     pub(super) fn set_limit(&mut self, limit: u64, reserved: u64) {
         self.physical.set_limit(limit, reserved);
     }
