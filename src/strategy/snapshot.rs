@@ -129,6 +129,15 @@ pub struct TilingError {
 }
 
 impl MemorySnapshot {
+    /// Bytes requested by the owners of blocks freed and still waiting for other streams: they count in
+    /// `requested_bytes` until their events complete, as PyTorch's.
+    pub fn pending_requested_bytes(&self) -> u64 {
+        (self.segments.iter().flat_map(|s| &s.blocks))
+            .filter(|b| b.state == BlockState::ActivePendingFree)
+            .map(|b| b.requested_size)
+            .sum()
+    }
+
     /// Checks that the blocks of every segment follow each other from its start to its end, none empty.
     pub fn check_tiling(&self) -> Result<(), TilingError> {
         for seg in &self.segments {

@@ -46,7 +46,6 @@ use cuvmm::expandable::Expandable;
 use cuvmm::strategy::Controls as _;
 use cuvmm::strategy::Sharing as _;
 use cuvmm::strategy::Snapshots as _;
-use cuvmm::strategy::snapshot::BlockState;
 use cuvmm::{Config, Error, Strategy as _, StreamId};
 use std::sync::Arc;
 
@@ -366,10 +365,7 @@ impl Model for State {
             // Blocks freed and waiting for other streams' events: their requested bytes count until then,
             // as PyTorch's.
             let snapshot = (self.alloc.snapshot()).map_err(|e| format!("snapshot: {e}"))?;
-            requested += (snapshot.segments.iter().flat_map(|s| &s.blocks))
-                .filter(|b| b.state == BlockState::ActivePendingFree)
-                .map(|b| b.requested_size)
-                .sum::<u64>();
+            requested += snapshot.pending_requested_bytes();
         }
         let counts = (
             stats.allocated_bytes.current,

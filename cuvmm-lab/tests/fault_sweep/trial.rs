@@ -2,7 +2,6 @@
 //! bytes checked after each step, and the cleanup that must leave the device holding nothing.
 
 use super::*;
-use cuvmm::strategy::snapshot::BlockState;
 
 /// A live allocation: its size and id.
 type Live = BTreeMap<u64, (u64, u64)>;
@@ -252,10 +251,7 @@ fn check(subject: &mut Subject, live: &Live, tagged: &Tagged, kind: Kind) -> Res
         let snapshots =
             (strategy.snapshots()).ok_or("no snapshot to find the pending blocks in")?;
         let snapshot = (snapshots.snapshot()).map_err(|e| format!("snapshot: {e}"))?;
-        requested += (snapshot.segments.iter().flat_map(|s| &s.blocks))
-            .filter(|b| b.state == BlockState::ActivePendingFree)
-            .map(|b| b.requested_size)
-            .sum::<u64>();
+        requested += snapshot.pending_requested_bytes();
     }
     if (stats.requested_bytes.current, stats.allocation.current) != (requested, live.len() as u64) {
         return Err(format!(
