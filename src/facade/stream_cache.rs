@@ -273,11 +273,16 @@ impl StreamCaches {
         })
     }
 
-    /// Each shard's counters agree with its entries and stay within its capacity, and no address is held
-    /// twice: what each shard's lock guards, so it holds while other threads use the caches. (Whether the
+    /// Each shard's counters agree with its entries and stay within its capacity, no address is held twice,
+    /// and none of the addresses `live` gives (called with every shard locked, so that no buffer moves
+    /// between a cache and the live set meanwhile) is held: what the shards' locks guard, so it holds while
+    /// other threads use the caches. (Whether the
     /// caches are on is a hint, read and written without a lock; a stale value only sends a free the slow
     /// way, or lets a double free through `free_raw` go unnoticed while the caches turn on.)
-    pub(crate) fn check_invariants(&self) -> Result<(), InvariantViolation> {
+    pub(crate) fn check_invariants(
+        &self,
+        live: impl FnOnce() -> Vec<u64>,
+    ) -> Result<(), InvariantViolation> {
         // Every shard locked at once, in order (no other path holds two), so that a buffer that another
         // thread takes from one shard and frees into another is not seen in both.
         let guards: Vec<_> = self.shards.iter().map(|shard| shard.held.lock()).collect();
@@ -302,7 +307,10 @@ impl StreamCaches {
                 }
             }
         }
-        Ok(())
+        match live().into_iter().find(|addr| seen.contains(addr)) {
+            Some(addr) => Err(InvariantViolation::StreamCache { addr }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -326,7 +334,7 @@ mod tests {
         assert_eq!(caches.take(s0, 64 * KIB), Some(0x1000));
         assert_eq!(caches.take(s0, 64 * KIB), None);
         assert_eq!(caches.held(), (1, 32 * KIB));
-        caches.check_invariants().unwrap();
+        caches.check_invariants(Vec::new).unwrap();
     }
 
     #[test]
@@ -352,7 +360,7 @@ mod tests {
         let mut ptrs = caches.drain();
         ptrs.sort_unstable();
         assert_eq!(ptrs, [0x1000, 0x2000]);
-        caches.check_invariants().unwrap();
+        caches.check_invariants(Vec::new).unwrap();
     }
 
     #[test]
@@ -365,7 +373,7 @@ mod tests {
         assert_eq!(caches.held(), (2, 128 * KIB));
         assert_eq!(caches.put(s, 256 * KIB, 0x4000), Put::Refused);
         assert!(caches.holds(0x3000) && !caches.holds(0x1000));
-        caches.check_invariants().unwrap();
+        caches.check_invariants(Vec::new).unwrap();
     }
 
     #[test]
@@ -407,7 +415,7 @@ mod tests {
         caches.put(StreamId(0), KIB, 0x1000);
         caches.own_shard().held.lock().bytes += 1;
         assert!(matches!(
-            caches.check_invariants(),
+            caches.check_invariants(Vec::new),
             Err(InvariantViolation::Stat { .. })
         ));
     }
