@@ -175,6 +175,48 @@ fn a_block_waits_for_every_stream_that_used_it() {
 }
 
 #[test]
+fn a_parked_free_is_traced_with_its_requested_bytes_when_it_completes() {
+    use cuvmm::history::TraceAction::{self, FreeCompleted, FreeRequested};
+    // PyTorch's free_block records FREE_COMPLETED with the block's requested size, whether the free completed
+    // at once or after the events of the streams that used the block.
+    let mut alloc = allocator(16, Config::default());
+    alloc.record_history(Some(64)).unwrap();
+    let frees = |alloc: &Expandable<SimDriver>| -> Vec<(TraceAction, u64, u64)> {
+        let traces = alloc.snapshot().unwrap().device_traces.concat();
+        (traces.iter())
+            .filter(|t| matches!(t.action, FreeRequested | FreeCompleted))
+            .map(|t| (t.action, t.addr, t.size))
+            .collect()
+    };
+    let requested = 3 * PAGE + 1000;
+    let now = alloc.alloc(requested, S0).unwrap();
+    alloc.free(now).unwrap();
+    let parked = alloc.alloc(requested, S0).unwrap();
+    alloc
+        .driver_mut()
+        .launch(S1, &[range(parked, 4 * PAGE)])
+        .unwrap();
+    alloc.record_stream(parked, S1).unwrap();
+    alloc.free(parked).unwrap();
+    assert_eq!(
+        frees(&alloc),
+        [
+            (FreeRequested, now, requested),
+            (FreeCompleted, now, requested),
+            (FreeRequested, parked, requested),
+        ]
+    );
+    alloc.driver_mut().advance(S1, 1);
+    alloc.empty_cache().unwrap();
+    assert_eq!(
+        frees(&alloc)[3..],
+        [(FreeCompleted, parked, requested)],
+        "completed after its event, with the bytes asked for"
+    );
+    finish(alloc, &[]);
+}
+
+#[test]
 fn empty_cache_synchronizes_pending_streams_and_frees_everything() {
     let mut alloc = allocator(16, Config::default());
     let a = alloc.alloc(5 * PAGE, S0).unwrap();

@@ -145,7 +145,7 @@ impl Segments {
         let seg = self.at(slot);
         let (pool, stream, graph) = (seg.pool, seg.stream, seg.graph);
         books.counters.count_inactive(pool, size, requested);
-        books.record(TraceAction::FreeCompleted, addr, size, stream, graph);
+        books.record(TraceAction::FreeCompleted, addr, requested, stream, graph);
         books.refresh(self.at(slot), before);
         size
     }
