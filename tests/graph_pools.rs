@@ -21,6 +21,7 @@ use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{CaptureMode, VaRange};
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::{GraphPools, Peers, Snapshots, StreamUses};
+use cuvmm::strategy::snapshot::BlockState;
 use cuvmm::{Allocator, Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -72,8 +73,19 @@ fn a_free_of_a_block_used_on_another_stream_waits_until_the_capture_ends() {
     let pool = GraphPool(1, 0);
     begin_capture(&mut a, capture, pool, CaptureMode::Global);
     a.free(x).unwrap();
-    // Deferred: still counted, and not handed out again on its own stream.
-    assert_eq!(a.stats().allocated_bytes.current, 8 * PAGE);
+    // Deferred: freed (no longer allocated, still active and waited for, as PyTorch's free counts it), and
+    // not handed out again on its own stream.
+    let stats = a.stats();
+    assert_eq!(
+        (stats.allocated_bytes.current, stats.active_bytes.current),
+        (0, 8 * PAGE)
+    );
+    let snapshot = a.snapshot().unwrap();
+    let state = (snapshot.segments.iter().flat_map(|s| &s.blocks)).find(|b| b.address == x);
+    assert_eq!(
+        state.map(|b| b.state),
+        Some(BlockState::ActivePendingFree)
+    );
     let y = a.alloc(8 * PAGE, main).unwrap();
     assert!(!overlaps(
         VaRange::new(x, 8 * PAGE),

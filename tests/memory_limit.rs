@@ -26,8 +26,15 @@ fn the_key_is_a_fraction_of_the_device_and_bad_values_are_refused() {
     let config = Config::from_alloc_conf("per_process_memory_fraction:0.25").unwrap();
     assert_eq!(config.memory_limit, Some(Budget::Fraction(0.25)));
     assert_eq!(config.limit_bytes(64 * PAGE), Some(16 * PAGE));
-    // The pressure budget never passes the limit.
-    assert_eq!(config.budget_bytes(64 * PAGE, 64 * PAGE), 16 * PAGE);
+    // The pressure budget never passes the limit; the garbage collection threshold is a fraction of it.
+    let limit = config.limit_bytes(64 * PAGE);
+    assert_eq!(config.budget_bytes(64 * PAGE, 64 * PAGE, limit), 16 * PAGE);
+    let gc = Config::from_alloc_conf("garbage_collection_threshold:0.5").unwrap();
+    assert_eq!(gc.budget_bytes(64 * PAGE, 64 * PAGE, None), 32 * PAGE);
+    assert_eq!(
+        gc.budget_bytes(64 * PAGE, 64 * PAGE, Some(16 * PAGE)),
+        8 * PAGE
+    );
     assert_eq!(Config::default().limit_bytes(64 * PAGE), None);
     for bad in ["0", "1.5", "-0.1", "x", ""] {
         let conf = format!("per_process_memory_fraction:{bad}");
@@ -124,4 +131,40 @@ fn a_limit_lowered_under_what_is_reserved_keeps_it_and_stops_growth() {
     let z = a.alloc(20 * PAGE, S0).unwrap();
     a.check_invariants().unwrap();
     a.free(z).unwrap();
+}
+
+/// Reserved bytes after stream 1 leaves `idle` pages idle and stream 0 then asks for `idle` pages: under the
+/// budget growth takes new pages (2 x idle reserved), past it it reclaims stream 1's (idle reserved).
+fn reserved_after_a_second_stream_asks(
+    a: &mut cuvmm::expandable::Expandable<cuvmm::driver::sim::SimDriver>,
+    idle: u64,
+) -> u64 {
+    let other = a.alloc(idle * PAGE, S1).unwrap();
+    a.free(other).unwrap();
+    let mine = a.alloc(idle * PAGE, S0).unwrap();
+    a.check_invariants().unwrap();
+    let reserved = a.stats().reserved_bytes.current;
+    a.free(mine).unwrap();
+    a.empty_cache().unwrap();
+    reserved
+}
+
+/// The budget under which growth does not reclaim follows the limit the program sets, up and down: the
+/// garbage collection threshold is a fraction of the memory the limit allows, as PyTorch's is of its
+/// `allowed_memory_maximum`, and a limit raised above the configured one raises the budget with it.
+#[test]
+fn the_growth_budget_follows_the_limit_set_at_run_time() {
+    // No limit: the threshold is half the device, 32 pages; 20 fit under it.
+    let mut a = limited("large_handle_mb:2,garbage_collection_threshold:0.5");
+    assert_eq!(reserved_after_a_second_stream_asks(&mut a, 10), 20 * PAGE);
+    // A limit of 32 pages: the threshold is 16, so the second 10 pages are reclaimed.
+    a.set_memory_fraction(0.5).unwrap();
+    assert_eq!(reserved_after_a_second_stream_asks(&mut a, 10), 10 * PAGE);
+
+    // Configured at 16 pages, raised to the whole device at run time: the budget is the device's.
+    let mut b = limited("large_handle_mb:2,per_process_memory_fraction:0.25");
+    assert_eq!(reserved_after_a_second_stream_asks(&mut b, 10), 10 * PAGE);
+    b.set_memory_fraction(1.0).unwrap();
+    assert_eq!(reserved_after_a_second_stream_asks(&mut b, 10), 20 * PAGE);
+    b.check_invariants().unwrap();
 }

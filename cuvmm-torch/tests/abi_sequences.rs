@@ -19,7 +19,7 @@ use cuvmm_torch::structs::{
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::ffi::{CStr, CString, c_int, c_void};
 use std::ptr;
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -173,11 +173,6 @@ struct Model {
     freed: Vec<(u64, Option<usize>)>,
     /// Blocks freed while their tag slept: allocated until the wake.
     deferred: [u64; TAGS.len()],
-    /// Blocks freed during a capture, which stay allocated until the first allocation once no capture is
-    /// underway if another stream used them (as the header says).
-    capture_deferred: BTreeSet<u64>,
-    /// An allocation succeeded with no pool begun: no capture-deferred free is left.
-    settled: bool,
     asleep: [bool; TAGS.len()],
     tag: Option<usize>,
     begun: [bool; POOLS],
@@ -278,18 +273,15 @@ impl Model {
         let addr = p.addr() as u64;
         assert!(!self.live.contains_key(&addr), "{addr:#x} handed out twice");
         self.freed.retain(|&(f, _)| f != addr);
-        self.capture_deferred.remove(&addr);
         self.live.insert(addr, held);
     }
 
     fn free(&mut self, addr: u64) {
         let held = self.live.remove(&addr).unwrap();
+        // A free during a capture of a block used on another stream is a free at once, its events deferred
+        // (PyTorch's counts it so too).
         if let Some(t) = held.tag.filter(|&t| self.asleep[t]) {
             self.deferred[t] += 1;
-        } else if !held.foreign && self.begun.contains(&true) {
-            // Used on another stream (record_stream, or cuvmm lent it another stream's memory under
-            // pressure): its free waits until no capture is underway.
-            self.capture_deferred.insert(addr);
         }
         self.freed.push((addr, held.tag));
     }
@@ -331,7 +323,6 @@ impl Model {
                         foreign: false,
                     };
                     self.took(p, held);
-                    self.settled |= !self.begun.contains(&true);
                 }
             }
             Op::Free { ref pick, any } => {
@@ -635,17 +626,10 @@ impl Model {
     fn check(&mut self) {
         let allocator = global().unwrap().allocator(self.device).unwrap();
         allocator.check_invariants().unwrap();
-        if std::mem::take(&mut self.settled) {
-            self.capture_deferred.clear();
-        }
         let stats = device_stats(self.device);
         let count = stats.allocation.all.current as u64;
         let held = self.live.len() as u64 + self.deferred.iter().sum::<u64>();
-        let at_most = held + self.capture_deferred.len() as u64;
-        assert!(
-            (held..=at_most).contains(&count),
-            "{count} live blocks, {held} to {at_most} held"
-        );
+        assert_eq!(count, held, "live blocks");
         if !self.asleep.contains(&true) {
             let (snapshot, pending) = snapshot_blocks(self.device);
             for (addr, h) in &self.live {
@@ -653,13 +637,6 @@ impl Model {
                     snapshot.get(addr),
                     Some(&h.requested),
                     "{addr:#x} in the snapshot"
-                );
-            }
-            let deferred = (snapshot.keys()).filter(|a| !self.live.contains_key(a));
-            for addr in deferred {
-                assert!(
-                    self.capture_deferred.contains(addr),
-                    "{addr:#x} allocated, not held"
                 );
             }
             assert_eq!(

@@ -120,11 +120,9 @@ impl<D: Driver> Expandable<D> {
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        // A block whose free was deferred is freed, though still live until its events are recorded or its
-        // tag wakes.
+        // A block of a sleeping tag freed already stays live until its tag wakes.
         let tag = self.segments.at(slot).tag;
-        if self.graphs.is_deferred(addr) || tag.is_some_and(|id| self.tags.freed_at_wake(id, addr))
-        {
+        if tag.is_some_and(|id| self.tags.freed_at_wake(id, addr)) {
             return Err(Error::DoubleFree { addr });
         }
         if let Some(id) = tag
@@ -135,10 +133,10 @@ impl<D: Driver> Expandable<D> {
         }
         if self.waits.any_uses() {
             if self.graphs.capturing() {
-                // No event may be recorded or queried now: the block stays live, with its streams, until
-                // no capture is underway (`graphs.rs`).
-                if self.waits.used_elsewhere(addr) {
-                    self.graphs.defer(addr);
+                // No event may be recorded or queried now: the block's events wait until no capture is
+                // underway (`graphs.rs`).
+                if let Some(streams) = self.waits.take_uses(addr) {
+                    self.parts().defer_block(slot, addr, streams);
                     return Ok(());
                 }
             } else if let Some(streams) = self.waits.take_uses(addr) {
@@ -207,10 +205,6 @@ impl<D: Driver> Expandable<D> {
             .segments
             .slot_of(addr)
             .ok_or(Error::UnknownAddress { addr })?;
-        // A block whose free was deferred during a capture is freed already.
-        if self.graphs.is_deferred(addr) {
-            return Err(Error::UnknownAddress { addr });
-        }
         // A live block must start at `addr`: found by its start, with no search for the block around it.
         if !(self.segments.at(slot).block_at(addr)).is_some_and(|block| block.is_live()) {
             return Err(Error::UnknownAddress { addr });

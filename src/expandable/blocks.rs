@@ -81,6 +81,11 @@ impl Block {
     pub fn is_live(&self) -> bool {
         matches!(self.state, BlockState::Live { .. })
     }
+
+    /// Whether the block is freed but waits for the work of other streams.
+    pub fn is_pending(&self) -> bool {
+        matches!(self.state, BlockState::Pending { .. })
+    }
 }
 
 /// The blocks of one segment.

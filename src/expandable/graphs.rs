@@ -5,8 +5,9 @@
 //! synchronization, no unmap or release.
 //! So an allocation then takes only free blocks, pooled handles and new handles (no compaction, no borrowing
 //! from other streams, no release-and-retry on out-of-memory), and a free of a block used on other streams
-//! is *deferred*: the block stays live, with its streams, until no capture is underway, when its events are
-//! recorded as for any free (PyTorch's `needs_events_deferred_until_no_capture`).
+//! is *deferred*: the block is freed at once (no longer allocated; still active and a user of its pages, as
+//! a parked block) and keeps its streams here until no capture is underway, when its events are recorded
+//! as for any free (PyTorch's `needs_events_deferred_until_no_capture`).
 //!
 //! A segment belongs to one pool or to none. Segments of a *live* pool (begun more times than released)
 //! are pinned: their idle pages are never unmapped, lent or taken by compaction, and their blocks are never
@@ -27,7 +28,7 @@
 //! every pool being allocated to counts as a capture, since one may begin any moment.
 
 use super::segments::Segments;
-use super::streams::StreamWaits;
+use super::streams::{StreamUses, StreamWaits};
 use crate::driver::{CaptureStatus, Driver, StreamId};
 use crate::strategy::error::{Error, InvariantViolation};
 use crate::strategy::graph_pool::{GraphPool, StreamFilter};
@@ -52,8 +53,9 @@ pub(super) struct Graphs {
     live: FxHashMap<GraphPool, usize>,
     /// Released pools whose segments still exist: forgotten once the last is freed.
     released: Vec<GraphPool>,
-    /// Live blocks freed during a capture whose other streams' events wait until no capture is underway.
-    deferred: Vec<u64>,
+    /// Blocks freed during a capture (pending, `blocks.rs`), with the other streams that used them, whose
+    /// events wait until no capture is underway.
+    deferred: Vec<(u64, StreamUses)>,
     /// Whether an allocation asks the driver if its stream is capturing (captures not announced).
     detect: bool,
     /// Pools whose free memory may serve an allocation outside every pool that would otherwise fail
@@ -146,10 +148,14 @@ impl Graphs {
         self.detect
     }
 
-    /// Whether the free of the live block at `addr` was deferred during a capture.
-    #[inline]
+    /// Whether the free of the block at `addr` is deferred (for `check_invariants()`).
     pub(super) fn is_deferred(&self, addr: u64) -> bool {
-        !self.deferred.is_empty() && self.deferred.contains(&addr)
+        self.deferred.iter().any(|&(a, _)| a == addr)
+    }
+
+    /// How many frees are deferred.
+    pub(super) fn deferred_count(&self) -> usize {
+        self.deferred.len()
     }
 
     /// Whether any free is deferred.
@@ -158,17 +164,18 @@ impl Graphs {
         !self.deferred.is_empty()
     }
 
-    /// Defers the free of the live block at `addr` until no capture is underway.
-    pub(super) fn defer(&mut self, addr: u64) {
-        self.deferred.push(addr);
+    /// Defers the events of the block at `addr`, freed during a capture and used on `streams`, until no
+    /// capture is underway.
+    pub(super) fn defer(&mut self, addr: u64, streams: StreamUses) {
+        self.deferred.push((addr, streams));
     }
 
-    /// The last deferred free, if any.
-    pub(super) fn last_deferred(&self) -> Option<u64> {
-        self.deferred.last().copied()
+    /// The last deferred free, if any: the block's address and its other streams.
+    pub(super) fn last_deferred(&self) -> Option<(u64, &StreamUses)> {
+        self.deferred.last().map(|(addr, streams)| (*addr, streams))
     }
 
-    /// Forgets the last deferred free, done.
+    /// Forgets the last deferred free, whose events are recorded.
     pub(super) fn deferred_done(&mut self) {
         self.deferred.pop();
     }
@@ -391,7 +398,7 @@ impl Graphs {
 
     /// The graph part of `check_invariants()`: every segment's pool is live or released (and a released
     /// pool still has a segment), every pool being allocated to is live, and every deferred free is of a
-    /// distinct live block that still has its streams.
+    /// distinct pending block that is not parked, with other streams than its segment's.
     pub(super) fn check_graphs(
         &self,
         segments: &Segments,
@@ -411,11 +418,18 @@ impl Graphs {
         if (self.underway.iter()).any(|u| !self.pool_is_live(u.pool)) {
             return Err(broken(0));
         }
-        for (i, &addr) in self.deferred.iter().enumerate() {
-            let live = segments.slot_of(addr).is_some_and(|slot| {
-                (segments.at(slot).block_at(addr)).is_some_and(|block| block.is_live())
+        for (i, (addr, streams)) in self.deferred.iter().enumerate() {
+            let addr = *addr;
+            let pending = segments.slot_of(addr).is_some_and(|slot| {
+                let seg = segments.at(slot);
+                (seg.block_at(addr)).is_some_and(|block| block.is_pending())
+                    && !streams.iter().any(|stream| stream == seg.stream)
             });
-            if !live || !waits.used_elsewhere(addr) || self.deferred[..i].contains(&addr) {
+            if !pending
+                || waits.is_parked(addr)
+                || waits.used_elsewhere(addr)
+                || self.deferred[..i].iter().any(|&(a, _)| a == addr)
+            {
                 return Err(broken(addr));
             }
         }

@@ -110,6 +110,9 @@ pub struct Expandable<D: Driver> {
     config: Config,
     page_size: u64,
     device_total: u64,
+    /// The device's free memory when the allocator was made: the budget when none is configured
+    /// ([`Config::budget_bytes`]).
+    device_free: u64,
     /// The reservations and their blocks.
     segments: Segments,
     /// The physical pages: the handle pool, the chunks, the budget and the limit, the pages lent.
@@ -152,8 +155,8 @@ impl<D: Driver> Expandable<D> {
         let chunk_pages = policies.handle_size.chunk_pages();
         let info = driver.mem_info()?;
         let device_total = info.total;
-        let budget = config.budget_bytes(info.total, info.free);
         let limit = config.limit_bytes(info.total);
+        let budget = config.budget_bytes(info.total, info.free, limit);
         // Lending maps a page of a chunk from its offset, which CUDA does not allow (`Driver::
         // maps_parts_of_handles`): only where the driver can.
         let lending = config.lend_chunk_pages && driver.maps_parts_of_handles();
@@ -175,6 +178,7 @@ impl<D: Driver> Expandable<D> {
             driver,
             page_size,
             device_total,
+            device_free: info.free,
             segments: Segments::default(),
             supply: Supply::set_up(setup, lending),
             policies,

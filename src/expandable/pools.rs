@@ -51,9 +51,7 @@ impl<D: Driver> Expandable<D> {
         let mut blocks = Vec::new();
         for seg in self.segments.live().filter(|seg| seg.graph == Some(pool)) {
             for (addr, block) in seg.blocks() {
-                if let super::blocks::BlockState::Live { requested } = block.state
-                    && !self.graphs.is_deferred(addr)
-                {
+                if let super::blocks::BlockState::Live { requested } = block.state {
                     blocks.push(PoolBlock {
                         addr,
                         size: block.size,

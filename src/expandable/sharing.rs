@@ -19,11 +19,8 @@ impl<D: Driver> Expandable<D> {
     pub(super) fn share_block(&mut self, addr: u64) -> Result<SharedMemory, Error> {
         let slot = (self.segments.slot_of(addr)).ok_or(Error::UnknownAddress { addr })?;
         let seg = self.segments.at(slot);
-        let block = seg.block_at(addr).filter(|block| block.is_live());
-        let block = match block {
-            Some(block) if !self.graphs.is_deferred(addr) => block,
-            _ => return Err(Error::UnknownAddress { addr }),
-        };
+        let block = (seg.block_at(addr).filter(|block| block.is_live()))
+            .ok_or(Error::UnknownAddress { addr })?;
         let (physical, lending) = (self.supply.physical(), self.supply.lending());
         let pages = seg.pages_of(addr, block.size);
         let pages = physical.widen_to_chunks(lending, seg, pages);

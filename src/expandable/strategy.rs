@@ -278,7 +278,8 @@ impl<D: Driver> Controls for Expandable<D> {
         Ok(())
     }
 
-    /// Also lowers the growth budget to the new limit when it is below it.
+    /// The growth budget follows the new limit ([`Config::budget_bytes`](crate::Config::budget_bytes)), up
+    /// or down, as PyTorch's garbage collection threshold follows its `allowed_memory_maximum`.
     fn set_memory_fraction(&mut self, fraction: f64) -> Result<(), Error> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(ConfigError::BadValue {
@@ -289,8 +290,9 @@ impl<D: Driver> Controls for Expandable<D> {
             .into());
         }
         let limit = (fraction * self.device_total as f64) as u64;
+        let budget = (self.config).budget_bytes(self.device_total, self.device_free, Some(limit));
         self.supply
-            .set_limit(limit, self.books.counters.reserved.current);
+            .set_limit(limit, budget, self.books.counters.reserved.current);
         Ok(())
     }
 

@@ -176,14 +176,19 @@ impl StreamWaits {
         self.uses.remove(&addr)
     }
 
+    /// Gives the live block at `addr` back the streams [`take_uses`](Self::take_uses) took (its free failed).
+    pub(super) fn restore_uses(&mut self, addr: u64, streams: StreamUses) {
+        self.uses.insert(addr, streams);
+    }
+
     /// Records an event on each of `streams` for the block at `addr`, being freed. If one cannot be
-    /// recorded, the events already recorded are destroyed, the streams stay recorded on the block, and the
-    /// error is returned; else the number of events, for [`park`](Self::park).
+    /// recorded, the events already recorded are destroyed and the error is returned; else the number of
+    /// events, for [`park`](Self::park).
     pub(super) fn record_events<D: Driver>(
         &mut self,
         driver: &mut D,
         addr: u64,
-        streams: StreamUses,
+        streams: &StreamUses,
     ) -> Result<usize, Error> {
         // Each event goes straight to the back of its stream's queue; the streams are distinct, so a
         // failure takes back exactly one event from the back of each queue before it.
@@ -205,7 +210,6 @@ impl StreamWaits {
                     tracing::warn!(%destroy_err, "cuvmm: destroying an event after a failed free; retried at the next poll");
                 }
             }
-            self.uses.insert(addr, streams);
             return Err(err.into());
         }
         Ok(streams.iter().count())

@@ -273,19 +273,23 @@ impl Config {
     }
 
     /// The reserved memory under which [`Compaction::Pressure`] grows without reclaiming, on a device of
-    /// `device_total` bytes of which `device_free` are free: the configured budget (or `device_free`),
-    /// lowered to `garbage_collection_threshold` x the device when that is set, as PyTorch starts collecting
-    /// cached blocks above that fraction of the memory it may use.
-    pub fn budget_bytes(&self, device_total: u64, device_free: u64) -> u64 {
+    /// `device_total` bytes of which `device_free` were free when the allocator started, under the memory
+    /// limit `limit` (bytes; `None`: the whole device): the configured budget (or `device_free`), lowered to
+    /// `garbage_collection_threshold` x the memory the limit allows when that is set (PyTorch starts
+    /// collecting cached blocks above that fraction of its `allowed_memory_maximum`), and to the limit.
+    /// The limit is [`limit_bytes`](Self::limit_bytes) until the program sets another
+    /// (`set_per_process_memory_fraction`), which replaces it.
+    pub fn budget_bytes(&self, device_total: u64, device_free: u64, limit: Option<u64>) -> u64 {
+        let allowed = limit.unwrap_or(device_total);
         let budget = match self.reserve_budget {
             None => device_free,
             Some(b) => b.bytes(device_total),
         };
         let budget = match self.garbage_collection_threshold {
-            Some(t) => budget.min((device_total as f64 * t) as u64),
+            Some(t) => budget.min((allowed as f64 * t) as u64),
             None => budget,
         };
-        budget.min(self.limit_bytes(device_total).unwrap_or(u64::MAX))
+        budget.min(allowed)
     }
 
     /// [`memory_limit`](Self::memory_limit) in bytes on a device of `device_total` bytes.

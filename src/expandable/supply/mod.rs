@@ -129,9 +129,10 @@ impl Supply {
         &self.lending
     }
 
-    /// Sets the memory limit, with `reserved` bytes reserved now, which stay if above it.
-    pub(super) fn set_limit(&mut self, limit: u64, reserved: u64) {
-        self.physical.set_limit(limit, reserved);
+    /// Sets the memory limit and the budget under it, with `reserved` bytes reserved now, which stay if
+    /// above the limit.
+    pub(super) fn set_limit(&mut self, limit: u64, budget: u64, reserved: u64) {
+        self.physical.set_limit(limit, budget, reserved);
     }
 
     /// Reserved memory against the budget for a growth of `extra` bytes, with `reserved` reserved now.

@@ -34,7 +34,7 @@ pub(crate) struct Physical {
     /// Pages per large-pool handle, as the handle-size policy says (1: no chunks).
     chunk_pages: usize,
     page_size: u64,
-    /// Reserved bytes under which `compaction:pressure` grows without reclaiming
+    /// Reserved bytes under which `compaction:pressure` grows without reclaiming, never above the limit
     /// ([`Config::budget_bytes`](crate::Config::budget_bytes)).
     budget: u64,
     /// The most bytes that may be reserved ([`Config::memory_limit`](crate::Config::memory_limit)); `None`:
@@ -58,7 +58,7 @@ pub(crate) struct Physical {
 pub(crate) struct Growth {
     /// Bytes reserved now.
     pub reserved: u64,
-    /// The budget ([`Config::budget_bytes`](crate::Config::budget_bytes), lowered to the memory limit).
+    /// The budget ([`Config::budget_bytes`](crate::Config::budget_bytes), never above the memory limit).
     pub budget: u64,
     /// Bytes the growth would add.
     pub extra: u64,
@@ -114,11 +114,11 @@ impl Physical {
         self.limit.map(|limit| limit.max(self.held_over_limit))
     }
 
-    /// Sets the memory limit, with `reserved` bytes reserved now (kept, if above it). The budget is the
-    /// configured one, lowered to the limit while there is one ([`growth`](Self::growth)), so a limit
-    /// raised again gives the budget back.
-    pub(crate) fn set_limit(&mut self, limit: u64, reserved: u64) {
+    /// Sets the memory limit and the budget under it ([`Config::budget_bytes`](crate::Config::budget_bytes)
+    /// of the new limit), with `reserved` bytes reserved now (kept, if above the limit).
+    pub(crate) fn set_limit(&mut self, limit: u64, budget: u64, reserved: u64) {
         self.limit = Some(limit);
+        self.budget = budget.min(limit);
         self.held_over_limit = if reserved > limit { reserved } else { 0 };
     }
 
@@ -126,9 +126,7 @@ impl Physical {
     pub(crate) fn growth(&self, reserved: u64, extra: u64) -> Growth {
         Growth {
             reserved,
-            budget: self
-                .limit
-                .map_or(self.budget, |limit| self.budget.min(limit)),
+            budget: self.budget,
             extra,
         }
     }

@@ -428,16 +428,16 @@ fn compaction_defaults_to_pressure_and_parses_both_policies() {
 fn reserve_budget_is_bytes_or_a_fraction_and_gc_threshold_lowers_it() {
     let mb = Config::from_alloc_conf("reserve_budget_mb:1024").unwrap();
     assert_eq!(mb.reserve_budget, Some(Budget::Bytes(1024 * MIB)));
-    assert_eq!(mb.budget_bytes(8192 * MIB, 4096 * MIB), 1024 * MIB);
+    assert_eq!(mb.budget_bytes(8192 * MIB, 4096 * MIB, None), 1024 * MIB);
     let frac = Config::from_alloc_conf("reserve_budget_fraction:0.5").unwrap();
-    assert_eq!(frac.budget_bytes(8192 * MIB, 100), 4096 * MIB);
+    assert_eq!(frac.budget_bytes(8192 * MIB, 100, None), 4096 * MIB);
     // Unset: what the device has free.
     assert_eq!(
-        Config::default().budget_bytes(8192 * MIB, 3000 * MIB),
+        Config::default().budget_bytes(8192 * MIB, 3000 * MIB, None),
         3000 * MIB
     );
     let gc = Config::from_alloc_conf("garbage_collection_threshold:0.25").unwrap();
-    assert_eq!(gc.budget_bytes(8192 * MIB, 8192 * MIB), 2048 * MIB);
+    assert_eq!(gc.budget_bytes(8192 * MIB, 8192 * MIB, None), 2048 * MIB);
     for (conf, key) in [
         ("reserve_budget_fraction:0", "reserve_budget_fraction"),
         ("reserve_budget_fraction:1.5", "reserve_budget_fraction"),
