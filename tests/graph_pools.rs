@@ -20,8 +20,8 @@ use cuvmm::config::Compaction;
 use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{CaptureMode, VaRange};
 use cuvmm::expandable::Expandable;
-use cuvmm::strategy::{GraphPools, Peers, Snapshots, StreamUses};
 use cuvmm::strategy::snapshot::BlockState;
+use cuvmm::strategy::{GraphPools, Peers, Snapshots, StreamUses};
 use cuvmm::{Allocator, Config, Error, GraphPool, Strategy as _, StreamFilter, StreamId};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -82,10 +82,7 @@ fn a_free_of_a_block_used_on_another_stream_waits_until_the_capture_ends() {
     );
     let snapshot = a.snapshot().unwrap();
     let state = (snapshot.segments.iter().flat_map(|s| &s.blocks)).find(|b| b.address == x);
-    assert_eq!(
-        state.map(|b| b.state),
-        Some(BlockState::ActivePendingFree)
-    );
+    assert_eq!(state.map(|b| b.state), Some(BlockState::ActivePendingFree));
     let y = a.alloc(8 * PAGE, main).unwrap();
     assert!(!overlaps(
         VaRange::new(x, 8 * PAGE),

@@ -218,12 +218,13 @@ fn a_block_freed_while_its_tag_sleeps_is_freed_at_the_wake() {
         a.check_invariants().unwrap();
         assert!(matches!(a.free(x), Err(Error::DoubleFree { .. })));
         assert!(matches!(a.free(y), Err(Error::DoubleFree { .. })));
+        // Freed at once (no longer allocated), their memory pending until the wake.
+        let stats = a.stats();
         assert_eq!(
-            a.stats().allocated_bytes.current,
-            live,
-            "live until the wake"
+            (stats.allocated_bytes.current, stats.active_bytes.current),
+            (PAGE, live)
         );
-        assert_eq!(a.tag_infos()[0].live_bytes, live);
+        assert_eq!(a.tag_infos()[0].live_bytes, PAGE);
         a.wake("kv").unwrap();
         a.check_invariants().unwrap();
         assert_eq!(a.stats().allocated_bytes.current, PAGE, "z alone");
@@ -382,7 +383,7 @@ fn the_facade_reports_what_sleeps() {
     let kv = a.alloc_tagged(10 * PAGE, StreamId(1), "kv_cache").unwrap();
     let ptr = kv.ptr();
     assert_eq!(a.sleep("kv_cache", true).unwrap(), 10 * PAGE);
-    kv.free().unwrap(); // dropped while asleep: freed at the wake
+    kv.free().unwrap(); // dropped while asleep: freed now, its memory given back at the wake
     assert_eq!(a.stream_cached(), (0, 0));
     let stats = a.stats();
     assert_eq!(stats.asleep_bytes, 10 * PAGE);
@@ -396,13 +397,14 @@ fn the_facade_reports_what_sleeps() {
     let err = a.alloc_on(10 * PAGE, StreamId(1)).unwrap_err();
     assert!(err.to_string().contains("tag \"kv_cache\""), "{err}");
     hog.free().unwrap();
+    let stats = a.stats();
     assert_eq!(
-        a.stats().allocated_bytes.current,
-        10 * PAGE,
-        "live until the wake"
+        (stats.allocated_bytes.current, stats.active_bytes.current),
+        (0, 10 * PAGE),
+        "freed, pending until the wake"
     );
     a.wake("kv_cache").unwrap();
-    assert_eq!(a.stats().allocated_bytes.current, 0, "freed at the wake");
+    assert_eq!(a.stats().active_bytes.current, 0, "freed at the wake");
     assert!(matches!(a.free_raw(ptr), Err(Error::DoubleFree { .. })));
     a.check_invariants().unwrap();
     assert!(a.asleep_tags().is_empty());

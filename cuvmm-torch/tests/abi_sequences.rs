@@ -171,8 +171,6 @@ struct Model {
     live: BTreeMap<u64, Held>,
     /// Addresses freed and not handed out again, with the tag of the block freed there.
     freed: Vec<(u64, Option<usize>)>,
-    /// Blocks freed while their tag slept: allocated until the wake.
-    deferred: [u64; TAGS.len()],
     asleep: [bool; TAGS.len()],
     tag: Option<usize>,
     begun: [bool; POOLS],
@@ -277,12 +275,9 @@ impl Model {
     }
 
     fn free(&mut self, addr: u64) {
+        // A free is a free at once, as PyTorch counts it, even when its memory waits: for the events of
+        // other streams, deferred during a capture, or for its tag's wake.
         let held = self.live.remove(&addr).unwrap();
-        // A free during a capture of a block used on another stream is a free at once, its events deferred
-        // (PyTorch's counts it so too).
-        if let Some(t) = held.tag.filter(|&t| self.asleep[t]) {
-            self.deferred[t] += 1;
-        }
         self.freed.push((addr, held.tag));
     }
 
@@ -297,9 +292,6 @@ impl Model {
                 "{name}: {state}"
             );
             self.asleep[t] = state != "awake";
-            if !self.asleep[t] {
-                self.deferred[t] = 0;
-            }
         }
     }
 
@@ -628,28 +620,25 @@ impl Model {
         allocator.check_invariants().unwrap();
         let stats = device_stats(self.device);
         let count = stats.allocation.all.current as u64;
-        let held = self.live.len() as u64 + self.deferred.iter().sum::<u64>();
-        assert_eq!(count, held, "live blocks");
-        if !self.asleep.contains(&true) {
-            let (snapshot, pending) = snapshot_blocks(self.device);
-            for (addr, h) in &self.live {
-                assert_eq!(
-                    snapshot.get(addr),
-                    Some(&h.requested),
-                    "{addr:#x} in the snapshot"
-                );
-            }
+        assert_eq!(count, self.live.len() as u64, "live blocks");
+        let (snapshot, pending) = snapshot_blocks(self.device);
+        for (addr, h) in &self.live {
             assert_eq!(
-                snapshot.len() as u64,
-                count,
-                "the snapshot's allocated blocks"
-            );
-            let requested = snapshot.values().sum::<u64>() + pending;
-            assert_eq!(
-                stats.requested_bytes.all.current as u64, requested,
-                "requested bytes"
+                snapshot.get(addr),
+                Some(&h.requested),
+                "{addr:#x} in the snapshot"
             );
         }
+        assert_eq!(
+            snapshot.len() as u64,
+            count,
+            "the snapshot's allocated blocks"
+        );
+        let requested = snapshot.values().sum::<u64>() + pending;
+        assert_eq!(
+            stats.requested_bytes.all.current as u64, requested,
+            "requested bytes"
+        );
         let pools = (0..POOLS).map(|i| (pool_id(i), self.uses[i]));
         for ((a, b), uses) in
             pools.chain((0..FOREIGN).map(|i| (foreign_id(i), self.foreign_uses[i])))

@@ -586,7 +586,7 @@ def sleep(tag, keep=True, device=None):
     """Puts the memory of ``tag`` to sleep: waits for the streams that used it, copies its bytes to host
     memory if ``keep`` (weights; a KV cache can pass ``keep=False``), then gives its physical memory back
     while its addresses stay reserved. Its tensors must not be used, nor graphs captured in it replayed,
-    until :func:`wake`; a tensor dropped meanwhile is freed at the wake. The bytes go to page-locked memory the tag keeps for its next sleep (see
+    until :func:`wake`; a tensor dropped meanwhile is freed at once (its memory is free again at the wake). The bytes go to page-locked memory the tag keeps for its next sleep (see
     :func:`release_host_buffers`), copied on a stream of cuvmm's own while other threads go on allocating.
     Returns the bytes given back (0 if already asleep)."""
     given = load().cuvmm_sleep(_device_index(device), _tag_bytes(tag, "sleep"), int(bool(keep)))

@@ -104,8 +104,8 @@ impl<D: Driver> Expandable<D> {
     }
 
     /// Frees the live block at `addr`: at once if only its segment's stream used it, else parked until
-    /// events on the other streams complete. A block of a tag that is not awake is freed at its wake
-    /// (`sleep.rs`): until then it stays live, as the layout of the tag's kept bytes needs.
+    /// events on the other streams complete. A block of a tag that is not awake is pending until its wake
+    /// (`sleep.rs`), as the layout of the tag's kept bytes needs, and made free then.
     pub(super) fn free_block(&mut self, addr: u64) -> Result<(), Error> {
         let slot = self
             .segments
@@ -120,14 +120,13 @@ impl<D: Driver> Expandable<D> {
             FreeOutcome::AlreadyFree => return Err(Error::DoubleFree { addr }),
             FreeOutcome::NotABlockStart => return Err(Error::UnknownAddress { addr }),
         };
-        // A block of a sleeping tag freed already stays live until its tag wakes.
-        let tag = self.segments.at(slot).tag;
-        if tag.is_some_and(|id| self.tags.freed_at_wake(id, addr)) {
-            return Err(Error::DoubleFree { addr });
-        }
-        if let Some(id) = tag
+        if let Some(id) = self.segments.at(slot).tag
             && !self.tags.is_awake(id)
         {
+            // The sleep waited for every stream that used the block, and its memory is unmapped since:
+            // no work can still use it, and its streams are forgotten.
+            self.waits.take_uses(addr);
+            self.parts().free_pending(slot, addr);
             self.tags.free_at_wake(id, addr);
             return Ok(());
         }

@@ -10,8 +10,9 @@
 //!    handles have a kept export descriptor.
 //! 4. Blocks tile each segment exactly; no two free blocks are adjacent; the free index matches.
 //! 5. Statistics equal what the block list says (active = allocated + pending).
-//! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one, and
-//!    those whose free during a capture deferred their events (`graphs.rs`);
+//! 6. Pending blocks are exactly those the pending-free list holds events for, each with at least one,
+//!    those whose free during a capture deferred their events (`graphs.rs`), and those freed while their
+//!    tag slept (`tags.rs`);
 //!    recorded stream uses belong to live blocks and never name the block's own segment stream.
 //! 7. Graph pools (`graphs.rs`) and sleeping tags (`sleep.rs`) agree with their segments; a sleeping tag's
 //!    live blocks are those it fell asleep with, and once asleep none of its pages is mapped.
@@ -91,7 +92,11 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                         t.requested += req;
                         t.pending += block.size;
                         t.pending_blocks += 1;
-                        if !a.waits.is_parked(addr) && !a.graphs.is_deferred(addr) {
+                        let tag = a.segments.at(slot).tag;
+                        if !a.waits.is_parked(addr)
+                            && !a.graphs.is_deferred(addr)
+                            && !tag.is_some_and(|id| a.tags.freed_at_wake(id, addr))
+                        {
                             return Err(V::PendingFree { addr });
                         }
                     }
@@ -247,11 +252,14 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
         });
     }
     let pending_blocks = totals.iter().map(|t| t.pending_blocks).sum::<u64>();
-    // Every deferred free is of a distinct pending block (`check_graphs`); the other pending blocks are parked.
+    // Every deferred free, and every free waiting for its tag's wake, is of a distinct pending block
+    // (`check_graphs`, `check_tags`); the other pending blocks are parked.
     a.graphs.check_graphs(&a.segments, &a.waits)?;
-    let parked = pending_blocks as usize - a.graphs.deferred_count();
-    a.waits.check_waits(&a.segments, parked)?;
     a.tags.check_tags(&a.segments)?;
+    let parked = (pending_blocks as usize)
+        .checked_sub(a.graphs.deferred_count() + a.tags.freed_count())
+        .ok_or(V::PendingFree { addr: 0 })?;
+    a.waits.check_waits(&a.segments, parked)?;
     let c = &a.books.counters;
     if held_pages != c.created - c.released {
         return Err(V::HandleCount {

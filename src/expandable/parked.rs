@@ -43,7 +43,7 @@ impl<D: Driver> Parts<'_, D> {
     }
 
     /// Turns the live block at `addr` of segment `slot` into a pending one, and counts and traces its free.
-    fn free_pending(&mut self, slot: usize, addr: u64) {
+    pub(super) fn free_pending(&mut self, slot: usize, addr: u64) {
         let FreeOutcome::Freed {
             size, requested, ..
         } = self.segments.at_mut(slot).park(addr)

@@ -15,9 +15,10 @@
 //!
 //! While a tag sleeps, or its bytes are being copied, its segments are *pinned* (no compaction, no
 //! lending, no release of their idle pages), and no allocation is placed in them (an allocation under it is
-//! [`Error::TagAsleep`]). A free of one of its blocks succeeds, and the block stays live until the tag is
-//! awake again (the wake puts back the bytes of the blocks the tag fell asleep with, laid out by them), then
-//! is freed; a program's tensor dropped while its tag sleeps is not lost. A sleep or wake of a tag being
+//! [`Error::TagAsleep`]). A free of one of its blocks succeeds and counts at once (no longer allocated, as
+//! PyTorch counts a free); the block stays pending until the tag is awake again (the wake puts back the
+//! bytes of the blocks the tag fell asleep with, laid out by them), then its memory is free; a program's
+//! tensor dropped while its tag sleeps is not lost. A sleep or wake of a tag being
 //! copied is [`Error::TagBusy`]. `wake(tag)` maps pages under the same live blocks, and the pages of
 //! its segments of live CUDA graph pools that were mapped when it fell asleep (a graph captured in the tag
 //! replays there: the rule that memory a live graph uses is never unmapped has this one exception, an
@@ -203,15 +204,13 @@ impl<D: Driver> Expandable<D> {
         Ok(())
     }
 
-    /// Frees the blocks of tag `id`, awake again, that the program freed while it was not. A free that fails
-    /// (an event the driver refuses) is logged and made again at the tag's next wake: the wake or the failed
-    /// sleep that brought the tag back stands.
+    /// Makes free the blocks of tag `id`, awake again, that the program freed while it was not (pending
+    /// since, waiting for no event).
     fn free_blocks_freed_asleep(&mut self, id: TagId) {
         for addr in self.tags.take_freed_blocks(id) {
-            if let Err(err) = self.free_block(addr) {
-                tracing::warn!(%err, addr, "cuvmm: a block freed while its tag slept could not be freed at the wake; tried again at the next");
-                self.tags.free_at_wake(id, addr);
-            }
+            let slot =
+                (self.segments.slot_of(addr)).expect("a block freed asleep keeps its segment");
+            self.segments.release_parked(&mut self.books, slot, addr);
         }
     }
 

@@ -67,7 +67,7 @@ impl<D: Driver> Expandable<D> {
 }
 
 impl<D: Driver> Expandable<D> {
-    /// A sleeping tag's segment as the snapshot shows it: one segment per live block, marked asleep (its
+    /// A sleeping tag's segment as the snapshot shows it: one segment per live or pending block, marked asleep (its
     /// pages are not mapped, so no run of mapped pages would show it).
     fn asleep_segments<'a>(
         &'a self,
@@ -75,14 +75,17 @@ impl<D: Driver> Expandable<D> {
         device: usize,
     ) -> impl Iterator<Item = SnapshotSegment> + 'a {
         seg.blocks().filter_map(move |(addr, block)| {
-            let State::Live { requested } = block.state else {
-                return None;
+            let (state, requested_size) = match block.state {
+                State::Live { requested } => (BlockState::ActiveAllocated, requested),
+                // Freed while asleep: its memory waits for the wake.
+                State::Pending { requested } => (BlockState::ActivePendingFree, requested),
+                State::Free | State::Lent => return None,
             };
             let blocks = vec![SnapshotBlock {
                 address: addr,
                 size: block.size,
-                requested_size: requested,
-                state: BlockState::ActiveAllocated,
+                requested_size,
+                state,
             }];
             let mut out = segment(seg, device, addr, addr + block.size, blocks);
             out.tag = seg.tag.map(|id| self.tags.name(id).to_owned());

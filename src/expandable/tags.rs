@@ -3,9 +3,8 @@
 //! carries a [`TagId`], (`segment.rs`), small and `Copy`; what a sleeping tag had live, what its wake maps,
 //! and its host memory (`kept.rs`: the bytes kept, or buffers kept for the next sleep) are here.
 
-use super::blocks::BlockState;
 use super::kept::Kept;
-use super::segment::{FreeOutcome, TagId};
+use super::segment::TagId;
 use super::segments::Segments;
 use crate::driver::HostMemory;
 use crate::strategy::error::{Error, InvariantViolation};
@@ -41,8 +40,9 @@ struct Tag {
     wake: Vec<(u64, u64)>,
     /// Its host memory: the bytes a sleep kept, or buffers kept for the next sleep.
     kept: Kept,
-    /// Blocks freed while it was not awake, by address: still live (a wake puts back the bytes of the
-    /// blocks it fell asleep with, laid out by them), freed once it is awake again (`sleep.rs`).
+    /// Blocks freed while it was not awake, by address: pending (no longer allocated; a wake puts back the
+    /// bytes of the blocks it fell asleep with, laid out by them), made free once it is awake again
+    /// (`sleep.rs`).
     freed: BTreeSet<u64>,
 }
 
@@ -212,8 +212,8 @@ impl Tags {
         }
     }
 
-    /// Notes that the live block at `addr` of tag `id`, which is not awake, was freed: it is freed when
-    /// the tag is awake again ([`take_freed_blocks`](Self::take_freed_blocks)).
+    /// Notes that the block at `addr` of tag `id`, which is not awake, was freed (it is pending): it is made
+    /// free when the tag is awake again ([`take_freed_blocks`](Self::take_freed_blocks)).
     pub(super) fn free_at_wake(&mut self, id: TagId, addr: u64) {
         self.get_mut(id).freed.insert(addr);
     }
@@ -221,6 +221,11 @@ impl Tags {
     /// Whether the block at `addr` of tag `id` was freed and waits for the tag's wake.
     pub(super) fn freed_at_wake(&self, id: TagId, addr: u64) -> bool {
         self.get(id).freed.contains(&addr)
+    }
+
+    /// How many blocks of every tag wait for their tag's wake to be made free.
+    pub(super) fn freed_count(&self) -> usize {
+        self.tags.iter().map(|t| t.freed.len()).sum()
     }
 
     /// The blocks of tag `id` freed while it was not awake, to free now.
@@ -343,8 +348,8 @@ impl Tags {
     }
 
     /// The sleep part of `check_invariants()`: every segment's tag is known; a block freed before its tag's
-    /// wake is one of its live blocks; a sleeping tag's live blocks
-    /// are exactly those it fell asleep with (no block placed, none freed), its wake maps their pages in
+    /// wake is one of its pending blocks; a sleeping tag's live blocks and those freed since
+    /// are exactly those it fell asleep with (no block placed), its wake maps their pages in
     /// segments of the tag still reserved, and the host memory holding its bytes is long enough for them;
     /// an asleep tag has no page mapped; an
     /// awake tag keeps no bytes, nor blocks, nor ranges to map.
@@ -356,13 +361,13 @@ impl Tags {
         }
         for id in self.ids() {
             let tag = self.get(id);
-            // A block freed before the wake is a live block of the tag.
+            // A block freed before the wake is a pending block of the tag.
             for &addr in &tag.freed {
-                let live = (segments.slot_of(addr)).is_some_and(|slot| {
+                let pending = (segments.slot_of(addr)).is_some_and(|slot| {
                     let seg = segments.at(slot);
-                    seg.tag == Some(id) && matches!(seg.check_free(addr), FreeOutcome::Freed { .. })
+                    seg.tag == Some(id) && seg.block_at(addr).is_some_and(|b| b.is_pending())
                 });
-                if !live {
+                if !pending {
                     return Err(InvariantViolation::Asleep { addr });
                 }
             }
@@ -381,7 +386,7 @@ impl Tags {
                     return Err(InvariantViolation::Asleep { addr: seg.va.start });
                 }
                 for (addr, block) in seg.blocks() {
-                    if matches!(block.state, BlockState::Live { .. }) {
+                    if block.is_live() || tag.freed.contains(&addr) {
                         live.insert((addr, block.size));
                     }
                 }

@@ -80,7 +80,7 @@ pub enum Error {
     },
     /// An allocation under a tag that is asleep: its memory has no pages until
     /// [`wake`](crate::Allocator::wake). Retry after waking the tag. (A free of a sleeping tag's memory
-    /// succeeds, and takes effect at the wake.)
+    /// succeeds; its memory is free again at the wake.)
     #[error("{operation}: tag {tag:?} is asleep (wake it first)")]
     TagAsleep {
         /// The operation refused (`alloc`).

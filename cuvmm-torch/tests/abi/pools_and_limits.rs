@@ -218,11 +218,14 @@ fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
     // SAFETY: as above.
     let again = unsafe { cuvmm_sleep(device, tag.as_ptr(), 1) };
     assert_eq!(again, 0, "idempotent");
-    // A free while asleep succeeds (a tensor dropped then): the block stays allocated until the wake.
+    // A free while asleep succeeds (a tensor dropped then): freed at once, as PyTorch counts a free, its
+    // memory pending until the wake.
     let allocations = stat(device, "allocation.all.current");
+    let active = stat(device, "active.all.current");
     cuvmm_free(kv, 60 << 20, device, stream(3));
     assert!(last_error().is_none(), "{:?}", last_error());
-    assert_eq!(stat(device, "allocation.all.current"), allocations);
+    assert_eq!(stat(device, "allocation.all.current"), allocations - 1);
+    assert_eq!(stat(device, "active.all.current"), active);
     // SAFETY: `tag` is valid for the calls.
     unsafe {
         assert_eq!(cuvmm_set_tag(tag.as_ptr()), 0);
@@ -243,9 +246,9 @@ fn tagged_memory_sleeps_and_wakes_at_the_same_address() {
     }
     assert_eq!(stat(device, "cuvmm.asleep_bytes"), 0);
     assert_eq!(
-        stat(device, "allocation.all.current"),
-        allocations - 1,
-        "kv, freed at the wake"
+        stat(device, "active.all.current"),
+        active - 1,
+        "kv's memory, given back at the wake"
     );
     cuvmm_free(other, 1 << 20, device, stream(3));
     assert!(last_error().is_none());
