@@ -317,15 +317,17 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     TORCH_CHECK(base, "cuvmm: invalid device pointer: ", ptr, " is not live memory of cuvmm's");
     return base;
   }
+  // One entry per segment as PyTorch's expandable segments have them (one per stream, pool size and private
+  // pool), with its mapped bytes: the snapshot's runs of mapped pages summed by that key.
   std::vector<CCA::StreamSegmentSize> getExpandableSegmentSizes(DeviceIndex device) override {
-    std::map<std::pair<cudaStream_t, bool>, size_t> sizes;
+    std::map<std::tuple<cudaStream_t, bool, unsigned long long, unsigned long long>, size_t> sizes;
     Snapshot s = take(device);
     for (size_t i = 0; i < s->num_segments; ++i) {
       const cuvmm_segment_info& seg = s->segments[i];
-      sizes[{seg.stream, !seg.is_large}] += seg.total_size;
+      sizes[{seg.stream, !seg.is_large, seg.pool_a, seg.pool_b}] += seg.total_size;
     }
     std::vector<CCA::StreamSegmentSize> out;
-    for (const auto& [key, size] : sizes) out.emplace_back(key.first, key.second, size);
+    for (const auto& [key, size] : sizes) out.emplace_back(std::get<0>(key), std::get<1>(key), size);
     return out;
   }
 
@@ -340,7 +342,10 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       std::lock_guard<std::mutex> lock(mutex_);
       auto& uses = cross_device_uses_[ptr.get()];
       uses.first = device;
-      uses.second.push_back(stream);
+      // Each stream once: a loop that records the same stream every step must not grow the list.
+      if (std::find(uses.second.begin(), uses.second.end(), stream) == uses.second.end()) {
+        uses.second.push_back(stream);
+      }
       cross_device_count_.store(cross_device_uses_.size(), std::memory_order_release);
       return;
     }
@@ -626,6 +631,7 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
           "setCheckpointPoolState");
     CCA::CheckpointDelta delta;
     for (const auto& b : before) delta.ptrs_freed.push_back(reinterpret_cast<void*>(b.address));
+    forget_cross_device_uses(delta.ptrs_freed);
     for (const auto& b : state->blocks) {
       void* p = reinterpret_cast<void*>(b.address);
       delta.dataptrs_allocd.emplace_back(p, p, &delete_fn, c10::Device(c10::DeviceType::CUDA, device));
@@ -734,6 +740,17 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
       return held;
     }
   };
+
+  // The blocks at `ptrs` were freed without their deleters (a checkpoint restored): the other devices' streams
+  // recorded on them are forgotten, as PyTorch's restore forgets each block's stream uses. Never throws.
+  void forget_cross_device_uses(const std::vector<void*>& ptrs) noexcept {
+    if (cross_device_count_.load(std::memory_order_acquire) == 0) return;
+    without_throwing("setCheckpointPoolState", [&] {
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (void* p : ptrs) cross_device_uses_.erase(p);
+      cross_device_count_.store(cross_device_uses_.size(), std::memory_order_release);
+    });
+  }
 
   // Before `p` is freed: each stream of another device recorded on it gets an event now, which a stream of
   // `p`'s device that cuvmm owns waits for (CUDA lets a stream wait for another device's event); that
