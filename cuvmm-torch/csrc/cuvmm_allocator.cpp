@@ -13,6 +13,7 @@
 // setUseOnOOM, emptyCache, raw_delete, the IPC deleter): a failure there is a warning.
 
 #include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -405,6 +406,9 @@ class CuvmmAllocator final : public CCA::CUDAAllocator {
     CCA::SnapshotInfo info{};  // every setting cuvmm does not have reads 0, never an indeterminate value
     info.config_metadata.expandable_segments = true;
     info.config_metadata.max_split_size = SIZE_MAX;
+    // PyTorch's pinned host memory is still PyTorch's allocator's, under PYTORCH_CUDA_ALLOC_CONF.
+    info.config_metadata.pinned_num_register_threads = CCA::CUDAAllocatorConfig::pinned_num_register_threads();
+    info.config_metadata.pinned_use_host_register = CCA::CUDAAllocatorConfig::pinned_use_cuda_host_register();
     const char* conf = std::getenv("CUVMM_ALLOC_CONF");
     info.config_metadata.last_allocator_settings = conf ? conf : "";
     info.device_traces.resize(std::max(device_count_, 1));
