@@ -138,7 +138,8 @@ impl Segments {
         self.live().any(|seg| seg.graph == Some(pool))
     }
 
-    /// Frees the parked block at `addr` of segment `slot`, whose events all completed. Returns its size.
+    /// Frees the pending block at `addr` of segment `slot`: parked, its events all completed, or freed while
+    /// its tag slept, now awake. Returns its size.
     pub(super) fn release_parked(&mut self, books: &mut Books, slot: usize, addr: u64) -> u64 {
         let before = SlotCounts::of(self.at(slot));
         let (size, requested) = self.at_mut(slot).release_pending(addr);

@@ -208,9 +208,10 @@ impl<D: Driver> Expandable<D> {
     /// since, waiting for no event).
     fn free_blocks_freed_asleep(&mut self, id: TagId) {
         for addr in self.tags.take_freed_blocks(id) {
-            let slot =
-                (self.segments.slot_of(addr)).expect("a block freed asleep keeps its segment");
-            self.segments.release_parked(&mut self.books, slot, addr);
+            // A pending block keeps its segment (`check_invariants()`).
+            if let Some(slot) = self.segments.slot_of(addr) {
+                self.segments.release_parked(&mut self.books, slot, addr);
+            }
         }
     }
 
