@@ -129,8 +129,9 @@ pub struct TilingError {
 }
 
 impl MemorySnapshot {
-    /// Bytes requested by the owners of blocks freed and still waiting for other streams: they count in
-    /// `requested_bytes` until their events complete, as PyTorch's.
+    /// Bytes requested by the owners of blocks freed whose memory still waits (for other streams' events, or
+    /// for their tag's wake): they count in `requested_bytes` until then, as PyTorch's until its events
+    /// complete.
     pub fn pending_requested_bytes(&self) -> u64 {
         (self.segments.iter().flat_map(|s| &s.blocks))
             .filter(|b| b.state == BlockState::ActivePendingFree)

@@ -3,6 +3,8 @@
 
 use super::*;
 use crate::mapped_events::MappedEvents;
+use cuvmm::strategy::Snapshots as _;
+use cuvmm::strategy::snapshot::BlockState;
 use cuvmm::strategy::{GraphPools, StreamUses};
 
 #[derive(Clone, Debug)]
@@ -295,6 +297,21 @@ fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
         .map(|l| l.size.next_multiple_of(512))
         .sum();
     assert_eq!(stats.allocated_bytes.current, allocated);
+    // The snapshot shows the blocks held, asleep or not, and the requested bytes of those whose memory
+    // waits.
+    let snapshot = a.snapshot().unwrap();
+    let shown: BTreeMap<u64, u64> = (snapshot.segments.iter().flat_map(|s| &s.blocks))
+        .filter(|b| b.state == BlockState::ActiveAllocated)
+        .map(|b| (b.address, b.requested_size))
+        .collect();
+    let held: BTreeMap<u64, u64> = (m.live.iter().filter(|(_, l)| !l.freed))
+        .map(|(&addr, l)| (addr, l.size))
+        .collect();
+    assert_eq!(shown, held, "the snapshot's allocated blocks");
+    assert_eq!(
+        stats.requested_bytes.current,
+        held.values().sum::<u64>() + snapshot.pending_requested_bytes()
+    );
     assert_eq!(stats.reserved_bytes.current, a.driver().used_bytes());
 }
 
