@@ -21,7 +21,8 @@ import torch_cases  # noqa: E402 (tools/gpu is not a package: on the path first)
 import torch_suite  # noqa: E402
 
 BRIEF_CASES = ["record_stream", "record_stream_cuvmm", "memory_limit", "graphs_back_to_back",
-               "graph_after_empty_cache", "graph_threads", "compile_reduce_overhead", "memory_stats", "oom",
+               "graph_after_empty_cache", "graph_threads", "free_in_capture_used_elsewhere",
+               "compile_reduce_overhead", "memory_stats", "oom",
                "multiprocessing", "nccl", "cudnn_benchmark", "caching_allocator_off", "transformers", "sleep_wake",
                "mempool", "mempool_own_allocator",
                "compile_train_two_shapes", "ipc_cuvmm_to_pytorch", "ipc_pytorch_to_cuvmm",

@@ -1,5 +1,5 @@
-"""Cases 3 to 6: CUDA graphs (one, two back to back, replay after heavy allocation, two threads) and
-``torch.compile(mode="reduce-overhead")``."""
+"""Cases 3 to 6: CUDA graphs (one, two back to back, replay after heavy allocation, two threads, a tensor
+used on a side stream dropped during a capture) and ``torch.compile(mode="reduce-overhead")``."""
 
 import random
 import threading
@@ -8,6 +8,7 @@ import time
 from . import (  # the framework, in __init__.py
     GIB,
     MIB,
+    SLEEP_CYCLES,
     _bounds,
     _max_diff,
     _warm_up,
@@ -199,6 +200,61 @@ def graph_threads(ctx):
     ctx.figures.update(max_abs_diff=worst)
     check(not bad, "; ".join(bad))
     return f"both orders, max diff {worst:.2g}"
+
+
+@case("free_in_capture_used_elsewhere", "a tensor read on a side stream behind a sleep kernel (record_stream) "
+      "and dropped while a graph is captured: memory_allocated falls by its size at the free, as PyTorch counts "
+      "it; a same-size tensor overwritten after the capture leaves the side stream's read intact; the graph "
+      "replays equal to eager", timeout=60)
+def free_in_capture_used_elsewhere(ctx):
+    import gc  # noqa: PLC0415
+
+    torch = ctx.torch
+    x, w = _inputs(torch, ctx.device, 9)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _chain(torch, x, w)  # cuBLAS's handle and workspace on the capturing stream, before the capture
+    stream.synchronize()
+    n = 16 * MIB // 4  # 64 MiB of floats
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    t = torch.full((n,), 5.0, device=ctx.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        read = torch.stack([t.min(), t.max()])
+    t.record_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # Captured without torch.cuda.graph, whose __enter__ synchronizes the device: the side stream still runs.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            try:
+                before = torch.cuda.memory_allocated()
+                del t  # its events wait until no capture is underway
+                after = torch.cuda.memory_allocated()
+                y = _chain(torch, x, w)
+            finally:
+                graph.capture_end()
+    finally:
+        if enabled:
+            gc.enable()
+    u = torch.empty(n, device=ctx.device)
+    u.fill_(-1.0)
+    torch.cuda.synchronize()
+    x.copy_(torch.randn(N, N, generator=torch.Generator().manual_seed(10)).to(ctx.device))
+    reference = _reference(torch, x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = _max_diff(torch, y, reference)
+    ctx.figures.update(allocated_drop=before - after, read=read.tolist(), max_abs_diff=diff)
+    check(before - after == n * 4, f"memory_allocated fell by {before - after} B at the free, not {n * 4}")
+    check(read.tolist() == [5.0, 5.0], f"the side stream read {read.tolist()}, not its tensor's 5.0")
+    check(diff <= TOLERANCE, f"the replayed output differs from eager by up to {diff:.3g}")
+    del u
+    return f"allocated fell by {(before - after) >> 20} MiB at the free, read intact, max diff {diff:.2g}"
 
 
 # --- 6. torch.compile ---------------------------------------------------------------------------------------
