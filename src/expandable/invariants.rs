@@ -92,10 +92,9 @@ pub(super) fn check<D: Driver>(a: &Expandable<D>) -> Result<(), V> {
                         t.requested += req;
                         t.pending += block.size;
                         t.pending_blocks += 1;
-                        let tag = a.segments.at(slot).tag;
                         if !a.waits.is_parked(addr)
                             && !a.graphs.is_deferred(addr)
-                            && !tag.is_some_and(|id| a.tags.freed_at_wake(id, addr))
+                            && !seg.tag.is_some_and(|id| a.tags.freed_at_wake(id, addr))
                         {
                             return Err(V::PendingFree { addr });
                         }

@@ -115,10 +115,10 @@ impl Physical {
     }
 
     /// Sets the memory limit and the budget under it ([`Config::budget_bytes`](crate::Config::budget_bytes)
-    /// of the new limit), with `reserved` bytes reserved now (kept, if above the limit).
+    /// of the new limit, never above it), with `reserved` bytes reserved now (kept, if above the limit).
     pub(crate) fn set_limit(&mut self, limit: u64, budget: u64, reserved: u64) {
         self.limit = Some(limit);
-        self.budget = budget.min(limit);
+        self.budget = budget;
         self.held_over_limit = if reserved > limit { reserved } else { 0 };
     }
 
