@@ -2,8 +2,9 @@
 //! frees on several streams (bad and second frees among them), `allocateWithAddress`, `record_stream`, graph
 //! pools begun, ended, checkpointed and put back, pools with an allocator of their own, tags put to sleep and
 //! woken, resets, memory fractions and `empty_cache`. After every call no panic was caught at the boundary,
-//! the allocator's invariants hold, and its statistics and snapshot agree with a model of what the program
-//! holds.
+//! the allocator's invariants hold, its statistics and snapshot agree with a model of what the program
+//! holds, and the recorded history tells each block's story as PyTorch's does (alloc, free_requested,
+//! free_completed, each with the bytes requested).
 //!
 //! Each case runs on a simulated device of its own (the registry is the process's), and ends by giving
 //! everything back, which the statistics must then show.
@@ -16,6 +17,7 @@ use cuvmm_torch::last_error;
 use cuvmm_torch::registry::{Settings, global};
 use cuvmm_torch::structs::{
     BLOCK_ACTIVE_ALLOCATED, BLOCK_ACTIVE_PENDING_FREE, CDeviceStats, CForeignSegment, CPoolBlock,
+    CTraceEntry,
 };
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -200,15 +202,31 @@ fn device_stats(device: i32) -> CDeviceStats {
     out
 }
 
-/// The snapshot's allocated blocks (address, requested bytes), and the requested bytes of its blocks freed
-/// and still waiting for other streams (which count in `requested_bytes` until then, as PyTorch's).
-fn snapshot_blocks(device: i32) -> (BTreeMap<u64, u64>, u64) {
+/// What a snapshot says of the blocks: the allocated ones (address, requested bytes), the requested bytes of
+/// those freed whose memory still waits (which count in `requested_bytes` until then, as PyTorch's), and the
+/// last action recorded at each address with its bytes.
+struct Shown {
+    allocated: BTreeMap<u64, u64>,
+    pending: u64,
+    pending_blocks: usize,
+    traced: BTreeMap<u64, (c_int, u64)>,
+}
+
+/// PyTorch's `TraceEntry::Action` values for a block's events.
+const ALLOC: c_int = 0;
+const FREE_REQUESTED: c_int = 1;
+const FREE_COMPLETED: c_int = 2;
+
+fn snapshot_blocks(device: i32) -> Shown {
     let taken = cuvmm_snapshot_take(device);
     assert!(!taken.is_null(), "{:?}", last_error());
     // SAFETY: a non-null snapshot's arrays hold their lengths until freed.
-    let blocks = unsafe {
+    let (blocks, traces) = unsafe {
         let snap = &*taken;
-        std::slice::from_raw_parts(snap.blocks, snap.num_blocks).to_vec()
+        (
+            std::slice::from_raw_parts(snap.blocks, snap.num_blocks).to_vec(),
+            std::slice::from_raw_parts(snap.traces, snap.num_traces).to_vec(),
+        )
     };
     // SAFETY: freed once.
     unsafe { cuvmm_snapshot_free(taken) };
@@ -216,11 +234,35 @@ fn snapshot_blocks(device: i32) -> (BTreeMap<u64, u64>, u64) {
         .filter(|b| b.state == BLOCK_ACTIVE_ALLOCATED)
         .map(|b| (b.address, b.requested_size))
         .collect();
-    let pending = (blocks.iter())
-        .filter(|b| b.state == BLOCK_ACTIVE_PENDING_FREE)
-        .map(|b| b.requested_size)
-        .sum();
-    (allocated, pending)
+    let pending_blocks = || (blocks.iter()).filter(|b| b.state == BLOCK_ACTIVE_PENDING_FREE);
+    Shown {
+        allocated,
+        pending: pending_blocks().map(|b| b.requested_size).sum(),
+        pending_blocks: pending_blocks().count(),
+        traced: block_stories(&traces),
+    }
+}
+
+/// Checks that the events recorded (all of them: the history is large enough) tell each block's story as
+/// PyTorch's do: at an address, `alloc` of the bytes requested, `free_requested` of the same bytes, then
+/// `free_completed` of the same bytes, before the next `alloc` there. Returns each address's last action
+/// and bytes.
+fn block_stories(traces: &[CTraceEntry]) -> BTreeMap<u64, (c_int, u64)> {
+    let mut last: BTreeMap<u64, (c_int, u64)> = BTreeMap::new();
+    for t in traces.iter().filter(|t| t.action <= FREE_COMPLETED) {
+        let before = last.insert(t.addr, (t.action, t.size));
+        let follows = match t.action {
+            ALLOC => before.is_none_or(|(action, _)| action == FREE_COMPLETED),
+            FREE_REQUESTED => before == Some((ALLOC, t.size)),
+            _ => before == Some((FREE_REQUESTED, t.size)),
+        };
+        assert!(
+            follows,
+            "action {} of {} B at {:#x} after {before:?}",
+            t.action, t.size, t.addr
+        );
+    }
+    last
 }
 
 fn tag_states(device: i32) -> BTreeMap<String, String> {
@@ -621,7 +663,31 @@ impl Model {
         let stats = device_stats(self.device);
         let count = stats.allocation.all.current as u64;
         assert_eq!(count, self.live.len() as u64, "live blocks");
-        let (snapshot, pending) = snapshot_blocks(self.device);
+        let Shown {
+            allocated: snapshot,
+            pending,
+            pending_blocks,
+            traced,
+        } = snapshot_blocks(self.device);
+        // The history: each live block's last event is its allocation, each pending one's its free's request.
+        for (addr, h) in &self.live {
+            assert_eq!(
+                traced.get(addr),
+                Some(&(ALLOC, h.requested)),
+                "{addr:#x}'s last event"
+            );
+        }
+        let last = |action| traced.values().filter(|&&(a, _)| a == action).count();
+        assert_eq!(
+            last(ALLOC),
+            self.live.len(),
+            "blocks whose last event is alloc"
+        );
+        assert_eq!(
+            last(FREE_REQUESTED),
+            pending_blocks,
+            "blocks whose free is not complete"
+        );
         for (addr, h) in &self.live {
             assert_eq!(
                 snapshot.get(addr),
@@ -712,6 +778,7 @@ proptest! {
         let device = NEXT_DEVICE.fetch_add(1, Ordering::Relaxed);
         assert!(device < DEVICES, "more cases than devices");
         let mut model = Model { device, ..Model::default() };
+        assert_eq!(cuvmm_record_history(device, 1 << 20), 0, "{:?}", last_error());
         for op in &ops {
             model.apply(op);
             model.check();
