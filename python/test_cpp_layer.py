@@ -1037,16 +1037,17 @@ for t in threads: t.start()
 for t in threads: t.join()
 if errors: raise errors[0]
 """),
-    ("a tagged tensor dropped while its tag sleeps, freed at the wake", "returned", """
+    ("a tagged tensor dropped while its tag sleeps, its memory free at the wake", "returned", """
 import cuvmm_torch
 with cuvmm_torch.region("dropped"):
     p = alloc(3 << 20)
 cuvmm_torch.sleep("dropped", device=0)
 free(p)
-allocated = lambda: C._cuda_memoryStats(0)["allocated_bytes"]["all"]["current"]
-assert allocated() > 0, "live until the wake"
+stat = lambda key: C._cuda_memoryStats(0)[key]["all"]["current"]
+assert stat("allocated_bytes") == 0, "freed at once, as PyTorch counts a free"
+assert stat("active_bytes") > 0, "its memory waits for the wake"
 cuvmm_torch.wake("dropped", device=0)
-assert allocated() == 0, allocated()
+assert stat("active_bytes") == 0, stat("active_bytes")
 """),
     ("everything given back at the end", "returned", """
 m.empty_cache()
