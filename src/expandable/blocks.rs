@@ -82,7 +82,8 @@ impl Block {
         matches!(self.state, BlockState::Live { .. })
     }
 
-    /// Whether the block is freed but waits for the work of other streams.
+    /// Whether the block is freed but its memory waits: for the work of other streams, for a capture's end,
+    /// or for its tag's wake.
     pub fn is_pending(&self) -> bool {
         matches!(self.state, BlockState::Pending { .. })
     }

@@ -29,9 +29,6 @@ impl<D: Driver> Expandable<D> {
                     let lo = addr.max(start);
                     let hi = (addr + block.size).min(end);
                     let (state, requested_size) = match block.state {
-                        State::Live { requested } => (BlockState::ActiveAllocated, requested),
-                        State::Pending { requested } => (BlockState::ActivePendingFree, requested),
-                        State::Free => (BlockState::Inactive, 0),
                         State::Lent => {
                             if lo > from {
                                 segments.push(segment(seg, device, from, lo, blocks));
@@ -40,6 +37,8 @@ impl<D: Driver> Expandable<D> {
                             from = hi;
                             continue;
                         }
+                        // A free block (the only one `shown` leaves out here) is inactive.
+                        state => shown(state).unwrap_or((BlockState::Inactive, 0)),
                     };
                     blocks.push(SnapshotBlock {
                         address: lo,
@@ -67,20 +66,16 @@ impl<D: Driver> Expandable<D> {
 }
 
 impl<D: Driver> Expandable<D> {
-    /// A sleeping tag's segment as the snapshot shows it: one segment per live or pending block, marked asleep (its
-    /// pages are not mapped, so no run of mapped pages would show it).
+    /// A sleeping tag's segment as the snapshot shows it: one segment per live or pending block (a pending
+    /// one was freed while asleep, its memory waits for the wake), marked asleep: its pages are not mapped,
+    /// so no run of mapped pages would show it.
     fn asleep_segments<'a>(
         &'a self,
         seg: &'a Segment,
         device: usize,
     ) -> impl Iterator<Item = SnapshotSegment> + 'a {
         seg.blocks().filter_map(move |(addr, block)| {
-            let (state, requested_size) = match block.state {
-                State::Live { requested } => (BlockState::ActiveAllocated, requested),
-                // Freed while asleep: its memory waits for the wake.
-                State::Pending { requested } => (BlockState::ActivePendingFree, requested),
-                State::Free | State::Lent => return None,
-            };
+            let (state, requested_size) = shown(block.state)?;
             let blocks = vec![SnapshotBlock {
                 address: addr,
                 size: block.size,
@@ -92,6 +87,16 @@ impl<D: Driver> Expandable<D> {
             out.asleep = true;
             Some(out)
         })
+    }
+}
+
+/// How the snapshot shows a block the program holds or has freed, with its requested bytes: a live block as
+/// allocated, a pending one as freed but still active. `None` for a free or lent block.
+fn shown(state: State) -> Option<(BlockState, u64)> {
+    match state {
+        State::Live { requested } => Some((BlockState::ActiveAllocated, requested)),
+        State::Pending { requested } => Some((BlockState::ActivePendingFree, requested)),
+        State::Free | State::Lent => None,
     }
 }
 
