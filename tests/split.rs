@@ -8,7 +8,7 @@ mod common;
 use common::{begin_capture, expandable_with, pattern};
 use cuvmm::config::Compaction;
 use cuvmm::driver::CaptureMode;
-use cuvmm::driver::sim::SimDriver;
+use cuvmm::driver::sim::{SimConfig, SimDriver};
 use cuvmm::driver::{Driver, Op, StreamId};
 use cuvmm::expandable::Expandable;
 use cuvmm::oom::{StrandedRemedy, Suggestion};
@@ -117,6 +117,49 @@ fn a_request_past_the_budget_splits_stranded_chunks_and_keeps_the_live_bytes() {
     );
     assert_kept(&mut a, &kept);
     free_all(&mut a, [addr].into_iter().chain(kept));
+}
+
+/// A 64-page device shared with another process, an allocator made on it (its budget counts on the whole
+/// device), then the other process taking 32 pages: the driver runs out of memory before the budget is
+/// reached. Returns the allocator and the other process, which holds its pages while it lives.
+fn half_taken_by_another_process(compaction: Compaction) -> (Expandable<SimDriver>, SimDriver) {
+    let config = Config {
+        large_handle: 4 * PAGE,
+        small_size: 1024,
+        ..Config::default()
+    }
+    .with_compaction(compaction);
+    let mut sim = SimDriver::new(
+        SimConfig::default()
+            .with_capacity(64 * PAGE)
+            .with_granularity(PAGE)
+            .with_backing_store(true),
+    );
+    let mut other = sim.another_process();
+    let a = Expandable::new(sim, config).unwrap();
+    for _ in 0..32 {
+        other.create(PAGE).unwrap();
+    }
+    (a, other)
+}
+
+#[test]
+fn a_device_full_before_the_budget_splits_stranded_chunks_too() {
+    // The budget is what was free when the allocator started. On a GPU the device fills up before it
+    // where other processes took memory since, or the driver's own (an H200 behind `cuvmm capacity
+    // --backend cuda`'s ballast ran out a page before the budget, and `compaction:split` never split): the
+    // driver's out-of-memory, not the budget, says memory ran out, and the split must run then too.
+    let (mut a, _other) = half_taken_by_another_process(Compaction::Split);
+    let kept = strand(&mut a);
+    let addr = a.alloc(12 * PAGE, S1).unwrap();
+    a.check_invariants().unwrap();
+    assert_kept(&mut a, &kept);
+    free_all(&mut a, [addr].into_iter().chain(kept));
+    // The default cannot: it runs out, naming the stranded pages and the setting.
+    let (mut a, _other) = half_taken_by_another_process(Compaction::Pressure);
+    strand(&mut a);
+    runs_out_naming_the_stranded_pages(&mut a, StrandedRemedy::Split);
+    a.check_invariants().unwrap();
 }
 
 #[test]

@@ -2,6 +2,12 @@
 //! (idle pages unmapped from wherever they are, or lent); then new handles from the driver, within the
 //! memory limit. On out-of-memory the cache is released and creation retried, once, if the request allows
 //! it ([`Shortage`]).
+//!
+//! The policy reclaims past the budget, which comes from the device's memory when the allocator started.
+//! The device can be full before that, when other processes took memory since (or a ballast, as `cuvmm
+//! capacity --backend cuda` places one): the driver's out-of-memory says so. Then the budget is, for that
+//! request, what is reserved at the failure, and the policy reclaims against it after the cache is released:
+//! under `compaction:split`, stranded chunks are split, as they are past the budget.
 
 use super::{Growth, Parts, Shortage, Supply};
 use crate::driver::{Driver, PhysPage};
@@ -28,13 +34,13 @@ impl Supply {
         // Compaction waits for streams and unmaps: never during a capture.
         if from_pool < count
             && !p.graphs.capturing()
-            && let Err(err) = self.reclaim(p, count - from_pool, out)
+            && let Err(err) = self.reclaim(p, count - from_pool, out, None)
         {
             let obtained: Vec<PhysPage> = out.drain(base..).collect();
             self.put_back(p, obtained);
             return Err(err);
         }
-        let reused = out.len() - base;
+        let mut reused = out.len() - base;
         let mut fresh_handles = Vec::new();
         while out.len() - base < count {
             fresh_handles.clear();
@@ -67,11 +73,25 @@ impl Supply {
                         created = out.len() - base - reused,
                         "cuvmm: out of memory creating a page; releasing the cache and retrying once"
                     );
-                    if let Err(err) = self.release_cache(p) {
+                    // The device is full with this much reserved: the budget for what is still missing.
+                    let full_at = p.books.counters.reserved.current;
+                    let before = out.len();
+                    let missing = count - (out.len() - base);
+                    let released = self.release_cache(p).and_then(|_| {
+                        if p.graphs.capturing() {
+                            return Ok(());
+                        }
+                        self.reclaim(p, missing, out, Some(full_at))
+                    });
+                    if let Err(err) = released {
                         let obtained: Vec<PhysPage> = out.drain(base..).collect();
                         self.put_back(p, obtained);
                         return Err(err);
                     }
+                    // Pages reclaimed now existed already: before the new ones.
+                    let late = out.len() - before;
+                    out[base + reused..].rotate_right(late);
+                    reused += late;
                 }
                 Err(err) => {
                     let obtained: Vec<PhysPage> = out.drain(base..).collect();
@@ -85,13 +105,15 @@ impl Supply {
     }
 
     /// Reclaims idle pages for `count` missing pages as the compaction policy says ([`Policy::reclaim`](
-    /// crate::expandable::compaction::Policy::reclaim)). Single-page handles and lent pages are appended to
-    /// `out`; chunks are released, which makes room to create single pages.
+    /// crate::expandable::compaction::Policy::reclaim)), against the budget, or `full_at` where that is
+    /// less (the reserved bytes at which the driver ran out of memory). Single-page handles and lent pages
+    /// are appended to `out`; chunks are released, which makes room to create single pages.
     fn reclaim<D: Driver>(
         &mut self,
         p: &mut Parts<'_, D>,
         count: usize,
         out: &mut Vec<PhysPage>,
+        full_at: Option<u64>,
     ) -> Result<(), Error> {
         let base = out.len();
         let policies = p.policies;
@@ -100,6 +122,7 @@ impl Supply {
             parts: p,
             out,
             target: base + count,
+            full_at,
             compacting: Compacting::default(),
         };
         let result = policies.compaction.reclaim(&mut reclaiming);
@@ -123,6 +146,8 @@ struct Reclaiming<'s, 'p, 'a, D> {
     out: &'s mut Vec<PhysPage>,
     /// `out`'s length once every missing page is there.
     target: usize,
+    /// The reserved bytes at which the driver ran out of memory, if it did: the budget where less.
+    full_at: Option<u64>,
     compacting: Compacting,
 }
 
@@ -133,7 +158,12 @@ impl<D: Driver> Reclaimer for Reclaiming<'_, '_, '_, D> {
 
     fn growth(&self) -> Growth {
         let reserved = self.parts.books.counters.reserved.current;
-        (self.supply.physical).growth(reserved, self.missing() as u64 * self.supply.page_size)
+        let mut growth =
+            (self.supply.physical).growth(reserved, self.missing() as u64 * self.supply.page_size);
+        if let Some(full_at) = self.full_at {
+            growth.budget = growth.budget.min(full_at);
+        }
+        growth
     }
 
     fn steal(&mut self, count: usize, wait: Wait) -> Result<usize, Error> {
