@@ -502,8 +502,11 @@ def sleep_mode_pool(ctx):
         del busy
         check(lib.sleepy_wake() == 0, "waking the pool failed")
         with torch.no_grad():
-            for p, saved in zip(model.parameters(), offloaded):
-                p.copy_(saved)
+            for param, saved in zip(model.parameters(), offloaded):
+                param.copy_(saved)
+            # The loop's variable would keep the last parameter (a bias in the pool's 2 MiB segment) alive
+            # past `del model`: on an H200 both PyTorch's allocator and cuvmm then left that segment held.
+            del param
             kv_cache.zero_()
             after = model(x).cpu()
         diff = _max_diff(torch, after, before)
