@@ -45,7 +45,7 @@
 #   capacity-cuda every shared trace's min capacity on the GPU (a ballast makes each capacity) and peak
 #                 reserved there, for cuvmm, pytorch-expandable and cuda-async; then the table for
 #                 docs/gpu-results.md from tools/gpu/tables.py ($OUT/capacity-cuda.md). CAPACITY_LIMIT: seconds
-#                 per trace (default 300)
+#                 per trace (default 300); CAPACITY_TRACES: the traces' names, without extension (default all)
 #   capacity-split  the same for cuvmm under compaction:split (issue 43), on three traces ($OUT/capacity-split.md),
 #                 after the two PyTorch cases that move live tensors' pages: release_stranded and
 #                 split_under_limit, each behind a running kernel ($OUT/stranded.jsonl)
@@ -148,6 +148,16 @@ wheel_step() {
     step wheel 120 "$python" tools/cli_check.py "$wheel_venv/bin/cuvmm" --traces "$bin/traces"
 }
 
+# wanted_trace FILE: whether CAPACITY_TRACES (names without their extension, space-separated; default all)
+# names the trace in FILE.
+wanted_trace() {
+    [ -z "${CAPACITY_TRACES:-}" ] && return 0
+    local name
+    name=$(basename "$1")
+    name=${name%%.*}
+    [[ " $CAPACITY_TRACES " == *" $name "* ]]
+}
+
 run_step() {
     case $1 in
     info)
@@ -180,6 +190,7 @@ run_step() {
         # Nothing else may use the GPU meanwhile: a ballast leaves C free at its start, not throughout.
         for trace in "$bin"/traces/*.pickle "$bin"/traces/*.gz; do
             [ -e "$trace" ] || continue
+            wanted_trace "$trace" || continue
             step capacity-cuda "${CAPACITY_LIMIT:-300}" "$bin/cuvmm" capacity --backend cuda --allocator cuvmm \
                 --allocator pytorch-expandable --allocator cuda-async --quiet --format json --trace "$trace"
         done
