@@ -1,6 +1,7 @@
 """Tests of the GPU tools' logic that needs no GPU: tools/train_gpt.py's sequence lengths and fraction search
 (on a fake training run), tools/gpu/fit_latency.py's fit, tools/gpu/tables.py's reader, the `wheel` step's
-verdict (tools/gpu/wheel_reports.py) and tools/cli_check.py's reading of the README.
+verdict (tools/gpu/wheel_reports.py), tools/cli_check.py's reading of the README and tools/gpu/pin_rate.py's
+pieces, arguments, table and answer without a driver.
 
     python3 -m unittest discover -s python -v
 """
@@ -19,6 +20,7 @@ sys.path.insert(0, os.path.join(ROOT, "tools"))
 sys.path.insert(0, os.path.join(ROOT, "tools", "gpu"))
 import cli_check  # noqa: E402
 import fit_latency  # noqa: E402 (tools/ is not a package: on the path first)
+import pin_rate  # noqa: E402
 import tables  # noqa: E402
 import train_gpt  # noqa: E402
 import wheel_reports  # noqa: E402
@@ -206,3 +208,40 @@ class CliCheckReadme(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PinRateTest(unittest.TestCase):
+    def test_pieces_cover_the_bytes_once(self):
+        parts = pin_rate.pieces(10 * pin_rate.MIB + 5, 4 * pin_rate.MIB)
+        self.assertEqual([length for _, length in parts], [4 * pin_rate.MIB, 4 * pin_rate.MIB, 2 * pin_rate.MIB + 5])
+        self.assertEqual([at for at, _ in parts], [0, 4 * pin_rate.MIB, 8 * pin_rate.MIB])
+
+    def test_bad_arguments_are_refused(self):
+        for argv in (["--threads", "0"], ["--threads", "a"], ["--gib", "0"], ["--piece-mib", "-1"], ["--way", "x"]):
+            with redirect_stderr(io.StringIO()), self.assertRaises(SystemExit) as raised:
+                pin_rate.parse_args(argv)
+            self.assertEqual(raised.exception.code, 2, argv)
+        self.assertEqual(pin_rate.parse_args(["--threads", "2,16"]).threads, [2, 16])
+
+    def test_the_table_shows_each_way_and_a_failure(self):
+        ok = {"way": "alloc", "threads": 4, "bytes": 8 * GIB, "pin_s": 4.2, "gbps": 2.05, "copy_gbps": 47.9}
+        failed = {"way": "register-huge", "threads": 8, "bytes": 8 * GIB, "error": "cuMemHostRegister_v2 failed"}
+        text = pin_rate.table([ok, failed])
+        self.assertIn("| alloc | 4 | 8 | - | 4.2 | 2.05 | 47.9 |", text)
+        self.assertIn("| register-huge | 8 | 8 | error: cuMemHostRegister_v2 failed |", text)
+
+    def test_without_a_driver_it_says_so_in_one_line_and_exits_2(self):
+        try:
+            import ctypes
+
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            pass
+        else:
+            self.skipTest("a CUDA driver is here")
+        out = io.StringIO()
+        with redirect_stdout(out):
+            status = pin_rate.main(["--gib", "1"])
+        self.assertEqual(status, 2)
+        self.assertTrue(out.getvalue().startswith("pin_rate: no CUDA driver found: "), out.getvalue())
+        self.assertEqual(out.getvalue().count("\n"), 1)

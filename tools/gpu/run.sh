@@ -33,6 +33,9 @@
 #   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
 #                 cuvmm_torch.cumem), a CUDA graph captured in a tag replayed after five sleeps and wakes, and
 #                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py)
+#   pin-rate      how fast the machine pins host memory: cuMemHostAlloc, and cuMemHostRegister of memory faulted
+#                 in by threads, with and without huge pages, at 1, 4 and 8 threads (tools/gpu/pin_rate.py;
+#                 PIN_RATE_ARGS adds options): what the first sleep with contents costs, and what could pin faster
 #   two-process   an inference and a training process taking turns on the GPU, each sleeping what the other
 #                 needs: time per cycle (tools/two_process_bench.py; TWO_PROCESS_ARGS adds options)
 #   cuda-async    every built-in workload through cuvmm and cuda-async (cuMemAllocAsync's pool) on the GPU
@@ -180,6 +183,7 @@ run_step() {
     sleep-frameworks)
         cpp_layer
         step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ;;
+    pin-rate) step pin-rate 180 python3 tools/gpu/pin_rate.py ${PIN_RATE_ARGS:-} ;;
     two-process)
         cpp_layer
         step two-process 300 python3 tools/two_process_bench.py ${TWO_PROCESS_ARGS:-} ;;
