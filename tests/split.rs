@@ -20,15 +20,19 @@ const PAGE: u64 = 1 << 16;
 const S0: StreamId = StreamId(0);
 const S1: StreamId = StreamId(1);
 
-/// A 32-page device with chunks of 4 pages, `compaction` as given.
-fn allocator(compaction: Compaction) -> Expandable<SimDriver> {
-    let config = Config {
+/// Chunks of 4 pages, `compaction` as given.
+fn config(compaction: Compaction) -> Config {
+    Config {
         large_handle: 4 * PAGE,
         small_size: 1024,
         ..Config::default()
     }
-    .with_compaction(compaction);
-    expandable_with(PAGE, 32, config, true)
+    .with_compaction(compaction)
+}
+
+/// A 32-page device with chunks of 4 pages, `compaction` as given.
+fn allocator(compaction: Compaction) -> Expandable<SimDriver> {
+    expandable_with(PAGE, 32, config(compaction), true)
 }
 
 /// Fills the device with 8 chunks, each kept by a one-page block written with a pattern; returns those
@@ -123,12 +127,6 @@ fn a_request_past_the_budget_splits_stranded_chunks_and_keeps_the_live_bytes() {
 /// device), then the other process taking 32 pages: the driver runs out of memory before the budget is
 /// reached. Returns the allocator and the other process, which holds its pages while it lives.
 fn half_taken_by_another_process(compaction: Compaction) -> (Expandable<SimDriver>, SimDriver) {
-    let config = Config {
-        large_handle: 4 * PAGE,
-        small_size: 1024,
-        ..Config::default()
-    }
-    .with_compaction(compaction);
     let mut sim = SimDriver::new(
         SimConfig::default()
             .with_capacity(64 * PAGE)
@@ -136,7 +134,7 @@ fn half_taken_by_another_process(compaction: Compaction) -> (Expandable<SimDrive
             .with_backing_store(true),
     );
     let mut other = sim.another_process();
-    let a = Expandable::new(sim, config).unwrap();
+    let a = Expandable::new(sim, config(compaction)).unwrap();
     for _ in 0..32 {
         other.create(PAGE).unwrap();
     }
@@ -184,13 +182,7 @@ fn the_default_runs_out_of_memory_and_names_the_stranded_bytes_and_the_setting()
 #[test]
 fn plentiful_memory_makes_pressures_calls_exactly() {
     let run = |compaction| {
-        let config = Config {
-            large_handle: 4 * PAGE,
-            small_size: 1024,
-            ..Config::default()
-        }
-        .with_compaction(compaction);
-        let mut a = expandable_with(PAGE, 4096, config, false);
+        let mut a = expandable_with(PAGE, 4096, config(compaction), false);
         let mut live = Vec::new();
         for i in 0..300u64 {
             let size = ((i * 7919) % 13 + 1) * 3 * PAGE / 2 + (i % 5) * 4096 + 512;
