@@ -16,7 +16,8 @@ use common::{begin_capture, end_capture, holds_pattern, pattern, write_pattern};
 use cuvmm::driver::after_effect::AfterEffect;
 use cuvmm::driver::sim::{COPY_STREAM, FaultKind, SimConfig, SimDriver};
 use cuvmm::driver::{
-    CaptureMode, CopyDirection, CopyPlan, Driver as _, DriverError, HostCopy, Op, VaRange,
+    CaptureMode, CopyDirection, CopyPlan, Driver as _, DriverError, HostCopy, HostPinning, Op,
+    VaRange,
 };
 use cuvmm::expandable::Expandable;
 use cuvmm::strategy::GraphPools;
@@ -67,6 +68,41 @@ fn another_job(a: &mut Expandable<SimDriver>) {
 
 fn host_allocs(a: &Expandable<SimDriver>) -> u64 {
     a.driver().counters().get(Op::HostAlloc)
+}
+
+/// PyTorch's `pinned_*` keys choose how a sleep and a wake pin: the plan the driver gets carries them.
+#[test]
+fn the_pinning_keys_reach_every_copy_job() {
+    for (conf, pinning) in [
+        ("", HostPinning::default()),
+        (
+            "pinned_use_cuda_host_register:False,pinned_num_register_threads:2",
+            HostPinning {
+                register: false,
+                threads: 2,
+            },
+        ),
+    ] {
+        let parsed = Config::from_alloc_conf(conf).unwrap();
+        let mut a = new_alloc(config().with_host_pinning(parsed.host_pinning));
+        let blocks = weights(&mut a);
+        assert_eq!(a.driver().last_copy_pinning(), None);
+        a.sleep("weights", true).unwrap();
+        assert_eq!(
+            a.driver().last_copy_pinning(),
+            Some(pinning),
+            "{conf:?}: sleep"
+        );
+        a.check_invariants().unwrap();
+        a.wake("weights").unwrap();
+        assert_eq!(
+            a.driver().last_copy_pinning(),
+            Some(pinning),
+            "{conf:?}: wake"
+        );
+        assert!(intact(&a, &blocks), "{conf:?}");
+        a.check_invariants().unwrap();
+    }
 }
 
 #[test]
@@ -368,6 +404,7 @@ fn a_copy_jobs_ranges_are_not_unmapped_under_it() {
             piece: 0,
             offset: 8,
         }],
+        pinning: HostPinning::default(),
     };
     let job = d.start_copies(plan.clone()).unwrap();
     assert_eq!(

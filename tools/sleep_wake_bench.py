@@ -12,7 +12,8 @@ the device's free memory (``torch.cuda.mem_get_info``) rose; each cycle's sleep 
 later ones (the first sleep pins the tag's host memory, later ones reuse it: ``keep_host_buffers``); the host
 memory kept for the tag after the last wake (``cuvmm.host_kept_bytes``); and, with contents kept, whether
 every byte read after the last wake is what was written before the first sleep (checked on the GPU).
-``--overwrite`` makes another allocation fill the memory the tag gave back at every cycle, so the bytes come
+Each line also names the configuration (``CUVMM_ALLOC_CONF``: ``pinned_use_cuda_host_register`` and
+``pinned_num_register_threads`` choose how the first sleep pins). ``--overwrite`` makes another allocation fill the memory the tag gave back at every cycle, so the bytes come
 back from the host and not from pages that happened to survive. The tag's host memory is released after its
 size (``cuvmm_torch.release_host_buffers``), so each size's first cycle pins again. A size that does not fit
 in free memory is reported as skipped. Exit status 1 if any check failed.
@@ -77,7 +78,8 @@ def measure(torch, cuvmm, size, keep, value, cycles, overwrite):
     cuvmm.release_host_buffers(tag)
     torch.cuda.empty_cache()
     later = runs[1:] or runs
-    return {"suite": SCHEMA, "bytes": size, "keep": keep, "cycles": runs, "released_bytes": released,
+    return {"suite": SCHEMA, "bytes": size, "keep": keep, "alloc_conf": os.environ.get("CUVMM_ALLOC_CONF", ""),
+            "cycles": runs, "released_bytes": released,
             "free_gain_bytes": free_gain,
             "first_sleep_gbps": runs[0]["sleep_gbps"], "first_wake_gbps": runs[0]["wake_gbps"],
             "later_sleep_gbps": round(statistics.mean(r["sleep_gbps"] or 0 for r in later), 2),

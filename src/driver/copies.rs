@@ -23,7 +23,7 @@
 //! the host, and a copy from the host may have written part of its range.
 
 use super::error::DriverError;
-use super::host_memory::HostMemory;
+use super::host_memory::{HostMemory, HostPinning};
 use super::op::Op;
 use std::fmt;
 
@@ -71,6 +71,8 @@ pub struct CopyPlan {
     pub allocate: Vec<bool>,
     /// The copies, in order of piece, then of offset in it.
     pub copies: Vec<HostCopy>,
+    /// How the pieces the job allocates are pinned.
+    pub pinning: HostPinning,
 }
 
 impl CopyPlan {
@@ -308,6 +310,7 @@ mod tests {
                     offset: 0,
                 },
             ],
+            pinning: HostPinning::default(),
         }
     }
 

@@ -48,6 +48,36 @@ impl HostBytes for Vec<u8> {
     }
 }
 
+/// How a backend pins the host pieces a copy job allocates ([`CopyPlan::pinning`](super::CopyPlan)):
+/// the setting `pinned_use_cuda_host_register` and `pinned_num_register_threads`, with PyTorch's names and
+/// meaning, applied to a sleeping tag's buffers. The simulator only records it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostPinning {
+    /// `true`: ordinary memory, faulted in by the pinning threads, then registered (`cuMemHostRegister`);
+    /// `false`: `cuMemHostAlloc`, which faults in and locks each page inside the driver.
+    pub register: bool,
+    /// How many threads pin a job's pieces ahead of its copies (at least 1).
+    pub threads: usize,
+}
+
+impl HostPinning {
+    /// The threads of the default: enough for the host to fault in pages faster than the link copies
+    /// them, as PyTorch's documentation advises for `pinned_num_register_threads` ("a good value is 8").
+    pub const DEFAULT_THREADS: usize = 8;
+}
+
+impl Default for HostPinning {
+    /// Registered memory, pinned by [`DEFAULT_THREADS`](Self::DEFAULT_THREADS) threads. PyTorch's own
+    /// default is `cudaHostAlloc` from one thread; cuvmm pins gigabytes at once where PyTorch pins a
+    /// tensor, and `cuMemHostAlloc` pins them at a small fraction of the link's speed (docs/DESIGN.md).
+    fn default() -> Self {
+        Self {
+            register: true,
+            threads: Self::DEFAULT_THREADS,
+        }
+    }
+}
+
 /// Host bytes for copies of device memory, owned: freed when dropped.
 pub struct HostMemory(Box<dyn HostBytes>);
 

@@ -31,7 +31,7 @@ pub use capture_probe::CaptureProbe;
 pub use copies::{CopyDirection, CopyJob, CopyOutcome, CopyPlan, CopyRun, HostCopy};
 pub use counters::DriverCounters;
 pub use error::DriverError;
-pub use host_memory::{HostBytes, HostMemory};
+pub use host_memory::{HostBytes, HostMemory, HostPinning};
 pub use op::Op;
 pub use types::{
     CaptureMisuse, CaptureMode, CaptureStatus, EventId, MemInfo, PhysHandle, PhysPage, StreamId,

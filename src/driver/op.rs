@@ -47,8 +47,9 @@ pub enum Op {
     Export,
     /// `cuMemImportFromShareableHandle`: a handle to memory another process exported.
     Import,
-    /// `cuMemHostAlloc`: page-locked host memory that a sleeping tag's bytes are copied to (pinning it is
-    /// the host's work, not the device's, but it is what a sleep's first copies wait for).
+    /// Page-locked host memory that a sleeping tag's bytes are copied to: ordinary memory faulted in and
+    /// registered (`cuMemHostRegister`), or `cuMemHostAlloc` (pinning it is the host's work, not the
+    /// device's, but it is what a sleep's first copies wait for).
     HostAlloc,
 }
 

@@ -14,7 +14,7 @@
 #![deny(unsafe_code)]
 
 use crate::base::size::round_up;
-use crate::driver::{CopyDirection, CopyPlan, DriverError, HostCopy, HostMemory};
+use crate::driver::{CopyDirection, CopyPlan, DriverError, HostCopy, HostMemory, HostPinning};
 
 /// The last piece is the rest of the bytes rounded up to this (4 KiB pages, 16 at a time).
 pub(super) const HOST_ROUND: u64 = 64 << 10;
@@ -135,8 +135,8 @@ type Planned = (CopyPlan, Vec<Option<HostMemory>>);
 /// Why a plan could not be made, and the pieces held, given back.
 type Refused = (DriverError, Vec<HostMemory>);
 
-/// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes, and the pieces to run
-/// it with: those of `held` that are long enough, in order; a missing one, or one too short (put in
+/// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes pinned as `pinning`
+/// says, and the pieces to run it with: those of `held` that are long enough, in order; a missing one, or one too short (put in
 /// `freed`), is allocated by a copy to the host; the held pieces beyond what the blocks need go to `freed`
 /// too, for the caller to free after its lock.
 ///
@@ -146,6 +146,7 @@ pub(super) fn plan(
     direction: CopyDirection,
     blocks: &[(u64, u64)],
     piece: u64,
+    pinning: HostPinning,
     held: Vec<HostMemory>,
     freed: &mut Vec<HostMemory>,
 ) -> Result<Planned, Refused> {
@@ -174,6 +175,7 @@ pub(super) fn plan(
         allocate: pieces.iter().map(Option::is_none).collect(),
         pieces: lens,
         copies: copies(blocks, piece),
+        pinning,
     };
     Ok((plan, pieces))
 }
@@ -230,7 +232,15 @@ mod tests {
             HostMemory::pageable(piece as usize).unwrap(),
         ];
         let mut freed = Vec::new();
-        let (plan, pieces) = plan(CopyDirection::ToHost, &blocks, piece, held, &mut freed).unwrap();
+        let (plan, pieces) = plan(
+            CopyDirection::ToHost,
+            &blocks,
+            piece,
+            HostPinning::default(),
+            held,
+            &mut freed,
+        )
+        .unwrap();
         plan.validate().unwrap();
         assert_eq!(plan.pieces, [piece, piece, HOST_ROUND]);
         assert_eq!(
@@ -248,8 +258,15 @@ mod tests {
         assert_eq!(plan.bytes(), 5 * HOST_ROUND);
         let short = vec![HostMemory::pageable(piece as usize).unwrap()];
         let mut freed = Vec::new();
-        let (err, back) =
-            super::plan(CopyDirection::FromHost, &blocks, piece, short, &mut freed).unwrap_err();
+        let (err, back) = super::plan(
+            CopyDirection::FromHost,
+            &blocks,
+            piece,
+            HostPinning::default(),
+            short,
+            &mut freed,
+        )
+        .unwrap_err();
         assert!(matches!(err, DriverError::CopyPlan { .. }));
         assert_eq!((back.len(), freed.len()), (1, 0), "nothing freed");
     }

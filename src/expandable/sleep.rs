@@ -271,7 +271,14 @@ impl<D: Driver> Expandable<D> {
     ) -> Result<TagCopy, Error> {
         let held = self.tags.lend_host(id);
         let mut freed = Vec::new();
-        let planned = kept::plan(direction, blocks, self.config.sleep_copy, held, &mut freed);
+        let planned = kept::plan(
+            direction,
+            blocks,
+            self.config.sleep_copy,
+            self.config.host_pinning,
+            held,
+            &mut freed,
+        );
         self.tags.free_later(freed);
         let (plan, pieces) = match planned {
             Ok(planned) => planned,

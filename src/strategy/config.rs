@@ -4,6 +4,7 @@
 //! for their values, plus cuvmm's own keys; the parser and the list of keys live in `config/parse.rs`.
 
 use crate::base::size::MIB;
+use crate::driver::HostPinning;
 
 mod parse;
 #[cfg(test)]
@@ -176,6 +177,12 @@ pub struct Config {
     /// enough that a copy runs at the link's speed, small enough that a piece is copied into while the next
     /// is pinned.
     pub sleep_copy: u64,
+    /// How a sleep pins the host memory it copies into (`pinned_use_cuda_host_register`, default True here,
+    /// False in PyTorch; `pinned_num_register_threads`, default 8 here, 1 in PyTorch): ordinary memory
+    /// faulted in by that many threads and registered, or `cuMemHostAlloc` from that many threads. The keys
+    /// are PyTorch's, which its own pinned-memory allocator reads from the same variable with the same
+    /// meaning.
+    pub host_pinning: HostPinning,
 }
 
 /// Bytes per copy of a sleep or a wake, and per piece of kept host memory, unless configured.
@@ -243,6 +250,7 @@ impl Default for Config {
             capture_detection: true,
             keep_host_buffers: true,
             sleep_copy: DEFAULT_SLEEP_COPY,
+            host_pinning: HostPinning::default(),
         }
     }
 }
@@ -307,6 +315,12 @@ impl Config {
     /// ([`sleep_copy`](Self::sleep_copy)).
     pub fn with_sleep_copy(mut self, bytes: u64) -> Self {
         self.sleep_copy = bytes;
+        self
+    }
+
+    /// Sets how a sleep pins its host memory ([`host_pinning`](Self::host_pinning)).
+    pub fn with_host_pinning(mut self, pinning: HostPinning) -> Self {
+        self.host_pinning = pinning;
         self
     }
 

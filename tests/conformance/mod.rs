@@ -36,8 +36,8 @@ use sharing::export_and_import;
 use cuvmm::config::Budget;
 use cuvmm::driver::sim::LeakReport;
 use cuvmm::driver::{
-    CopyDirection, CopyPlan, Driver, DriverError, EventId, HostCopy, Op, PhysHandle, PhysPage,
-    StreamId, VaRange,
+    CopyDirection, CopyPlan, Driver, DriverError, EventId, HostCopy, HostPinning, Op, PhysHandle,
+    PhysPage, StreamId, VaRange,
 };
 use cuvmm::expandable::Expandable;
 use cuvmm::{Config, Error, Strategy as _};
@@ -471,8 +471,9 @@ fn bytes_move_with_handle<D: Subject>(d: &mut D) {
     teardown(d, r, &hs);
 }
 
-/// A copy job to the host and back (a sleep's and a wake's): every byte arrives, in page-locked memory
-/// where the driver has it, and an unmap of a range the job copies is refused until it is over.
+/// A copy job to the host and back (a sleep's and a wake's), pinning each way a configuration can ask
+/// for (registered memory, and `cuMemHostAlloc` from two threads): every byte arrives, in page-locked
+/// memory where the driver has it, and an unmap of a range the job copies is refused until it is over.
 fn copy_jobs<D: Subject>(d: &mut D) {
     let g = d.granularity();
     let (r, hs) = setup(d, 2, 2);
@@ -480,7 +481,6 @@ fn copy_jobs<D: Subject>(d: &mut D) {
         d.map(r.start + i as u64 * g, g, h).expect("map");
     }
     d.set_access(r.start, 2 * g).expect("set_access");
-    d.memset_d8(r.start, 2 * g, 0x33).expect("memset");
     let copies = vec![
         HostCopy {
             va: r.start,
@@ -501,42 +501,58 @@ fn copy_jobs<D: Subject>(d: &mut D) {
             offset: g / 2,
         },
     ];
-    let to_host = CopyPlan {
-        direction: CopyDirection::ToHost,
-        pieces: vec![g, g],
-        allocate: vec![true, true],
-        copies: copies.clone(),
-    };
-    let job = d.start_copies(to_host).expect("start_copies to the host");
-    rejected("unmap under a copy job", d.unmap(r.start, g), |e| {
-        matches!(e, DriverError::UnmapWhileInUse { .. })
-    });
-    let out = job.run(vec![None, None]);
-    out.result.expect("copies to the host");
-    let pieces: Vec<_> = out
-        .pieces
-        .into_iter()
-        .map(|p| p.expect("a piece"))
-        .collect();
-    for piece in &pieces {
-        assert!(
-            piece.as_slice().iter().all(|&b| b == 0x33),
-            "copied to the host"
-        );
+    let ways = [
+        HostPinning::default(),
+        HostPinning {
+            register: false,
+            threads: 2,
+        },
+    ];
+    for (pinning, value) in ways.into_iter().zip([0x33u8, 0x44]) {
+        d.memset_d8(r.start, 2 * g, value).expect("memset");
+        let to_host = CopyPlan {
+            direction: CopyDirection::ToHost,
+            pieces: vec![g, g],
+            allocate: vec![true, true],
+            copies: copies.clone(),
+            pinning,
+        };
+        let job = d.start_copies(to_host).expect("start_copies to the host");
+        rejected("unmap under a copy job", d.unmap(r.start, g), |e| {
+            matches!(e, DriverError::UnmapWhileInUse { .. })
+        });
+        let out = job.run(vec![None, None]);
+        out.result.expect("copies to the host");
+        let pieces: Vec<_> = out
+            .pieces
+            .into_iter()
+            .map(|p| p.expect("a piece"))
+            .collect();
+        for piece in &pieces {
+            assert!(
+                piece.as_slice().iter().all(|&b| b == value),
+                "copied to the host ({pinning:?})"
+            );
+            assert!(
+                piece.is_pinned(),
+                "a piece in pageable memory ({pinning:?})"
+            );
+        }
+        d.memset_d8(r.start, 2 * g, 0).expect("memset");
+        let from_host = CopyPlan {
+            direction: CopyDirection::FromHost,
+            pieces: vec![g, g],
+            allocate: vec![false, false],
+            copies: copies.clone(),
+            pinning,
+        };
+        let job = d
+            .start_copies(from_host)
+            .expect("start_copies from the host");
+        let out = job.run(pieces.into_iter().map(Some).collect());
+        out.result.expect("copies from the host");
+        expect_bytes(d, r.start, 2 * g as usize, value, "copied back");
     }
-    d.memset_d8(r.start, 2 * g, 0).expect("memset");
-    let from_host = CopyPlan {
-        direction: CopyDirection::FromHost,
-        pieces: vec![g, g],
-        allocate: vec![false, false],
-        copies,
-    };
-    let job = d
-        .start_copies(from_host)
-        .expect("start_copies from the host");
-    let out = job.run(pieces.into_iter().map(Some).collect());
-    out.result.expect("copies from the host");
-    expect_bytes(d, r.start, 2 * g as usize, 0x33, "copied back");
     d.unmap(r.start, 2 * g)
         .expect("unmap once the jobs are over");
     teardown(d, r, &hs);

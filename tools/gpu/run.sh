@@ -30,6 +30,9 @@
 #   sleep-wake    sleep and wake of 4 and 16 GiB tagged regions through PyTorch, four cycles each, with and
 #                 without their contents: GB/s of the first cycle and of the later ones, host memory kept,
 #                 bytes given back and intact (tools/sleep_wake_bench.py; SLEEP_WAKE_ARGS replaces the sizes)
+#   sleep-wake-hostalloc  the same, 16 GiB, two cycles, pinned by cuMemHostAlloc as before registration was the
+#                 default (CUVMM_ALLOC_CONF=pinned_use_cuda_host_register:False): the first sleep's two ways
+#                 of pinning, compared in one run
 #   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
 #                 cuvmm_torch.cumem), a CUDA graph captured in a tag replayed after five sleeps and wakes, and
 #                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py)
@@ -180,6 +183,10 @@ run_step() {
     sleep-wake)
         cpp_layer
         step sleep-wake 240 python3 tools/sleep_wake_bench.py ${SLEEP_WAKE_ARGS:---sizes-gib 4,16 --cycles 4} ;;
+    sleep-wake-hostalloc)
+        cpp_layer
+        CUVMM_ALLOC_CONF=pinned_use_cuda_host_register:False step sleep-wake-hostalloc 120 \
+            python3 tools/sleep_wake_bench.py --sizes-gib 16 --cycles 2 ;;
     sleep-frameworks)
         cpp_layer
         step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ;;

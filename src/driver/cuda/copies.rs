@@ -4,10 +4,11 @@
 //! - **The copy stream** is created on the first job (non-blocking: it waits for no other stream, since a
 //!   sleep has waited for the tag's streams already) and destroyed with the last job or memory that needs
 //!   it, after the driver ([`CopyStream`] is shared).
-//! - **Host memory** is pinned piece by piece as the job reaches it, by [`PIN_THREADS`] threads working
-//!   ahead of the copies, so that pinning (the host faulting in and locking pages, slower than the link)
-//!   overlaps the copies already queued. Where pinning fails, a piece is ordinary memory (CUDA then copies
-//!   synchronously, through its staging).
+//! - **Host memory** is pinned piece by piece as the job reaches it, by the plan's threads
+//!   ([`HostPinning`]) working ahead of the copies, so that pinning (the host faulting in and locking pages,
+//!   slower than the link) overlaps the copies already queued and runs on several cores. Each piece is
+//!   registered ordinary memory or `cuMemHostAlloc`'s, as the plan says (`host.rs`). Where pinning fails, a
+//!   piece is ordinary memory (CUDA then copies synchronously, through its staging).
 //! - **Waiting**: an event recorded after the last copy, then `cuEventSynchronize`; if the event cannot be
 //!   recorded, `cuStreamSynchronize` of the copy stream. Host memory a copy may still touch waits for the
 //!   stream itself before it is read, written or freed (`host.rs`), whatever happens to the job.
@@ -21,7 +22,7 @@ use super::errors;
 use super::host::Pinned;
 use super::result;
 use crate::driver::{
-    CopyDirection, CopyRun, DriverCounters, DriverError, HostCopy, HostMemory, Op,
+    CopyDirection, CopyRun, DriverCounters, DriverError, HostCopy, HostMemory, HostPinning, Op,
 };
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::{CudaContext, sys};
@@ -31,9 +32,6 @@ use std::sync::mpsc::{Receiver, channel};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-/// Threads pinning a job's host memory ahead of its copies.
-const PIN_THREADS: usize = 4;
 
 /// Calls and time of copy jobs, shared with the driver, which adds them to its counters.
 #[derive(Debug, Default)]
@@ -83,10 +81,12 @@ impl Guarded {
     }
 }
 
-/// Host pieces pinned ahead of the copies, by up to [`PIN_THREADS`] threads.
+/// Host pieces pinned ahead of the copies, by up to the plan's threads.
 struct Pinning {
     /// The lengths to pin, in the order the job asks for them.
     lens: Vec<usize>,
+    /// How, and by how many threads.
+    how: HostPinning,
     /// The next one the job asks for.
     next: usize,
     results: Option<Receiver<(usize, Result<Pinned, CuError>)>>,
@@ -96,9 +96,10 @@ struct Pinning {
 }
 
 impl Pinning {
-    fn new(lens: Vec<usize>) -> Self {
+    fn new(lens: Vec<usize>, how: HostPinning) -> Self {
         Self {
             lens,
+            how,
             next: 0,
             results: None,
             arrived: HashMap::new(),
@@ -124,7 +125,7 @@ impl Pinning {
                     self.arrived.insert(at, piece);
                 }
                 // The threads ended without it: pin it here.
-                None => return Pinned::unwritten(ctx, self.lens[i]),
+                None => return Pinned::pin(ctx, self.lens[i], self.how),
             }
         }
     }
@@ -132,9 +133,14 @@ impl Pinning {
     fn start(&mut self, ctx: &Arc<CudaContext>) {
         let (send, receive) = channel();
         self.results = Some(receive);
-        let threads = PIN_THREADS.min(self.lens.len());
+        let threads = self.how.threads.clamp(1, self.lens.len().max(1));
         for t in 0..threads {
-            let (send, stop, ctx) = (send.clone(), Arc::clone(&self.stop), Arc::clone(ctx));
+            let (send, stop, ctx, how) = (
+                send.clone(),
+                Arc::clone(&self.stop),
+                Arc::clone(ctx),
+                self.how,
+            );
             let mine: Vec<(usize, usize)> = (self.lens.iter().copied().enumerate())
                 .skip(t)
                 .step_by(threads)
@@ -146,7 +152,7 @@ impl Pinning {
                         if stop.load(Ordering::Relaxed) {
                             break;
                         }
-                        if send.send((i, Pinned::unwritten(&ctx, len))).is_err() {
+                        if send.send((i, Pinned::pin(&ctx, len, how))).is_err() {
                             break;
                         }
                     }
@@ -183,19 +189,19 @@ pub(super) struct CudaCopies {
 }
 
 impl CudaCopies {
-    /// A job on `stream` that pins pieces of `lens` (in the order it asks for them), counting in
-    /// `counters`, whose device ranges stay guarded until it sets `over`.
+    /// A job on `stream` that pins pieces of `lens` (in the order it asks for them) as `how` says,
+    /// counting in `counters`, whose device ranges stay guarded until it sets `over`.
     pub(super) fn new(
         ctx: &Arc<CudaContext>,
         stream: Arc<CopyStream>,
-        lens: Vec<usize>,
+        (lens, how): (Vec<usize>, HostPinning),
         counters: Arc<JobCounters>,
         over: Arc<AtomicBool>,
     ) -> Self {
         Self {
             ctx: Arc::clone(ctx),
             stream,
-            pinning: Pinning::new(lens),
+            pinning: Pinning::new(lens, how),
             event: None,
             counters,
             over,

@@ -1,5 +1,7 @@
-//! Page-locked host memory (`cuMemHostAlloc`): what a sleeping tag's bytes are kept in, so that the copies
-//! of a sleep and a wake run at the link's speed rather than through the driver's pageable staging.
+//! Page-locked host memory: what a sleeping tag's bytes are kept in, so that the copies of a sleep and a
+//! wake run at the link's speed rather than through the driver's pageable staging. It is ordinary memory
+//! faulted in ahead and registered (`cuMemHostRegister`, `host_pages.rs`), or `cuMemHostAlloc`'s, as the
+//! copy plan's [`HostPinning`] says; where registering fails, `cuMemHostAlloc`'s.
 //!
 //! A copy job (`copies.rs`) copies into and out of this memory asynchronously, on the driver's copy stream,
 //! after the call that enqueued the copy has returned. So the memory knows the copies that may still touch
@@ -12,7 +14,8 @@
 use super::calls::keeping_current_context;
 use super::copy_stream::CopyStream;
 use super::errors;
-use crate::driver::HostBytes;
+use super::host_pages::HostPages;
+use crate::driver::{HostBytes, HostPinning};
 use cudarc::driver::DriverError as CuError;
 use cudarc::driver::{CudaContext, sys};
 use std::any::Any;
@@ -21,12 +24,15 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, PoisonError};
 
-/// `len` bytes of page-locked host memory of `ctx`, freed with `cuMemFreeHost` when dropped. It holds the
-/// context (`Some` until the drop), so the memory outlives neither.
+/// `len` bytes of page-locked host memory of `ctx`, given back when dropped: freed with `cuMemFreeHost`,
+/// or unregistered and unmapped. It holds the context (`Some` until the drop), so the memory outlives
+/// neither.
 pub(super) struct Pinned {
     ptr: NonNull<u8>,
     len: usize,
     ctx: Option<Arc<CudaContext>>,
+    /// The registered mapping behind `ptr`; `None` for `cuMemHostAlloc`'s memory.
+    pages: Option<HostPages>,
     /// Which bytes are written, and the copies that may still run.
     state: Mutex<Written>,
 }
@@ -118,10 +124,53 @@ impl Pinned {
             ptr,
             len,
             ctx: Some(Arc::clone(ctx)),
+            pages: None,
             state: Mutex::new(Written {
                 ranges: Some(Vec::new()),
                 pending: None,
             }),
+        })
+    }
+
+    /// `len` (at least 1) bytes of page-locked memory of `ctx` for copies to fill, pinned as `pinning`
+    /// says: registered where it asks for that and the host and driver allow it (else, with one warning per
+    /// process, as below), else `cuMemHostAlloc`'s ([`unwritten`](Self::unwritten)), or that call's error.
+    /// The calling thread's current context is left as it was.
+    pub(super) fn pin(
+        ctx: &Arc<CudaContext>,
+        len: usize,
+        pinning: HostPinning,
+    ) -> Result<Self, cudarc::driver::DriverError> {
+        if pinning.register {
+            match Self::registered(ctx, len) {
+                Ok(pinned) => return Ok(pinned),
+                Err(reason) => warn_once(&reason, len),
+            }
+        }
+        Self::unwritten(ctx, len)
+    }
+
+    /// `len` bytes of ordinary memory faulted in on this thread, then registered with `ctx`
+    /// (`cuMemHostRegister`): zero throughout, since the kernel zeroes the pages it faults in.
+    fn registered(ctx: &Arc<CudaContext>, len: usize) -> Result<Self, NotRegistered> {
+        let pages = HostPages::fault_in(len).map_err(NotRegistered::Map)?;
+        let (ptr, mapped) = (pages.ptr(), pages.len());
+        let registered = keeping_current_context(|| {
+            ctx.bind_to_thread()?;
+            // SAFETY: `ptr .. ptr + mapped` is the mapping `pages` owns, registered once; `Pinned`'s drop
+            // unregisters it before `pages` unmaps it (point 1).
+            unsafe { mem_host_register(ptr.as_ptr().cast(), mapped) }
+        });
+        if let Err(e) = registered {
+            let (code, name) = errors::code_and_name(&e);
+            return Err(NotRegistered::Register { code, name });
+        }
+        Ok(Self {
+            ptr,
+            len,
+            ctx: Some(Arc::clone(ctx)),
+            pages: Some(pages),
+            state: Mutex::new(Written::default()),
         })
     }
 
@@ -234,24 +283,55 @@ impl Drop for Pinned {
                 bytes = self.len,
                 "cuvmm: page-locked memory leaked: its copies may still run"
             );
+            std::mem::forget(self.pages.take());
             return;
         }
         let ptr = self.ptr.as_ptr().cast();
+        let registered = self.pages.is_some();
         // The context is let go inside too: where this was its last holder (a tag asleep when the allocator
         // is dropped, after the driver), cudarc's release makes it current, and the thread gets its own back.
         let freed = keeping_current_context(move || {
             ctx.bind_to_thread()?;
-            // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `ctx` keeps alive, and is
-            // freed once: no borrow of it outlives `self`, and no copy into it is pending (settled above).
-            let freed = unsafe { mem_free_host(ptr) };
+            let freed = if registered {
+                // SAFETY: the pointer was registered in this context, which `ctx` keeps alive, by
+                // `registered`, and is unregistered once: no copy into it is pending (settled above).
+                unsafe { mem_host_unregister(ptr) }
+            } else {
+                // SAFETY: the pointer came from `cuMemHostAlloc` in this context, which `ctx` keeps alive,
+                // and is freed once: no borrow of it outlives `self`, and no copy into it is pending
+                // (settled above).
+                unsafe { mem_free_host(ptr) }
+            };
             drop(ctx);
             freed
         });
         if let Err(e) = freed {
             let (code, name) = errors::code_and_name(&e);
-            tracing::error!(code, %name, bytes = self.len, "cuvmm: cuMemFreeHost failed: the memory leaks");
+            tracing::error!(code, %name, bytes = self.len, "cuvmm: giving back page-locked memory failed: it leaks");
+            // Registered memory the driver may still reach is not unmapped under it.
+            std::mem::forget(self.pages.take());
         }
     }
+}
+
+/// Why host memory could not be registered.
+#[derive(Debug, thiserror::Error)]
+enum NotRegistered {
+    /// The host would not map it.
+    #[error("mmap failed: {0}")]
+    Map(std::io::Error),
+    /// The driver would not register it.
+    #[error("cuMemHostRegister failed: {name} ({code})")]
+    Register { code: u32, name: String },
+}
+
+/// Says, once per process, that registering host memory failed and `cuMemHostAlloc` pins instead: a host
+/// that refuses once (no `mmap` of that size, or a driver that cannot register) refuses every piece.
+fn warn_once(reason: &NotRegistered, len: usize) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(%reason, len, "cuvmm: registering host memory failed; pinning with cuMemHostAlloc instead (said once)");
+    });
 }
 
 /// `len` bytes of page-locked host memory in the current context (`cuMemHostAlloc`, no flags).
@@ -264,6 +344,31 @@ fn mem_host_alloc(len: usize) -> Result<*mut std::ffi::c_void, CuError> {
         sys::cuMemHostAlloc(ptr.as_mut_ptr(), len, 0).result()?;
         Ok(ptr.assume_init())
     }
+}
+
+/// Page-locks `len` bytes of host memory at `ptr` for the current context (`cuMemHostRegister`, no flags),
+/// so that copies reach it at the link's speed.
+///
+/// See [cuMemHostRegister() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1gf0a9fe11544326dabd743b7aa6b54223)
+///
+/// # Safety
+/// 1. `ptr .. ptr + len` is host memory the caller owns, mapped until [`mem_host_unregister`] of `ptr`
+///    has returned, and registered once.
+unsafe fn mem_host_register(ptr: *mut std::ffi::c_void, len: usize) -> Result<(), CuError> {
+    // SAFETY: the range is the caller's memory, which outlives its registration (point 1).
+    unsafe { sys::cuMemHostRegister_v2(ptr, len, 0).result() }
+}
+
+/// Ends the registration of host memory (`cuMemHostUnregister`).
+///
+/// See [cuMemHostUnregister() docs](https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html#group__CUDA__MEM_1g63f450c8125359be87b7623b1c0b2a14)
+///
+/// # Safety
+/// 1. `ptr` was registered by [`mem_host_register`] in the current context, is unregistered once, and no
+///    copy into or out of it is still running.
+unsafe fn mem_host_unregister(ptr: *mut std::ffi::c_void) -> Result<(), CuError> {
+    // SAFETY: the pointer is a live registration that nothing uses any more (point 1).
+    unsafe { sys::cuMemHostUnregister(ptr).result() }
 }
 
 /// Frees page-locked host memory (`cuMemFreeHost`).

@@ -14,8 +14,9 @@
 //! - `calls.rs`: how every call reaches the driver: in the device's primary context, given back to the
 //!   calling thread's own context afterwards, measured, counted, its `CUresult` turned into a `DriverError`;
 //! - `streams.rs`: which CUDA stream a `StreamId` names (the caller's, or a replay's stand-ins);
-//! - `host.rs` and `copies.rs`: page-locked host memory, and copy jobs on the driver's own copy stream
-//!   (a tag's sleep and wake), which run without the driver;
+//! - `host.rs`, `host_pages.rs` and `copies.rs`: page-locked host memory (registered, or
+//!   `cuMemHostAlloc`'s), and copy jobs on the driver's own copy stream (a tag's sleep and wake), which run
+//!   without the driver;
 //! - `open.rs`: opening a device (libcuda and its entry points, the device's virtual-memory support and
 //!   granularities, the peers that may reach its memory);
 //! - `driver.rs`: [`CudaDriver`], the safe type;
@@ -39,6 +40,7 @@ mod give_back;
 #[cfg(test)]
 mod give_back_tests;
 mod host;
+mod host_pages;
 mod ledger;
 mod open;
 mod result;

@@ -56,6 +56,8 @@ pub(super) const SYMBOLS: &[&str] = &[
     "cuMemcpyDtoH_v2",
     "cuMemHostAlloc",
     "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",

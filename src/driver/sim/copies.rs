@@ -18,8 +18,8 @@ use super::store::ByteStore;
 use super::{COPY_STREAM, SimDriver, Span};
 use crate::base::sync::{Arc, AtomicBool, AtomicU64, Mutex};
 use crate::driver::{
-    CopyDirection, CopyJob, CopyPlan, CopyRun, DriverError, HostBytes, HostCopy, HostMemory, Op,
-    VaRange,
+    CopyDirection, CopyJob, CopyPlan, CopyRun, DriverError, HostBytes, HostCopy, HostMemory,
+    HostPinning, Op, VaRange,
 };
 use std::any::Any;
 use std::collections::VecDeque;
@@ -33,12 +33,19 @@ pub(super) struct Copying {
     /// Bytes of host memory the jobs allocated and not freed yet (shared with each piece, which counts
     /// itself out when dropped).
     pinned: Arc<AtomicU64>,
+    /// How the last job asked its pieces to be pinned (the simulator pins every way alike).
+    last_pinning: Option<HostPinning>,
 }
 
 impl Copying {
     /// Bytes of page-locked host memory allocated by copy jobs and not freed yet.
     pub(super) fn pinned_bytes(&self) -> u64 {
         self.pinned.load(Ordering::Acquire)
+    }
+
+    /// How the last job started asked its pieces to be pinned.
+    pub(super) fn last_pinning(&self) -> Option<HostPinning> {
+        self.last_pinning
     }
 
     /// Marks `ranges` in use until the returned flag is set.
@@ -180,6 +187,7 @@ impl SimDriver {
     /// module's documentation).
     pub(super) fn start_copy_job(&mut self, plan: CopyPlan) -> Result<CopyJob, DriverError> {
         plan.validate()?;
+        self.copying.last_pinning = Some(plan.pinning);
         let spans: Vec<Vec<Span>> = (plan.copies.iter())
             .map(|c| self.spans(c.va, c.len))
             .collect::<Result<_, _>>()?;

@@ -96,7 +96,9 @@ pub use latency::{Calibration, LATENCY_MODELS, LATENCY_SOURCES, LATENCY_UNIT_BYT
 pub use report::LeakReport;
 pub use store::Owner;
 
-use super::{CaptureMode, DriverCounters, DriverError, EventId, Op, StreamId, VaRange};
+use super::{
+    CaptureMode, DriverCounters, DriverError, EventId, HostPinning, Op, StreamId, VaRange,
+};
 use crate::base::sync::{Arc, Mutex};
 use capture::Captures;
 use faults::Faults;
@@ -403,6 +405,11 @@ impl SimDriver {
     /// Bytes of page-locked host memory the copy jobs allocated and that is not freed yet.
     pub fn pinned_host_bytes(&self) -> u64 {
         self.copying.pinned_bytes()
+    }
+    /// How the last copy job ([`Driver::start_copies`]) asked its host pieces to be pinned, `None` before
+    /// the first: what the configuration's `pinned_*` keys reach on a GPU.
+    pub fn last_copy_pinning(&self) -> Option<HostPinning> {
+        self.copying.last_pinning()
     }
     /// What the device still holds.
     pub fn leak_report(&self) -> LeakReport {

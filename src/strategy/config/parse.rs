@@ -109,21 +109,16 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             boolean(key, value)?;
             ignored(key, value, "cuvmm does not model CUDA graph capture");
         }
-        "pinned_use_cuda_host_register"
-        | "pinned_use_hip_host_register"
-        | "pinned_use_background_threads" => {
-            boolean(key, value)?;
-            ignored(
-                key,
-                value,
-                "cuvmm has no pinned memory allocator for tensors",
-            );
-        }
+        "pinned_use_cuda_host_register" => config.host_pinning.register = boolean(key, value)?,
         "pinned_num_register_threads" => {
             let n = uint(key, value, EXPECT_THREADS)?;
             if !n.is_power_of_two() || n > PINNED_MAX_REGISTER_THREADS {
                 return Err(bad(EXPECT_THREADS));
             }
+            config.host_pinning.threads = n as usize;
+        }
+        "pinned_use_hip_host_register" | "pinned_use_background_threads" => {
+            boolean(key, value)?;
             ignored(
                 key,
                 value,

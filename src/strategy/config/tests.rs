@@ -209,11 +209,8 @@ fn ignored_pytorch_keys_are_validated() {
         "release_lock_on_cudamalloc:True",
         "release_lock_on_hipmalloc:False",
         "graph_capture_record_stream_reuse:True",
-        "pinned_use_cuda_host_register:True",
         "pinned_use_hip_host_register:False",
         "pinned_use_background_threads:True",
-        "pinned_num_register_threads:8",
-        "pinned_num_register_threads:128",
         "pinned_reserve_segment_size_mb:64",
         "large_segment_size_mb:20",
     ];
@@ -254,6 +251,32 @@ fn ignored_pytorch_keys_are_validated() {
     for (s, key) in bad {
         assert_eq!(bad_key(s), key, "{s}");
     }
+}
+
+#[test]
+fn pytorch_pinning_keys_choose_how_a_sleep_pins() {
+    let default = Config::default().host_pinning;
+    assert!(default.register, "registered memory unless told otherwise");
+    assert_eq!(default.threads, HostPinning::DEFAULT_THREADS);
+    let c = parse("pinned_use_cuda_host_register:False,pinned_num_register_threads:128");
+    assert_eq!(
+        c.host_pinning,
+        HostPinning {
+            register: false,
+            threads: 128
+        }
+    );
+    assert_eq!(
+        parse("pinned_num_register_threads:1").host_pinning,
+        HostPinning {
+            register: true,
+            threads: 1
+        }
+    );
+    assert_eq!(
+        parse("pinned_use_cuda_host_register:True,pinned_num_register_threads:8"),
+        Config::default()
+    );
 }
 
 #[test]
