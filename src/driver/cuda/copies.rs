@@ -194,7 +194,8 @@ impl CudaCopies {
     pub(super) fn new(
         ctx: &Arc<CudaContext>,
         stream: Arc<CopyStream>,
-        (lens, how): (Vec<usize>, HostPinning),
+        lens: Vec<usize>,
+        how: HostPinning,
         counters: Arc<JobCounters>,
         over: Arc<AtomicBool>,
     ) -> Self {

@@ -576,8 +576,8 @@ impl Driver for CudaDriver {
             .copying
             .add(plan.copies.iter().map(|c| (c.va, c.len)).collect());
         let counters = Arc::clone(&self.copy_counters);
-        let pieces = (lens, plan.pinning);
-        let run = CudaCopies::new(&self.calls.ctx, stream, pieces, counters, over);
+        let how = plan.pinning;
+        let run = CudaCopies::new(&self.calls.ctx, stream, lens, how, counters, over);
         Ok(CopyJob::new(plan, Box::new(run)))
     }
 
