@@ -6,11 +6,13 @@ at 48 GB/s: the pinning is the first sleep's cost. This measures the ways of pin
 
     python3 tools/gpu/pin_rate.py [--gib 8] [--piece-mib 64] [--threads 1,4,8]
 
-- `alloc`: `cuMemHostAlloc` of each piece, the pieces shared among T threads (what cuvmm does, T = 4);
+- `alloc`: `cuMemHostAlloc` of each piece, the pieces shared among T threads (what cuvmm did until
+  2026-11-30, T = 4; `pinned_use_cuda_host_register:False` since);
 - `register`: ordinary memory (`mmap`), its pages faulted in by T threads (`memset`), then
   `cuMemHostRegister` of each piece by T threads;
 - `register-huge`: the same, with `madvise(MADV_HUGEPAGE)` before the faults (transparent huge pages: 512
-  times fewer pages to fault in and to lock).
+  times fewer pages to fault in and to lock). cuvmm's default since 2026-11-30 is this way, T = 8, each
+  thread faulting in and registering its own pieces (`src/driver/cuda/host_pages.rs`).
 
 Each way pins --gib GiB in pieces of --piece-mib MiB, timed from its first call to its last piece pinned
 (`fault_s`, the faults alone, for the `register` ways), then copies one piece from the device into the
