@@ -287,6 +287,13 @@ int cuvmm_wake(int device, const char *tag);
  * capture underway). */
 long long cuvmm_release_host_buffers(int device, const char *tag);
 
+/* Copies into `out` the `len` bytes at `ptr` of `device` that a sleeping tag kept in host memory (what that
+ * memory holds again at its wake; torch_memory_saver's `get_cpu_backup`). Returns 1; 0 for memory of no
+ * sleeping tag (awake, untagged, not cuvmm's: its bytes are on the device), `out` untouched; -1 (the
+ * sleep kept no bytes there, or the range is not inside the blocks live at the sleep; another thread's
+ * sleep or wake of the tag under way; a null `out`). The bytes are copied under the allocator's lock. */
+int cuvmm_read_kept(int device, void *ptr, void *out, size_t len);
+
 /* `device`'s tags as a JSON array of {"name", "state" (awake, asleep, sleeping: half way, copying),
  * "live_bytes", "asleep_bytes" (what its wake maps), "bytes_kept", "host_kept_bytes"}; free it with
  * cuvmm_string_free. "[]" for a device cuvmm never allocated on, without opening it. NULL on failure. */

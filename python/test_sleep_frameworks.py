@@ -70,6 +70,33 @@ out["given_back"] = reserved - stat("reserved_bytes.all.current")
 tms.pause()
 out["pause_all"] = tags()
 out["asleep_bytes"] = stat("cuvmm.asleep_bytes")
+import ctypes, types
+class FakeTensor:
+    # What get_cpu_backup uses of a torch.Tensor: a device address, or host bytes of its own.
+    def __init__(self, nbytes, ptr=None):
+        self.nbytes, self.shape, self.is_cuda = nbytes, (nbytes,), ptr is not None
+        self.device = types.SimpleNamespace(index=0 if self.is_cuda else None)
+        self.host = None if self.is_cuda else (ctypes.c_char * nbytes)(*([0x5A] * nbytes))
+        self.ptr = ptr if self.is_cuda else ctypes.addressof(self.host)
+    def is_contiguous(self):
+        return True
+    def data_ptr(self):
+        return self.ptr
+    def new_empty(self, shape, device):
+        assert device == "cpu" and shape == self.shape
+        return FakeTensor(self.nbytes)
+def backup(block, offset=0, nbytes=64):
+    got = tms.get_cpu_backup(FakeTensor(nbytes, block[0] + offset))
+    return None if got is None else [got.is_cuda, len(got.host), got.host.raw.hex()]
+# The simulated device's memory is zeros: the bytes read are the kept zeros, written over the 0x5A.
+out["backup"] = [backup(weights), backup(weights, (16 << 20) - 64), backup(plain)]
+out["backup_refused"] = refused([
+    ("kv_cache", lambda: backup(kv)),
+    ("past_the_end", lambda: backup(weights, (16 << 20) - 8)),
+    ("not_a_tensor", lambda: tms.get_cpu_backup(None)),
+])
+out["read_kept"] = [cuvmm_torch.read_kept(weights[0] + 100, 8).hex(), cuvmm_torch.read_kept(plain[0], 8),
+                    cuvmm_torch.read_kept(weights[0], 0).hex()]
 with tms.region(tag="kv_cache"):
     out["alloc_while_paused"] = lib.cuvmm_malloc(4096, 0, None)
     out["alloc_error"] = cuvmm_torch.last_error()
@@ -77,6 +104,7 @@ tms.resume("kv_cache")
 out["resume_kv"] = tags()
 tms.resume()
 out["resume_all"] = tags()
+out["backup_after_resume"] = backup(weights)
 out["host_kept"] = stat("cuvmm.host_kept_bytes")
 out["retain_default"] = tms.retain_cpu_backup
 tms.retain_cpu_backup = False
@@ -104,7 +132,6 @@ for value in (None, "1", "0", "false", "NO"):
 out["refusals"] = refused([
     ("disk", lambda: tms.region(enable_disk_backup=True).__enter__()),
     ("backend_without_backup", lambda: tms.region(cpu_backup_backend="pinned").__enter__()),
-    ("get_cpu_backup", lambda: tms.get_cpu_backup(None)),
     ("disk_dir", lambda: tms.set_disk_backup_dir("/tmp")),
     ("hook_mode", lambda: setattr(tms, "hook_mode", "ld")),
 ])
@@ -249,6 +276,12 @@ class MemorySaver(unittest.TestCase):
         self.assertEqual(out["resume_kv"]["tms:kv_cache"], ["awake", False])
         self.assertEqual(out["resume_kv"]["tms:default"], ["asleep", False])
         self.assertTrue(all(state == "awake" for state, _ in out["resume_all"].values()))
+        # get_cpu_backup reads a paused tag's kept bytes into a new CPU tensor; None where nothing sleeps.
+        self.assertEqual(out["backup"], [[False, 64, "00" * 64], [False, 64, "00" * 64], None])
+        self.assertEqual(out["backup_refused"], {"kv_cache": "CuvmmError", "past_the_end": "CuvmmError",
+                                                 "not_a_tensor": "ValueError"})
+        self.assertEqual(out["read_kept"], ["00" * 8, None, ""])
+        self.assertIsNone(out["backup_after_resume"])
         # Only the backed-up tag copied bytes: its page-locked memory stays for the next pause.
         self.assertEqual(out["host_kept"], 16 * MIB)
         self.assertTrue(out["retain_default"])
@@ -263,7 +296,7 @@ class MemorySaver(unittest.TestCase):
                                              "'NO'": False})
         self.assertEqual(out["refusals"], {
             "disk": "NotImplementedError", "backend_without_backup": "ValueError",
-            "get_cpu_backup": "NotImplementedError", "disk_dir": "NotImplementedError",
+            "disk_dir": "NotImplementedError",
             "hook_mode": "ValueError"})
         self.assertEqual(out["allocated_after"], 0)
 

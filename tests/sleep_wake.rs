@@ -20,7 +20,7 @@
 
 mod common;
 
-use common::{begin_capture, end_capture, holds_pattern, write_pattern};
+use common::{begin_capture, end_capture, holds_pattern, pattern, write_pattern};
 use cuvmm::strategy::StreamUses;
 #[path = "harness/mapped_events.rs"]
 mod mapped_events;

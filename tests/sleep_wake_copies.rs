@@ -8,7 +8,8 @@
 //!   the next try succeeds;
 //! - memory of a CUDA graph captured inside a tag sleeps and wakes with it, and the graph replays after the
 //!   wake (the simulator refuses a replay whose memory is unmapped);
-//! - a copy job's device ranges are refused to `unmap` until it is over.
+//! - a copy job's device ranges are refused to `unmap` until it is over;
+//! - a sleeping tag's kept bytes are read without waking it (`read_kept`).
 
 mod common;
 
@@ -226,6 +227,73 @@ fn a_tag_that_grows_gets_the_pieces_it_lacks_and_one_that_shrinks_frees_the_rest
     a.check_invariants().unwrap();
 }
 
+/// A sleeping tag's kept bytes are read without waking it (torch_memory_saver's `get_cpu_backup`): a
+/// whole block, a range across two adjacent blocks and across pieces, the same after another job wrote
+/// over the device; memory of no sleeping tag reads as `None`; bytes not kept are `NotKept`; a copy
+/// underway is `TagBusy`.
+#[test]
+fn a_sleeping_tags_kept_bytes_are_read_without_waking_it() {
+    let mut a = new_alloc(config());
+    let blocks = weights(&mut a);
+    let s = StreamId(1);
+    let untagged = a.alloc(PAGE, s).unwrap();
+    let kv = a.alloc_tagged(2 * PAGE, s, "kv").unwrap();
+    let freed = a.alloc_tagged(PAGE, s, "weights").unwrap();
+    a.free(freed).unwrap();
+    let read = |a: &Expandable<SimDriver>, addr: u64, len: u64| {
+        let mut out = vec![0xAB; len as usize];
+        a.read_kept(addr, &mut out).map(|tag| (tag, out))
+    };
+    let (addr0, size0, id0) = blocks[0];
+    assert_eq!(read(&a, addr0, 16).unwrap(), (None, vec![0xAB; 16]));
+    a.sleep("weights", true).unwrap();
+    a.sleep("kv", false).unwrap();
+    another_job(&mut a);
+    a.check_invariants().unwrap();
+    for &(addr, size, id) in &blocks {
+        let (tag, out) = read(&a, addr, size).unwrap();
+        assert_eq!(tag.as_deref(), Some("weights"));
+        assert_eq!(out, pattern(id, size as usize), "block {addr:#x}");
+    }
+    // From the last page of the first block into the second (adjacent: one run), across pieces of three
+    // pages (the first block's fifth page is the second piece's second).
+    let (addr1, _, id1) = blocks[1];
+    assert_eq!(addr0 + size0, addr1, "adjacent");
+    let (_, out) = read(&a, addr1 - PAGE - 3, 2 * PAGE).unwrap();
+    let mut expected = pattern(id0, size0 as usize)[(size0 - PAGE - 3) as usize..].to_vec();
+    expected.extend(&pattern(id1, (PAGE - 3) as usize));
+    assert_eq!(out, expected);
+    assert_eq!(read(&a, untagged, 8).unwrap(), (None, vec![0xAB; 8]));
+    assert_eq!(read(&a, 1 << 50, 8).unwrap().0, None, "not cuvmm's memory");
+    let (last, size, _) = blocks[2];
+    for (addr, len, tag) in [
+        (kv, 8, "kv"),
+        (freed, 8, "weights"),
+        (last + size - 4, 8, "weights"),
+    ] {
+        let err = read(&a, addr, len).unwrap_err();
+        assert!(
+            matches!(&err, Error::NotKept { tag: t, addr: at, len: l } if t == tag && *at == addr && *l == len),
+            "{addr:#x}: {err:?}"
+        );
+    }
+    let Begun::Copy(mut copy) = a.begin_wake("weights").unwrap() else {
+        panic!("the kept bytes are copied back");
+    };
+    assert!(matches!(
+        read(&a, addr0, 8),
+        Err(Error::TagBusy {
+            operation: "read_kept",
+            ..
+        })
+    ));
+    copy.run();
+    a.finish_wake(*copy).unwrap();
+    assert_eq!(read(&a, addr0, 8).unwrap().0, None, "awake: on the device");
+    assert!(intact(&a, &blocks));
+    a.check_invariants().unwrap();
+}
+
 /// What every failure must leave: the tag awake (after a sleep) or asleep with its bytes kept (after a
 /// wake), the books right, and the next try succeeding with every byte.
 fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
@@ -265,6 +333,9 @@ fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
         assert!(a.asleep_tags().is_empty(), "{case}: the tag stays awake");
         assert_eq!(a.stats().reserved_bytes.current, reserved, "{case}");
         assert!(intact(&a), "{case}: its bytes on the device");
+        let mut out = [7u8; 8];
+        assert_eq!(a.read_kept(blocks[0].0, &mut out).unwrap(), None, "{case}");
+        assert_eq!(out, [7; 8], "{case}: nothing read of a tag awake");
         let freed_and_again = a.alloc_tagged(PAGE, s, "weights").unwrap();
         a.free(freed_and_again).unwrap();
         a.driver_mut().clear();
@@ -282,6 +353,16 @@ fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
             Err(Error::TagAsleep { .. })
         ));
         assert!(a.tag_infos()[0].bytes_kept, "{case}: its bytes kept");
+        for (i, &(addr, size)) in blocks.iter().enumerate() {
+            let mut out = vec![0u8; size as usize];
+            let tag = a.read_kept(addr, &mut out).unwrap();
+            assert_eq!(tag.as_deref(), Some("weights"), "{case}");
+            assert_eq!(
+                out,
+                pattern(i as u64, size as usize),
+                "{case}: kept, readable"
+            );
+        }
         a.driver_mut().clear();
         a.driver_mut().inner_mut().clear_faults();
     }

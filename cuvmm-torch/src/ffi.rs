@@ -304,6 +304,37 @@ pub unsafe extern "C" fn cuvmm_release_host_buffers(device: c_int, tag: *const c
     })
 }
 
+/// Copies into `out` the `len` bytes at `ptr` of `device` that a sleeping tag kept in host memory (what
+/// that memory holds again at the wake): 1; 0 for memory of no sleeping tag (its bytes are on the
+/// device), `out` untouched; -1 (the sleep kept no bytes there, a tag being copied, a null `out`).
+///
+/// # Safety
+/// `out` is null (an error unless `len` is 0) or points to `len` writable bytes, not read or written by
+/// anyone else during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_read_kept(
+    device: c_int,
+    ptr: *mut c_void,
+    out: *mut c_void,
+    len: usize,
+) -> c_int {
+    shell("cuvmm_read_kept", -1, || {
+        let out: &mut [u8] = match (out.is_null(), len) {
+            (_, 0) => &mut [],
+            (true, _) => return Err(AbiError::NullArgument { what: "out" }),
+            // SAFETY: `out` is not null, and the caller promises `len` writable bytes that nothing else
+            // touches during the call; the slice does not outlive it.
+            (false, _) => unsafe { std::slice::from_raw_parts_mut(out.cast::<u8>(), len) },
+        };
+        Ok(c_int::from(ops::read_kept(
+            global()?,
+            device,
+            address(ptr),
+            out,
+        )?))
+    })
+}
+
 /// The number of devices cuvmm serves (devices `0..count`), or -1 (no CUDA driver, a bad setting).
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_device_count() -> c_int {

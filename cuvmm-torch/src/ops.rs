@@ -61,6 +61,25 @@ pub fn release_host_buffers(
     Ok(registry.allocator(device)?.release_host_buffers(tag)?)
 }
 
+/// Copies into `out` the bytes at `ptr` on that a sleeping tag of `device` kept in host memory; returns
+/// whether it did (`false`: no sleeping tag's memory, whose bytes are on the device; a device cuvmm never
+/// allocated on has none, and asking does not open it).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the allocator's refusal (the sleep kept no bytes
+/// there, a tag being copied).
+pub fn read_kept(
+    registry: &Registry,
+    device: i32,
+    ptr: u64,
+    out: &mut [u8],
+) -> Result<bool, AbiError> {
+    let Some(allocator) = registry.existing(device)? else {
+        return Ok(false);
+    };
+    Ok(allocator.read_kept(ptr, out)?.is_some())
+}
+
 /// `device`'s tags as a JSON array: each one's name, state, live bytes, the bytes its wake would map,
 /// whether its bytes are kept and the host memory it holds. A device cuvmm never allocated on has none
 /// (`[]`), and asking does not open it: the frameworks' sleep calls ask every device.

@@ -2,7 +2,7 @@
 //! returns null, -1 or nothing with an error for `cuvmm_last_error`, and leaves the allocator usable (its
 //! invariants hold afterwards).
 //!
-//! All tests share the process's registry (31 simulated devices of 8 GiB); each test uses its own device,
+//! All tests share the process's registry (33 simulated devices of 8 GiB); each test uses its own device,
 //! so the statistics one test reads are not moved by another running at the same time.
 //!
 //! Unsafe here only calls the exported functions as C does (reading and freeing the strings they return),
@@ -28,7 +28,7 @@ use std::ffi::{CStr, CString, c_void};
 use std::ptr;
 
 const GIB: u64 = 1 << 30;
-const DEVICES: usize = 31;
+const DEVICES: usize = 33;
 
 fn setup() {
     // Only the first test to run installs it; the others find it there.

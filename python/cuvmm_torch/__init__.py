@@ -20,9 +20,9 @@ warning naming what that path lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, 
 ``dump_snapshot``, ``record_stream`` and the others here answer instead, with PyTorch's key names, on either
 path.
 
-Sleep and wake: ``region``, ``sleep``, ``wake``, ``release_host_buffers`` and ``tags`` here; torch_memory_saver's
-API in :mod:`cuvmm_torch.memory_saver` and vLLM's ``CuMemAllocator`` in :mod:`cuvmm_torch.cumem`, over the same
-tags, for code that switches by changing its import.
+Sleep and wake: ``region``, ``sleep``, ``wake``, ``release_host_buffers``, ``read_kept`` and ``tags`` here;
+torch_memory_saver's API in :mod:`cuvmm_torch.memory_saver` and vLLM's ``CuMemAllocator`` in
+:mod:`cuvmm_torch.cumem`, over the same tags, for code that switches by changing its import.
 
 The library is found, in order: the ``path`` given to :func:`load` or :func:`install`; the
 ``CUVMM_TORCH_LIB`` environment variable; ``libcuvmm_torch.so`` in this package's folder (an installed
@@ -70,6 +70,7 @@ __all__ = [
     "sleep",
     "wake",
     "release_host_buffers",
+    "read_kept",
     "tags",
     "last_error",
 ]
@@ -331,6 +332,7 @@ def _declare(lib):
         "cuvmm_sleep": (ctypes.c_longlong, [c_int, c_char_p, c_int]),
         "cuvmm_wake": (c_int, [c_int, c_char_p]),
         "cuvmm_release_host_buffers": (ctypes.c_longlong, [c_int, c_char_p]),
+        "cuvmm_read_kept": (c_int, [c_int, c_void_p, c_void_p, ctypes.c_size_t]),
         "cuvmm_tags_json": (c_void_p, [c_int]),
         "cuvmm_device_count": (c_int, []),
     }
@@ -610,6 +612,29 @@ def release_host_buffers(tag=None, device=None):
     if freed < 0:
         raise CuvmmError(last_error() or "cuvmm_release_host_buffers failed")
     return freed
+
+
+def read_kept(ptr, size, device=None):
+    """The ``size`` bytes at device address ``ptr`` that a sleeping tag kept in host memory (what that memory
+    holds again at the wake), as a new ``bytearray``, read without waking the tag; ``None`` for memory of no
+    sleeping tag (awake, untagged, not cuvmm's): its bytes are on the device. Raises :class:`CuvmmError`
+    where the tag slept without its bytes (``keep=False``), for a range beyond the allocation, and while
+    another thread's sleep or wake copies them."""
+    if size < 0:
+        raise ValueError(f"size must be at least 0, not {size}")
+    out = bytearray(size)
+    buffer = (ctypes.c_char * size).from_buffer(out) if size else None
+    found = _read_kept_into(_device_index(device), ptr, buffer, size)
+    return out if found else None
+
+
+def _read_kept_into(device, ptr, out, size):
+    """``cuvmm_read_kept`` into ``out`` (an address or a ctypes buffer of ``size`` bytes): whether a
+    sleeping tag's kept bytes were copied there."""
+    status = load().cuvmm_read_kept(device, ptr, out, size)
+    if status < 0:
+        raise CuvmmError(last_error() or "cuvmm_read_kept failed")
+    return status == 1
 
 
 def _tag_devices(name):

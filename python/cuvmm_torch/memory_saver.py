@@ -31,9 +31,11 @@ What differs, or cannot apply:
 - ``retain_cpu_backup`` is True unless set False, or ``TMS_RETAIN_CPU_BACKUP`` says false at import
   (torch_memory_saver's default is False): cuvmm keeps a tag's page-locked memory across cycles, so a second
   pause pins nothing. Set False, each later resume frees it (as torch_memory_saver's, not at once).
-- ``enable_disk_backup``, ``set_disk_backup_dir`` and ``get_cpu_backup`` are not offered
-  (``NotImplementedError``): cuvmm keeps no bytes on disk, and its host memory is in pieces, not one
-  buffer per tensor.
+- ``enable_disk_backup`` and ``set_disk_backup_dir`` are not offered (``NotImplementedError``): cuvmm keeps
+  no bytes on disk.
+- ``get_cpu_backup(x, zero_copy)`` returns a copy whatever ``zero_copy`` says (cuvmm's host memory is in
+  pieces, not a buffer per tensor), the caller's to keep; ``None`` once the tag is resumed, whether or not
+  the backup is retained (the tensor holds the bytes then, and they may have changed since).
 - ``memory_margin_bytes`` is accepted and not applied (cuvmm's own limit is
   ``cuvmm_torch.set_memory_fraction``); a warning says so.
 - ``cuda_graph`` works in either hook mode: the graph's private pool's memory is allocated under the tag
@@ -187,8 +189,18 @@ class TorchMemorySaver:
         TorchMemorySaver._retain = bool(value)
 
     def get_cpu_backup(self, x, zero_copy=False):
-        raise NotImplementedError("cuvmm keeps a paused tag's bytes in page-locked pieces, not one buffer per "
-                                  "tensor: read the tensor after resume()")
+        """The bytes of CUDA tensor ``x`` that its paused tag kept (``enable_cpu_backup=True``), as a new CPU
+        tensor of its shape and dtype, read without resuming it; ``None`` where ``x``'s tag is not paused
+        (or ``x`` is under no tag): ``x`` itself holds the bytes. Raises where the tag was paused without
+        a backup, as torch_memory_saver does. ``zero_copy`` is accepted: the tensor is always a copy, the
+        caller's, valid after the resume (cuvmm's host memory is in pieces, not a buffer per tensor)."""
+        if not getattr(x, "is_cuda", False):
+            raise ValueError(f"get_cpu_backup: a CUDA tensor is needed, not {x!r}")
+        if not x.is_contiguous():
+            raise ValueError("get_cpu_backup: the tensor must be contiguous")
+        out = x.new_empty(x.shape, device="cpu")
+        found = _cuvmm._read_kept_into(x.device.index, x.data_ptr(), out.data_ptr(), x.nbytes)
+        return out if found else None
 
     def set_disk_backup_dir(self, path):
         raise NotImplementedError("cuvmm keeps no bytes on disk")

@@ -127,6 +127,15 @@ impl Device {
         }
     }
 
+    /// The simulated device, if this is one, to change (tests write its memory through it).
+    pub fn as_sim_mut(&mut self) -> Option<&mut SimDriver> {
+        match self {
+            Device::Sim(sim) => Some(sim),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => None,
+        }
+    }
+
     /// Whether driver time is measured (a real device) rather than estimated from a latency model.
     pub fn is_measured(&self) -> bool {
         !matches!(self, Device::Sim(_))

@@ -83,6 +83,48 @@ impl Kept {
     pub(super) fn piece_lens(&self) -> impl Iterator<Item = u64> + '_ {
         self.pieces.iter().map(|p| p.len() as u64)
     }
+
+    /// Copies into `out` the kept bytes from `host` on in the layout of pieces of `piece` bytes
+    /// ([`host_offset`]); `false`, with `out` left as it was, when the pieces hold no bytes or end first.
+    pub(super) fn read(&self, host: u64, piece: u64, out: &mut [u8]) -> bool {
+        // Each piece holds the layout's `piece` bytes from its start (a piece kept from an earlier sleep
+        // may be longer), the last one those left: the layout is whole up to the first short piece.
+        let mut held = 0u64;
+        for p in &self.pieces {
+            let n = (p.len() as u64).min(piece);
+            held += n;
+            if n < piece {
+                break;
+            }
+        }
+        let end = host.checked_add(out.len() as u64);
+        if !self.contents || end.is_none_or(|end| end > held) {
+            return false;
+        }
+        let (mut host, mut done) = (host, 0usize);
+        while done < out.len() {
+            let p = self.pieces[(host / piece) as usize].as_slice();
+            let offset = (host % piece) as usize;
+            let n = (out.len() - done).min(piece as usize - offset);
+            out[done..done + n].copy_from_slice(&p[offset..offset + n]);
+            (host, done) = (host + n as u64, done + n);
+        }
+        true
+    }
+}
+
+/// Where the bytes `[addr, addr + len)` of `blocks` (in address order) lie in their host layout: the
+/// offset from its start, if the range lies inside one run of adjacent blocks.
+pub(super) fn host_offset(blocks: &[(u64, u64)], addr: u64, len: u64) -> Option<u64> {
+    let end = addr.checked_add(len)?;
+    let mut host = 0u64;
+    for (start, size) in runs(blocks) {
+        if (start..start + size).contains(&addr) {
+            return (end <= start + size).then_some(host + (addr - start));
+        }
+        host += size;
+    }
+    None
 }
 
 /// Adjacent blocks `(address, size)` (in address order) merged into runs.

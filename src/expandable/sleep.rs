@@ -240,6 +240,35 @@ impl<D: Driver> Expandable<D> {
         Ok(ids.into_iter().map(|id| self.tags.release_host(id)).sum())
     }
 
+    /// Copies into `out` the bytes `[addr, addr + out.len())` that a sleeping tag kept on the host: what
+    /// that memory will hold again at the wake. Returns the tag's name; `None` for memory of no sleeping
+    /// tag (under a tag awake, under none, or not this allocator's), whose bytes are on the device, with
+    /// `out` left as it was. [`Error::NotKept`] for a sleeping tag's memory whose bytes its sleep did not
+    /// keep (see there); [`Error::TagBusy`] while a sleep or wake copies the tag's bytes.
+    pub fn read_kept(&self, addr: u64, out: &mut [u8]) -> Result<Option<String>, Error> {
+        let Some(id) = (self.segments.slot_of(addr)).and_then(|slot| self.segments.at(slot).tag)
+        else {
+            return Ok(None);
+        };
+        if self.tags.is_awake(id) {
+            return Ok(None);
+        }
+        if self.tags.is_copying(id) {
+            return Err(self.tags.busy_error("read_kept", id));
+        }
+        let len = out.len() as u64;
+        let read = kept::host_offset(self.tags.blocks(id), addr, len)
+            .is_some_and(|host| (self.tags).read_kept(id, host, self.config.sleep_copy, out));
+        if !read {
+            return Err(Error::NotKept {
+                tag: self.tags.name(id).to_owned(),
+                addr,
+                len,
+            });
+        }
+        Ok(Some(self.tags.name(id).to_owned()))
+    }
+
     /// The host memory the tags let go of since the last call (buffers released or replaced, by
     /// [`release_host_buffers`](Self::release_host_buffers), a sleep or a wake's first or last phase), for
     /// the caller to drop after letting go of its lock: freeing page-locked memory may wait for the

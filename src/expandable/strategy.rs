@@ -201,6 +201,10 @@ impl<D: Driver> Tags for Expandable<D> {
         Expandable::release_host_buffers(self, tag)
     }
 
+    fn read_kept(&self, addr: u64, out: &mut [u8]) -> Result<Option<String>, Error> {
+        Expandable::read_kept(self, addr, out)
+    }
+
     fn take_freed_host(&mut self) -> Vec<HostMemory> {
         Expandable::take_freed_host(self)
     }

@@ -248,6 +248,12 @@ impl Tags {
         self.get(id).kept.holds_contents()
     }
 
+    /// Copies into `out` the bytes tag `id` keeps from `host` on in its host layout (`kept.rs`), laid out
+    /// in pieces of `piece` bytes; `false` when it keeps none there.
+    pub(super) fn read_kept(&self, id: TagId, host: u64, piece: u64, out: &mut [u8]) -> bool {
+        self.get(id).kept.read(host, piece, out)
+    }
+
     /// Tag `id`'s host memory, lent to a copy.
     pub(super) fn lend_host(&mut self, id: TagId) -> Vec<HostMemory> {
         self.get_mut(id).kept.lend_pieces()

@@ -73,6 +73,17 @@ impl<S: Strategy + Tags> Allocator<S> {
         self.with_tags(|strategy| strategy.release_host_buffers(tag))
     }
 
+    /// Copies into `out` the bytes from `addr` on that a sleeping tag kept in host memory (what they will
+    /// be again at its wake), and names the tag: a sleeping model's weights read without waking it, as
+    /// torch_memory_saver's `get_cpu_backup` reads them. `None` for memory of no sleeping tag (awake,
+    /// untagged or not cuvmm's: read the device memory itself), `out` untouched. The range must lie inside
+    /// the blocks live when the tag fell asleep, and the sleep must have kept their bytes, else
+    /// [`Error::NotKept`]; [`Error::TagBusy`] while a sleep or wake copies them. The bytes are copied under
+    /// the allocator's lock.
+    pub fn read_kept(&self, addr: u64, out: &mut [u8]) -> Result<Option<String>, Error> {
+        self.with_strategy(|strategy| strategy.read_kept(addr, out))
+    }
+
     /// `f` under the strategy's lock; then, with the lock let go of, frees the host memory the tags let go
     /// of meanwhile ([`Tags::take_freed_host`]): `cuMemFreeHost` may wait for the device, and the threads
     /// that allocate should not wait with it.

@@ -112,6 +112,11 @@ pub trait Tags {
     /// [`take_freed_host`](Tags::take_freed_host) gives it.
     fn release_host_buffers(&mut self, tag: Option<&str>) -> Result<u64, Error>;
 
+    /// Copies into `out` the bytes from `addr` on that a sleeping tag kept on the host, and names the tag;
+    /// `None` for memory of no sleeping tag (its bytes are on the device). [`Error::NotKept`] where the
+    /// sleep kept no bytes, [`Error::TagBusy`] while they are being copied.
+    fn read_kept(&self, addr: u64, out: &mut [u8]) -> Result<Option<String>, Error>;
+
     /// The host memory let go of since the last call (buffers released, or replaced or given up by a
     /// sleep's or a wake's phases), for a caller holding a lock to drop after letting go of it: freeing
     /// page-locked memory may wait for the device. [`sleep`](Tags::sleep) and [`wake`](Tags::wake) free

@@ -97,6 +97,21 @@ pub enum Error {
         /// The tag.
         tag: String,
     },
+    /// [`read_kept`](crate::Allocator::read_kept) of memory of a sleeping tag whose bytes its sleep did not
+    /// keep: it fell asleep without them (`keep` false), or the range is not inside the blocks live when it
+    /// fell asleep. The memory has no bytes until the wake; a tag that keeps them is put to sleep with
+    /// `keep`.
+    #[error(
+        "read_kept: {len} bytes at {addr:#x} are memory of tag {tag:?}, asleep without those bytes kept"
+    )]
+    NotKept {
+        /// The tag.
+        tag: String,
+        /// The address asked for.
+        addr: u64,
+        /// The bytes asked for.
+        len: u64,
+    },
     /// A sleep refused because pages of the tag's memory are lent, mapped a second time elsewhere under
     /// memory pressure: unmapping them would take memory from live allocations of others. Retry once
     /// those allocations are freed (or with `lend_chunk_pages` off).

@@ -254,6 +254,21 @@ fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     assert_eq!(a.driver().capture_refusals(), 0);
     let mut asleep_pages = BTreeSet::new();
     for (&addr, l) in &m.live {
+        // What `read_kept` finds: the block's bytes where its tag sleeps with them kept, `NotKept` where
+        // it sleeps without, the device's (`None`) elsewhere.
+        let mut out = vec![0u8; l.size as usize];
+        match l.tag.map(|t| (t, m.asleep.get(&t))) {
+            Some((t, Some(true))) => {
+                let tag = a.read_kept(addr, &mut out).unwrap();
+                assert_eq!(tag.as_deref(), Some(TAGS[t as usize]));
+                assert_eq!(out, pattern(l.id, l.size as usize), "{addr:#x} kept");
+            }
+            Some((_, Some(false))) => assert!(matches!(
+                a.read_kept(addr, &mut out),
+                Err(Error::NotKept { .. })
+            )),
+            Some((_, None)) | None => assert_eq!(a.read_kept(addr, &mut out).unwrap(), None),
+        }
         if m.asleep(l) {
             if l.tag.is_some_and(|t| m.half.contains(&t)) {
                 continue;

@@ -35,7 +35,8 @@
 #                 of pinning, compared in one run
 #   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
 #                 cuvmm_torch.cumem), a CUDA graph captured in a tag replayed after five sleeps and wakes, and
-#                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py)
+#                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py;
+#                 SLEEP_FRAMEWORKS_ARGS, e.g. --case memory_saver, picks cases)
 #   pin-rate      how fast the machine pins host memory: cuMemHostAlloc, and cuMemHostRegister of memory faulted
 #                 in by threads, with and without huge pages, at 1, 4 and 8 threads (tools/gpu/pin_rate.py;
 #                 PIN_RATE_ARGS adds options): what the first sleep with contents costs, and what could pin faster
@@ -189,7 +190,7 @@ run_step() {
             python3 tools/sleep_wake_bench.py --sizes-gib 16 --cycles 2 ;;
     sleep-frameworks)
         cpp_layer
-        step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ;;
+        step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ${SLEEP_FRAMEWORKS_ARGS:-} ;;
     pin-rate) step pin-rate 180 python3 tools/gpu/pin_rate.py ${PIN_RATE_ARGS:-} ;;
     two-process)
         cpp_layer

@@ -10,8 +10,9 @@ Cases:
   ``region(tag="kv_cache")``, a model's weights in ``region(tag="weights", enable_cpu_backup=True)``, a CUDA
   graph captured with ``torch_memory_saver.cuda_graph(g, tag="graph")`` whose temporaries are large;
   ``pause`` of each tag gives its memory back (free memory rises; the graph's while a replay on another
-  stream still runs), another job uses it and empties the cache, ``resume`` brings
-  it back at the same addresses: the weights' bytes are back, the graph replays with the right result.
+  stream still runs), ``get_cpu_backup`` of a paused weight gives its bytes, another job uses the memory and
+  empties the cache, ``resume`` brings it back at the same addresses: the weights' bytes are back, the graph
+  replays with the right result.
 - ``cumem``: vLLM's ``CuMemAllocator`` (``cuvmm_torch.cumem``): weights in ``use_memory_pool(tag="weights")``,
   a KV cache in ``use_memory_pool(tag="kv_cache")``, a decode graph captured into ``cudagraph_pool()`` (as
   vLLM does with ``sleep_mode_offload_cudagraph``); ``sleep(offload_tags=("weights",))`` (vLLM's level 1),
@@ -88,6 +89,7 @@ def case_memory_saver(torch, cuvmm):
     graph.replay()
     out["replay_before"] = static_output.item()
     addresses = (kv.data_ptr(), model[0].weight.data_ptr())
+    weight_on_host = model[0].weight.detach().cpu()
     torch.cuda.empty_cache()
     free = free_bytes(torch)
     # A replay still running, on a stream the graph was not captured on and cuvmm never saw, when the
@@ -102,18 +104,23 @@ def case_memory_saver(torch, cuvmm):
     out["kv_given_back"] = free_bytes(torch) - free - out["graph_given_back"]
     torch_memory_saver.pause("weights")
     out["all_given_back"] = free_bytes(torch) - free
+    # slime reads a paused model's weights this way, to send them to its inference engine.
+    backup = torch_memory_saver.get_cpu_backup(model[0].weight, zero_copy=True)
+    out["cpu_backup_equal"] = backup is not None and bool(torch.equal(backup, weight_on_host))
     other_job(torch, int(out["all_given_back"] * 0.9))
     began = time.monotonic()
     torch_memory_saver.resume()
     out["resume_s"] = round(time.monotonic() - began, 4)
     out["same_addresses"] = addresses == (kv.data_ptr(), model[0].weight.data_ptr())
     out["weights_intact"] = bool(torch.equal(model(x), expected))
+    out["cpu_backup_after_resume"] = torch_memory_saver.get_cpu_backup(model[0].weight) is not None
     kv[...] = 2
     static_input[...] = 200
     graph.replay()
     out["replay_after"] = static_output.item()
     out["ok"] = (out["replay_before"] == 101 and out["replay_after"] == 202 and out["same_addresses"]
-                 and out["weights_intact"] and out["kv_given_back"] >= 1.9e9 and out["graph_given_back"] >= 3.9e9)
+                 and out["weights_intact"] and out["cpu_backup_equal"] and not out["cpu_backup_after_resume"]
+                 and out["kv_given_back"] >= 1.9e9 and out["graph_given_back"] >= 3.9e9)
     return out
 
 

@@ -302,6 +302,84 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
     check_invariants(device);
 }
 
+/// `cuvmm_read_kept` reads a sleeping tag's kept bytes (torch_memory_saver's `get_cpu_backup`): 1 with the
+/// bytes; 0, `out` untouched, for memory of no sleeping tag and on a device never allocated on; -1 where
+/// the sleep kept none, for a null `out`, and for a device out of range.
+#[test]
+fn a_sleeping_tags_kept_bytes_are_read_through_the_abi() {
+    setup();
+    let (device, unopened) = (31, 32);
+    let (weights_tag, kv_tag) = (
+        CString::new("weights").unwrap(),
+        CString::new("kv").unwrap(),
+    );
+    let tagged = |tag: &CString, size| {
+        // SAFETY: `tag` is a NUL-terminated string valid for the call; NULL clears the tag.
+        assert_eq!(unsafe { cuvmm_set_tag(tag.as_ptr()) }, 0);
+        let ptr = cuvmm_malloc(size, device, stream(3));
+        // SAFETY: as above.
+        assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
+        assert!(!ptr.is_null(), "{:?}", last_error());
+        ptr
+    };
+    let weights = tagged(&weights_tag, 3 << 20);
+    let kv = tagged(&kv_tag, 1 << 20);
+    let untagged = cuvmm_malloc(1 << 20, device, stream(3));
+    let bytes: Vec<u8> = (0..3u32 << 20).map(|i| (i % 251) as u8).collect();
+    global()
+        .unwrap()
+        .allocator(device)
+        .unwrap()
+        .with_strategy(|s| {
+            let sim = s.driver_mut().as_sim_mut().expect("a simulated device");
+            sim.write(weights.expose_provenance() as u64, &bytes)
+                .unwrap();
+        });
+    let read = |device, ptr: *mut c_void, len: usize| {
+        let mut out = vec![0xABu8; len];
+        // SAFETY: `out` has `len` writable bytes, used by nothing else during the call.
+        let status = unsafe { cuvmm_read_kept(device, ptr, out.as_mut_ptr().cast(), len) };
+        (status, out)
+    };
+    assert_eq!(read(device, weights, 16), (0, vec![0xAB; 16]), "awake");
+    // SAFETY: the tags are valid for each call.
+    unsafe {
+        assert!(cuvmm_sleep(device, weights_tag.as_ptr(), 1) > 0);
+        assert!(cuvmm_sleep(device, kv_tag.as_ptr(), 0) > 0);
+    }
+    assert_eq!(read(device, weights, 3 << 20), (1, bytes.clone()));
+    let middle = weights.wrapping_byte_add(1 << 20);
+    assert_eq!(read(device, middle, 100).1, bytes[1 << 20..(1 << 20) + 100]);
+    assert_eq!(read(device, untagged, 8), (0, vec![0xAB; 8]));
+    assert_eq!(
+        read(unopened, weights, 8),
+        (0, vec![0xAB; 8]),
+        "never allocated on"
+    );
+    assert_eq!(read(device, kv, 8).0, -1);
+    assert_failed("kv", "asleep without those bytes kept");
+    assert_eq!(read(device, weights, (3 << 20) + 1).0, -1, "past the block");
+    // SAFETY: a null `out` with bytes to read is refused; with none there is nothing to write.
+    unsafe {
+        assert_eq!(cuvmm_read_kept(device, weights, ptr::null_mut(), 8), -1);
+        assert_failed("null out", "a null out was passed");
+        assert_eq!(cuvmm_read_kept(device, weights, ptr::null_mut(), 0), 1);
+    }
+    assert_eq!(read(DEVICES as i32, weights, 8).0, -1);
+    assert_failed("device", "out of range");
+    // SAFETY: the tags are valid for each call.
+    unsafe {
+        assert_eq!(cuvmm_wake(device, weights_tag.as_ptr()), 0);
+        assert_eq!(cuvmm_wake(device, kv_tag.as_ptr()), 0);
+    }
+    assert_eq!(read(device, weights, 8), (0, vec![0xAB; 8]), "awake again");
+    for (ptr, size) in [(weights, 3 << 20), (kv, 1 << 20), (untagged, 1 << 20)] {
+        cuvmm_free(ptr, size, device, stream(3));
+    }
+    assert!(last_error().is_none());
+    check_invariants(device);
+}
+
 /// The frameworks' sleep calls (torch_memory_saver's `pause`, vLLM's `sleep`) ask every device for its
 /// tags: a device cuvmm never allocated on answers `[]` and is not opened by the asking (on CUDA that would
 /// make a context there); once allocated on, it lists its tags.
