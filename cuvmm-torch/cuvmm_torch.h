@@ -360,6 +360,12 @@ long long cuvmm_private_pool_stats(int device, cuvmm_private_pool_stat *out, siz
  * not an out-of-memory, as PyTorch's would. 0 or -1. */
 int cuvmm_recovered_oom(int device);
 
+/* torch_memory_saver's `memory_margin_bytes`: from now on, on every device (those opened later too), a
+ * request whose new memory would leave fewer than `bytes` free on the device, counting other processes' use,
+ * is served from idle memory or fails with out-of-memory naming the margin; a wake is exempt. 0 keeps no
+ * margin. Returns 0, or -1 when the library could not be set up. */
+int cuvmm_set_device_margin(unsigned long long bytes);
+
 /* torch.cuda.set_per_process_memory_fraction: from now on `device`'s allocator reserves at most `fraction`
  * (0 to 1) of the device's memory; a request past it fails with out-of-memory. Memory reserved above it
  * already is not taken back. 0, or -1 for a fraction outside [0, 1]. */

@@ -123,6 +123,8 @@ class Symbols(unittest.TestCase):
                 "cuvmm_sleep",
                 "cuvmm_wake",
                 "cuvmm_release_host_buffers",
+                "cuvmm_read_kept",
+                "cuvmm_set_device_margin",
                 "cuvmm_tags_json",
                 "cuvmm_device_count",
                 "cuvmm_ipc_share",

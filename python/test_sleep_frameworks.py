@@ -140,6 +140,13 @@ with configure_subprocess():
 for block in (kv, weights, plain, scratch, default):
     free(block)
 out["allocated_after"] = stat("allocated_bytes.all.current")
+# 900 MiB of the 1 GiB device kept free: 200 MiB more cannot be had; with the margin back at 0 it can.
+tms.memory_margin_bytes = 900 << 20
+out["past_margin"] = [lib.cuvmm_malloc(200 << 20, 0, None), "device margin" in (cuvmm_torch.last_error() or "")]
+tms.memory_margin_bytes = 0
+free(malloc(200 << 20))
+out["margin_refusals"] = refused([("get", lambda: tms.memory_margin_bytes),
+                                  ("negative", lambda: setattr(tms, "memory_margin_bytes", -1))])
 print(json.dumps(out))
 """
 
@@ -299,6 +306,8 @@ class MemorySaver(unittest.TestCase):
             "disk_dir": "NotImplementedError",
             "hook_mode": "ValueError"})
         self.assertEqual(out["allocated_after"], 0)
+        self.assertEqual(out["past_margin"], [None, True])
+        self.assertEqual(out["margin_refusals"], {"get": "NotImplementedError", "negative": "ValueError"})
 
 
 class CuMem(unittest.TestCase):

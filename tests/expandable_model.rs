@@ -66,14 +66,28 @@ fn run(
     actions: Vec<Action>,
     compaction: Compaction,
 ) {
+    run_with_margin(granularity, pages, chunk_pages, actions, compaction, 0);
+}
+
+/// [`run`] with `margin_pages` of the device to leave free (`device_margin_mb`): the device is as good as
+/// that much smaller, for what fits and what is reserved.
+fn run_with_margin(
+    granularity: u64,
+    pages: u64,
+    chunk_pages: u64,
+    actions: Vec<Action>,
+    compaction: Compaction,
+    margin_pages: u64,
+) {
     let config = Config {
         small_size: 16 * ROUND,
         large_handle: chunk_pages * granularity,
         ..Config::default()
     }
-    .with_compaction(compaction);
+    .with_compaction(compaction)
+    .with_device_margin(margin_pages * granularity);
     let mut alloc = common::expandable_with(granularity, pages, config, false);
-    let capacity = granularity * pages;
+    let capacity = granularity * (pages - margin_pages);
     let mut model: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
     for action in actions {
         match action {
@@ -215,5 +229,15 @@ proptest! {
     #[test]
     fn chunks_of_four_pages(actions in prop::collection::vec(action(20 << 16), 1..250)) {
         run(1 << 16, 48, 4, actions, Compaction::Pressure);
+    }
+
+    #[test]
+    fn small_pages_with_a_device_margin(actions in prop::collection::vec(action(24 * 4096), 1..250)) {
+        run_with_margin(4096, 64, 1, actions, Compaction::Pressure, 13);
+    }
+
+    #[test]
+    fn chunks_with_a_device_margin(actions in prop::collection::vec(action(20 << 16), 1..250)) {
+        run_with_margin(1 << 16, 48, 4, actions, Compaction::Pressure, 7);
     }
 }

@@ -490,6 +490,16 @@ pub extern "C" fn cuvmm_recovered_oom(device: c_int) -> c_int {
     })
 }
 
+/// Every device's growth for a request leaves `bytes` of it free from now on (0: none); 0, or -1 when the
+/// library could not be set up.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuvmm_set_device_margin(bytes: u64) -> c_int {
+    shell("cuvmm_set_device_margin", -1, || {
+        ops::set_device_margin(global()?, bytes);
+        Ok(0)
+    })
+}
+
 /// Limits `device`'s reserved memory to `fraction` of the device's; 0 on success, -1 on failure.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuvmm_set_memory_fraction(device: c_int, fraction: f64) -> c_int {

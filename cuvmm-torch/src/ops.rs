@@ -393,6 +393,12 @@ pub fn recovered_oom(registry: &Registry, device: i32) -> Result<(), AbiError> {
     Ok(())
 }
 
+/// Sets the bytes of every device that a request's growth leaves free, counting other processes' use
+/// (torch_memory_saver's process-wide `memory_margin_bytes`), from now on, devices opened later included.
+pub fn set_device_margin(registry: &Registry, bytes: u64) {
+    registry.set_device_margin(bytes);
+}
+
 /// Limits what `device`'s allocator may reserve to `fraction` of the device's memory, from now on.
 ///
 /// # Errors

@@ -12,7 +12,7 @@ use cuvmm::expandable::Expandable;
 use cuvmm::size::{GIB, parse_size};
 use cuvmm::{Allocator, Config};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 /// The allocator each device gets.
 pub type TorchAllocator = Allocator<Expandable<Device>>;
@@ -134,6 +134,9 @@ pub struct Registry {
     id: u64,
     settings: Settings,
     slots: Box<[Slot]>,
+    /// Bytes of each device that a request's growth leaves free (`set_device_margin`), for the devices
+    /// built from now on too; `None`: the configuration's.
+    margin: Mutex<Option<u64>>,
 }
 
 /// A device's allocator, once its first naming has built it (or failed to).
@@ -151,6 +154,20 @@ impl Registry {
             id,
             settings,
             slots,
+            margin: Mutex::new(None),
+        }
+    }
+
+    /// Sets the bytes of every device that a request's growth leaves free, counting other processes' use
+    /// ([`Allocator::set_device_margin`]), on the devices built so far and those built later, as
+    /// torch_memory_saver's process-wide `memory_margin_bytes`.
+    pub fn set_device_margin(&self, bytes: u64) {
+        // Held while the built allocators are set, and by the first naming of a device once it is built
+        // (`allocator`), so that a device built meanwhile gets the new margin either way.
+        let mut margin = self.margin.lock().unwrap_or_else(PoisonError::into_inner);
+        *margin = Some(bytes);
+        for (_, allocator) in self.built() {
+            allocator.set_device_margin(bytes);
         }
     }
 
@@ -176,8 +193,21 @@ impl Registry {
     /// allocator could not be built (now or at the first try).
     pub fn allocator(&self, device: i32) -> Result<&TorchAllocator, AbiError> {
         let (ordinal, slot) = self.slot(device)?;
-        let built = slot.get_or_init(|| self.build(ordinal));
-        built.as_ref().map_err(|e| AbiError::Init(e.clone()))
+        let mut fresh = false;
+        let built = slot.get_or_init(|| {
+            fresh = true;
+            self.build(ordinal)
+        });
+        let allocator = built.as_ref().map_err(|e| AbiError::Init(e.clone()))?;
+        if fresh {
+            // After it is in its slot: a margin set before this reads it here, one set after finds the
+            // allocator among those built.
+            let margin = self.margin.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(bytes) = *margin {
+                allocator.set_device_margin(bytes);
+            }
+        }
+        Ok(allocator)
     }
 
     /// The allocator of `device` if it has been built; `None` if the device was never named, and then

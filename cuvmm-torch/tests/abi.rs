@@ -311,3 +311,35 @@ fn free_any_frees_on_the_device_that_handed_the_address_out() {
     assert!(again.to_string().contains("double free"), "{again}");
     cuvmm_torch::ops::free_any(&registry, 0).unwrap();
 }
+
+/// torch_memory_saver's `memory_margin_bytes` is process-wide: `set_device_margin` reaches the devices
+/// built already and those built later, and a request that would cross it fails with an out-of-memory that
+/// names it, on a registry of its own (the margin would reach every test's device here). The C function
+/// only passes it on.
+#[test]
+fn a_device_margin_reaches_every_device_built_before_and_after() {
+    let registry = Registry::new(Settings::sim(GIB, 3));
+    let before = registry.allocator(0).unwrap();
+    cuvmm_torch::ops::set_device_margin(&registry, 600 << 20);
+    for device in [0, 2] {
+        let allocator = registry.allocator(device).unwrap();
+        let err = allocator
+            .alloc_raw(500 << 20, cuvmm::StreamId(1))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("device margin"),
+            "device {device}: {err}"
+        );
+        let p = allocator.alloc_raw(400 << 20, cuvmm::StreamId(1)).unwrap();
+        allocator.free_raw(p).unwrap();
+        allocator.check_invariants().unwrap();
+    }
+    cuvmm_torch::ops::set_device_margin(&registry, 0);
+    let p = before.alloc_raw(900 << 20, cuvmm::StreamId(1)).unwrap();
+    before.free_raw(p).unwrap();
+    let missing = registry.existing(1).unwrap();
+    assert!(missing.is_none(), "setting the margin opens no device");
+    setup();
+    assert_eq!(cuvmm_set_device_margin(0), 0);
+    assert!(last_error().is_none());
+}

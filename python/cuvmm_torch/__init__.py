@@ -65,6 +65,7 @@ __all__ = [
     "reset_peak_stats",
     "reset_accumulated_stats",
     "set_memory_fraction",
+    "set_device_margin",
     "record_history",
     "region",
     "sleep",
@@ -326,6 +327,7 @@ def _declare(lib):
         "cuvmm_reset_peak_stats": (c_int, [c_int]),
         "cuvmm_reset_accumulated_stats": (c_int, [c_int]),
         "cuvmm_set_memory_fraction": (c_int, [c_int, ctypes.c_double]),
+        "cuvmm_set_device_margin": (c_int, [ctypes.c_ulonglong]),
         "cuvmm_memory_fraction": (ctypes.c_double, [c_int]),
         "cuvmm_record_history": (c_int, [c_int, ctypes.c_size_t]),
         "cuvmm_set_tag": (c_int, [c_char_p]),
@@ -549,6 +551,17 @@ def set_memory_fraction(fraction, device=None):
     the device's memory from now on."""
     status = load().cuvmm_set_memory_fraction(_device_index(device), float(fraction))
     _check_status(status, "cuvmm_set_memory_fraction")
+
+
+def set_device_margin(nbytes):
+    """Keeps ``nbytes`` of every device free from now on (devices opened later too; 0: none), counting other
+    processes' use: a request whose new memory would leave less is served from idle memory or fails with
+    ``torch.OutOfMemoryError`` naming the margin. A wake is exempt. torch_memory_saver's
+    ``memory_margin_bytes``; ``CUVMM_ALLOC_CONF=device_margin_mb:N`` sets it at start."""
+    nbytes = operator.index(nbytes)
+    if not 0 <= nbytes < 1 << 64:
+        raise ValueError(f"set_device_margin: {nbytes} is not a number of bytes")
+    _check_status(load().cuvmm_set_device_margin(nbytes), "cuvmm_set_device_margin")
 
 
 def record_history(max_entries=100_000, device=None):

@@ -36,8 +36,9 @@ What differs, or cannot apply:
 - ``get_cpu_backup(x, zero_copy)`` returns a copy whatever ``zero_copy`` says (cuvmm's host memory is in
   pieces, not a buffer per tensor), the caller's to keep; ``None`` once the tag is resumed, whether or not
   the backup is retained (the tensor holds the bytes then, and they may have changed since).
-- ``memory_margin_bytes`` is accepted and not applied (cuvmm's own limit is
-  ``cuvmm_torch.set_memory_fraction``); a warning says so.
+- ``memory_margin_bytes`` (set only, as torch_memory_saver's) keeps that much of the device free, as
+  ``cuvmm_torch.set_device_margin``: for every allocation of the process, where torch_memory_saver keeps it
+  for those inside a region; a resume is exempt in both.
 - ``cuda_graph`` works in either hook mode: the graph's private pool's memory is allocated under the tag
   and sleeps and wakes with it; do not replay the graph while the tag is paused.
 - Allocating under a paused tag is refused (cuvmm's ``TagAsleep``: its addresses are reserved, its memory is
@@ -50,7 +51,6 @@ import contextlib
 import functools
 import os
 import threading
-import warnings
 
 import cuvmm_torch as _cuvmm
 
@@ -176,8 +176,8 @@ class TorchMemorySaver:
 
     @memory_margin_bytes.setter
     def memory_margin_bytes(self, value):
-        warnings.warn(f"cuvmm: memory_margin_bytes={value} is not applied (use "
-                      "cuvmm_torch.set_memory_fraction for a limit)", stacklevel=2)
+        # As torch_memory_saver's, for the whole process; cuvmm keeps it for every allocation.
+        _cuvmm.set_device_margin(value)
 
     @property
     def retain_cpu_backup(self):

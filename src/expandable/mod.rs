@@ -172,6 +172,7 @@ impl<D: Driver> Expandable<D> {
             page_size,
             budget,
             limit,
+            margin: config.device_margin,
             chunk_room,
         };
         Ok(Self {

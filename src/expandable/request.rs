@@ -85,7 +85,7 @@ impl<D: Driver> Expandable<D> {
             tag,
         };
         // Releasing the cache waits and unmaps, which a capture forbids.
-        let mut shortage = Shortage::allowing(!self.graphs.capturing());
+        let mut shortage = Shortage::allowing(!self.graphs.capturing()).keeping_margin();
         let mut result = self.serve(request, &mut shortage);
         let (mut gave_back, mut give_back_error) = (false, None);
         if matches!(&result, Err(Unserved::Backing(err)) if err.is_out_of_memory()) {
@@ -249,6 +249,7 @@ impl<D: Driver> Expandable<D> {
             device_total: info.total,
             device_free: info.free,
             allowed: physical.limit(),
+            margin: physical.margin(),
             allocated: c.allocated.current(),
             reserved: c.reserved.current,
             idle: self.supply.idle_bytes(&self.books),

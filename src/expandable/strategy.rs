@@ -314,4 +314,8 @@ impl<D: Driver> Controls for Expandable<D> {
         let total = self.device_total.max(1) as f64;
         (self.supply.physical().limit()).map(|limit| limit as f64 / total)
     }
+
+    fn set_device_margin(&mut self, bytes: u64) {
+        self.supply.set_margin(bytes);
+    }
 }

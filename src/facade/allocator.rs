@@ -623,6 +623,14 @@ impl<S: Strategy + Controls> Allocator<S> {
         self.shared.strategy.lock().set_memory_fraction(fraction)
     }
 
+    /// Sets the bytes of the device that a request's growth leaves free, counting other processes' use,
+    /// from now on ([`Config::device_margin`](crate::Config::device_margin), torch_memory_saver's
+    /// `memory_margin_bytes`; 0: none): a request that would leave less is served from idle memory or
+    /// fails with out-of-memory. A wake is exempt ([`Controls::set_device_margin`]).
+    pub fn set_device_margin(&self, bytes: u64) {
+        self.shared.strategy.lock().set_device_margin(bytes);
+    }
+
     /// The memory limit as a fraction of the device's memory, `None` without one
     /// ([`Controls::memory_fraction`]).
     pub fn memory_fraction(&self) -> Option<f64> {

@@ -208,6 +208,10 @@ pub trait Controls {
     /// The memory limit as a fraction of the device's memory; `None` when no limit is set.
     fn memory_fraction(&self) -> Option<f64>;
 
+    /// Sets the bytes of the device that a request's growth leaves free, from now on
+    /// ([`Config::device_margin`](crate::Config::device_margin); 0: none). Memory already reserved stays.
+    fn set_device_margin(&mut self, bytes: u64);
+
     /// Gives back the idle pages stranded in multi-page handles that live allocations still touch, under
     /// any compaction policy: each such handle's live part is re-created as single pages at the same
     /// addresses, its bytes moved through host memory after one device synchronization (what

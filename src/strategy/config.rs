@@ -183,6 +183,12 @@ pub struct Config {
     /// are PyTorch's, which its own pinned-memory allocator reads from the same variable with the same
     /// meaning.
     pub host_pinning: HostPinning,
+    /// Bytes of the device that growth leaves free (`device_margin_mb`, default 0: none;
+    /// torch_memory_saver's `memory_margin_bytes`): a request whose new physical memory would leave less
+    /// free on the device, counting other processes' use, is served from idle memory or fails with
+    /// out-of-memory, as on a device that much smaller. A wake, which maps what its tag had, is exempt.
+    /// Changed at run time by [`Allocator::set_device_margin`](crate::Allocator::set_device_margin).
+    pub device_margin: u64,
 }
 
 /// Bytes per copy of a sleep or a wake, and per piece of kept host memory, unless configured.
@@ -251,6 +257,7 @@ impl Default for Config {
             keep_host_buffers: true,
             sleep_copy: DEFAULT_SLEEP_COPY,
             host_pinning: HostPinning::default(),
+            device_margin: 0,
         }
     }
 }
@@ -318,6 +325,12 @@ impl Config {
         self
     }
 
+    /// Sets the bytes of the device that growth leaves free ([`device_margin`](Self::device_margin)).
+    pub fn with_device_margin(mut self, bytes: u64) -> Self {
+        self.device_margin = bytes;
+        self
+    }
+
     /// Sets how a sleep pins its host memory ([`host_pinning`](Self::host_pinning)).
     pub fn with_host_pinning(mut self, pinning: HostPinning) -> Self {
         self.host_pinning = pinning;
@@ -343,7 +356,7 @@ impl Config {
     /// `cross_stream_reuse`, `lend_chunk_pages`, `capture_detection`, `stream_cache_eager` and
     /// `keep_host_buffers` (`True`/`False`), `compaction`, `reserve_budget_mb`,
     /// `reserve_budget_fraction`, `per_process_memory_fraction`, `large_handle_mb`, `large_handle_headroom`,
-    /// `stream_cache_mb`, `sleep_copy_mb`.
+    /// `stream_cache_mb`, `sleep_copy_mb`, `device_margin_mb`.
     ///
     /// # Errors
     /// [`ConfigError::Syntax`] for an entry without a colon, [`ConfigError::UnknownKey`] for a key

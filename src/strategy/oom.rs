@@ -93,6 +93,14 @@ pub enum Suggestion {
         /// Bytes the limit would have to grow by.
         need: u64,
     },
+    /// The device margin ([`Config::device_margin`](crate::Config::device_margin)), not the device, refused
+    /// the request: the device had room, but not beyond the margin.
+    LowerMargin {
+        /// The margin in bytes.
+        margin: u64,
+        /// Bytes the margin would have to shrink by.
+        need: u64,
+    },
     /// Free device memory plus what the allocator holds unallocated would serve the request, but not in
     /// one piece: fragmentation. `remedy` says what setting or allocator avoids it.
     Fragmentation {
@@ -131,6 +139,13 @@ impl fmt::Display for Suggestion {
                 f,
                 "The memory limit of {} refused it: raise the memory fraction by at least {}.",
                 size(allowed),
+                size(need)
+            ),
+            Suggestion::LowerMargin { margin, need } => write!(
+                f,
+                "The device margin of {} kept free refused it: lower device_margin_mb (torch_memory_saver's \
+                 memory_margin_bytes) by at least {}.",
+                size(margin),
                 size(need)
             ),
             Suggestion::Fragmentation {
@@ -193,6 +208,8 @@ pub struct OutOfMemory {
     pub device_free: u64,
     /// The allocator's memory limit, when one is set (PyTorch's memory fraction).
     pub allowed: Option<u64>,
+    /// Bytes of the device that the request's growth had to leave free (the device margin; 0: none).
+    pub margin: u64,
     /// Bytes held by live allocations.
     pub allocated: u64,
     /// Physical bytes held by the allocator (live, cached and idle).
@@ -234,7 +251,8 @@ impl OutOfMemory {
             .saturating_sub(self.reserved)
     }
 
-    /// The one thing to do, from the numbers: a memory limit that refused the request; else, where free
+    /// The one thing to do, from the numbers: a memory limit that refused the request; else a device margin
+    /// that did (the device had room, but not beyond the margin); else, where free
     /// memory plus the idle pages stranded in handles that live allocations touch would hold it, the setting
     /// that gives those back; else fragmentation
     /// if free plus unallocated memory would hold the request; else, with `need` the bytes missing,
@@ -248,6 +266,14 @@ impl OutOfMemory {
                     need: wanted - allowed,
                 };
             }
+        }
+        let beyond_margin = self.device_free.saturating_sub(self.margin);
+        if self.margin > 0 && self.device_free >= self.alloc_size && beyond_margin < self.alloc_size
+        {
+            return Suggestion::LowerMargin {
+                margin: self.margin,
+                need: self.alloc_size - beyond_margin,
+            };
         }
         if let Some(setting) = self.stranded_remedy
             && self.stranded > 0
@@ -308,6 +334,9 @@ impl fmt::Display for OutOfMemory {
         )?;
         if let Some(allowed) = self.allowed {
             write!(f, "{} allowed; ", size(allowed))?;
+        }
+        if self.margin > 0 {
+            write!(f, "{} kept free (device margin); ", size(self.margin))?;
         }
         write!(
             f,

@@ -12,7 +12,7 @@ Cases:
   ``pause`` of each tag gives its memory back (free memory rises; the graph's while a replay on another
   stream still runs), ``get_cpu_backup`` of a paused weight gives its bytes, another job uses the memory and
   empties the cache, ``resume`` brings it back at the same addresses: the weights' bytes are back, the graph
-  replays with the right result.
+  replays with the right result; with ``memory_margin_bytes`` set, 2 GiB past it is refused as out of memory.
 - ``cumem``: vLLM's ``CuMemAllocator`` (``cuvmm_torch.cumem``): weights in ``use_memory_pool(tag="weights")``,
   a KV cache in ``use_memory_pool(tag="kv_cache")``, a decode graph captured into ``cudagraph_pool()`` (as
   vLLM does with ``sleep_mode_offload_cudagraph``); ``sleep(offload_tags=("weights",))`` (vLLM's level 1),
@@ -118,8 +118,20 @@ def case_memory_saver(torch, cuvmm):
     static_input[...] = 200
     graph.replay()
     out["replay_after"] = static_output.item()
+    # slime sets memory_margin_bytes (1 GiB by default): keep all but 1 GiB of what is free now, then ask
+    # for 2 GiB of new memory, refused as PyTorch's out-of-memory that names the margin; then 0 again.
+    torch.cuda.empty_cache()
+    torch_memory_saver.memory_margin_bytes = free_bytes(torch) - GIB
+    try:
+        torch.empty((2 * GIB,), dtype=torch.uint8, device="cuda")
+        out["margin_refused"] = "served"
+    except torch.OutOfMemoryError as error:
+        out["margin_refused"] = "device margin" in str(error)
+    torch_memory_saver.memory_margin_bytes = 0
+    out["after_margin"] = torch.empty((2 * GIB,), dtype=torch.uint8, device="cuda").numel() == 2 * GIB
     out["ok"] = (out["replay_before"] == 101 and out["replay_after"] == 202 and out["same_addresses"]
                  and out["weights_intact"] and out["cpu_backup_equal"] and not out["cpu_backup_after_resume"]
+                 and out["margin_refused"] is True and out["after_margin"]
                  and out["kv_given_back"] >= 1.9e9 and out["graph_given_back"] >= 3.9e9)
     return out
 

@@ -294,6 +294,7 @@ impl<D: Driver> Split<D> {
             device_total: self.device_total,
             device_free,
             allowed: self.allowed_memory_maximum,
+            margin: 0,
             allocated: c.allocated.current(),
             reserved: c.reserved.current(),
             idle: c.reserved.current().saturating_sub(c.allocated.current()),

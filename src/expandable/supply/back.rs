@@ -223,7 +223,15 @@ impl Supply {
                     {
                         break 'runs;
                     }
-                    None => match p.driver.create(bytes) {
+                    None => match self.free_under_margin(p.driver, shortage).and_then(|free| {
+                        match free {
+                            // Past the device margin, as a driver out of memory: single pages are tried.
+                            Some(free) if free.saturating_sub(self.physical.margin()) < bytes => {
+                                Err(self.physical.margin_reached(free, k))
+                            }
+                            _ => p.driver.create(bytes),
+                        }
+                    }) {
                         Ok(handle) => {
                             self.physical.add_chunk(handle);
                             p.books.counters.created += k as u64;

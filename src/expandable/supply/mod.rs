@@ -69,6 +69,9 @@ pub(super) struct Shortage {
     released: bool,
     /// Whether a chunk could not be created, so that single pages were tried instead.
     fell_back: bool,
+    /// Whether new pages must leave the device margin free ([`Config::device_margin`](crate::Config::device_margin)):
+    /// a request's do, a wake's (which maps what its tag had) and a pool's checkpoint's do not.
+    keeps_margin: bool,
 }
 
 impl Shortage {
@@ -78,7 +81,14 @@ impl Shortage {
             may_release,
             released: false,
             fell_back: false,
+            keeps_margin: false,
         }
+    }
+
+    /// This allowance, for a request whose new pages leave the device margin free.
+    pub(super) fn keeping_margin(mut self) -> Self {
+        self.keeps_margin = true;
+        self
     }
 
     /// Whether the cache was released for the request.
@@ -133,6 +143,24 @@ impl Supply {
     /// above the limit.
     pub(super) fn set_limit(&mut self, limit: u64, budget: u64, reserved: u64) {
         self.physical.set_limit(limit, budget, reserved);
+    }
+
+    /// Sets the bytes of the device a request's growth leaves free.
+    pub(super) fn set_margin(&mut self, bytes: u64) {
+        self.physical.set_margin(bytes);
+    }
+
+    /// The bytes free on the device, where the device margin applies to `shortage`'s request (a margin is
+    /// set, and it is a request); `None`, without asking the driver, where it does not.
+    fn free_under_margin<D: Driver>(
+        &self,
+        driver: &mut D,
+        shortage: &Shortage,
+    ) -> Result<Option<u64>, DriverError> {
+        if self.physical.margin() == 0 || !shortage.keeps_margin {
+            return Ok(None);
+        }
+        Ok(Some(driver.mem_info()?.free))
     }
 
     /// Reserved memory against the budget for a growth of `extra` bytes, with `reserved` reserved now.

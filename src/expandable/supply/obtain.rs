@@ -1,6 +1,6 @@
 //! N pages for a request's missing pages: pooled handles first; then what the compaction policy reclaims
 //! (idle pages unmapped from wherever they are, or lent); then new handles from the driver, within the
-//! memory limit. On out-of-memory the cache is released and creation retried, once, if the request allows
+//! memory limit and, for a request, the device margin. On out-of-memory the cache is released and creation retried, once, if the request allows
 //! it ([`Shortage`]).
 //!
 //! The policy reclaims past the budget, which comes from the device's memory when the allocator started.
@@ -45,21 +45,31 @@ impl Supply {
         while out.len() - base < count {
             fresh_handles.clear();
             let wanted = count - (out.len() - base);
-            // Past the memory limit the device is as full as if it were that small.
-            let allowed = self
-                .physical
-                .pages_under_limit(p.books.counters.reserved.current)
-                .min(wanted);
-            let mut created = Ok(());
-            if allowed > 0 {
+            // Past the memory limit, or the device margin, the device is as full as if it were that small.
+            let reserved = p.books.counters.reserved.current;
+            let under_limit = self.physical.pages_under_limit(reserved);
+            let (free, mut created) = match self.free_under_margin(p.driver, shortage) {
+                Ok(free) => (free, Ok(())),
+                Err(err) => (None, Err(err)),
+            };
+            let under_margin = free.map_or(usize::MAX, |free| {
+                let room = free.saturating_sub(self.physical.margin()) / self.page_size;
+                usize::try_from(room).unwrap_or(usize::MAX)
+            });
+            let allowed = under_limit.min(under_margin).min(wanted);
+            if created.is_ok() && allowed > 0 {
                 created = p
                     .driver
                     .create_each(self.page_size, allowed, &mut fresh_handles);
             }
             if created.is_ok() && allowed < wanted {
-                created = Err(self
-                    .physical
-                    .limit_reached(p.books.counters.reserved.current, wanted - allowed));
+                let missing = wanted - allowed;
+                created = Err(match free {
+                    Some(free) if under_margin < under_limit => {
+                        self.physical.margin_reached(free, missing)
+                    }
+                    _ => self.physical.limit_reached(reserved, missing),
+                });
             }
             out.extend(fresh_handles.iter().copied().map(PhysPage::from));
             let fresh = fresh_handles.len() as u64;

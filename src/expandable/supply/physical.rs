@@ -9,7 +9,9 @@
 //!
 //! The memory limit (`per_process_memory_fraction`, [`Config::memory_limit`](crate::Config::memory_limit))
 //! is PyTorch's `set_per_process_memory_fraction` for cuvmm: growth past it is refused as a full device's
-//! would be, so a request is served from idle memory or fails with out-of-memory.
+//! would be, so a request is served from idle memory or fails with out-of-memory. The device margin
+//! ([`Config::device_margin`](crate::Config::device_margin)) does the same where a request's growth would
+//! leave less than it free on the device.
 
 use super::exports::Exports;
 use super::lending::Lending;
@@ -43,6 +45,8 @@ pub(crate) struct Physical {
     /// The bytes reserved when the limit was set below them (`set_per_process_memory_fraction` lowered under
     /// what is held): they stay, as under PyTorch's allocator, and nothing grows until the limit is met.
     held_over_limit: u64,
+    /// Bytes of the device a request's growth leaves free ([`Config::device_margin`](crate::Config::device_margin)).
+    margin: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.
     handle_queue: Vec<PhysPage>,
@@ -77,6 +81,7 @@ pub(crate) struct Setup {
     pub page_size: u64,
     pub budget: u64,
     pub limit: Option<u64>,
+    pub margin: u64,
     /// Chunks the set of chunks has room for up front.
     pub chunk_room: usize,
 }
@@ -93,6 +98,7 @@ impl Physical {
             budget: s.budget,
             limit: s.limit,
             held_over_limit: 0,
+            margin: s.margin,
             handle_queue: Vec::new(),
             unmapped_scratch: Vec::new(),
             exports: Exports::default(),
@@ -120,6 +126,16 @@ impl Physical {
         self.limit = Some(limit);
         self.budget = budget;
         self.held_over_limit = if reserved > limit { reserved } else { 0 };
+    }
+
+    /// The bytes of the device a request's growth leaves free.
+    pub(crate) fn margin(&self) -> u64 {
+        self.margin
+    }
+
+    /// Sets the bytes of the device a request's growth leaves free.
+    pub(crate) fn set_margin(&mut self, bytes: u64) {
+        self.margin = bytes;
     }
 
     /// Where reserving `extra` more bytes, with `reserved` reserved now, stands against the budget.
@@ -151,6 +167,16 @@ impl Physical {
             op: Op::Create,
             requested: pages as u64 * self.page_size,
             free: limit.saturating_sub(reserved),
+        }
+    }
+
+    /// The out-of-memory error of creating `pages` pages past the device margin, with `free` bytes free
+    /// on the device: what the driver would say of a device smaller by the margin.
+    pub(crate) fn margin_reached(&self, free: u64, pages: usize) -> DriverError {
+        DriverError::OutOfMemory {
+            op: Op::Create,
+            requested: pages as u64 * self.page_size,
+            free: free.saturating_sub(self.margin),
         }
     }
 

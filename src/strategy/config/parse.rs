@@ -28,6 +28,7 @@ const EXPECT_BACKEND: &str =
     "native (cuvmm does not model PyTorch's cudaMallocAsync backend; leave `backend` out)";
 pub(super) const EXPECT_SLEEP_COPY: &str =
     "a whole number of MiB of at least 1 (a multiple of 4 KiB, set in code)";
+const EXPECT_MARGIN: &str = "a whole number of MiB (0 keeps no margin)";
 const EXPECT_STREAM_CACHE: &str = "a whole number of MiB (0 turns the stream caches off)";
 const EXPECT_IDLE: &str =
     "a whole number of MiB that fits in 64 bits once in bytes, or `unlimited`";
@@ -151,6 +152,10 @@ fn apply(config: &mut Config, key: &str, value: &str) -> Result<(), ConfigError>
             config.sleep_copy = (mib.checked_mul(MIB))
                 .filter(|&b| b > 0)
                 .ok_or_else(|| bad(EXPECT_SLEEP_COPY))?;
+        }
+        "device_margin_mb" => {
+            let mib = uint(key, value, EXPECT_MARGIN)?;
+            config.device_margin = mib.checked_mul(MIB).ok_or_else(|| bad(EXPECT_MARGIN))?;
         }
         "stream_cache_eager" => config.stream_cache_eager = Some(boolean(key, value)?),
         "compaction" => {

@@ -124,6 +124,35 @@ fn a_memory_fraction_is_reported_as_pytorch_does() {
 }
 
 #[test]
+fn a_device_margin_that_refused_the_request_is_named_with_what_to_lower() {
+    // 40 MiB free, 30 MiB asked for, 16 MiB to keep free: the margin, not the device, refused it.
+    let kept = OutOfMemory {
+        device_free: 40 * MIB,
+        margin: 16 * MIB,
+        ..oom("cuvmm")
+    };
+    let text = kept.to_string();
+    assert!(
+        text.contains("of which 40.00 MiB is free. 16.00 MiB kept free (device margin); "),
+        "{text}"
+    );
+    assert_eq!(
+        kept.suggestion(),
+        Suggestion::LowerMargin {
+            margin: 16 * MIB,
+            need: 6 * MIB
+        }
+    );
+    assert!(text.ends_with("lower device_margin_mb (torch_memory_saver's memory_margin_bytes) by at least 6.00 MiB."), "{text}");
+    // A device too full for the request even without the margin is not the margin's doing.
+    let full = OutOfMemory {
+        device_free: 20 * MIB,
+        ..kept
+    };
+    assert!(!matches!(full.suggestion(), Suggestion::LowerMargin { .. }));
+}
+
+#[test]
 fn a_stranded_remedy_sets_what_its_name_says() {
     for (remedy, conf) in [
         (StrandedRemedy::Split, "compaction:split"),
