@@ -69,8 +69,9 @@ pub(super) struct Shortage {
     released: bool,
     /// Whether a chunk could not be created, so that single pages were tried instead.
     fell_back: bool,
-    /// Whether new pages must leave the device margin free ([`Config::device_margin`](crate::Config::device_margin)):
-    /// a request's do, a wake's (which maps what its tag had) and a pool's checkpoint's do not.
+    /// Whether new pages must leave the device margin free
+    /// ([`Config::device_margin`](crate::Config::device_margin)): a request's do, a wake's (which maps what
+    /// its tag had) and a pool's checkpoint's do not.
     keeps_margin: bool,
 }
 

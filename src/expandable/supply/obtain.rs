@@ -1,7 +1,7 @@
 //! N pages for a request's missing pages: pooled handles first; then what the compaction policy reclaims
 //! (idle pages unmapped from wherever they are, or lent); then new handles from the driver, within the
-//! memory limit and, for a request, the device margin. On out-of-memory the cache is released and creation retried, once, if the request allows
-//! it ([`Shortage`]).
+//! memory limit and, for a request, the device margin. On out-of-memory the cache is released and creation
+//! retried, once, if the request allows it ([`Shortage`]).
 //!
 //! The policy reclaims past the budget, which comes from the device's memory when the allocator started.
 //! The device can be full before that, when other processes took memory since (or a ballast, as `cuvmm

@@ -45,7 +45,8 @@ pub(crate) struct Physical {
     /// The bytes reserved when the limit was set below them (`set_per_process_memory_fraction` lowered under
     /// what is held): they stay, as under PyTorch's allocator, and nothing grows until the limit is met.
     held_over_limit: u64,
-    /// Bytes of the device a request's growth leaves free ([`Config::device_margin`](crate::Config::device_margin)).
+    /// Bytes of the device a request's growth leaves free
+    /// ([`Config::device_margin`](crate::Config::device_margin)).
     margin: u64,
     /// The handles of the request being backed with pages; kept between requests so its buffer is reused.
     /// Empty outside `back_with_pages`: a handle is never only here.

@@ -143,7 +143,9 @@ fn a_device_margin_that_refused_the_request_is_named_with_what_to_lower() {
             need: 6 * MIB
         }
     );
-    assert!(text.ends_with("lower device_margin_mb (torch_memory_saver's memory_margin_bytes) by at least 6.00 MiB."), "{text}");
+    let remedy =
+        "lower device_margin_mb (torch_memory_saver's memory_margin_bytes) by at least 6.00 MiB.";
+    assert!(text.ends_with(remedy), "{text}");
     // A device too full for the request even without the margin is not the margin's doing.
     let full = OutOfMemory {
         device_free: 20 * MIB,
