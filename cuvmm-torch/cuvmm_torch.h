@@ -282,6 +282,15 @@ long long cuvmm_sleep(int device, const char *tag, int keep);
  * copy: the tag stays asleep with its bytes kept and a later wake finishes). */
 int cuvmm_wake(int device, const char *tag);
 
+/* Pins now the page-locked host memory the next cuvmm_sleep of `tag` of `device` with its bytes kept
+ * copies into, so that sleep pins nothing and copies at the link's speed from its first cycle (a wake keeps
+ * the memory for the next sleep anyway). Call it once the tag's memory is allocated (a model loaded). The
+ * pinning runs without the allocator's lock: other threads allocate meanwhile and the tag stays awake. Returns
+ * the bytes pinned: 0 for a tag asleep, never used, with nothing live or holding enough already, another
+ * thread's preparation of it under way, a device cuvmm never allocated on (not opened); -1 (a capture
+ * underway, a NULL tag, host memory that could not be pinned: what was pinned is kept). */
+long long cuvmm_prepare_sleep(int device, const char *tag);
+
 /* Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s, or every tag's for
  * NULL); never the bytes a sleeping tag keeps. Returns the bytes freed, or -1 (a tag being copied, a
  * capture underway). */

@@ -122,6 +122,7 @@ class Symbols(unittest.TestCase):
                 "cuvmm_set_tag",
                 "cuvmm_sleep",
                 "cuvmm_wake",
+                "cuvmm_prepare_sleep",
                 "cuvmm_release_host_buffers",
                 "cuvmm_read_kept",
                 "cuvmm_set_device_margin",

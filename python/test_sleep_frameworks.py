@@ -63,8 +63,11 @@ with tms.region(tag="weights"):
     scratch = malloc(8 << 20)
 with tms.region():
     default = malloc(2 << 20)
+out["prepared"] = [tms.prepare_pause("weights"), tms.prepare_pause("weights"), tms.prepare_pause("kv_cache"),
+                   stat("cuvmm.host_kept_bytes"), tags()["tms-backup:weights"]]
 reserved = stat("reserved_bytes.all.current")
 tms.pause("weights")
+out["host_kept_paused"] = stat("cuvmm.host_kept_bytes")
 out["pause_weights"] = tags()
 out["given_back"] = reserved - stat("reserved_bytes.all.current")
 tms.pause()
@@ -272,6 +275,9 @@ class MemorySaver(unittest.TestCase):
         out = run(MEMORY_SAVER)
         self.assertTrue(out["enabled"])
         # A tag with and without its CPU backup are two of cuvmm's tags; pause(tag) sleeps both.
+        # cuvmm's prepare_pause pins the backed-up tag's memory ahead, once; the pause copies into it.
+        self.assertEqual(out["prepared"], [16 * MIB, 0, 0, 16 * MIB, ["awake", False]])
+        self.assertEqual(out["host_kept_paused"], 16 * MIB)
         self.assertEqual(out["pause_weights"]["tms-backup:weights"], ["asleep", True])
         self.assertEqual(out["pause_weights"]["tms:weights"], ["asleep", False])
         self.assertEqual(out["pause_weights"]["tms:kv_cache"], ["awake", False])

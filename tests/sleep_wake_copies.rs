@@ -9,7 +9,9 @@
 //! - memory of a CUDA graph captured inside a tag sleeps and wakes with it, and the graph replays after the
 //!   wake (the simulator refuses a replay whose memory is unmapped);
 //! - a copy job's device ranges are refused to `unmap` until it is over;
-//! - a sleeping tag's kept bytes are read without waking it (`read_kept`).
+//! - a sleeping tag's kept bytes are read without waking it (`read_kept`);
+//! - `prepare_sleep` pins a tag's host memory ahead of its first sleep, which then pins nothing, and a
+//!   preparation that fails, or that a sleep overtakes, loses nothing.
 
 mod common;
 
@@ -227,6 +229,160 @@ fn a_tag_that_grows_gets_the_pieces_it_lacks_and_one_that_shrinks_frees_the_rest
     a.check_invariants().unwrap();
 }
 
+/// `prepare_sleep` pins the host memory the first sleep would, ahead of it, and copies nothing: the first
+/// sleep then pins nothing, a second preparation has nothing to do, a tag that grew gets only the pieces
+/// it lacks, and a tag asleep, never named, with nothing live or during a capture gets none.
+#[test]
+fn a_prepared_first_sleep_pins_nothing() {
+    let mut a = new_alloc(config());
+    let mut blocks = weights(&mut a);
+    let copies = |a: &Expandable<SimDriver>| a.driver().counters().get(Op::CopyToHost);
+    assert_eq!(a.prepare_sleep("nobody").unwrap(), 0, "never named");
+    a.alloc_tagged(PAGE, StreamId(1), "empty")
+        .map(|addr| a.free(addr))
+        .unwrap()
+        .unwrap();
+    assert_eq!(a.prepare_sleep("empty").unwrap(), 0, "nothing live");
+    assert_eq!(host_allocs(&a), 0);
+
+    assert_eq!(a.prepare_sleep("weights").unwrap(), 5 * PIECE);
+    assert_eq!((host_allocs(&a), copies(&a)), (5, 0), "pinned, not copied");
+    assert_eq!(a.stats().host_kept_bytes, 5 * PIECE);
+    assert_eq!(a.tag_infos()[0].state, "awake");
+    a.check_invariants().unwrap();
+    assert_eq!(a.prepare_sleep("weights").unwrap(), 0, "held already");
+    assert_eq!(host_allocs(&a), 5);
+
+    a.sleep("weights", true).unwrap();
+    assert_eq!(host_allocs(&a), 5, "the first sleep pins nothing");
+    assert_eq!(a.stats().host_kept_bytes, 5 * PIECE);
+    assert_eq!(a.prepare_sleep("weights").unwrap(), 0, "asleep");
+    another_job(&mut a);
+    a.wake("weights").unwrap();
+    assert!(intact(&a, &blocks));
+
+    // 16 pages and 512 bytes: one piece more.
+    let more = a.alloc_tagged(2 * PAGE, StreamId(1), "weights").unwrap();
+    write_pattern(&mut a, more, 20, 2 * PAGE);
+    blocks.push((more, 2 * PAGE, 20));
+    assert_eq!(a.prepare_sleep("weights").unwrap(), PIECE);
+    assert_eq!(host_allocs(&a), 6);
+    a.sleep("weights", true).unwrap();
+    assert_eq!(host_allocs(&a), 6);
+    a.wake("weights").unwrap();
+    assert!(intact(&a, &blocks));
+
+    let pool = GraphPool(1, 0);
+    begin_capture(&mut a, StreamId(3), pool, CaptureMode::ThreadLocal);
+    a.release_host_buffers(None).unwrap_err();
+    assert!(matches!(
+        a.prepare_sleep("weights"),
+        Err(Error::CaptureUnderway {
+            operation: "prepare_sleep"
+        })
+    ));
+    end_capture(&mut a, StreamId(3), pool);
+    a.release_pool(pool).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// A preparation runs without the allocator's lock (its phases): meanwhile the tag counts the memory
+/// being pinned, allocates, and may fall asleep, which pins its own pieces and leaves the preparation's
+/// to be freed; a second preparation has nothing to do.
+#[test]
+fn a_sleep_during_a_preparation_pins_its_own_and_the_preparations_are_freed() {
+    let mut a = new_alloc(config());
+    let blocks = weights(&mut a);
+    let Begun::Copy(mut pinning) = a.begin_prepare_sleep("weights").unwrap() else {
+        panic!("five pieces to pin");
+    };
+    assert_eq!(pinning.pinned_bytes(), 5 * PIECE);
+    assert_eq!(a.stats().host_kept_bytes, 5 * PIECE, "counted while pinned");
+    assert!(matches!(
+        a.begin_prepare_sleep("weights"),
+        Ok(Begun::Done(0))
+    ));
+    let other = a.alloc_tagged(PAGE, StreamId(1), "weights").unwrap();
+    a.free(other).unwrap();
+    a.check_invariants().unwrap();
+
+    a.sleep("weights", true).unwrap();
+    pinning.run();
+    assert_eq!(a.finish_prepare_sleep(*pinning).unwrap(), 0, "not kept");
+    assert_eq!(a.stats().host_kept_bytes, 5 * PIECE, "the sleep's pieces");
+    drop(a.take_freed_host());
+    assert_eq!(
+        a.driver().pinned_host_bytes(),
+        5 * PIECE,
+        "the others freed"
+    );
+    a.check_invariants().unwrap();
+    another_job(&mut a);
+    a.wake("weights").unwrap();
+    assert!(intact(&a, &blocks));
+
+    // Finished while the tag is awake, the pieces are its buffers.
+    a.release_host_buffers(None).unwrap();
+    drop(a.take_freed_host());
+    let Begun::Copy(mut pinning) = a.begin_prepare_sleep("weights").unwrap() else {
+        panic!("five pieces to pin");
+    };
+    pinning.run();
+    assert_eq!(a.finish_prepare_sleep(*pinning).unwrap(), 5 * PIECE);
+    let before = host_allocs(&a);
+    a.sleep("weights", true).unwrap();
+    assert_eq!(host_allocs(&a), before);
+    a.wake("weights").unwrap();
+    assert!(intact(&a, &blocks));
+    a.check_invariants().unwrap();
+}
+
+/// A preparation that fails (pinning the first or a later piece, the event, the wait; also after its
+/// effect) loses nothing: the tag stays awake with its bytes, keeps the pieces pinned before the
+/// failure, and its sleep pins the rest.
+#[test]
+fn a_failed_preparation_keeps_what_it_pinned() {
+    for (op, n) in [
+        (Op::HostAlloc, 1),
+        (Op::HostAlloc, 3),
+        (Op::RecordEvent, 1),
+        (Op::Synchronize, 1),
+    ] {
+        for after_effect in [false, true] {
+            let case = format!("{op} {n} (after its effect: {after_effect})");
+            let mut a = failing_alloc();
+            let addr = a.alloc_tagged(15 * PAGE, StreamId(1), "weights").unwrap();
+            let bytes = pattern(1, 15 * PAGE as usize);
+            a.driver_mut().inner_mut().write(addr, &bytes).unwrap();
+            match after_effect {
+                true => a.driver_mut().fail_nth_after_effect(op, n),
+                false => (a.driver_mut().inner_mut()).fail_nth(op, n, FaultKind::Error),
+            }
+            let err = a.prepare_sleep("weights").unwrap_err();
+            assert!(matches!(err, Error::Driver(_)), "{case}: {err:?}");
+            a.check_invariants().unwrap();
+            assert_eq!(a.tag_infos()[0].state, "awake", "{case}");
+            let pinned = a.driver().inner().counters().get(Op::HostAlloc);
+            let kept = a.stats().host_kept_bytes;
+            // A failed pinning (also one whose memory was made, then freed) ends the job there.
+            let whole = if op == Op::HostAlloc { n - 1 } else { 5 };
+            assert_eq!(kept, whole * PIECE, "{case}: what it pinned, kept");
+            a.driver_mut().clear();
+            a.driver_mut().inner_mut().clear_faults();
+            a.sleep("weights", true).unwrap();
+            let again = a.driver().inner().counters().get(Op::HostAlloc) - pinned;
+            assert_eq!(again, 5 - whole, "{case}: the sleep pins the rest");
+            a.wake("weights").unwrap();
+            assert_eq!(
+                a.driver().inner().read(addr, bytes.len()).unwrap(),
+                bytes,
+                "{case}"
+            );
+            a.check_invariants().unwrap();
+        }
+    }
+}
+
 /// A sleeping tag's kept bytes are read without waking it (torch_memory_saver's `get_cpu_backup`): a
 /// whole block, a range across two adjacent blocks and across pieces, the same after another job wrote
 /// over the device; memory of no sleeping tag reads as `None`; bytes not kept are `NotKept`; a copy
@@ -294,16 +450,21 @@ fn a_sleeping_tags_kept_bytes_are_read_without_waking_it() {
     a.check_invariants().unwrap();
 }
 
-/// What every failure must leave: the tag awake (after a sleep) or asleep with its bytes kept (after a
-/// wake), the books right, and the next try succeeding with every byte.
-fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
+/// An allocator whose driver can fail a call, or a step after its effect (`AfterEffect`).
+fn failing_alloc() -> Expandable<AfterEffect<SimDriver>> {
     let sim = SimDriver::new(
         SimConfig::default()
             .with_capacity(PAGE * PAGES)
             .with_granularity(PAGE)
             .with_backing_store(true),
     );
-    let mut a = Expandable::new(AfterEffect::new(sim), config()).unwrap();
+    Expandable::new(AfterEffect::new(sim), config()).unwrap()
+}
+
+/// What every failure must leave: the tag awake (after a sleep) or asleep with its bytes kept (after a
+/// wake), the books right, and the next try succeeding with every byte.
+fn fails_and_recovers((waking, op, n): (bool, Op, u64), after_effect: bool) {
+    let mut a = failing_alloc();
     let s = StreamId(1);
     let sizes = [5 * PAGE, 2 * PAGE + 100, 7 * PAGE];
     let blocks: Vec<(u64, u64)> = (sizes.iter())
@@ -514,7 +675,7 @@ fn a_copy_jobs_ranges_are_not_unmapped_under_it() {
 /// The rates the simulator's latency model gives a sleep and a wake of 256 MiB kept, under the H100 model:
 /// an estimate of the link's speed (25 GB/s assumed for a pinned copy, 4 GB/s for pinning), printed with
 /// `cargo test --test sleep_wake_copies estimated -- --nocapture`. The first sleep pins its pieces, later
-/// ones reuse them, so a later sleep is estimated faster.
+/// ones reuse them, so a later sleep is estimated faster; so is a first sleep after `prepare_sleep`.
 #[test]
 fn estimated_rates_under_the_h100_model() {
     const MIB: u64 = 1 << 20;
@@ -546,8 +707,24 @@ fn estimated_rates_under_the_h100_model() {
         );
         rates.push((gbps(t1 - t0), gbps(t2 - t1)));
     }
+    // Pinned ahead (`prepare_sleep`), a first sleep copies as fast as a later one.
+    a.release_host_buffers(None).unwrap();
+    drop(a.take_freed_host());
+    let t0 = ns(&a);
+    a.prepare_sleep("weights").unwrap();
+    let t1 = ns(&a);
+    a.sleep("weights", true).unwrap();
+    let t2 = ns(&a);
+    let prepared = size as f64 / (t2 - t1) as f64;
+    println!(
+        "prepared: pinning {:.1} ms, then the first sleep {:.1} ms ({prepared:.1} GB/s) (H100 model, an estimate)",
+        (t1 - t0) as f64 / 1e6,
+        (t2 - t1) as f64 / 1e6,
+    );
+    a.wake("weights").unwrap();
     let bytes = a.driver().read(weights, size as usize).unwrap();
     assert!(bytes.iter().all(|&b| b == 3));
     assert!(rates[1].0 > 2.0 * rates[0].0, "{rates:?}");
     assert!(rates[1].0 > 20.0 && rates[1].1 > 20.0, "{rates:?}");
+    assert!(prepared > 2.0 * rates[0].0, "{prepared} {rates:?}");
 }

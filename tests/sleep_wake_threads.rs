@@ -262,6 +262,36 @@ fn other_threads_allocate_while_a_sleep_copies_and_what_concerns_the_tag_is_refu
     a.check_invariants().unwrap();
 }
 
+/// With `job` (a sleep or a preparation on another thread) held at the gate: a pool may not begin now, and
+/// one announced on a third thread begins only once the gate lets the job go on; then the pool is ended
+/// and released. Returns the job's result.
+fn a_pool_waits_for(a: &Alloc, gate: &Gate, job: JoinHandle<Result<u64, Error>>) -> u64 {
+    assert!(matches!(
+        a.with_strategy(|st| st.ready_to_begin_pool()),
+        Err(Error::TagBusy {
+            operation: "begin_allocate_to_pool",
+            ..
+        })
+    ));
+    let (send, begun) = channel();
+    let capturer = spawn_with(a, move |a| {
+        let filter = StreamFilter::Streams(vec![StreamId(5)]);
+        send.send(a.begin_allocate_to_pool(GraphPool(1, 0), filter))
+    });
+    assert!(
+        begun.recv_timeout(Duration::from_millis(300)).is_err(),
+        "the pool began while the job pinned or copied"
+    );
+    gate.release.wait();
+    let out = job.join().unwrap().unwrap();
+    let began = begun.recv_timeout(Duration::from_secs(10));
+    assert!(matches!(began, Ok(Ok(()))), "{began:?}");
+    capturer.join().unwrap().expect("the test still listens");
+    a.end_allocate_to_pool(GraphPool(1, 0)).unwrap();
+    a.release_pool(GraphPool(1, 0)).unwrap();
+    out
+}
+
 /// A capture announced while another thread's sleep copies its bytes begins only once the copies are over:
 /// they pin host memory, which a global-mode capture forbids on every thread.
 #[test]
@@ -271,30 +301,46 @@ fn a_pool_begun_while_a_sleep_copies_waits_for_the_copies() {
     let kv = a.alloc_tagged_raw(8 * PAGE, StreamId(1), "kv").unwrap();
     let sleeper = spawn_with(&a, |a| a.sleep("kv", true));
     gate.reached.wait();
-    assert!(matches!(
-        a.with_strategy(|st| st.ready_to_begin_pool()),
-        Err(Error::TagBusy {
-            operation: "begin_allocate_to_pool",
-            ..
-        })
-    ));
-    let (send, begun) = channel();
-    let capturer = spawn_with(&a, move |a| {
-        let filter = StreamFilter::Streams(vec![StreamId(5)]);
-        send.send(a.begin_allocate_to_pool(GraphPool(1, 0), filter))
-    });
-    assert!(
-        begun.recv_timeout(Duration::from_millis(300)).is_err(),
-        "the pool began while the copies ran"
-    );
-    gate.release.wait();
-    let began = begun.recv_timeout(Duration::from_secs(10));
-    assert!(matches!(began, Ok(Ok(()))), "{began:?}");
-    capturer.join().unwrap().expect("the test still listens");
-    assert_eq!(sleeper.join().unwrap().unwrap(), 8 * PAGE);
-    a.end_allocate_to_pool(GraphPool(1, 0)).unwrap();
-    a.release_pool(GraphPool(1, 0)).unwrap();
+    assert_eq!(a_pool_waits_for(&a, &gate, sleeper), 8 * PAGE);
     a.wake("kv").unwrap();
+    a.free_raw(kv).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// `prepare_sleep` pins without the lock: meanwhile other threads allocate, under the tag too, the tag
+/// stays awake and counts the memory being pinned, a second preparation has nothing to do, and a capture
+/// waits for the pinning to end (a global-mode capture forbids pinning on every thread). The first sleep
+/// after it pins nothing.
+#[test]
+fn a_preparation_pins_without_the_lock_and_a_capture_waits_for_it() {
+    let gate = Gate::new(true);
+    let a = allocator(&gate);
+    let kv = a.alloc_tagged_raw(8 * PAGE, StreamId(1), "kv").unwrap();
+    a.with_strategy(|st| st.driver_mut().sim.write(kv, &bytes(8 * PAGE, 7)))
+        .unwrap();
+    let preparer = spawn_with(&a, |a| a.prepare_sleep("kv"));
+    gate.reached.wait();
+
+    let b = a.clone();
+    within("allocations while a preparation pins", move || {
+        let p = b.alloc_tagged_raw(PAGE, StreamId(2), "kv").unwrap();
+        b.free_raw(p).unwrap();
+        let q = b.alloc_raw(4 * PAGE, StreamId(2)).unwrap();
+        b.free_raw(q).unwrap();
+        assert_eq!(b.prepare_sleep("kv").unwrap(), 0, "one is underway");
+        assert_eq!(b.tags()[0].state, "awake");
+        assert_eq!(b.stats().host_kept_bytes, 8 * PAGE, "counted while pinned");
+        b.check_invariants().unwrap();
+    });
+    assert_eq!(a_pool_waits_for(&a, &gate, preparer), 8 * PAGE);
+
+    let pinned = |a: &Alloc| a.with_strategy(|st| st.driver().sim.pinned_host_bytes());
+    assert_eq!(pinned(&a), 8 * PAGE);
+    a.sleep("kv", true).unwrap();
+    assert_eq!(pinned(&a), 8 * PAGE, "the sleep pinned nothing");
+    a.wake("kv").unwrap();
+    let read = a.with_strategy(|st| st.driver().sim.read(kv, (8 * PAGE) as usize));
+    assert_eq!(read.unwrap(), bytes(8 * PAGE, 7));
     a.free_raw(kv).unwrap();
     a.check_invariants().unwrap();
 }

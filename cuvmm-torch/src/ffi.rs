@@ -286,6 +286,21 @@ pub unsafe extern "C" fn cuvmm_wake(device: c_int, tag: *const c_char) -> c_int 
     })
 }
 
+/// Pins the page-locked host memory the next sleep of `tag` of `device` with its bytes copies into;
+/// returns the bytes pinned, or -1.
+///
+/// # Safety
+/// `tag` is null (an error) or points to a NUL-terminated string that stays valid during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuvmm_prepare_sleep(device: c_int, tag: *const c_char) -> i64 {
+    shell("cuvmm_prepare_sleep", -1, || {
+        // SAFETY: the caller's promise, passed on.
+        let tag = unsafe { tag_arg(tag) }?;
+        let bytes = ops::prepare_sleep(global()?, device, &tag)?;
+        Ok(i64::try_from(bytes).unwrap_or(i64::MAX))
+    })
+}
+
 /// Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s, or every tag's
 /// for NULL), never a sleeping tag's bytes; returns the bytes freed, or -1.
 ///

@@ -48,6 +48,19 @@ pub fn wake(registry: &Registry, device: i32, tag: &str) -> Result<(), AbiError>
     Ok(registry.allocator(device)?.wake(tag)?)
 }
 
+/// Pins the host memory the next sleep of `tag` of `device` with its bytes copies into; returns the bytes
+/// pinned (0 for a device cuvmm never allocated on, which asking does not open).
+///
+/// # Errors
+/// [`AbiError::DeviceOutOfRange`]; [`AbiError::Init`]; the allocator's refusal (a capture underway) or
+/// failure (host memory that could not be pinned).
+pub fn prepare_sleep(registry: &Registry, device: i32, tag: &str) -> Result<u64, AbiError> {
+    let Some(allocator) = registry.existing(device)? else {
+        return Ok(0);
+    };
+    Ok(allocator.prepare_sleep(tag)?)
+}
+
 /// Frees the page-locked host memory `device`'s tags keep for their next sleep (`tag`'s alone, or every
 /// tag's with `None`), never the bytes of a sleeping tag; returns the bytes freed.
 ///

@@ -89,6 +89,8 @@ enum Op {
         tag: usize,
     },
     ReleaseHostBuffers,
+    /// `cuvmm_prepare_sleep` of a tag.
+    PrepareSleep(usize),
     Incref(usize),
     Begin(usize),
     End(usize),
@@ -136,6 +138,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (0..TAGS.len(), any::<bool>()).prop_map(|(tag, keep)| Op::Sleep { tag, keep }),
         2 => (0..TAGS.len()).prop_map(|tag| Op::Wake { tag }),
         1 => Just(Op::ReleaseHostBuffers),
+        1 => (0..TAGS.len()).prop_map(Op::PrepareSleep),
         1 => pool.clone().prop_map(Op::Incref),
         2 => pool.clone().prop_map(Op::Begin),
         2 => pool.clone().prop_map(Op::End),
@@ -464,6 +467,18 @@ impl Model {
                 // SAFETY: a null tag names every tag.
                 unsafe { cuvmm_release_host_buffers(d, ptr::null()) };
                 no_panic("release_host_buffers");
+            }
+            Op::PrepareSleep(tag) => {
+                let name = CString::new(TAGS[tag]).unwrap();
+                // SAFETY: `name` is NUL-terminated and valid for the call.
+                let pinned = unsafe { cuvmm_prepare_sleep(d, name.as_ptr()) };
+                no_panic("prepare_sleep");
+                assert_eq!(
+                    pinned < 0,
+                    self.begun.contains(&true),
+                    "refused only during a capture: {:?}",
+                    last_error()
+                );
             }
             Op::Incref(i) => {
                 let (a, b) = pool_id(i);

@@ -20,7 +20,8 @@ warning naming what that path lacks (:data:`FALLBACK_LACKS`); ``memory_stats``, 
 ``dump_snapshot``, ``record_stream`` and the others here answer instead, with PyTorch's key names, on either
 path.
 
-Sleep and wake: ``region``, ``sleep``, ``wake``, ``release_host_buffers``, ``read_kept`` and ``tags`` here;
+Sleep and wake: ``region``, ``sleep``, ``wake``, ``prepare_sleep``, ``release_host_buffers``, ``read_kept``
+and ``tags`` here;
 torch_memory_saver's API in :mod:`cuvmm_torch.memory_saver` and vLLM's ``CuMemAllocator`` in
 :mod:`cuvmm_torch.cumem`, over the same tags, for code that switches by changing its import.
 
@@ -70,6 +71,7 @@ __all__ = [
     "region",
     "sleep",
     "wake",
+    "prepare_sleep",
     "release_host_buffers",
     "read_kept",
     "tags",
@@ -333,6 +335,7 @@ def _declare(lib):
         "cuvmm_set_tag": (c_int, [c_char_p]),
         "cuvmm_sleep": (ctypes.c_longlong, [c_int, c_char_p, c_int]),
         "cuvmm_wake": (c_int, [c_int, c_char_p]),
+        "cuvmm_prepare_sleep": (ctypes.c_longlong, [c_int, c_char_p]),
         "cuvmm_release_host_buffers": (ctypes.c_longlong, [c_int, c_char_p]),
         "cuvmm_read_kept": (c_int, [c_int, c_void_p, c_void_p, ctypes.c_size_t]),
         "cuvmm_tags_json": (c_void_p, [c_int]),
@@ -613,6 +616,20 @@ def sleep(tag, keep=True, device=None):
 def wake(tag, device=None):
     """Wakes ``tag``: its memory is mapped again at the same addresses, with its bytes if they were kept."""
     _check_status(load().cuvmm_wake(_device_index(device), _tag_bytes(tag, "wake")), "cuvmm_wake")
+
+
+def prepare_sleep(tag, device=None):
+    """Pins now the page-locked host memory the next :func:`sleep` of ``tag`` with its bytes kept copies
+    into, so that sleep pins nothing and runs at the link's speed from its first cycle (later sleeps reuse the
+    memory anyway, unless :func:`release_host_buffers` frees it). Call it once the tag's memory is allocated,
+    a model loaded, say, never during a CUDA graph capture. Other threads allocate meanwhile and the tag stays
+    awake. Returns the bytes pinned: 0 for a tag asleep or never used, with nothing live or holding enough
+    already, or being prepared by another thread. Raises :class:`CuvmmError` during a capture and where the
+    host cannot pin the memory (what was pinned is kept)."""
+    pinned = load().cuvmm_prepare_sleep(_device_index(device), _tag_bytes(tag, "prepare_sleep"))
+    if pinned < 0:
+        raise CuvmmError(last_error() or "cuvmm_prepare_sleep failed")
+    return pinned
 
 
 def release_host_buffers(tag=None, device=None):

@@ -28,6 +28,8 @@ What differs, or cannot apply:
 
 - ``hook_mode`` ("preload" or "torch") is accepted and changes nothing: cuvmm is the allocator already.
 - ``cpu_backup_backend``: cuvmm keeps bytes in page-locked memory; ``"mmap"`` is served by it too.
+- ``prepare_pause(tag)`` is cuvmm's own: it pins the memory the first pause copies into ahead of it, so
+  that the first pause pins nothing (torch_memory_saver pins at the first pause).
 - ``retain_cpu_backup`` is True unless set False, or ``TMS_RETAIN_CPU_BACKUP`` says false at import
   (torch_memory_saver's default is False): cuvmm keeps a tag's page-locked memory across cycles, so a second
   pause pins nothing. Set False, each later resume frees it (as torch_memory_saver's, not at once).
@@ -144,6 +146,18 @@ class TorchMemorySaver:
         with ``enable_cpu_backup=True``."""
         _cuvmm._each(functools.partial(_cuvmm.sleep, name, keep=backup, device=device)
                      for name, backup, devices in self._named(tag) for device in devices)
+
+    def prepare_pause(self, tag=None):
+        """cuvmm's own, not torch_memory_saver's: pins now the page-locked memory the first :meth:`pause` of
+        ``tag`` (every tag's for None) copies its backed-up bytes into, so that pause pins nothing and copies
+        at the link's speed (``cuvmm_torch.prepare_sleep``). Call it after the ``enable_cpu_backup=True``
+        region that loads the weights, never during a CUDA graph capture. Tags without a backup have nothing
+        to pin. Returns the bytes pinned."""
+        pinned = 0
+        for name, backup, devices in self._named(tag):
+            if backup:
+                pinned += sum(_cuvmm.prepare_sleep(name, device=device) for device in devices)
+        return pinned
 
     def resume(self, tag=None):
         """Maps the memory of ``tag`` (of every tag for None) again at the same addresses, with the bytes

@@ -9,7 +9,8 @@
 //!   end in the pieces; a copy is a part of a run inside one piece. The layout is a function of the blocks,
 //!   which do not change while the tag sleeps, so the wake finds each byte where the sleep put it.
 //! - **The copies run without the allocator's lock** ([`TagCopy`](crate::strategy::tags::TagCopy)): the
-//!   pieces go with them and come back.
+//!   pieces go with them and come back. So do those of a *preparation* (`prepare_sleep`: the pieces a sleep
+//!   would pin, pinned ahead of it by a job that copies nothing), while the tag stays awake.
 
 #![deny(unsafe_code)]
 
@@ -28,12 +29,17 @@ pub(super) struct Kept {
     contents: bool,
     /// Bytes of pieces a copy holds now.
     out: u64,
+    /// Bytes of pieces a preparation holds, while one runs (`prepare_sleep`: pinning them ahead of a
+    /// sleep).
+    preparing: Option<u64>,
 }
 
 impl Kept {
     /// Bytes of host memory held, those a copy holds now included.
     pub(super) fn held_bytes(&self) -> u64 {
-        self.pieces.iter().map(|p| p.len() as u64).sum::<u64>() + self.out
+        self.pieces.iter().map(|p| p.len() as u64).sum::<u64>()
+            + self.out
+            + self.preparing.unwrap_or(0)
     }
 
     /// Whether the pieces hold the tag's bytes.
@@ -56,6 +62,40 @@ impl Kept {
     /// A copy holds `bytes` of pieces (those lent, and those it pins).
     pub(super) fn note_lent_bytes(&mut self, bytes: u64) {
         self.out = bytes;
+    }
+
+    /// Whether a preparation holds the pieces now.
+    pub(super) fn preparing(&self) -> bool {
+        self.preparing.is_some()
+    }
+
+    /// The pieces, lent to a preparation (they come back with [`take_prepared`](Self::take_prepared)).
+    pub(super) fn lend_to_prepare(&mut self) -> Vec<HostMemory> {
+        let pieces = std::mem::take(&mut self.pieces);
+        self.preparing = Some(pieces.iter().map(|p| p.len() as u64).sum());
+        pieces
+    }
+
+    /// The preparation holds `bytes` of pieces (those lent, and those it pins).
+    pub(super) fn note_preparing(&mut self, bytes: u64) {
+        self.preparing = Some(bytes);
+    }
+
+    /// The pieces back from a preparation: kept, longest first (a sleep's plan takes the pieces in
+    /// order, each at least as long as its place, `plan`), if `adopt` and the tag holds none meanwhile (a
+    /// sleep that ran during the preparation pinned its own); else given back for the caller to free.
+    pub(super) fn take_prepared(
+        &mut self,
+        mut pieces: Vec<HostMemory>,
+        adopt: bool,
+    ) -> Vec<HostMemory> {
+        self.preparing = None;
+        if !adopt || self.contents || self.lent() || !self.pieces.is_empty() {
+            return pieces;
+        }
+        pieces.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        self.pieces = pieces;
+        Vec::new()
     }
 
     /// The pieces back from a copy, holding the tag's bytes if `contents`.

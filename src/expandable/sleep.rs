@@ -33,6 +33,7 @@
 //! kept bytes again, a sleep unmaps them again. The kept bytes stay until the wake that succeeds; then the
 //! host memory stays as buffers for the next sleep (unless `keep_host_buffers` is off, or
 //! [`release_host_buffers`](Expandable::release_host_buffers) frees them).
+//! [`prepare_sleep`](Expandable::prepare_sleep) pins those buffers ahead of a first sleep, the tag awake.
 
 use super::Expandable;
 use super::compacting::{Compacting, Wait};
@@ -66,16 +67,8 @@ impl<D: Driver> Expandable<D> {
     ///
     /// The copies run with `&mut self` held; the facade (`Allocator::sleep`) runs them without its lock.
     pub fn sleep(&mut self, tag: &str, keep: bool) -> Result<u64, Error> {
-        let slept = match self.begin_sleep(tag, keep) {
-            Ok(Begun::Done(bytes)) => Ok(bytes),
-            Ok(Begun::Copy(mut copy)) => {
-                copy.run();
-                self.finish_sleep(*copy)
-            }
-            Err(err) => Err(err),
-        };
-        drop(self.take_freed_host());
-        slept
+        let begun = self.begin_sleep(tag, keep);
+        self.run_phases(begun, |a, copy| a.finish_sleep(copy))
     }
 
     /// Wakes `tag`: maps pages under its live blocks at the same addresses and puts back the bytes the
@@ -83,16 +76,27 @@ impl<D: Driver> Expandable<D> {
     /// another sleep or wake copies its bytes. On failure (out of memory, say) the tag stays asleep and a
     /// second wake finishes.
     pub fn wake(&mut self, tag: &str) -> Result<(), Error> {
-        let woke = match self.begin_wake(tag) {
-            Ok(Begun::Done(())) => Ok(()),
+        let begun = self.begin_wake(tag);
+        self.run_phases(begun, |a, copy| a.finish_wake(copy))
+    }
+
+    /// The rest of a sleep, wake or preparation begun (`begun`) with `&mut self` held: the job run, then
+    /// `finish`; the host memory let go of meanwhile freed.
+    fn run_phases<T>(
+        &mut self,
+        begun: Result<Begun<T>, Error>,
+        finish: impl FnOnce(&mut Self, TagCopy) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        let done = match begun {
+            Ok(Begun::Done(out)) => Ok(out),
             Ok(Begun::Copy(mut copy)) => {
                 copy.run();
-                self.finish_wake(*copy)
+                finish(self, *copy)
             }
             Err(err) => Err(err),
         };
         drop(self.take_freed_host());
-        woke
+        done
     }
 
     /// The first part of [`sleep`](Self::sleep), under the caller's lock: the waits, and for a sleep that
@@ -116,11 +120,7 @@ impl<D: Driver> Expandable<D> {
                 });
             }
             self.wait_for_tag(&slots)?;
-            let blocks: Vec<(u64, u64)> = (slots.iter())
-                .flat_map(|&slot| self.segments.at(slot).blocks())
-                .filter(|(_, b)| b.is_live())
-                .map(|(addr, b)| (addr, b.size))
-                .collect();
+            let blocks = self.live_blocks(&slots);
             let wake = self.wake_ranges(&slots, &blocks);
             if keep && !blocks.is_empty() {
                 let copy = self.start_copy(id, CopyDirection::ToHost, &blocks)?;
@@ -202,6 +202,106 @@ impl<D: Driver> Expandable<D> {
         tracing::info!(tag = self.tags.name(id), "cuvmm: tag awake");
         self.free_blocks_freed_asleep(id);
         Ok(())
+    }
+
+    /// Pins the host memory the next sleep of `tag` with its bytes copies into, so that sleep pins
+    /// nothing and runs at the link's speed from its first cycle: the pieces its live blocks need now
+    /// (`kept.rs`), kept as the buffers a wake leaves. Returns the bytes pinned by this call: 0 for a tag
+    /// not awake, never named, with no live block or holding enough already, and while another
+    /// preparation of it runs.
+    ///
+    /// The pinning runs with `&mut self` held; the facade (`Allocator::prepare_sleep`) runs it without
+    /// its lock, and the tag allocates and frees meanwhile (a block allocated after it began may leave
+    /// the sleep a piece to pin).
+    pub fn prepare_sleep(&mut self, tag: &str) -> Result<u64, Error> {
+        let begun = self.begin_prepare_sleep(tag);
+        self.run_phases(begun, |a, copy| a.finish_prepare_sleep(copy))
+    }
+
+    /// The first part of [`prepare_sleep`](Self::prepare_sleep), under the caller's lock: the pinning to
+    /// run ([`TagCopy::run`], a job that allocates its pieces and copies nothing) and hand to
+    /// [`finish_prepare_sleep`](Self::finish_prepare_sleep); else the whole call. The tag stays awake: a
+    /// sleep of it meanwhile pins its own pieces, and those of the preparation are freed.
+    pub fn begin_prepare_sleep(&mut self, tag: &str) -> Result<Begun<u64>, Error> {
+        if self.graphs.routing() {
+            // Pinning host memory is not among the calls CUDA allows during a capture.
+            return Err(Error::CaptureUnderway {
+                operation: "prepare_sleep",
+            });
+        }
+        let Some(id) = self.tags.find(tag) else {
+            return Ok(Begun::Done(0));
+        };
+        if !self.tags.is_awake(id) || self.tags.is_preparing(id) {
+            return Ok(Begun::Done(0));
+        }
+        let blocks = self.live_blocks(&self.segments.of_tag(id));
+        if blocks.is_empty() {
+            return Ok(Begun::Done(0));
+        }
+        let held = self.tags.lend_to_prepare(id);
+        let mut freed = Vec::new();
+        let planned = kept::plan(
+            CopyDirection::ToHost,
+            &blocks,
+            self.config.sleep_copy,
+            self.config.host_pinning,
+            held,
+            &mut freed,
+        );
+        self.tags.free_later(freed);
+        let (mut plan, pieces) = match planned {
+            Ok(planned) => planned,
+            Err((err, held)) => {
+                self.tags.prepared(id, held);
+                return Err(err.into());
+            }
+        };
+        if !plan.allocate.contains(&true) {
+            self.tags
+                .prepared(id, pieces.into_iter().flatten().collect());
+            return Ok(Begun::Done(0));
+        }
+        // Pieces only: the copies are the sleep's.
+        plan.copies.clear();
+        let bytes = plan.pieces.iter().sum();
+        match self.driver.start_copies(plan) {
+            Ok(job) => {
+                self.tags.host_preparing_bytes(id, bytes);
+                let copy = TagCopy::new(id.0, self.tags.name(id), job, pieces);
+                tracing::debug!(
+                    tag,
+                    bytes = copy.pinned_bytes(),
+                    "cuvmm: pinning host memory ahead of a sleep"
+                );
+                Ok(Begun::Copy(Box::new(copy)))
+            }
+            Err(err) => {
+                self.tags
+                    .prepared(id, pieces.into_iter().flatten().collect());
+                Err(err.into())
+            }
+        }
+    }
+
+    /// The last part of [`prepare_sleep`](Self::prepare_sleep), under the caller's lock, with the pinning
+    /// run: the pieces become the tag's buffers for its next sleep (those pinned before a failure too),
+    /// unless it fell asleep meanwhile. Returns the bytes pinned for it, or the failure.
+    pub fn finish_prepare_sleep(&mut self, copy: TagCopy) -> Result<u64, Error> {
+        let pinned = copy.pinned_bytes();
+        let (id, pieces, result) = copy.into_outcome();
+        let kept = self.tags.prepared(TagId(id), pieces);
+        result?;
+        Ok(if kept { pinned } else { 0 })
+    }
+
+    /// The live blocks `(address, size)` of the segments `slots`, in segment and address order.
+    fn live_blocks(&self, slots: &[usize]) -> Vec<(u64, u64)> {
+        (slots.iter())
+            .flat_map(|&slot| self.segments.at(slot).blocks())
+            .filter(|(_, b)| b.is_live())
+            .map(|(addr, b)| (addr, b.size))
+            .collect()
     }
 
     /// Makes free the blocks of tag `id`, awake again, that the program freed while it was not (pending

@@ -137,7 +137,7 @@ impl<D: Driver> GraphPools for Expandable<D> {
     }
 
     fn ready_to_begin_pool(&self) -> Result<(), Error> {
-        match self.tags.copying() {
+        match self.tags.host_job() {
             Some(id) => Err(self.tags.busy_error("begin_allocate_to_pool", id)),
             None => Ok(()),
         }
@@ -191,6 +191,14 @@ impl<D: Driver> Tags for Expandable<D> {
 
     fn finish_wake(&mut self, copy: TagCopy) -> Result<(), Error> {
         Expandable::finish_wake(self, copy)
+    }
+
+    fn begin_prepare_sleep(&mut self, tag: &str) -> Result<Begun<u64>, Error> {
+        Expandable::begin_prepare_sleep(self, tag)
+    }
+
+    fn finish_prepare_sleep(&mut self, copy: TagCopy) -> Result<u64, Error> {
+        Expandable::finish_prepare_sleep(self, copy)
     }
 
     fn asleep_tags(&self) -> Vec<(String, u64)> {

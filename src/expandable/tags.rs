@@ -98,9 +98,11 @@ impl Tags {
         self.get(id).state == State::Copying
     }
 
-    /// A tag whose bytes are being copied now, if any.
-    pub(super) fn copying(&self) -> Option<TagId> {
-        self.ids().find(|&id| self.is_copying(id))
+    /// A tag whose host memory a job holds now (a sleep's or a wake's copies, or a preparation pinning
+    /// it), if any.
+    pub(super) fn host_job(&self) -> Option<TagId> {
+        self.ids()
+            .find(|&id| self.is_copying(id) || self.is_preparing(id))
     }
 
     /// The tag's name.
@@ -262,6 +264,32 @@ impl Tags {
     /// The copy tag `id`'s host memory is lent to holds `bytes` (those lent, and those it pins).
     pub(super) fn host_lent_bytes(&mut self, id: TagId, bytes: u64) {
         self.get_mut(id).kept.note_lent_bytes(bytes);
+    }
+
+    /// Whether a preparation pins host memory for tag `id` now (`prepare_sleep`).
+    pub(super) fn is_preparing(&self, id: TagId) -> bool {
+        self.get(id).kept.preparing()
+    }
+
+    /// Tag `id`'s host memory, lent to a preparation.
+    pub(super) fn lend_to_prepare(&mut self, id: TagId) -> Vec<HostMemory> {
+        self.get_mut(id).kept.lend_to_prepare()
+    }
+
+    /// The preparation tag `id`'s host memory is lent to holds `bytes` (those lent, and those it pins).
+    pub(super) fn host_preparing_bytes(&mut self, id: TagId, bytes: u64) {
+        self.get_mut(id).kept.note_preparing(bytes);
+    }
+
+    /// The pieces back from a preparation of tag `id`: its buffers for the next sleep if it is still
+    /// awake and holds none, else freed (a sleep that ran meanwhile pinned its own). Returns whether they
+    /// were kept.
+    pub(super) fn prepared(&mut self, id: TagId, pieces: Vec<HostMemory>) -> bool {
+        let awake = self.is_awake(id);
+        let unused = self.get_mut(id).kept.take_prepared(pieces, awake);
+        let kept = awake && unused.is_empty();
+        self.freed.extend(unused);
+        kept
     }
 
     /// Host memory lent by [`lend_host`](Self::lend_host) and not used, back to tag `id` as it was.

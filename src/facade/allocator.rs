@@ -524,9 +524,10 @@ impl<S: Strategy + GraphPools> Allocator<S> {
     /// [`mark_captures`](Self::mark_captures), only while a marked capture runs). See
     /// [`crate::strategy::graph_pool`].
     ///
-    /// While another thread's sleep or wake copies a tag's bytes (without the lock), this waits for the
-    /// copies to end ([`GraphPools::ready_to_begin_pool`]): they pin host memory, which a global-mode
-    /// capture forbids on every thread. After ten minutes of copies it gives up with [`Error::TagBusy`].
+    /// While another thread's sleep or wake copies a tag's bytes, or its `prepare_sleep` pins host memory
+    /// (without the lock), this waits for that to end ([`GraphPools::ready_to_begin_pool`]): they pin host
+    /// memory, which a global-mode capture forbids on every thread. After ten minutes of copies it gives
+    /// up with [`Error::TagBusy`].
     pub fn begin_allocate_to_pool(
         &self,
         pool: GraphPool,

@@ -13,7 +13,7 @@ use crate::facade::allocator::Allocator;
 use crate::strategy::Strategy;
 use crate::strategy::capabilities::Tags;
 use crate::strategy::error::Error;
-use crate::strategy::tags::{Begun, TagInfo};
+use crate::strategy::tags::{Begun, TagCopy, TagInfo};
 
 impl<S: Strategy + Tags> Allocator<S> {
     /// [`alloc_tagged`](Self::alloc_tagged) without a guard: the caller must pass the address to
@@ -31,13 +31,8 @@ impl<S: Strategy + Tags> Allocator<S> {
     /// call (0 if already asleep). Refused during a CUDA graph capture, and while another thread's sleep or
     /// wake of the tag copies its bytes ([`Error::TagBusy`]). See docs/allocator.md, "Sleep and wake".
     pub fn sleep(&self, tag: &str, keep: bool) -> Result<u64, Error> {
-        match self.with_tags(|strategy| strategy.begin_sleep(tag, keep))? {
-            Begun::Done(bytes) => Ok(bytes),
-            Begun::Copy(mut copy) => {
-                copy.run();
-                self.with_tags(|strategy| strategy.finish_sleep(*copy))
-            }
-        }
+        let begun = self.with_tags(|strategy| strategy.begin_sleep(tag, keep))?;
+        self.run_phases(begun, S::finish_sleep)
     }
 
     /// Wakes `tag`: maps memory at the same addresses and puts back the bytes its sleep kept (copied
@@ -52,13 +47,37 @@ impl<S: Strategy + Tags> Allocator<S> {
             }
             other => other,
         };
-        match begun? {
-            Begun::Done(()) => Ok(()),
+        self.run_phases(begun?, S::finish_wake)
+    }
+
+    /// The rest of a sleep, wake or preparation begun under the lock: its job run without the lock, then
+    /// `finish` under it.
+    fn run_phases<T>(
+        &self,
+        begun: Begun<T>,
+        finish: fn(&mut S, TagCopy) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        match begun {
+            Begun::Done(out) => Ok(out),
             Begun::Copy(mut copy) => {
                 copy.run();
-                self.with_tags(|strategy| strategy.finish_wake(*copy))
+                self.with_tags(|strategy| finish(strategy, *copy))
             }
         }
+    }
+
+    /// Pins now the page-locked host memory the next sleep of `tag` with its bytes copies into, so that
+    /// the sleep pins nothing and copies at the link's speed from its first cycle (a wake leaves the
+    /// memory for the next sleep anyway; this is for the first, or the first after
+    /// [`release_host_buffers`](Self::release_host_buffers)). Call it once the tag's memory is allocated,
+    /// a model's weights loaded, say. The pinning runs without the allocator's lock, on the threads
+    /// `pinned_num_register_threads` says; other threads allocate meanwhile, and the tag stays awake (a
+    /// sleep of it meanwhile pins its own). Returns the bytes pinned: 0 for a tag not awake or never
+    /// named, with nothing live, holding enough already, or being prepared by another thread. The memory
+    /// counts in `host_kept_bytes`. Refused during a CUDA graph capture.
+    pub fn prepare_sleep(&self, tag: &str) -> Result<u64, Error> {
+        let begun = self.with_tags(|strategy| strategy.begin_prepare_sleep(tag))?;
+        self.run_phases(begun, S::finish_prepare_sleep)
     }
 
     /// The tags asleep and the bytes each gave back, by name.

@@ -35,8 +35,8 @@ pub trait GraphPools {
         filter: StreamFilter,
     ) -> Result<(), Error>;
 
-    /// Whether a pool may begin now. Not while a sleep's or a wake's copies run without the caller's lock
-    /// ([`Error::TagBusy`], [`Tags`]): they pin host memory, which a global-mode capture forbids on every
+    /// Whether a pool may begin now. Not while a sleep's or a wake's copies, or a preparation's pinning,
+    /// run without the caller's lock ([`Error::TagBusy`], [`Tags`]): they pin host memory, which a global-mode capture forbids on every
     /// thread (a capture begun meanwhile would be invalidated), and then wait for an event. The facade waits
     /// for them to end. `Ok` for a strategy without tags.
     fn ready_to_begin_pool(&self) -> Result<(), Error> {
@@ -103,6 +103,17 @@ pub trait Tags {
     /// The last phase of a wake that puts bytes back, with its copies run: the tag is awake, or, with a
     /// copy failed, stays asleep for a second wake and the error is returned.
     fn finish_wake(&mut self, copy: TagCopy) -> Result<(), Error>;
+
+    /// The first phase of pinning, ahead of a sleep, the host memory `tag`'s sleep with its bytes would
+    /// copy into, so that the sleep pins nothing: the whole call ([`Begun::Done`], with 0 where there is
+    /// nothing to pin), or the pinning to run without the caller's lock and hand to
+    /// [`finish_prepare_sleep`](Tags::finish_prepare_sleep) ([`Begun::Copy`]). The tag stays awake
+    /// meanwhile.
+    fn begin_prepare_sleep(&mut self, tag: &str) -> Result<Begun<u64>, Error>;
+
+    /// The last phase of a preparation, with its pinning run: the pieces are the tag's buffers for its
+    /// next sleep (unless it fell asleep meanwhile); returns the bytes pinned for it, or the failure.
+    fn finish_prepare_sleep(&mut self, copy: TagCopy) -> Result<u64, Error>;
 
     /// The tags asleep and the bytes each gave back, by name.
     fn asleep_tags(&self) -> Vec<(String, u64)>;

@@ -26,8 +26,8 @@ pub struct TagInfo {
     pub host_kept_bytes: u64,
 }
 
-/// A sleep or a wake begun under the caller's lock: done already, or copies to run without it and hand
-/// back (`finish_sleep`, `finish_wake`).
+/// A sleep, a wake or a preparation begun under the caller's lock: done already, or a job to run without
+/// it and hand back (`finish_sleep`, `finish_wake`, `finish_prepare_sleep`).
 #[derive(Debug)]
 pub enum Begun<T> {
     /// Nothing to copy: this is the result.
@@ -37,8 +37,9 @@ pub enum Begun<T> {
 }
 
 /// A sleep's or a wake's copies, run without the allocator's lock: made by `begin_sleep` / `begin_wake`
-/// under it, [`run`](Self::run) by the caller, and handed back to `finish_sleep` / `finish_wake` under it.
-/// Until then the tag is *busy*: a sleep or wake of it is [`Error::TagBusy`](crate::Error::TagBusy), an
+/// under it, [`run`](Self::run) by the caller, and handed back to `finish_sleep` / `finish_wake` under it
+/// (a preparation's pinning, `begin_prepare_sleep` / `finish_prepare_sleep`, is such a job with no copies;
+/// its tag stays awake). Until then the tag of a sleep or a wake is *busy*: a sleep or wake of it is [`Error::TagBusy`](crate::Error::TagBusy), an
 /// allocation under it [`Error::TagAsleep`](crate::Error::TagAsleep), a free of its memory takes effect once
 /// it is awake, and its pages are neither unmapped nor taken by compaction.
 #[derive(Debug)]
@@ -50,16 +51,23 @@ pub struct TagCopy {
     pieces: Vec<Option<HostMemory>>,
     result: Option<Result<(), DriverError>>,
     bytes: u64,
+    pinned: u64,
 }
 
 impl TagCopy {
     /// The copies of `job` for the tag `name` (the strategy's number `id`), with the host `pieces` they
     /// copy to or from (`None`: a piece the job allocates).
     pub(crate) fn new(id: u32, name: &str, job: CopyJob, pieces: Vec<Option<HostMemory>>) -> Self {
+        let plan = job.plan();
+        let pinned = (plan.pieces.iter().zip(&plan.allocate))
+            .filter(|&(_, &allocate)| allocate)
+            .map(|(&len, _)| len)
+            .sum();
         Self {
             id,
             name: name.to_owned(),
-            bytes: job.plan().bytes(),
+            bytes: plan.bytes(),
+            pinned,
             job: Some(job),
             pieces,
             result: None,
@@ -74,6 +82,11 @@ impl TagCopy {
     /// Bytes the copies move.
     pub fn moved_bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Bytes of host memory the job pins (the pieces the tag did not hold already).
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned
     }
 
     /// Runs the copies (once; no lock needed): returns once none runs.

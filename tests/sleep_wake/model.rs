@@ -40,6 +40,10 @@ enum Action {
     ReleaseHost {
         tag: Option<u8>,
     },
+    /// `prepare_sleep`: the tag's next sleep pins nothing.
+    Prepare {
+        tag: u8,
+    },
 }
 
 const TAGS: [&str; 2] = ["weights", "kv_cache"];
@@ -59,6 +63,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => Just(Action::Capture),
         1 => Just(Action::EmptyCache),
         1 => proptest::option::of(0u8..2).prop_map(|tag| Action::ReleaseHost { tag }),
+        1 => (0u8..2).prop_map(|tag| Action::Prepare { tag }),
     ]
 }
 
@@ -82,6 +87,12 @@ struct Model {
     /// The pool of the capture underway, if any.
     capturing: Option<GraphPool>,
     pools: u64,
+    /// Tags prepared since their last allocation, sleep or release of host memory: their next sleep pins
+    /// nothing.
+    prepared: BTreeSet<u8>,
+    /// Tags prepared since their last wake or release of host memory: they may hold buffers whatever
+    /// `keep_host_buffers` says.
+    buffered: BTreeSet<u8>,
 }
 
 impl Model {
@@ -102,6 +113,9 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
             match result {
                 Ok(addr) => {
                     assert!(tag.is_none_or(|t| !m.asleep.contains_key(&t)));
+                    if let Some(t) = tag {
+                        m.prepared.remove(&t);
+                    }
                     let range = VaRange::new(addr, size);
                     for (&other, l) in &m.live {
                         assert!(
@@ -174,12 +188,17 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
             a.driver_mut().advance(StreamId(stream), 1);
         }
         Action::Sleep { tag, keep } => {
+            let pinned = a.driver().counters().get(Op::HostAlloc);
             let result = a.sleep(TAGS[tag as usize], keep);
             if m.capturing.is_some() {
                 assert!(matches!(result, Err(Error::CaptureUnderway { .. })));
                 return;
             }
             result.unwrap();
+            if m.prepared.remove(&tag) {
+                let pinned = a.driver().counters().get(Op::HostAlloc) - pinned;
+                assert_eq!(pinned, 0, "a prepared sleep of {tag} pins nothing");
+            }
             m.asleep.entry(tag).or_insert(keep);
             m.half.remove(&tag);
         }
@@ -193,6 +212,7 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                 }
                 (Some(keep), Ok(())) => {
                     m.asleep.remove(&tag);
+                    m.buffered.remove(&tag);
                     m.half.remove(&tag);
                     m.live.retain(|_, l| !(l.freed && l.tag == Some(tag)));
                     for (&addr, l) in &m.live {
@@ -241,8 +261,42 @@ fn step(a: &mut Alloc, m: &mut Model, action: &Action) {
                 return;
             }
             released.unwrap();
+            match tag {
+                Some(t) => {
+                    m.prepared.remove(&t);
+                    m.buffered.remove(&t);
+                }
+                None => {
+                    m.prepared.clear();
+                    m.buffered.clear();
+                }
+            }
             if tag.is_none() && !m.asleep.values().any(|&keep| keep) {
                 assert_eq!(a.stats().host_kept_bytes, 0, "only kept bytes stay");
+            }
+        }
+        Action::Prepare { tag } => {
+            let pinned = a.driver().counters().get(Op::HostAlloc);
+            let result = a.prepare_sleep(TAGS[tag as usize]);
+            if m.capturing.is_some() {
+                assert!(
+                    matches!(result, Err(Error::CaptureUnderway { .. })),
+                    "{result:?}"
+                );
+                return;
+            }
+            let bytes = result.unwrap();
+            let pinned = a.driver().counters().get(Op::HostAlloc) - pinned;
+            assert_eq!(bytes > 0, pinned > 0, "{bytes} bytes in {pinned} pieces");
+            if m.asleep.contains_key(&tag) {
+                assert_eq!(bytes, 0, "a tag asleep has its host memory");
+                return;
+            }
+            m.prepared.insert(tag);
+            m.buffered.insert(tag);
+            let info = (a.tag_infos().into_iter()).find(|t| t.name == TAGS[tag as usize]);
+            if let Some(info) = info {
+                assert!(info.host_kept_bytes >= info.live_bytes, "{info:?}");
             }
         }
     }
@@ -292,7 +346,8 @@ fn check(a: &Alloc, m: &Model, mapped: &MappedEvents) {
     if m.half.is_empty() {
         assert_eq!(stats.asleep_bytes, asleep_pages.len() as u64 * PAGE);
     }
-    if !a.config().keep_host_buffers && !m.asleep.values().any(|&keep| keep) {
+    let buffers = m.asleep.values().any(|&keep| keep) || !m.buffered.is_empty();
+    if !a.config().keep_host_buffers && !buffers {
         assert_eq!(stats.host_kept_bytes, 0, "no buffer kept past a wake");
     }
     for tag in a.tag_infos() {

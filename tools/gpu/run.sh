@@ -33,6 +33,8 @@
 #   sleep-wake-hostalloc  the same, 16 GiB, two cycles, pinned by cuMemHostAlloc as before registration was the
 #                 default (CUVMM_ALLOC_CONF=pinned_use_cuda_host_register:False): the first sleep's two ways
 #                 of pinning, compared in one run
+#   sleep-wake-prepared  the same, 16 GiB, two cycles, the host memory pinned before the first sleep
+#                 (cuvmm_torch.prepare_sleep, timed apart): the first sleep at the rate of the later ones
 #   sleep-frameworks  torch_memory_saver's and vLLM's CuMemAllocator's APIs over cuvmm (cuvmm_torch.memory_saver,
 #                 cuvmm_torch.cumem), a CUDA graph captured in a tag replayed after five sleeps and wakes, and
 #                 a tensor dropped while its tag sleeps, freed at the wake (tools/gpu/sleep_frameworks.py;
@@ -188,6 +190,9 @@ run_step() {
         cpp_layer
         CUVMM_ALLOC_CONF=pinned_use_cuda_host_register:False step sleep-wake-hostalloc 120 \
             python3 tools/sleep_wake_bench.py --sizes-gib 16 --cycles 2 ;;
+    sleep-wake-prepared)
+        cpp_layer
+        step sleep-wake-prepared 120 python3 tools/sleep_wake_bench.py --sizes-gib 16 --cycles 2 --prepare ;;
     sleep-frameworks)
         cpp_layer
         step sleep-frameworks 300 python3 tools/gpu/sleep_frameworks.py ${SLEEP_FRAMEWORKS_ARGS:-} ;;

@@ -70,6 +70,9 @@ def case_memory_saver(torch, cuvmm):
         model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()
     x = torch.randn(64, 4096, device="cuda")
     expected = model(x)
+    # cuvmm's own: the weights' host memory pinned now, so that their first pause pins nothing.
+    weight_bytes = sum(p.nbytes for p in model.parameters())
+    out["prepared_bytes"] = torch_memory_saver.prepare_pause("weights")
     static_input = torch.zeros((5,), dtype=torch.float32, device="cuda")
 
     def step():
@@ -132,6 +135,7 @@ def case_memory_saver(torch, cuvmm):
     out["ok"] = (out["replay_before"] == 101 and out["replay_after"] == 202 and out["same_addresses"]
                  and out["weights_intact"] and out["cpu_backup_equal"] and not out["cpu_backup_after_resume"]
                  and out["margin_refused"] is True and out["after_margin"]
+                 and out["prepared_bytes"] >= weight_bytes
                  and out["kv_given_back"] >= 1.9e9 and out["graph_given_back"] >= 3.9e9)
     return out
 

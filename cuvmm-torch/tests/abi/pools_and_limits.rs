@@ -271,9 +271,16 @@ fn the_host_memory_a_sleep_kept_is_counted_listed_and_released() {
     assert_eq!(unsafe { cuvmm_set_tag(ptr::null()) }, 0);
     assert!(!weights.is_null(), "{:?}", last_error());
     let tags = |device| taken(cuvmm_tags_json(device));
-    // SAFETY: `tag` is valid for each call.
+    // SAFETY: `tag` is valid for each call; a NULL tag is refused.
     unsafe {
-        // The pages of its 20 MiB chunk are given back; its 8 MiB kept.
+        // Pinned ahead, counted; a second preparation has nothing to do.
+        assert_eq!(cuvmm_prepare_sleep(device, tag.as_ptr()), 8 << 20);
+        assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 8 << 20);
+        assert_eq!(cuvmm_prepare_sleep(device, tag.as_ptr()), 0);
+        assert_eq!(cuvmm_prepare_sleep(device, ptr::null()), -1);
+        assert_eq!(cuvmm_prepare_sleep(DEVICES as i32, tag.as_ptr()), -1);
+        assert_failed("device", "out of range");
+        // The pages of its 20 MiB chunk are given back; its 8 MiB kept, in the memory pinned ahead.
         assert_eq!(cuvmm_sleep(device, tag.as_ptr(), 1), 20 << 20);
         assert_eq!(stat(device, "cuvmm.host_kept_bytes"), 8 << 20);
         let listed = tags(device);
@@ -356,6 +363,9 @@ fn a_sleeping_tags_kept_bytes_are_read_through_the_abi() {
         (0, vec![0xAB; 8]),
         "never allocated on"
     );
+    // SAFETY: the tag is valid for the call.
+    let prepared = unsafe { cuvmm_prepare_sleep(unopened, weights_tag.as_ptr()) };
+    assert_eq!(prepared, 0, "never allocated on: not opened");
     assert_eq!(read(device, kv, 8).0, -1);
     assert_failed("kv", "asleep without those bytes kept");
     assert_eq!(read(device, weights, (3 << 20) + 1).0, -1, "past the block");
