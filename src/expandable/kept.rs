@@ -212,10 +212,10 @@ fn copies(blocks: &[(u64, u64)], piece: u64) -> Vec<HostCopy> {
 }
 
 /// A plan and the pieces to run it with.
-type Planned = (CopyPlan, Vec<Option<HostMemory>>);
+pub(super) type Planned = (CopyPlan, Vec<Option<HostMemory>>);
 
 /// Why a plan could not be made, and the pieces held, given back.
-type Refused = (DriverError, Vec<HostMemory>);
+pub(super) type Refused = (DriverError, Vec<HostMemory>);
 
 /// The plan of the copies of `blocks` in `direction`, with pieces of `piece` bytes pinned as `pinning`
 /// says, and the pieces to run it with: those of `held` that are long enough, in order; a missing one, or one too short (put in

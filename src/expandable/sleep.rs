@@ -240,17 +240,7 @@ impl<D: Driver> Expandable<D> {
             return Ok(Begun::Done(0));
         }
         let held = self.tags.lend_to_prepare(id);
-        let mut freed = Vec::new();
-        let planned = kept::plan(
-            CopyDirection::ToHost,
-            &blocks,
-            self.config.sleep_copy,
-            self.config.host_pinning,
-            held,
-            &mut freed,
-        );
-        self.tags.free_later(freed);
-        let (mut plan, pieces) = match planned {
+        let (mut plan, pieces) = match self.plan_copies(CopyDirection::ToHost, &blocks, held) {
             Ok(planned) => planned,
             Err((err, held)) => {
                 self.tags.prepared(id, held);
@@ -399,17 +389,7 @@ impl<D: Driver> Expandable<D> {
         blocks: &[(u64, u64)],
     ) -> Result<TagCopy, Error> {
         let held = self.tags.lend_host(id);
-        let mut freed = Vec::new();
-        let planned = kept::plan(
-            direction,
-            blocks,
-            self.config.sleep_copy,
-            self.config.host_pinning,
-            held,
-            &mut freed,
-        );
-        self.tags.free_later(freed);
-        let (plan, pieces) = match planned {
+        let (plan, pieces) = match self.plan_copies(direction, blocks, held) {
             Ok(planned) => planned,
             Err((err, held)) => {
                 self.tags.unlend_host(id, held);
@@ -428,6 +408,21 @@ impl<D: Driver> Expandable<D> {
                 Err(err.into())
             }
         }
+    }
+
+    /// The copies of `blocks` in `direction` over the pieces `held` ([`kept::plan`]), the pieces the plan
+    /// does not use let go of, for the caller to free after its lock.
+    fn plan_copies(
+        &mut self,
+        direction: CopyDirection,
+        blocks: &[(u64, u64)],
+        held: Vec<HostMemory>,
+    ) -> Result<kept::Planned, kept::Refused> {
+        let mut freed = Vec::new();
+        let (piece, pinning) = (self.config.sleep_copy, self.config.host_pinning);
+        let planned = kept::plan(direction, blocks, piece, pinning, held, &mut freed);
+        self.tags.free_later(freed);
+        planned
     }
 
     /// Unmaps the pages of tag `id`'s segments `slots` and marks it asleep; returns the bytes unmapped.
