@@ -406,8 +406,9 @@ impl SimDriver {
     pub fn pinned_host_bytes(&self) -> u64 {
         self.copying.pinned_bytes()
     }
-    /// How the last copy job ([`Driver::start_copies`]) asked its host pieces to be pinned, `None` before
-    /// the first: what the configuration's `pinned_*` keys reach on a GPU.
+    /// How the last copy job ([`Driver::start_copies`](crate::driver::Driver::start_copies)) asked its
+    /// host pieces to be pinned, `None` before the first: what the configuration's `pinned_*` keys reach on
+    /// a GPU.
     pub fn last_copy_pinning(&self) -> Option<HostPinning> {
         self.copying.last_pinning()
     }
