@@ -165,8 +165,11 @@ with allocator.use_memory_pool(tag="kv_cache"):
 with allocator.use_memory_pool():
     default = malloc(2 << 20)
 out["usage"] = allocator.get_current_usage()
+out["prepared"] = [allocator.prepare_sleep(offload_tags=("weights",)), allocator.prepare_sleep("weights"),
+                   stat("cuvmm.host_kept_bytes")]
 reserved = stat("reserved_bytes.all.current")
 allocator.sleep(offload_tags=("weights",))
+out["host_kept_asleep"] = stat("cuvmm.host_kept_bytes")
 out["asleep"] = tags()
 out["given_back"] = reserved - stat("reserved_bytes.all.current")
 allocator.wake_up(tags=["weights"])
@@ -322,6 +325,9 @@ class CuMem(unittest.TestCase):
         self.assertTrue(out["singleton"])
         self.assertEqual(out["current_tag"], "weights")
         self.assertEqual(out["usage"], 50 * MIB)
+        # cuvmm's prepare_sleep pins the offloaded tag's memory ahead, once; the sleep copies into it.
+        self.assertEqual(out["prepared"], [16 * MIB, 0, 16 * MIB])
+        self.assertEqual(out["host_kept_asleep"], 16 * MIB)
         # Every tag sleeps; only the offloaded one keeps its bytes.
         self.assertEqual(out["asleep"], {"vllm:weights": ["asleep", True], "vllm:kv_cache": ["asleep", False],
                                          "vllm:default": ["asleep", False]})

@@ -26,7 +26,8 @@ nothing, and ``cudagraph_pool`` yields a graph pool whose memory is under the ta
 on through every tag when one is refused (a CUDA graph capture underway, say), then raises the first error.
 
 What differs from vLLM's: the bytes go to page-locked memory kept across cycles (vLLM pins a new buffer per
-allocation at each sleep), copied asynchronously on a stream of cuvmm's own; CUDA graphs captured inside
+allocation at each sleep), copied asynchronously on a stream of cuvmm's own, and cuvmm's own
+``prepare_sleep(offload_tags)`` pins it ahead of the first sleep; CUDA graphs captured inside
 ``use_memory_pool`` sleep and wake with the tag too (vLLM's only through ``cudagraph_pool``); ``pointer_to_data`` and
 ``allocator_and_pools`` do not exist (cuvmm keeps that state), and ``release_pools``/``close`` have nothing to
 release; expandable segments need no turning off; ``get_current_usage`` counts the bytes of live tensors,
@@ -113,6 +114,18 @@ class CuMemAllocator:
             gc.collect()
             for device in sorted({d for _, devices in known for d in devices}):
                 _cuvmm.empty_cache(device)
+
+    def prepare_sleep(self, offload_tags=None):
+        """cuvmm's own, not vLLM's: pins now the page-locked memory the first :meth:`sleep` with the same
+        ``offload_tags`` copies their bytes into, so that sleep pins nothing and copies at the link's speed
+        (``cuvmm_torch.prepare_sleep``). Call it once the weights are loaded, never during a CUDA graph
+        capture. Returns the bytes pinned."""
+        if offload_tags is None:
+            offload_tags = (CuMemAllocator.default_tag,)
+        elif isinstance(offload_tags, str):
+            offload_tags = (offload_tags,)
+        return sum(_cuvmm.prepare_sleep(_PREFIX + tag, device=device)
+                   for tag, devices in self._known(offload_tags) for device in devices)
 
     def discard(self, tags):
         """Gives back the memory of ``tags`` (a tag or a tuple of them) without keeping its bytes; a tag
