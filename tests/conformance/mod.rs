@@ -474,6 +474,7 @@ fn bytes_move_with_handle<D: Subject>(d: &mut D) {
 /// A copy job to the host and back (a sleep's and a wake's), pinning each way a configuration can ask
 /// for (registered memory, and `cuMemHostAlloc` from two threads): every byte arrives, in page-locked
 /// memory where the driver has it, and an unmap of a range the job copies is refused until it is over.
+/// Pieces pinned ahead by a job that copies nothing (a preparation's) take a later job's copies.
 fn copy_jobs<D: Subject>(d: &mut D) {
     let g = d.granularity();
     let (r, hs) = setup(d, 2, 2);
@@ -552,6 +553,44 @@ fn copy_jobs<D: Subject>(d: &mut D) {
         let out = job.run(pieces.into_iter().map(Some).collect());
         out.result.expect("copies from the host");
         expect_bytes(d, r.start, 2 * g as usize, value, "copied back");
+
+        // Pinned ahead by a job of pieces and no copies (`prepare_sleep`'s), then copied into by another.
+        let pin_only = CopyPlan {
+            direction: CopyDirection::ToHost,
+            pieces: vec![g, g],
+            allocate: vec![true, true],
+            copies: Vec::new(),
+            pinning,
+        };
+        let job = d.start_copies(pin_only).expect("start_copies, pieces only");
+        let out = job.run(vec![None, None]);
+        out.result.expect("pinning ahead");
+        let ahead: Vec<_> = (out.pieces.into_iter())
+            .map(|p| p.expect("a piece pinned ahead"))
+            .collect();
+        assert!(
+            ahead.iter().all(|p| p.is_pinned() && p.len() as u64 >= g),
+            "pinned ahead, long enough ({pinning:?})"
+        );
+        let into_ahead = CopyPlan {
+            direction: CopyDirection::ToHost,
+            pieces: vec![g, g],
+            allocate: vec![false, false],
+            copies: copies.clone(),
+            pinning,
+        };
+        let job = d
+            .start_copies(into_ahead)
+            .expect("start_copies into pieces pinned ahead");
+        let out = job.run(ahead.into_iter().map(Some).collect());
+        out.result.expect("copies into pieces pinned ahead");
+        for piece in out.pieces {
+            let piece = piece.expect("a piece");
+            assert!(
+                piece.as_slice()[..g as usize].iter().all(|&b| b == value),
+                "copied into a piece pinned ahead ({pinning:?})"
+            );
+        }
     }
     d.unmap(r.start, 2 * g)
         .expect("unmap once the jobs are over");
